@@ -1,0 +1,124 @@
+"""The ditron post-grad pass: find candidates, let the scheduler decide, rewrite, and say so.
+
+TORCH_LOGS=ditron prints, per compiled graph, each candidate and whether it was fused (and why
+not); TORCH_LOGS=+ditron adds the graph before and after the pass and the chosen plans.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx import Graph
+
+from .. import config
+from ..log_names import LOGGER_NAME
+from ..scheduler.decide import Decision, decide, reject
+from .match import AllGatherMatmulMatch, find_matches
+from .rewrite import rewrite_all_gather_matmul, rewrite_matmul_collective
+
+log = logging.getLogger(LOGGER_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateReport:
+    task: str  # Task.describe()
+    fused: bool
+    reason: str
+    plan: Optional[str]  # DevicePlan.describe() when fused
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphReport:
+    graph: str  # compile id and forward/backward
+    candidates: tuple[CandidateReport, ...]
+
+
+# The latest graphs this process compiled, for programs (the demo, tests) that want to show them.
+reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
+
+
+def _source_files() -> tuple[str, ...]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = ["ops.py", "config.py", "lowering/match.py", "lowering/rewrite.py",
+             "lowering/graph_pass.py", "scheduler/decide.py", "scheduler/cost_model.py",
+             "scheduler/plan.py", "scheduler/task.py"]
+    return tuple(os.path.join(root, n) for n in names)
+
+
+class DitronPass(CustomGraphPass):
+    """Inductor's `post_grad_custom_post_pass`; runs a pass the user had configured there first."""
+
+    def __init__(self, user_pass: Optional[Callable[[Graph], Any]] = None):
+        self.user_pass = user_pass
+
+    def __call__(self, graph: Graph) -> None:
+        if self.user_pass is not None:
+            self.user_pass(graph)
+        run_pass(graph)
+
+    def uuid(self) -> Any:
+        user = None
+        if self.user_pass is not None:
+            user = getattr(self.user_pass, "uuid", lambda: None)()
+            if user is None:  # an uncacheable user pass makes the whole pass uncacheable
+                return None
+        return (get_hash_for_files(_source_files()).hex(), config.cache_key(), user)
+
+
+def graph_name(graph: Graph) -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+    return f"{compile_id or '?'} {'backward' if is_backward else 'forward'}"
+
+
+def run_pass(graph: Graph) -> GraphReport:
+    name = graph_name(graph)
+    matches = find_matches(graph)
+    if not matches:
+        log.debug("graph %s: no collective + matmul candidates", name)
+        return GraphReport(name, ())
+    log.debug("graph %s before the ditron pass:\n%s", name, graph)
+
+    rewritten: set = set()
+    candidates = []
+    for match in matches:
+        task = match.task()
+        decision = _decide(match, task, rewritten)
+        if decision.fuse:
+            plan_text = decision.plan.encode()
+            if isinstance(match, AllGatherMatmulMatch):
+                rewrite_all_gather_matmul(graph, match, plan_text)
+            else:
+                rewrite_matmul_collective(graph, match, plan_text)
+            rewritten.update(match.replaced_nodes())
+            log.info("graph %s: %s -> ditron.%s [%s]", name, task.describe(), task.op,
+                     decision.reason)
+            log.debug("graph %s: plan for %s: %s", name, task.op, decision.plan.describe())
+        else:
+            log.info("graph %s: %s not fused: %s", name, task.describe(), decision.reason)
+        candidates.append(CandidateReport(
+            task.describe(), decision.fuse, decision.reason,
+            decision.plan.describe() if decision.fuse else None))
+    if rewritten:
+        stable_topological_sort(graph)
+        graph.lint()
+        log.debug("graph %s after the ditron pass:\n%s", name, graph)
+    report = GraphReport(name, tuple(candidates))
+    reports.append(report)
+    return report
+
+
+def _decide(match, task, rewritten: set) -> Decision:
+    if match.problem:
+        return reject(match.problem)
+    taken = [n.name for n in match.replaced_nodes() if n in rewritten]
+    if taken or any(n.graph is None for n in match.replaced_nodes()):
+        return reject(f"{', '.join(taken)} already belongs to an earlier ditron op")
+    return decide(task)

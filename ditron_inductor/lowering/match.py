@@ -1,0 +1,349 @@
+"""Find collective + matmul subgraphs in a post-grad FX graph.
+
+Each finder walks from one functional collective and returns a small match object that records
+what was found (nodes, group, world size, dims) and, where the subgraph has the right shape but
+cannot be rewritten safely, the problem. Finders never change the graph; `rewrite` does.
+
+Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
+  all_gather_into_tensor -> wait_tensor [-> split/slice on dim 0 -> cat(dim d)] [-> reshape to 2-d]
+      -> mm / addmm (one or several, the gathered activation as left operand)
+  mm / addmm [-> reshape to N-d] [-> split/slice on dim d -> cat(dim 0)]
+      -> reduce_scatter_tensor -> wait_tensor
+  mm / addmm [-> reshape to N-d] -> all_reduce -> wait_tensor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional, Sequence
+
+import torch
+from torch.fx import Graph, Node
+
+from .. import ops
+from ..scheduler.task import MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER, Task
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def is_call(node: object, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def fake(node: Node):
+    return node.meta["val"]
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def other_users(node: Node, allowed: Sequence[Node]) -> list[Node]:
+    return [u for u in node.users if u not in allowed]
+
+
+@dataclasses.dataclass
+class MatmulUse:
+    """One mm/addmm whose left operand is the gathered activation (or that feeds a collective)."""
+
+    node: Node
+    a: Node
+    weight: Node
+    bias: Optional[Node]
+
+
+def as_matmul(node: Node) -> Optional[MatmulUse]:
+    if is_call(node, aten.mm.default):
+        return MatmulUse(node, node.args[0], node.args[1], None)
+    if is_call(node, aten.addmm.default) and not node.kwargs:
+        bias, a, weight = node.args[:3]
+        # Only a per-column bias: the ops add a bias of shape [N] (broadcast over rows).
+        if len(node.args) == 3 and len(fake(bias).shape) == 1:
+            return MatmulUse(node, a, weight, bias)
+    return None
+
+
+@dataclasses.dataclass
+class ChunkCat:
+    """`src` cut into world-size equal pieces along `chunk_dim` and concatenated in order along
+    `cat_dim`: how functional collectives move a non-zero gather/scatter dim to dim 0 and back."""
+
+    cat: Node
+    cat_dim: int
+    inner: list[Node]  # the split/getitem or slice nodes between src and cat
+
+
+def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[ChunkCat]:
+    """Other users of `src` are allowed here; callers decide whether they are a problem."""
+    ndim = len(fake(src).shape)
+    splits = [u for u in src.users if is_call(u, aten.split.Tensor)]
+    slices = [u for u in src.users if is_call(u, aten.slice.Tensor)]
+    if len(splits) == 1 and not slices:
+        split = splits[0]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if normalize_dim(dim, ndim) != chunk_dim or len(fake(split)) != world_size:
+            return None
+        pieces = sorted(split.users, key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
+        if [p.args[1] if is_call(p, operator.getitem) else None for p in pieces] != list(
+            range(world_size)
+        ):
+            return None
+        inner = [split] + pieces
+    elif len(slices) == world_size and not splits:
+        if any(normalize_dim(u.args[1], ndim) != chunk_dim for u in slices):
+            return None
+        pieces = inner = slices
+    else:
+        return None
+    cats = {u for p in pieces for u in p.users}
+    if len(cats) != 1 or any(len(p.users) != 1 for p in pieces):
+        return None
+    cat = cats.pop()
+    if not is_call(cat, aten.cat.default) or list(cat.args[0]) != pieces:
+        return None
+    if pieces is slices and not _slices_tile_in_order(pieces):
+        return None
+    cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return ChunkCat(cat, normalize_dim(cat_dim, ndim), list(inner))
+
+
+def _slices_tile_in_order(slices: list[Node]) -> bool:
+    """slice(x, d, start, end) pieces, in cat order, that cover x from 0 with no gap or overlap."""
+    bounds = [(s.args[2] if len(s.args) > 2 else 0, s.args[3] if len(s.args) > 3 else None)
+              for s in slices]
+    if any(len(s.args) > 4 and s.args[4] != 1 for s in slices) or bounds[0][0] != 0:
+        return False
+    return all(prev[1] is not None and prev[1] == nxt[0] for prev, nxt in zip(bounds, bounds[1:]))
+
+
+def flatten_reshape(node: Node) -> bool:
+    """A reshape of an N-d activation into the [rows, features] matrix a matmul takes."""
+    if not is_call(node, *RESHAPES):
+        return False
+    src, out = fake(node.args[0]), fake(node)
+    return len(out.shape) == 2 and out.shape[-1] == src.shape[-1]
+
+
+# ------------------------------------------------------------------------------ all-gather -> mm
+
+
+@dataclasses.dataclass
+class AllGatherMatmulMatch:
+    gather: Node
+    wait: Node
+    chunk_cat: Optional[ChunkCat]
+    gathered: Node  # the gathered N-d activation the graph uses (the wait, or the cat)
+    matmuls: list[MatmulUse]
+    gather_dim: int
+    group_name: str
+    world_size: int
+    problem: Optional[str] = None
+
+    @property
+    def a_shard(self) -> Node:
+        return self.gather.args[0]
+
+    @property
+    def anchor(self) -> Node:
+        return self.gather
+
+    def task(self) -> Task:
+        return ops.all_gather_matmul_task(
+            fake(self.a_shard), [fake(m.weight) for m in self.matmuls],
+            [None if m.bias is None else fake(m.bias) for m in self.matmuls],
+            self.gather_dim, self.group_name, self.world_size,
+        )
+
+    def replaced_nodes(self) -> list[Node]:
+        return [m.node for m in self.matmuls]
+
+
+def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
+    _, world_size, group_name = gather.args[:3]
+    waits = list(gather.users)
+    if len(waits) != 1 or not is_call(waits[0], c10d.wait_tensor.default):
+        return None
+    wait = waits[0]
+    chunk_cat = match_chunk_cat(wait, 0, world_size)
+    gathered = chunk_cat.cat if chunk_cat else wait
+    gather_dim = chunk_cat.cat_dim if chunk_cat else 0
+    if len(fake(gathered).shape) == 2:
+        matrices = [gathered]
+    else:
+        matrices = [u for u in gathered.users if flatten_reshape(u)]
+    matmuls = [
+        mm for a in matrices for u in a.users if (mm := as_matmul(u)) is not None and mm.a is a
+    ]
+    if not matmuls:
+        return None
+    match = AllGatherMatmulMatch(gather, wait, chunk_cat, gathered, matmuls, gather_dim,
+                                 group_name, world_size)
+    if chunk_cat:
+        extra = other_users(wait, chunk_cat.inner)
+        if extra:
+            match.problem = (f"the raw all-gather output {wait.name} is also used by "
+                             f"{', '.join(u.name for u in extra)}")
+    match.problem = match.problem or _matmul_depends_on_another(matmuls)
+    return match
+
+
+def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
+    """One op computes all the matmuls at once, so no weight may be computed from another's
+    output (that would be a cycle)."""
+    if len(matmuls) < 2:
+        return None
+    outputs = {m.node for m in matmuls}
+    for m in matmuls:
+        stack, seen = [n for n in (m.weight, m.bias) if n is not None], set()
+        while stack:
+            n = stack.pop()
+            if n in outputs:
+                return f"the weight of {m.node.name} is computed from {n.name}"
+            if n in seen or n.op == "placeholder":
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return None
+
+
+# -------------------------------------------------------------------- mm -> reduce-scatter / all-reduce
+
+
+@dataclasses.dataclass
+class MatmulCollectiveMatch:
+    op: str  # MATMUL_REDUCE_SCATTER or MATMUL_ALL_REDUCE
+    collective: Node
+    wait: Node
+    matmul: MatmulUse
+    reshape: Optional[Node]  # mm output -> N-d activation
+    chunk_cat: Optional[ChunkCat]  # N-d activation -> pieces along scatter_dim stacked on dim 0
+    dim: int
+    reduce_op: str
+    group_name: str
+    world_size: int
+    problem: Optional[str] = None
+
+    @property
+    def anchor(self) -> Node:
+        return self.collective
+
+    @property
+    def out_shape(self) -> list:
+        """The N-d shape of the matmul output as the graph views it ([] when it stays 2-d)."""
+        return list(self.reshape.args[1]) if self.reshape is not None else []
+
+    def task(self) -> Task:
+        mm = self.matmul
+        shape = fake(self.reshape).shape if self.reshape is not None else []
+        return ops.matmul_collective_task(
+            self.op, fake(mm.a), fake(mm.weight), None if mm.bias is None else fake(mm.bias),
+            shape, self.dim, self.reduce_op, self.group_name, self.world_size,
+        )
+
+    def replaced_nodes(self) -> list[Node]:
+        return [self.matmul.node]
+
+
+def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
+    if is_call(collective, c10d.reduce_scatter_tensor.default):
+        op = MATMUL_REDUCE_SCATTER
+        inp, reduce_op, world_size, group_name = collective.args[:4]
+    elif is_call(collective, c10d.all_reduce.default):
+        op = MATMUL_ALL_REDUCE
+        inp, reduce_op, group_name = collective.args[:3]
+        world_size = _group_size(collective)
+    else:
+        return None
+    waits = list(collective.users)
+    if len(waits) != 1 or not is_call(waits[0], c10d.wait_tensor.default):
+        return None
+
+    chain: list[Node] = []  # nodes between mm and the collective, mm side first
+    chunk_cat, dim, node = None, 0, inp
+    if op == MATMUL_REDUCE_SCATTER and is_call(node, aten.cat.default):
+        chunk_cat = _chunk_cat_into(node, world_size)
+        if chunk_cat is None:
+            return None
+        src = _chunk_source(node)
+        dim, chain, node = _chunk_dim(node), [src], src
+    reshape = None
+    if is_call(node, *RESHAPES):
+        reshape, node = node, node.args[0]
+        chain = [reshape]
+    matmul = as_matmul(node) if isinstance(node, Node) else None
+    if matmul is None:
+        return None
+    match = MatmulCollectiveMatch(op, collective, waits[0], matmul, reshape, chunk_cat, dim,
+                                  reduce_op, group_name, world_size)
+    allowed_users = (chunk_cat.inner if chunk_cat else []) + [collective] + chain
+    for n in [matmul.node] + chain:
+        extra = other_users(n, allowed_users)
+        if extra:
+            match.problem = (f"the matmul result {n.name} is also used by "
+                             f"{', '.join(u.name for u in extra)}")
+            break
+    if reshape is not None and not all(isinstance(s, (int, Node)) and not (
+            isinstance(s, int) and s < 0) for s in reshape.args[1]):
+        match.problem = match.problem or f"{reshape.name} infers a size (-1)"
+    return match
+
+
+def _chunk_source(cat: Node) -> Node:
+    first = cat.args[0][0]
+    return first.args[0].args[0] if is_call(first, operator.getitem) else first.args[0]
+
+
+def _chunk_dim(cat: Node) -> int:
+    src = _chunk_source(cat)
+    first = cat.args[0][0]
+    ndim = len(fake(src).shape)
+    if is_call(first, operator.getitem):
+        split = first.args[0]
+        return normalize_dim(split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0), ndim)
+    return normalize_dim(first.args[1], ndim)
+
+
+def _chunk_cat_into(cat: Node, world_size: int) -> Optional[ChunkCat]:
+    pieces = cat.args[0]
+    if not pieces or not all(is_call(p, operator.getitem, aten.slice.Tensor) for p in pieces):
+        return None
+    if is_call(pieces[0], operator.getitem) and not is_call(pieces[0].args[0], aten.split.Tensor):
+        return None
+    found = match_chunk_cat(_chunk_source(cat), _chunk_dim(cat), world_size)
+    if found is None or found.cat is not cat or found.cat_dim != 0:
+        return None
+    return found
+
+
+def _group_size(collective: Node) -> int:
+    """all_reduce carries no group size; the input and output shapes do not tell it either, so
+    it comes from the group itself (0 when the name is unknown here: the decision rejects it)."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(collective.args[2]).size()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+Match = "AllGatherMatmulMatch | MatmulCollectiveMatch"
+
+
+def find_matches(graph: Graph) -> list:
+    """All candidates in graph order, each a match object (with `problem` set where it cannot be
+    rewritten)."""
+    found = []
+    for node in graph.nodes:
+        if is_call(node, c10d.all_gather_into_tensor.default):
+            match = find_all_gather_matmul(node)
+        elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
+            match = find_matmul_collective(node)
+        else:
+            continue
+        if match is not None:
+            found.append(match)
+    return found

@@ -1,0 +1,99 @@
+"""Rewrite a match into one ditron op call.
+
+The op goes right after the last of its inputs; its outputs take over the uses of the nodes they
+replace (the gathered activation, the matmul results, the collective's result). Nodes of the old
+subgraph that nobody uses any more are erased. The pass sorts the graph once at the end, since a
+later weight may have placed the op after a user of an earlier matmul.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Sequence
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.fx.node import map_arg
+
+from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
+from ..scheduler.task import MATMUL_REDUCE_SCATTER
+
+ditron = torch.ops.ditron
+
+
+def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: str) -> Node:
+    args = (
+        match.a_shard,
+        [m.weight for m in match.matmuls],
+        [m.bias for m in match.matmuls],
+        match.gather_dim,
+        match.group_name,
+        match.world_size,
+        plan,
+    )
+    op = _insert_call(graph, ditron.all_gather_matmul.default, args)
+    outputs = [_insert_getitem(graph, op, i) for i in range(1 + len(match.matmuls))]
+    match.gathered.replace_all_uses_with(outputs[0])
+    for mm, out in zip(match.matmuls, outputs[1:]):
+        mm.node.replace_all_uses_with(out)
+    inner = match.chunk_cat.inner if match.chunk_cat else []
+    _erase_unused(graph, [m.node for m in match.matmuls] + [m.a for m in match.matmuls]
+                  + outputs[:1] + [match.gathered] + inner[::-1] + [match.wait, match.gather])
+    return op
+
+
+def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
+    mm = match.matmul
+    if match.op == MATMUL_REDUCE_SCATTER:
+        target = ditron.matmul_reduce_scatter.default
+        extra = (match.out_shape, match.dim)
+    else:
+        target = ditron.matmul_all_reduce.default
+        extra = (match.out_shape,)
+    args = (mm.a, mm.weight, mm.bias, *extra, match.reduce_op, match.group_name,
+            match.world_size, plan)
+    op = _insert_call(graph, target, args)
+    match.wait.replace_all_uses_with(op)
+    inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
+    _erase_unused(graph, [match.wait, match.collective]
+                  + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
+                  + ([match.reshape] if match.reshape is not None else []) + [mm.node])
+    return op
+
+
+def _insert_call(graph: Graph, target, args: tuple) -> Node:
+    inputs = _flat_nodes(args)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = max(inputs + placeholders[-1:], key=order.__getitem__)
+    with graph.inserting_after(last):
+        node = graph.call_function(target, args)
+    vals = map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _insert_getitem(graph: Graph, op: Node, index: int) -> Node:
+    with graph.inserting_after(op):
+        node = graph.call_function(operator.getitem, (op, index))
+    node.meta["val"] = op.meta["val"][index]
+    return node
+
+
+def _flat_nodes(args) -> list[Node]:
+    found: list[Node] = []
+    map_arg(args, found.append)
+    return found
+
+
+def _erase_unused(graph: Graph, nodes: Sequence[Node]) -> None:
+    """Erase, users first, the nodes of the old subgraph that nothing uses any more."""
+    erased: set[Node] = set()
+    for node in nodes:
+        if node not in erased and not node.users:
+            graph.erase_node(node)
+            erased.add(node)

@@ -1,0 +1,77 @@
+"""The per-match decision: fuse or not, and with which device plan.
+
+Every input to `decide` is rank-invariant (the Task, the options in `config`, the group's size), so
+every rank makes the same decision and the ranks never disagree on the communication protocol.
+Every "no" carries its reason, which TORCH_LOGS=ditron prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .. import config
+from .cost_model import choose_device_plan
+from .plan import FUSED, REFERENCE, REFERENCE_PLAN, DevicePlan
+from .task import MATMUL_REDUCE_SCATTER, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    fuse: bool
+    reason: str
+    plan: Optional[DevicePlan] = None
+
+
+def reject(reason: str) -> Decision:
+    return Decision(False, reason)
+
+
+def group_problem(group_name: str, world_size: int) -> Optional[str]:
+    """Why the ops cannot serve this process group, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return "torch.distributed is not initialised"
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(group_name)
+    except Exception:  # noqa: BLE001 - an unknown name raises RuntimeError or ValueError
+        return f"process group {group_name!r} is not known in this process"
+    if group.size() != world_size:
+        return f"process group {group_name!r} has {group.size()} ranks, the collective says {world_size}"
+    return None
+
+
+def decide(task: Task) -> Decision:
+    if task.op not in config.patterns:
+        return reject(f"pattern {task.op} is disabled (DITRON_PATTERNS)")
+    if task.world_size <= 1:
+        return reject("world size 1: there is nothing to communicate")
+    if task.dtype not in config.dtypes:
+        return reject(f"dtype {task.dtype} is not supported")
+    if (
+        task.op == MATMUL_REDUCE_SCATTER
+        and task.dim_size is not None
+        and statically_known_true(task.dim_size % task.world_size != 0)
+    ):
+        return reject(
+            f"scatter dim {task.dim} of size {task.dim_size} does not divide by world size "
+            f"{task.world_size}"
+        )
+    problem = group_problem(task.group_name, task.world_size)
+    if problem:
+        return reject(problem)
+
+    if config.force_plan == REFERENCE or task.device_type != "cuda":
+        return Decision(True, "reference plan (decomposed collective + matmul)", REFERENCE_PLAN)
+    plan, why = choose_device_plan(task)
+    if config.force_plan == FUSED and (plan is None or plan.impl == REFERENCE):
+        plan, why = DevicePlan(impl=FUSED), "fused plan forced by DITRON_PLAN=fused"
+    if plan is None:
+        return reject(why)
+    return Decision(True, why, plan)

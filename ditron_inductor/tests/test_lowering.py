@@ -1,0 +1,252 @@
+"""The pass on small traced graphs: each pattern it rewrites, and each shape it leaves alone."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from ditron_inductor.lowering.graph_pass import run_pass
+from ditron_inductor.lowering.match import find_matches
+from ditron_inductor.tests.fx_helpers import (
+    all_gather,
+    all_reduce,
+    fake_group,
+    graph_text,
+    reduce_scatter,
+    trace,
+)
+
+
+def rewrite(gm):
+    report = run_pass(gm.graph)
+    gm.recompile()
+    return report
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+class AllGatherMatmulTest(TestCase):
+    def test_linear_with_bias_on_2d_activation(self):
+        with fake_group(4) as g:
+            gm = trace(lambda x, w, b: F.linear(all_gather(x, 0, g), w, b),
+                       randn(8, 16), randn(32, 16), randn(32))
+            report = rewrite(gm)
+        self.assertTrue(report.candidates[0].fused)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(w_1, [1, 0])
+all_gather_matmul_default = all_gather_matmul(x_1, [permute], [b_1], 0, '0', 4, '{"impl": "reference"}')
+getitem_1 = getitem(all_gather_matmul_default, 1)
+return getitem_1
+""")
+
+    def test_sequence_parallel_shard_1_on_3d_activation(self):
+        # Shard(1) of [B, S, H]: the gather puts ranks on dim 0, then split + cat moves them to dim 1.
+        with fake_group(4) as g:
+            gm = trace(lambda x, w: F.linear(all_gather(x, 1, g), w),
+                       randn(2, 4, 16), randn(32, 16))
+            rewrite(gm)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(w_1, [1, 0])
+all_gather_matmul_default = all_gather_matmul(x_1, [permute], [None], 1, '0', 4, '{"impl": "reference"}')
+getitem_5 = getitem(all_gather_matmul_default, 1)
+view_1 = view(getitem_5, [2, 16, 32])
+return view_1
+""")
+
+    def test_backward_slice_form_keeps_gathered_activation_for_weight_grad(self):
+        # Backward graphs cut the gathered tensor with slices; the flattened activation also
+        # feeds the weight gradient, so the op's gathered output takes over that use.
+        def grad_like(dy, w):
+            gathered = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_gather_into_tensor(dy, 2, "0"))
+            chunks = [gathered[0:2], gathered[2:4]]
+            a = torch.cat(chunks, 1).reshape(16, 8)
+            return a @ w, a.t() @ a
+
+        with fake_group(2):
+            gm = trace(grad_like, randn(2, 4, 8), randn(8, 8))
+            report = rewrite(gm)
+        self.assertTrue(report.candidates[0].fused)
+        self.assertExpectedInline(graph_text(gm), """\
+all_gather_matmul_default = all_gather_matmul(dy_1, [w_1], [None], 1, '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(all_gather_matmul_default, 1)
+getitem = getitem(all_gather_matmul_default, 0)
+view = view(getitem, [16, 8])
+permute = permute(view, [1, 0])
+mm_1 = mm(permute, view)
+return [getitem_1, mm_1]
+""")
+
+    def test_one_gather_feeding_q_k_v_becomes_one_op(self):
+        with fake_group(2) as g:
+            def qkv(x, wq, wk, wv):
+                a = all_gather(x, 0, g)
+                return F.linear(a, wq), F.linear(a, wk), F.linear(a, wv)
+
+            gm = trace(qkv, randn(3, 4, 16), randn(16, 16), randn(8, 16), randn(8, 16))
+            report = rewrite(gm)
+        self.assertEqual(len(report.candidates), 1)
+        self.assertIn("N=16,8,8", report.candidates[0].task)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(wq_1, [1, 0])
+permute_1 = permute(wk_1, [1, 0])
+permute_2 = permute(wv_1, [1, 0])
+all_gather_matmul_default = all_gather_matmul(x_1, [permute, permute_1, permute_2], [None, None, None], 0, '0', 2, '{"impl": "reference"}')
+getitem_3 = getitem(all_gather_matmul_default, 3)
+getitem_2 = getitem(all_gather_matmul_default, 2)
+view_3 = view(getitem_2, [6, 4, 8])
+getitem_1 = getitem(all_gather_matmul_default, 1)
+view_1 = view(getitem_1, [6, 4, 16])
+view_5 = view(getitem_3, [6, 4, 8])
+return [view_1, view_3, view_5]
+""")
+
+    def test_gathered_activation_as_right_operand_is_not_a_candidate(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w: w @ all_gather(x, 0, g), randn(4, 8), randn(8, 8))
+            self.assertEqual(find_matches(gm.graph), [])
+
+
+class MatmulCollectiveTest(TestCase):
+    def test_reduce_scatter_dim_0_sum(self):
+        with fake_group(4) as g:
+            gm = trace(lambda x, w: reduce_scatter(x @ w, "sum", 0, g), randn(8, 16), randn(16, 32))
+            rewrite(gm)
+        self.assertExpectedInline(graph_text(gm), """\
+matmul_reduce_scatter_default = matmul_reduce_scatter(x_1, w_1, None, [], 0, 'sum', '0', 4, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+    def test_reduce_scatter_dim_1_of_3d_output_avg(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w: reduce_scatter(F.linear(x, w), "avg", 1, g),
+                       randn(2, 6, 16), randn(8, 16))
+            report = rewrite(gm)
+        self.assertIn("dim=1 avg", report.candidates[0].task)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(w_1, [1, 0])
+view = view(x_1, [12, 16])
+matmul_reduce_scatter_default = matmul_reduce_scatter(view, permute, None, [2, 6, 8], 1, 'avg', '0', 2, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+    def test_all_reduce_of_3d_linear_with_bias(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w, b: all_reduce(F.linear(x, w, b), "sum", g),
+                       randn(2, 3, 16), randn(8, 16), randn(8))
+            rewrite(gm)
+        self.assertExpectedInline(graph_text(gm), """\
+view = view(x_1, [6, 16])
+permute = permute(w_1, [1, 0])
+matmul_all_reduce_default = matmul_all_reduce(view, permute, b_1, [2, 3, 8], 'sum', '0', 2, '{"impl": "reference"}')
+return matmul_all_reduce_default
+""")
+
+
+class LeftAloneTest(TestCase):
+    """Shapes that match but must not be rewritten: the graph stays as it was, with a reason."""
+
+    def assert_left_alone(self, fn, args, world_size, reason):
+        with fake_group(world_size) as g:
+            gm = trace(lambda *a: fn(g, *a), *args)
+            before = graph_text(gm)
+            report = rewrite(gm)
+        self.assertEqual(graph_text(gm), before)
+        self.assertEqual([c.fused for c in report.candidates], [False])
+        self.assertIn(reason, report.candidates[0].reason)
+
+    def test_world_size_1(self):
+        self.assert_left_alone(lambda g, x, w: all_gather(x, 0, g) @ w,
+                               (randn(4, 8), randn(8, 8)), 1, "world size 1")
+
+    def test_unsupported_dtype(self):
+        self.assert_left_alone(lambda g, x, w: all_reduce(x @ w, "sum", g),
+                               (randn(4, 8, dtype=torch.float64), randn(8, 8, dtype=torch.float64)),
+                               2, "dtype torch.float64 is not supported")
+
+    def test_matmul_result_needed_elsewhere(self):
+        def fn(g, x, w):
+            y = x @ w
+            return reduce_scatter(y, "sum", 0, g), y.sum()
+
+        self.assert_left_alone(fn, (randn(4, 8), randn(8, 8)), 2,
+                               "the matmul result mm is also used by sum")
+
+    def test_raw_gather_output_needed_elsewhere(self):
+        def fn(g, x, w):
+            raw = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_gather_into_tensor(x, 2, g.group_name))
+            a = torch.cat(raw.split(2), 1).reshape(-1, 8)
+            return a @ w, raw.sum()
+
+        self.assert_left_alone(fn, (randn(2, 3, 8), randn(8, 8)), 2,
+                               "the raw all-gather output wait_tensor is also used by sum")
+
+    def test_weight_computed_from_another_fused_matmul(self):
+        def fn(g, x, w):
+            a = all_gather(x, 0, g)
+            h = a @ w
+            return a @ h[:8]
+
+        self.assert_left_alone(fn, (randn(4, 8), randn(8, 8)), 2,
+                               "the weight of mm_1 is computed from mm")
+
+    def test_disabled_pattern(self):
+        from ditron_inductor import config
+
+        saved = config.patterns
+        config.patterns = frozenset({"all_gather_matmul"})
+        try:
+            self.assert_left_alone(lambda g, x, w: all_reduce(x @ w, "sum", g),
+                                   (randn(4, 8), randn(8, 8)), 2,
+                                   "pattern matmul_all_reduce is disabled")
+        finally:
+            config.patterns = saved
+
+
+    def test_matmul_between_gather_and_scatter_goes_to_the_first_match(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w: reduce_scatter(all_gather(x, 0, g) @ w, "sum", 0, g),
+                       randn(4, 8), randn(8, 8))
+            report = rewrite(gm)
+        self.assertEqual([c.fused for c in report.candidates], [True, False])
+        self.assertIn("mm already belongs to an earlier ditron op", report.candidates[1].reason)
+
+
+class DynamicShapeTest(TestCase):
+    def test_symbolic_token_dim(self):
+        def mlp(g, x, w1, w2):
+            h = F.relu(F.linear(all_gather(x, 0, g), w1))
+            return reduce_scatter(F.linear(h, w2), "sum", 0, g)
+
+        with fake_group(2) as g:
+            gm = make_fx_symbolic(lambda *a: mlp(g, *a), randn(6, 16), randn(32, 16),
+                                  randn(16, 32))
+            report = rewrite(gm)
+        self.assertEqual([c.fused for c in report.candidates], [True, True])
+        self.assertRegex(report.candidates[0].task, r"M=2\*s\d+ ")
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(arg1_1, [1, 0])
+all_gather_matmul_default = all_gather_matmul(arg0_1, [permute], [None], 0, '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(all_gather_matmul_default, 1)
+relu = relu(getitem_1)
+permute_1 = permute(arg2_1, [1, 0])
+matmul_reduce_scatter_default = matmul_reduce_scatter(relu, permute_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+
+def make_fx_symbolic(fn, *args):
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="symbolic", decomposition_table=select_decomp_table())(*args)
+
+
+if __name__ == "__main__":
+    unittest.main()
