@@ -330,9 +330,6 @@ def _group_size(collective: Node) -> int:
         return 0
 
 
-Match = "AllGatherMatmulMatch | MatmulCollectiveMatch"
-
-
 def find_matches(graph: Graph) -> list:
     """All candidates in graph order, each a match object (with `problem` set where it cannot be
     rewritten)."""

@@ -50,6 +50,9 @@ def group_problem(group_name: str, world_size: int) -> Optional[str]:
 def decide(task: Task) -> Decision:
     if task.op not in config.patterns:
         return reject(f"pattern {task.op} is disabled (DITRON_PATTERNS)")
+    problem = group_problem(task.group_name, task.world_size)
+    if problem:
+        return reject(problem)
     if task.world_size <= 1:
         return reject("world size 1: there is nothing to communicate")
     if task.dtype not in config.dtypes:
@@ -63,9 +66,6 @@ def decide(task: Task) -> Decision:
             f"scatter dim {task.dim} of size {task.dim_size} does not divide by world size "
             f"{task.world_size}"
         )
-    problem = group_problem(task.group_name, task.world_size)
-    if problem:
-        return reject(problem)
 
     if config.force_plan == REFERENCE or task.device_type != "cuda":
         return Decision(True, "reference plan (decomposed collective + matmul)", REFERENCE_PLAN)

@@ -1,0 +1,73 @@
+"""The ops' dispatch: fused implementation where it serves, reference where it does not, and
+errors that name the problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from ditron_inductor import ops
+from ditron_inductor.scheduler.plan import FUSED, DevicePlan
+from ditron_inductor.tests.fx_helpers import fake_group
+
+FUSED_PLAN = DevicePlan(FUSED).encode()
+
+
+def cuda_task(world_size=2):
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    task = ops.matmul_collective_task(ops.MATMUL_ALL_REDUCE, a, b, None, [], 0, "sum", "0",
+                                      world_size)
+    return dataclasses.replace(task, device_type="cuda")
+
+
+def test_fused_impl_serves_when_it_can(monkeypatch):
+    monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE, lambda task, plan, x: x + 1)
+    with fake_group(2):
+        out = ops._dispatch(cuda_task(), FUSED_PLAN, lambda x: x * 10, torch.ones(2))
+    assert out.tolist() == [2, 2]
+
+
+def test_fused_impl_that_cannot_serve_falls_back_to_reference(monkeypatch, caplog):
+    seen = []
+    monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE,
+                        lambda task, plan, x: seen.append(plan) or None)
+    monkeypatch.setattr(ops, "_fallbacks_logged", set())
+    # torch's logging setup stops this logger from propagating to the root, where caplog listens.
+    monkeypatch.setattr(ops.log, "handlers", [caplog.handler])
+    with fake_group(2), caplog.at_level(logging.INFO, logger="ditron_inductor"):
+        for _ in range(2):
+            out = ops._dispatch(cuda_task(), FUSED_PLAN, lambda x: x * 10, torch.ones(2))
+    assert out.tolist() == [10, 10] and len(seen) == 2
+    fallbacks = [r for r in caplog.records if "ran the reference path" in r.getMessage()]
+    assert len(fallbacks) == 1  # said once, not per call
+
+
+def test_group_of_another_size_is_named():
+    with fake_group(4), pytest.raises(RuntimeError, match="'0' has 4 ranks, but the graph was "
+                                                          "compiled for 2"):
+        ops.check_group("0", 2)
+
+
+def test_unknown_group_is_named():
+    with fake_group(2), pytest.raises(RuntimeError, match="'missing' of a compiled graph is not "
+                                                          "known in this process"):
+        torch.ops.ditron.matmul_all_reduce(torch.randn(2, 2), torch.randn(2, 2), None, [],
+                                           "sum", "missing", 2, DevicePlan().encode())
+
+
+def test_fake_shapes_follow_the_collectives():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(2, 3, 16)
+        outs = torch.ops.ditron.all_gather_matmul(a, [torch.empty(16, 5)], [None], 1, "0", 4, "")
+        assert [tuple(o.shape) for o in outs] == [(2, 12, 16), (24, 5)]
+        rs = torch.ops.ditron.matmul_reduce_scatter(torch.empty(24, 16), torch.empty(16, 8), None,
+                                                    [2, 12, 8], 1, "sum", "0", 4, "")
+        assert tuple(rs.shape) == (2, 3, 8)
+        ar = torch.ops.ditron.matmul_all_reduce(torch.empty(24, 16), torch.empty(16, 8), None,
+                                                [], "sum", "0", 4, "")
+        assert tuple(ar.shape) == (24, 8)

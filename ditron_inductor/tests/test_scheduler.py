@@ -1,0 +1,112 @@
+"""The fuse / no-fuse decision and its reasons, and the plans it carries into the graph."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ditron_inductor import config
+from ditron_inductor.scheduler import decide as decide_module
+from ditron_inductor.scheduler.decide import decide
+from ditron_inductor.scheduler.plan import FUSED, REFERENCE, DevicePlan
+from ditron_inductor.scheduler.task import (
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    MATMUL_REDUCE_SCATTER,
+    Task,
+)
+from ditron_inductor.tests.fx_helpers import fake_group
+
+AG = Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=4, m=8192, k=8192, ns=(7168,),
+          dtype=torch.bfloat16, device_type="cuda", dim_size=8192, has_bias=(False,))
+RS = Task(op=MATMUL_REDUCE_SCATTER, group_name="0", world_size=4, m=8192, k=3584, ns=(8192,),
+          dtype=torch.bfloat16, device_type="cpu", dim=1, dim_size=6, reduce_op="sum",
+          has_bias=(False,))
+
+
+@pytest.fixture
+def group4():
+    with fake_group(4) as g:
+        yield g
+
+
+def test_world_size_1_is_never_fused():
+    with fake_group(1):
+        d = decide(dataclasses.replace(AG, world_size=1))
+    assert not d.fuse and d.reason == "world size 1: there is nothing to communicate"
+
+
+def test_unsupported_dtype(group4):
+    d = decide(dataclasses.replace(AG, dtype=torch.int8))
+    assert not d.fuse and d.reason == "dtype torch.int8 is not supported"
+
+
+def test_scatter_dim_that_does_not_divide(group4):
+    d = decide(RS)
+    assert not d.fuse
+    assert d.reason == "scatter dim 1 of size 6 does not divide by world size 4"
+    assert decide(dataclasses.replace(RS, dim_size=8)).fuse
+
+
+def test_unknown_group(group4):
+    d = decide(dataclasses.replace(AG, group_name="no-such-group"))
+    assert not d.fuse and d.reason == "process group 'no-such-group' is not known in this process"
+    # all_reduce carries no group size: the matcher gives 0 for a group it cannot resolve
+    d = decide(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, group_name="gone", world_size=0))
+    assert not d.fuse and d.reason == "process group 'gone' is not known in this process"
+
+
+def test_group_of_another_size(group4):
+    d = decide(dataclasses.replace(AG, world_size=8))
+    assert not d.fuse and d.reason == "process group '0' has 4 ranks, the collective says 8"
+
+
+def test_no_process_group_at_all():
+    d = decide(AG)
+    assert not d.fuse and d.reason == "torch.distributed is not initialised"
+
+
+def test_cpu_tasks_get_the_reference_plan(group4):
+    d = decide(dataclasses.replace(AG, device_type="cpu"))
+    assert d.fuse and d.plan.impl == REFERENCE
+
+
+def test_cuda_plan_comes_from_the_cost_model(group4, monkeypatch):
+    plan = DevicePlan(FUSED, params=(("block_m", 128),))
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (plan, "predicted win"))
+    d = decide(AG)
+    assert d.fuse and d.plan == plan and d.reason == "predicted win"
+
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (None, "no gain"))
+    d = decide(AG)
+    assert not d.fuse and d.reason == "no gain"
+
+
+def test_forced_plans(group4, monkeypatch):
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (None, "no gain"))
+    monkeypatch.setattr(config, "force_plan", "fused")
+    assert decide(AG).plan.impl == FUSED
+    monkeypatch.setattr(config, "force_plan", "reference")
+    assert decide(AG).plan.impl == REFERENCE
+
+
+def test_every_rank_decides_the_same():
+    tasks = [AG, RS, dataclasses.replace(RS, dim_size=8),
+             dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum")]
+    decisions = []
+    for rank in (0, 3):
+        with fake_group(4, rank=rank):
+            decisions.append([decide(t) for t in tasks])
+    assert decisions[0] == decisions[1]
+
+
+def test_plan_survives_the_graph_as_text():
+    plan = DevicePlan(FUSED, params=(("block_m", 128), ("transfer", "copy_engine")))
+    assert DevicePlan.decode(plan.encode()) == plan
+    assert DevicePlan.decode(DevicePlan().encode()).impl == REFERENCE
+
+
+def test_task_description_names_shapes_and_group():
+    assert AG.describe() == "all_gather_matmul M=8192 K=8192 N=7168 bfloat16 world=4 group=0"
