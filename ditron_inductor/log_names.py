@@ -1,15 +1,8 @@
-"""The `ditron` name for TORCH_LOGS.
+"""Where ditron_inductor logs.
 
-`register` runs from torch's own import (the `torch.backends` entry point), before torch parses
-TORCH_LOGS, so it must stay cheap and must not import torch._inductor.
+Every module logs to the logger "ditron". `TORCH_LOGS=ditron` turns it on with no import of ours:
+torch accepts any importable module name there, and the top-level module `ditron` (an empty
+module shipped with this package for that purpose) is one.
 """
 
-LOGGER_NAME = "ditron_inductor"
-ALIAS = "ditron"
-
-
-def register() -> None:
-    from torch._logging import _internal
-
-    if not _internal.log_registry.is_log(ALIAS):
-        _internal.register_log(ALIAS, LOGGER_NAME)
+LOGGER_NAME = "ditron"

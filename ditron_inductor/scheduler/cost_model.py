@@ -1,18 +1,174 @@
 """Device plans for fused ops on CUDA, chosen from the Task alone (shape, dtype, world size).
 
-First version: no fused kernels are registered yet, so every CUDA task gets the reference plan
-(decomposed collective + matmul inside one ditron op). The fused kernels' issue replaces this with
-a cost model calibrated on the GPU machine.
+The model predicts, per candidate plan, the time of one call from a few constants measured on the
+GPU machine (CALIBRATION below) and picks the fastest; when no fused plan is predicted to beat the
+plain collective + cuBLAS by MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes,
+dtype and world size enter, so every rank makes the same choice.
+
+Plans (params of a "fused" DevicePlan; runtime/fused.py reads them):
+  gemm="triton": one persistent Triton GEMM (TMA, block_m x block_n x block_k, stages, warps)
+                 whose tiles wait on per-chunk flags, chunks pulled by the copy engine;
+  gemm="cublas": (AG) cuBLAS on groups of chunks in arrival order, `groups` chunks each, each
+                 group after its last chunk landed; (RS) cuBLAS per destination chunk, rank+1 first,
+                 each pushed by the copy engine as soon as it is computed; reduce="triton" sums the
+                 received partials with templates/reduce.py (else torch.sum);
+  copy_streams:  copy-engine streams for the AG pulls; transfer="sm" + comm_sms: the AG pulls by a
+                 Triton kernel on comm_sms SMs instead (not yet run on GPUs: UNVALIDATED).
+
+The host-time floor (host_floor_ms) was measured at W=8 on the benchmark VM; it dominates small
+shapes there (see benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .plan import REFERENCE_PLAN, DevicePlan
-from .task import Task
+from .plan import FUSED, REFERENCE_PLAN, DevicePlan
+from .task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task, size_hint
+
+_TRITON_BIG = dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64, group_m=8,
+                   stages=3, warps=8)
+_TRITON_MID = dict(gemm="triton", tma=True, block_m=128, block_n=128, block_k=64, group_m=8,
+                   stages=4, warps=8)
+
+# Candidate plans by label (the benchmark measures each of them).
+AG_CANDIDATES = {
+    "tri_tma_128x256": _TRITON_BIG,
+    "tri_tma_128x128": _TRITON_MID,
+    "cublas_1_3_4": dict(gemm="cublas", groups=[1, 3, 4]),
+    "cublas_1_2_5": dict(gemm="cublas", groups=[1, 2, 5]),
+    "cublas_1_7": dict(gemm="cublas", groups=[1, 7]),
+    "tri_tma_128x256_s2": dict(_TRITON_BIG, copy_streams=2),
+    "cublas_1_3_4_s2": dict(gemm="cublas", groups=[1, 3, 4], copy_streams=2),
+    "cublas_1_1_2_4": dict(gemm="cublas", groups=[1, 1, 2, 4]),
+    "tri_sm16_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=16),
+    "tri_sm24_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=24),
+    "tri_sm16_128x128": dict(_TRITON_MID, transfer="sm", comm_sms=16),
+    "tri_sm16_ptr": dict(_TRITON_MID, tma=False, transfer="sm", comm_sms=16),
+}
+# Plans not yet run on GPUs (the SM-pull transfer: interpreter-tested only). The model predicts
+# them but never chooses them; a plan can still name them explicitly.
+UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr"})
+
+# First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
+# host-blocked outlier on the first reduce-scatter shape of run v2; the Triton one did not.
+RS_CANDIDATES = {
+    "cublas_triton_reduce": dict(gemm="cublas", reduce="triton"),
+    "cublas": dict(gemm="cublas"),
+    "tri_tma_128x256": _TRITON_BIG,
+}
+
+# Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
+#   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/h200x8_*.json)
+# (see benchmarks/NOTES.md for how each constant was read off the table).
+CALIBRATION = dict(
+    cublas_tflops=710.0,  # bf16 GEMM alone, the suite's shapes: 660-770 TFLOP/s
+    cublas_small_m_rows=1024,  # below about this many rows a cuBLAS GEMM loses efficiency
+    nccl_ag_gbps=320.0,  # NCCL all-gather alone, GB/s of gathered bytes (287-351)
+    nccl_rs_gbps=345.0,  # NCCL reduce-scatter alone, GB/s of input bytes (333-361)
+    ce_gbps=150.0,  # copy-engine peer copies, GB/s per GPU, one or two streams (140-160)
+    sm_gbps=320.0,  # Triton pull through the peer table with 16 SMs (ARCHITECTURE.md: 320-350)
+    triton_overhead_ms=0.10,  # fused Triton AG: tail and setup beyond max(GEMM, transfer), 0-0.16
+    host_floor_ms=0.75,  # host time of one fused call at W=8 (driver calls + launches), 0.72-0.78
+    reduce_gbps=2500.0,  # the reduction of W partial slots, GB/s read
+    num_sms=132,
+)
+MIN_GAIN = 1.03  # a fused plan must be predicted this much faster than NCCL + cuBLAS
+
+
+def _itemsize(task: Task) -> int:
+    return getattr(task.dtype, "itemsize", 2)
+
+
+def _gemm_ms(m: int, k: int, n: int, triton: bool = False) -> float:
+    c = CALIBRATION
+    eff = min(1.0, m / c["cublas_small_m_rows"]) ** 0.25  # tile/wave quantisation at small m
+    ms = 2.0 * m * k * n / (c["cublas_tflops"] * 1e12 * eff) * 1e3
+    if triton:  # persistent TMA Triton GEMM relative to cuBLAS, by N (measured)
+        ms /= 1.05 if n >= 3584 and m >= 8192 else (0.94 if n >= 2048 else 0.82)
+    return ms
+
+
+def predict(task: Task) -> dict[str, float]:
+    """Predicted ms per call, by contender label ("nccl_cublas" and each candidate)."""
+    c = CALIBRATION
+    w = task.world_size
+    m, k = task.m_hint, size_hint(task.k)
+    n = task.n_total
+    b = _itemsize(task)
+    rows = max(1, m // w)
+    out: dict[str, float] = {}
+    if task.op == ALL_GATHER_MATMUL:
+        gathered = m * k * b
+        out["nccl_cublas"] = gathered / (c["nccl_ag_gbps"] * 1e6) + _gemm_ms(m, k, n)
+        moved = gathered * (w - 1) / w
+        chunk_ms = gathered / w / (c["ce_gbps"] * 1e6)  # one peer chunk over the copy engine
+        for label, p in AG_CANDIDATES.items():
+            if p["gemm"] == "triton" and p.get("transfer") == "sm":
+                nsm = p["comm_sms"]
+                g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
+                g *= 1.0 if p.get("block_n") == 256 and p.get("tma", True) else 1.05
+                bw = c["sm_gbps"] * min(1.1, (nsm / 16) ** 0.5)
+                t = max(g, moved / (bw * 1e6) + g / w) + c["triton_overhead_ms"]
+            elif p["gemm"] == "triton":
+                g = _gemm_ms(m, k, n, triton=True) * (1.0 if p["block_n"] == 256 else 1.04)
+                t = max(g, (w - 1) * chunk_ms + g / w) + c["triton_overhead_ms"]
+            else:
+                t, arrived = 0.0, 1
+                for size in p["groups"]:
+                    if arrived > w:
+                        break
+                    last = min(arrived + size - 1, w)
+                    t = max(t, (last - 1) * chunk_ms) + _gemm_ms((last - arrived + 1) * rows, k, n)
+                    arrived = last + 1
+            out[label] = max(t, c["host_floor_ms"])
+    elif task.op == MATMUL_REDUCE_SCATTER:
+        full = m * n * b
+        out["nccl_cublas"] = _gemm_ms(m, k, n) + full / (c["nccl_rs_gbps"] * 1e6)
+        chunk_ms = full / w / (c["ce_gbps"] * 1e6)
+        reduce_ms = full / (c["reduce_gbps"] * 1e6)  # W slots of one chunk = full bytes
+        for label, p in RS_CANDIDATES.items():
+            g = _gemm_ms(rows, k, n)
+            if p["gemm"] == "triton":  # one Triton launch per chunk: ~0.1 ms of host time each
+                g = max(g / 0.95, 0.1)
+            # chunk i is pushed after its GEMM; pushes queue behind each other on the link
+            t_push = 0.0
+            for i in range(1, w):
+                t_push = max(t_push, i * g) + chunk_ms
+            out[label] = max(max(w * g, t_push) + reduce_ms, c["host_floor_ms"])
+    return out
+
+
+def plan_label(plan: DevicePlan) -> Optional[str]:
+    params = dict(plan.params)
+    for table in (AG_CANDIDATES, RS_CANDIDATES):
+        for label, p in table.items():
+            if all(params.get(key) == value for key, value in p.items()) and len(params) == len(p):
+                return label
+    return None
+
+
+def default_params(task: Task) -> dict:
+    """Parameters for a fused plan given without any (DITRON_PLAN=fused): the best candidate."""
+    preds = {k: v for k, v in predict(task).items() if k not in UNVALIDATED}
+    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    best = min(cands, key=lambda label: preds.get(label, float("inf")))
+    return dict(cands[best])
 
 
 def choose_device_plan(task: Task) -> tuple[Optional[DevicePlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain)."""
-    return REFERENCE_PLAN, "no fused kernel for this task yet"
+    if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
+        return REFERENCE_PLAN, "no fused kernel for this op"
+    if getattr(task, "dim", 0) != 0:
+        return REFERENCE_PLAN, f"the fused kernels gather/scatter along dim 0 only (dim {task.dim})"
+    preds = {k: v for k, v in predict(task).items() if k not in UNVALIDATED}
+    base = preds.pop("nccl_cublas")
+    best = min(preds, key=preds.get)
+    summary = f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
+    if preds[best] * MIN_GAIN > base:
+        return None, f"no predicted gain: {summary}"
+    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    plan = DevicePlan(impl=FUSED, params=tuple(sorted(cands[best].items())),
+                      predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
+    return plan, f"fused plan {best}: {summary}"

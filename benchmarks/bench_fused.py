@@ -1,0 +1,408 @@
+"""Fused collective + matmul benchmark: one run on W GPUs, every contender measured side by side.
+
+    torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/h200x8
+
+Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
+(torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter), ditron with the plan
+the cost model picks (and every candidate plan, for calibration), the GEMM alone, the collective
+alone. Timing: random inputs (two sets, alternated), warm-up, CUDA events around `--iters` calls,
+`--reps` repetitions; each rank takes the median over repetitions and the row reports the maximum
+over ranks (the slowest rank bounds a collective). Then a sequence-parallel MLP through
+torch.compile with Inductor, Inductor + async TP, and backend="ditron".
+
+Writes <out>.json (rows {op, M, K, N, world, dtype, ms: {...}, plans: {...}}) and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+for _n, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_n, _v)
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+AG_SHAPES = [(8192, 8192, 7168), (8192, 8192, 1280), (4096, 8192, 4096), (16384, 8192, 3584)]
+RS_SHAPES = [(8192, 3584, 8192), (8192, 1024, 8192), (16384, 3584, 8192)]
+
+from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+
+
+def sync_all():
+    torch.cuda.synchronize()
+    t = torch.zeros(1, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+
+
+HOST_MS = {}  # label -> host ms per call (enqueue time of the timed loop), for the last bench
+
+
+def bench(fn, inputs, iters, reps, warmup=3, label=None):
+    """Median ms per call on this rank, max over ranks. With a label, also the host time per call
+    (time to enqueue the loop): a contender whose host time reaches its GPU time is host-bound."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    times, host = [], []
+    for _ in range(reps):
+        sync_all()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(*inputs[i % len(inputs)])
+        host.append((time.perf_counter() - t0) * 1e3 / iters)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    t = torch.tensor([statistics.median(times), statistics.median(host)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if label:
+        HOST_MS[label] = t[1].item()
+    return t[0].item()
+
+
+def safe(name, fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except Exception as e:  # noqa: BLE001 - a contender that fails is reported, not fatal
+        if dist.get_rank() == 0:
+            print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
+
+
+def plan_text(params):
+    from ditron_inductor.scheduler.plan import FUSED, DevicePlan
+
+    return DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))).encode()
+
+
+def check_close(name, out, ref):
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    t = torch.tensor([err], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item() > 2e-2 or not math.isfinite(t.item()):
+        raise RuntimeError(f"{name}: relative error {t.item():.3e} against NCCL+cuBLAS")
+    return t.item()
+
+
+def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
+    M, K, N = shape
+    rows = M // world
+    dev = "cuda"
+    inputs = [(torch.randn(rows, K, device=dev, dtype=dtype),
+               torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5) for _ in range(2)]
+    c10d = torch.ops._c10d_functional
+
+    def nccl_cublas(a, b):
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(a, world, group_name))
+        return g, g @ b
+
+    def torch_fused(a, b):
+        return torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)
+
+    def gemm_only(a, b, _full=torch.randn(M, K, device=dev, dtype=dtype)):
+        return _full @ b
+
+    def comm_only(a, b):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(a, world, group_name))
+
+    def ditron(params):
+        text = plan_text(params) if params is not None else None
+        def f(a, b):
+            if text is None:
+                return nccl_cublas(a, b)
+            return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name, world, text)
+        return f
+
+    ms = {}
+    ms["nccl_cublas"] = bench(nccl_cublas, inputs, args.iters, args.reps, label="nccl_cublas")
+    ms["torch_fused"] = safe("torch_fused", bench, torch_fused, inputs, args.iters, args.reps,
+                             label="torch_fused")
+    ms["gemm_only"] = bench(gemm_only, inputs, args.iters, args.reps)
+    ms["comm_only"] = bench(comm_only, inputs, args.iters, args.reps)
+    from ditron_inductor.runtime.fused import triton_gemm
+
+    full = torch.randn(M, K, device=dev, dtype=dtype)
+    out = torch.empty(M, N, device=dev, dtype=dtype)
+    plans = {}
+    plans["triton_gemm_only"] = safe("triton gemm", bench,
+                                     lambda a, b: triton_gemm(full, b, None, out,
+                                                              AG_CANDIDATES["tri_tma_128x256"]),
+                                     inputs, args.iters, args.reps)
+    ref = nccl_cublas(*inputs[0])[1]
+    for name, params in AG_CANDIDATES.items():
+        def one(name=name, params=params):
+            got = ditron(params)(*inputs[0])[1]
+            check_close(f"AG {shape} {name}", got, ref)
+            return bench(ditron(params), inputs, args.iters, args.reps, label=name)
+        plans[name] = safe(name, one)
+    chosen, why = ditron_task_plan
+    ms["ditron"] = (bench(ditron(None), inputs, args.iters, args.reps) if chosen is None
+                    else plans.get(chosen["label"], float("nan")))
+    return ms, plans
+
+
+def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
+    M, K, N = shape
+    dev = "cuda"
+    inputs = [(torch.randn(M, K, device=dev, dtype=dtype),
+               torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5) for _ in range(2)]
+    c10d = torch.ops._c10d_functional
+
+    def nccl_cublas(a, b):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(a @ b, "sum", world, group_name))
+
+    def torch_fused(a, b):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+
+    def gemm_only(a, b):
+        return a @ b
+
+    full = torch.randn(M, N, device=dev, dtype=dtype)
+
+    def comm_only(a, b):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", world, group_name))
+
+    def ditron(params):
+        text = plan_text(params) if params is not None else None
+        def f(a, b):
+            if text is None:
+                return nccl_cublas(a, b)
+            return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum", group_name,
+                                                          world, text)
+        return f
+
+    ms = {}
+    ms["nccl_cublas"] = bench(nccl_cublas, inputs, args.iters, args.reps, label="nccl_cublas")
+    ms["torch_fused"] = safe("torch_fused", bench, torch_fused, inputs, args.iters, args.reps,
+                             label="torch_fused")
+    ms["gemm_only"] = bench(gemm_only, inputs, args.iters, args.reps)
+    ms["comm_only"] = bench(comm_only, inputs, args.iters, args.reps)
+    plans = {}
+    ref = nccl_cublas(*inputs[0])
+    for name, params in RS_CANDIDATES.items():
+        def one(name=name, params=params):
+            got = ditron(params)(*inputs[0])
+            check_close(f"RS {shape} {name}", got, ref)
+            return bench(ditron(params), inputs, args.iters, args.reps, label=name)
+        plans[name] = safe(name, one)
+    chosen, why = ditron_task_plan
+    ms["ditron"] = (bench(ditron(None), inputs, args.iters, args.reps) if chosen is None
+                    else plans.get(chosen["label"], float("nan")))
+    return ms, plans
+
+
+def cost_model_choice(op, shape, dtype, group_name, world):
+    """The cost model's plan for this shape, as a candidate label (None: NCCL + cuBLAS)."""
+    from ditron_inductor.scheduler.cost_model import choose_device_plan, plan_label
+    from ditron_inductor.scheduler.task import Task
+
+    M, K, N = shape
+    task = Task(op=op, group_name=group_name, world_size=world, m=M, k=K, ns=(N,), dtype=dtype,
+                device_type="cuda", dim=0, dim_size=M, reduce_op="sum" if "reduce" in op else None,
+                has_bias=(False,))
+    plan, why = choose_device_plan(task)
+    if plan is None or plan.impl == "reference":
+        return None, why
+    return {"label": plan_label(plan)}, why
+
+
+def run_mlp(dtype, group_name, world, args):
+    """Sequence-parallel MLP: all-gather -> W1 -> gelu -> W2 -> reduce-scatter, compiled 3 ways."""
+    import torch._inductor.config as inductor_config
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tokens, d, f = args.mlp_tokens, args.mlp_d, args.mlp_f
+    w1 = torch.randn(d, f // world, device="cuda", dtype=dtype) / d ** 0.5
+    w2 = torch.randn(f // world, d, device="cuda", dtype=dtype) / f ** 0.5
+
+    def mlp(x):
+        h = funcol.all_gather_tensor(x, 0, group_name)
+        h = torch.nn.functional.gelu(h @ w1)
+        return funcol.reduce_scatter_tensor(h @ w2, "sum", 0, group_name)
+
+    inputs = [(torch.randn(tokens // world, d, device="cuda", dtype=dtype),) for _ in range(2)]
+    res = {}
+    torch._dynamo.reset()
+    res["eager"] = bench(mlp, inputs, args.iters, args.reps)
+    torch._dynamo.reset()
+    res["inductor"] = safe("inductor", bench, torch.compile(mlp), inputs, args.iters, args.reps)
+    torch._dynamo.reset()
+
+    def async_tp():
+        symm_mem.enable_symm_mem_for_group(group_name)
+        with inductor_config.patch(_micro_pipeline_tp=True):
+            fn = torch.compile(mlp)
+            fn(*inputs[0])
+        return bench(fn, inputs, args.iters, args.reps)
+    res["inductor_async_tp"] = safe("async tp", async_tp)
+    torch._dynamo.reset()
+
+    def ditron():
+        from ditron_inductor.backend import ditron_backend
+
+        fn = torch.compile(mlp, backend=ditron_backend)
+        ref = mlp(*inputs[0])
+        check_close("SP MLP ditron", fn(*inputs[0]), ref)
+        return bench(fn, inputs, args.iters, args.reps)
+    res["ditron"] = safe("ditron", ditron)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/bench")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--scale", type=float, default=1.0, help="scale M of every shape (smoke runs)")
+    ap.add_argument("--mlp-tokens", type=int, default=8192)
+    ap.add_argument("--mlp-d", type=int, default=8192)
+    ap.add_argument("--mlp-f", type=int, default=28672)
+    ap.add_argument("--no-mlp", action="store_true")
+    ap.add_argument("--machine", default=os.environ.get("MACHINE_KIND", "unknown"))
+    ap.add_argument("--from-json", help="no GPU: re-select each row's ditron plan with the current "
+                    "cost model from the candidates measured in that run, rewrite <out>.md/.json")
+    args = ap.parse_args()
+    if args.from_json:
+        return reselect(args)
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world = dist.get_world_size()
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group_name)
+    import ditron_inductor.ops  # noqa: F401
+    import ditron_inductor.runtime  # noqa: F401
+
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    t0 = time.time()
+    for op, shapes, runner in (("all_gather_matmul", AG_SHAPES, run_ag),
+                               ("matmul_reduce_scatter", RS_SHAPES, run_rs)):
+        for shape in shapes:
+            shape = (int(shape[0] * args.scale) // (8 * world) * 8 * world, shape[1], shape[2])
+            choice = cost_model_choice(op, shape, dtype, group_name, world)
+            HOST_MS.clear()
+            ms, plans = runner(shape, dtype, group_name, world, args, choice)
+            row = {"op": op, "M": shape[0], "K": shape[1], "N": shape[2], "world": world,
+                   "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
+                   "chosen": choice[0]["label"] if choice[0] else "nccl_cublas", "why": choice[1]}
+            rows.append(row)
+            if rank == 0:  # partial results survive a run cut short
+                with open(args.out + ".partial.json", "w") as fh:
+                    json.dump(rows, fh, indent=1)
+                print(f"{op} {shape}: " + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
+                      + " | " + " ".join(f"{k}={v:.3f}" for k, v in plans.items())
+                      + f" | chosen {row['chosen']} ({time.time() - t0:.0f}s) | host ms "
+                      + " ".join(f"{k}={v:.3f}" for k, v in HOST_MS.items()), flush=True)
+    if rank == 0 and not args.no_mlp:  # the table without the MLP first, in case the MLP fails
+        write_results(rows, None, args, world, quiet=True)
+    mlp = None if args.no_mlp else run_mlp(dtype, group_name, world, args)
+    if rank == 0:
+        write_results(rows, mlp, args, world)
+    from ditron_inductor import runtime
+
+    runtime.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reselect(args):
+    """Offline: the cost model (as now calibrated) picks each row's plan among the candidates that
+    the run measured; ditron's time is that candidate's time from the same run (NCCL+cuBLAS's
+    when the model leaves the graph alone)."""
+    with open(args.from_json) as fh:
+        data = json.load(fh)
+    rows = data["rows"]
+    for r in rows:
+        choice, why = cost_model_choice(r["op"], (r["M"], r["K"], r["N"]),
+                                        getattr(torch, r["dtype"]), "0", r["world"])
+        r["chosen"] = choice["label"] if choice else "nccl_cublas"
+        r["why"] = why
+        r["ms"]["ditron"] = (r["plans"].get(r["chosen"], float("nan")) if choice
+                             else r["ms"]["nccl_cublas"])
+    meta = data["meta"]
+    meta["reselected"] = ("plans re-selected offline by the calibrated cost model from this run's "
+                          "measured candidates: python benchmarks/bench_fused.py --from-json "
+                          f"{args.from_json} --out {args.out}")
+    args.machine = meta["machine"]
+    write_results(rows, data.get("mlp"), args, rows[0]["world"], meta=meta)
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def write_results(rows, mlp, args, world, meta=None, quiet=False):
+    if meta is None:
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        command = (f"torchrun --nproc-per-node {world} benchmarks/bench_fused.py "
+                   + " ".join(sys.argv[1:]))
+        meta = {"command": command, "machine": args.machine, "date": date,
+                "torch": torch.__version__, "triton": __import__("triton").__version__,
+                "gpu": torch.cuda.get_device_name()}
+    command, date = meta["command"], meta["date"]
+    with open(args.out + ".json", "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "mlp": mlp}, fh, indent=1)
+    lines = [f"# Fused collective + matmul on {world} GPUs ({args.dtype})", "",
+             f"- command: `{command}`", f"- machine: {args.machine} ({meta['gpu']}), torch "
+             f"{meta['torch']}, triton {meta['triton']}", f"- date: {date}"]
+    if meta.get("reselected"):
+        lines.append(f"- {meta['reselected']}")
+    lines += ["",
+             "Median ms per call (max over ranks). Speedups are NCCL+cuBLAS / ditron and "
+             "PyTorch fused / ditron; bound = max(GEMM alone, collective alone) / ditron.", "",
+             "| op | M | K | N | NCCL+cuBLAS | PyTorch fused | ditron | GEMM alone | comm alone |"
+             " vs NCCL | vs PyTorch | bound/ditron | plan |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    s1, s2, s3 = [], [], []
+    for r in rows:
+        m = r["ms"]
+        a, b, c = m["nccl_cublas"] / m["ditron"], m["torch_fused"] / m["ditron"], \
+            max(m["gemm_only"], m["comm_only"]) / m["ditron"]
+        s1.append(a), s2.append(b), s3.append(c)
+        lines.append(f"| {'AG+GEMM' if r['op'] == 'all_gather_matmul' else 'GEMM+RS'} | {r['M']} "
+                     f"| {r['K']} | {r['N']} | {m['nccl_cublas']:.3f} | {m['torch_fused']:.3f} | "
+                     f"{m['ditron']:.3f} | {m['gemm_only']:.3f} | {m['comm_only']:.3f} | {a:.2f}x "
+                     f"| {b:.2f}x | {c:.2f} | {r['chosen']} |")
+    lines += ["", f"Geometric mean: {geomean(s1):.3f}x over NCCL+cuBLAS, {geomean(s2):.3f}x over "
+              f"PyTorch fused, ditron reaches {geomean(s3):.3f} of the max(GEMM, comm) bound.", "",
+              "Every candidate plan (ms), for the cost model's calibration:", "",
+              "| op | M | K | N | " + " | ".join(sorted({k for r in rows for k in r['plans']})) + " |"]
+    keys = sorted({k for r in rows for k in r["plans"]})
+    lines.append("| --- " * (4 + len(keys)) + "|")
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | "
+                     + " | ".join(f"{r['plans'].get(k, float('nan')):.3f}" for k in keys) + " |")
+    if mlp:
+        lines += ["", f"Sequence-parallel MLP (tokens {args.mlp_tokens}, d {args.mlp_d}, "
+                  f"f {args.mlp_f}, TP {world}), ms per forward:", "",
+                  "| eager | Inductor | Inductor + async TP | ditron |", "| --- | --- | --- | --- |",
+                  f"| {mlp['eager']:.3f} | {mlp['inductor']:.3f} | {mlp['inductor_async_tp']:.3f} "
+                  f"| {mlp['ditron']:.3f} |"]
+    text = "\n".join(lines) + "\n"
+    with open(args.out + ".md", "w") as fh:
+        fh.write(text)
+    if not quiet:
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/bin/bash
+# One call on the GPU machine: install the carried wheels, run the GPU tests, run the benchmark.
+#   bash benchmarks/run_on_device.sh <world sizes for tests, e.g. "2" or "4 8"> <bench world> [bench args...]
+# Logs and results land in $OUT (the device tool brings them back).
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+TESTS=$1; BENCH_W=$2; shift 2
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+python3 -c "import nvshmem.core; print('nvshmem4py ok')" 2>&1 | tail -1
+nvidia-smi topo -m 2>&1 | head -12
+for w in $TESTS; do
+  K="world$w"; [ "$w" = "4" ] && K="world4 and torch"
+  timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_fused_gpu.py -k "$K" 2>&1 | tee $OUT/gpu_tests_w$w.log | grep -v "^$" | tail -6
+  echo "gpu tests world $w: rc=$?"
+done
+if [ "$BENCH_W" != "0" ]; then
+  timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_fused.py --out $OUT/bench_w$BENCH_W "$@" 2>&1 | tee $OUT/bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -60
+  echo "bench rc=$?"
+fi

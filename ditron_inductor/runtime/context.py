@@ -1,0 +1,138 @@
+"""Per-op contexts: the buffers, flags, streams and events of one fused op on one process group.
+
+A context is created once per (op, group, symmetric-memory backend, size class) at the first call
+that needs it (a collective step: every rank makes the same calls in the same order), and reused:
+no allocation or host synchronisation on the hot path. Each call takes the next *epoch*
+(1, 2, 3, ...); flags hold epochs and only grow, so nothing is reset between calls.
+
+Symmetric flag words (int32, one symmetric allocation per context), written by peers:
+  READY + r : rank r's data for epoch e is in place       (AG: r's shard is in r's buffer;
+                                                            RS: r pushed its partial into mine)
+  DONE + r  : rank r has finished with my buffer for epoch e (AG: r pulled my shard;
+                                                            RS: r has reduced, its slots are free)
+A flag reaches a peer as a 4-byte copy-engine copy from a local "tape" word that the same stream
+has just set to the epoch (one tape per stream role, TAPE slots deep, so a word is never rewritten
+before the copy that reads it has run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import config
+from . import driver
+from .symm import backend_for, choose_backend_name, group_barrier
+
+MIN_CLASS = 1 << 20
+MAX_STREAMS = 4
+TAPE = 64
+
+
+def size_class(nbytes: int) -> int:
+    c = MIN_CLASS
+    while c < nbytes:
+        c <<= 1
+    return c
+
+
+class OpContext:
+    READY = 0
+
+    def __init__(self, group_name: str, backend_name: str, data_bytes: int):
+        self.backend = backend_for(group_name, backend_name)
+        self.rank = self.backend.rank
+        self.world = self.backend.world
+        self.DONE = self.world
+        self.data = self.backend.alloc(data_bytes)
+        self.flags = self.backend.alloc(4 * 2 * self.world)
+        self.flags.local.zero_()
+        self.device = self.data.local.device
+        w = self.world
+        self.data_addrs = [t.data_ptr() for t in self.data.peers]
+        self.flag_bases = [t.data_ptr() for t in self.flags.peers]
+        # chunk flags of the local gathered buffer (AG): written by copy streams, read by the GEMM
+        self.chunk_flags = torch.zeros(w, dtype=torch.int32, device=self.device)
+        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.tape = torch.zeros((MAX_STREAMS + 1) * TAPE, dtype=torch.int32, device=self.device)
+        self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
+        self.ev_start, self.ev_end = driver.event(), driver.event()
+        self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
+        self.ev_chunks = [driver.event() for _ in range(w)]
+        self.epoch = 0
+        self._counters: dict[int, list] = {}
+        group_barrier(self.backend.group)  # every rank's flags are zero before anyone signals
+
+    @property
+    def side(self) -> torch.cuda.Stream:
+        return self._sides[0]
+
+    def sides(self, count: int) -> list:
+        """`count` copy streams (1..MAX_STREAMS), created once."""
+        count = max(1, min(MAX_STREAMS, count))
+        while len(self._sides) < count:
+            self._sides.append(torch.cuda.Stream(device=self.device, priority=-1))
+        return self._sides[:count]
+
+    def counters(self, nprog: int):
+        """(arrival counters of the SM-pull plan with nprog programs, the value that means
+        "arrived" for this call): each call adds nprog to every chunk's counter."""
+        entry = self._counters.get(nprog)
+        if entry is None:
+            entry = self._counters[nprog] = [
+                torch.zeros(self.world, dtype=torch.int32, device=self.device), 0]
+        entry[1] += 1
+        return entry[0], entry[1] * nprog
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def flag_addr(self, idx: int) -> int:
+        """Address of my own flag word idx (what my streams wait on)."""
+        return self.flag_bases[self.rank] + 4 * idx
+
+    def peer_flag_addr(self, peer: int, idx: int) -> int:
+        return self.flag_bases[peer] + 4 * idx
+
+    def tape_addr(self, role: int, epoch: int) -> int:
+        return self.tape.data_ptr() + 4 * (role * TAPE + epoch % TAPE)
+
+    def signal(self, stream: int, role: int, epoch: int, dst_addrs) -> None:
+        """After the prior work of `stream`: every dst flag word (local or peer) = epoch."""
+        src = self.tape_addr(role, epoch)
+        driver.write(stream, src, epoch)
+        for dst in dst_addrs:
+            driver.memcpy(dst, src, 4, stream)
+
+
+_contexts: dict[tuple, OpContext] = {}
+
+
+_by_request: dict[tuple, OpContext] = {}
+
+
+def get_context(op: str, group_name: str, data_bytes: int) -> OpContext:
+    cls = size_class(data_bytes)
+    fast_key = (op, group_name, config.symm_mem_backend, cls)
+    ctx = _by_request.get(fast_key)
+    if ctx is not None:
+        return ctx
+    backend_name = choose_backend_name(group_name)
+    key = (op, group_name, backend_name, cls)
+    ctx = _contexts.get(key)
+    if ctx is None:
+        ctx = _contexts[key] = OpContext(group_name, backend_name, cls)
+    _by_request[fast_key] = ctx
+    return ctx
+
+
+def debug_waits() -> bool:
+    return config.wait_timeout_s > 0
+
+
+def clear_contexts() -> None:
+    for ctx in _contexts.values():
+        for ev in [ctx.ev_start, ctx.ev_end, *ctx.ev_sides, *ctx.ev_chunks]:
+            driver.destroy_event(ev)
+    _contexts.clear()
+    _by_request.clear()

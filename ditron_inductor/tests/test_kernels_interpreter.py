@@ -1,0 +1,224 @@
+"""The fused ops' Triton kernels on CPU under the Triton interpreter, on emulated ranks.
+
+Each emulated rank owns host tensors (its symmetric data buffer and flag words); a table of their
+addresses plays the peer-pointer table, so the kernels read and write "peer" memory exactly as on
+GPUs. There is no concurrency in the interpreter, so producers (transfers, notifications) run
+before the consumers that wait on them; a wait that could never finish is bounded (limit) and
+must report its flag instead of hanging.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the templates
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ditron_inductor.templates import ag_gemm, comm, reduce, transfer  # noqa: E402
+
+BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
+
+
+def table(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+class Rank:
+    def __init__(self, world):
+        self.flags = torch.zeros(2 * world, dtype=torch.int32)  # READY[w], DONE[w]
+        self.err = torch.zeros(1, dtype=torch.int32)
+
+
+def run_ag_gemm(gathered, w, bias, flags, err, rows, rank, epoch, tma, progs=3, limit=LIMIT):
+    m, k = gathered.shape
+    n = w.shape[1]
+    out = torch.full((m, n), float("nan"), dtype=gathered.dtype)
+    has_bias = bias is not None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_trans = w.stride(0) == 1
+        ad = TensorDescriptor.from_tensor(gathered, [16, 32])
+        bd = TensorDescriptor.from_tensor(w.t(), [32, 32]) if b_trans else TensorDescriptor.from_tensor(w, [32, 32])
+        cd = TensorDescriptor.from_tensor(out, [16, 32])
+        ag_gemm.ag_gemm_tma_kernel[(progs,)](
+            ad, bd, cd, bias if has_bias else out, flags, err, m, n, k, rows, rank * rows, epoch,
+            limit, HAS_BIAS=has_bias, WAIT=True, B_TRANS=b_trans, NUM_PROGS=progs, **BLOCKS)
+    else:
+        ag_gemm.ag_gemm_kernel[(progs,)](
+            gathered, w, out, bias if has_bias else out, flags, err, m, n, k,
+            gathered.stride(0), gathered.stride(1), w.stride(0), w.stride(1), out.stride(0),
+            out.stride(1), rows, rank * rows, epoch, limit, HAS_BIAS=has_bias, WAIT=True,
+            NUM_PROGS=progs, **BLOCKS)
+    return out
+
+
+def ref_mm(a, w, bias=None):
+    out = a.double() @ w.double()
+    if bias is not None:
+        out += bias.double()
+    return out
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+# bf16 GEMMs are checked on GPUs only: the Triton interpreter (3.9) computes tl.dot on bf16
+# operands wrongly (it treats their bits as integers); its bf16 loads, stores and sums are right.
+@pytest.mark.parametrize("dtype", [torch.float16])
+@pytest.mark.parametrize("tma", [False, True])
+def test_all_gather_matmul_protocol(dtype, tma):
+    """Two epochs of the AG protocol on 3 emulated ranks: shards into symmetric buffers, READY
+    notifications through the peer table, ring-order pulls that raise chunk flags, then the
+    persistent GEMM waiting on them (M not a multiple of the block, chunks not block-aligned)."""
+    torch.manual_seed(0)
+    world, rows, k, n = 3, 20, 48, 64
+    ranks = [Rank(world) for _ in range(world)]
+    flag_table = table([r.flags for r in ranks])
+    w = torch.randn(k, n, dtype=dtype)
+    w_t = torch.randn(n, k, dtype=dtype).t()  # a transposed weight (nn.Linear layout)
+    bias = torch.randn(n, dtype=dtype)
+    for epoch in (1, 2):
+        shards = [torch.randn(rows, k, dtype=dtype) for _ in range(world)]
+        symm = [s.clone() for s in shards]  # each rank's symmetric buffer, after its local copy
+        for r in range(world):  # producers: every rank says its shard is ready
+            comm.notify_peers_kernel[(1,)](flag_table, r, epoch, r, world)
+        for r in range(world):
+            assert all(int(ranks[r].flags[p]) == epoch for p in range(world) if p != r)
+        ref_a = torch.cat(shards)
+        for r in range(world):
+            chunk_flags = torch.zeros(world, dtype=torch.int32)
+            chunk_flags.fill_(epoch - 1)  # the previous epoch's flags are still there
+            gathered = torch.empty(world * rows, k, dtype=dtype)
+            gathered[r * rows:(r + 1) * rows] = symm[r]
+            chunk_flags[r] = epoch
+            for i in range(1, world):  # ring-order pulls, each followed by its chunk flag
+                p = (r + i) % world
+                comm.wait_flags_kernel[(1,)](ranks[r].flags, p, 1, epoch, LIMIT, ranks[r].err)
+                gathered[p * rows:(p + 1) * rows] = symm[p]
+                comm.write_flag_kernel[(1,)](chunk_flags, p, epoch)
+            comm.notify_peers_kernel[(1,)](flag_table, world + r, epoch, r, world)
+            assert int(ranks[r].err) == 0
+            for weight, b in ((w, None), (w_t, bias)):
+                out = run_ag_gemm(gathered, weight, b, chunk_flags, ranks[r].err, rows, r,
+                                  epoch, tma)
+                assert int(ranks[r].err) == 0
+                assert not torch.isnan(out).any()
+                assert rel_err(out, ref_mm(ref_a, weight, b)) < 1e-2
+        for r in range(world):  # every peer reported DONE for this epoch
+            assert all(int(ranks[r].flags[world + p]) == epoch for p in range(world) if p != r)
+
+
+def test_sm_pull_then_gemm_waits_on_counters():
+    """The SM-pull plan on 3 emulated ranks, two calls: every rank's symmetric buffer is behind
+    the data table; the pull kernel (2 programs) waits READY, copies each chunk and counts; the
+    GEMM waits until each chunk's counter reaches 2 programs x calls."""
+    torch.manual_seed(2)
+    world, rows, k, n, nprog = 3, 24, 32, 32, 2
+    dtype = torch.float16
+    w = torch.randn(k, n, dtype=dtype)
+    symm = [torch.zeros(2, rows, k, dtype=dtype) for _ in range(world)]  # two parities
+    ready = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+    counts = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+    err = torch.zeros(1, dtype=torch.int32)
+    data_table = table(symm)
+    for epoch in (1, 2):
+        parity = epoch % 2
+        shards = [torch.randn(rows, k, dtype=dtype) for _ in range(world)]
+        for r in range(world):  # producers: shard into the symmetric buffer, READY on every peer
+            symm[r][parity] = shards[r]
+            for q in range(world):
+                ready[q][r] = epoch
+        chunk_words = rows * k * 2 // 4
+        for r in range(world):
+            gathered = torch.full((world * rows, k), float("nan"), dtype=dtype)
+            transfer.ag_pull_kernel[(nprog,)](
+                data_table, parity * chunk_words, gathered.view(torch.int32), ready[r], counts[r],
+                err, r, world, chunk_words, epoch, LIMIT, BLOCK=64)
+            assert int(err) == 0 and counts[r].tolist() == [nprog * epoch] * world
+            assert torch.equal(gathered, torch.cat(shards))
+            out = run_ag_gemm(gathered, w, None, counts[r], err, rows, r, nprog * epoch, tma=False)
+            assert int(err) == 0
+            assert rel_err(out, ref_mm(torch.cat(shards), w)) < 1e-2
+
+
+def test_all_gather_matmul_missing_chunk_reports_flag():
+    """A chunk whose flag never reaches the epoch: the bounded wait records which one."""
+    world, rows, k, n = 2, 16, 32, 32
+    gathered = torch.randn(world * rows, k, dtype=torch.float16)
+    w = torch.randn(k, n, dtype=torch.float16)
+    flags = torch.tensor([5, 4], dtype=torch.int32)  # chunk 1 is one epoch behind
+    err = torch.zeros(1, dtype=torch.int32)
+    run_ag_gemm(gathered, w, None, flags, err, rows, 0, 5, tma=False, progs=1)
+    assert int(err) == 1 + 1  # code = chunk + 1
+
+
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter_protocol(reduce_op):
+    """GEMM+RS on 4 emulated ranks: each rank computes its partials with the plain persistent
+    GEMM in ring order (rank+1 first), pushes each into the owner's receive slot and notifies it;
+    owners wait for every READY and reduce their slots."""
+    torch.manual_seed(1)
+    world, rows, k, n = 4, 12, 40, 48
+    dtype = torch.float16
+    ranks = [Rank(world) for _ in range(world)]
+    recv = [torch.full((world, rows, n), float("nan"), dtype=dtype) for _ in range(world)]
+    a = [torch.randn(world * rows, k, dtype=dtype) for _ in range(world)]
+    b = [torch.randn(k, n, dtype=dtype) for _ in range(world)]
+    bias = [torch.randn(n, dtype=dtype) for _ in range(world)]
+    epoch = 1
+    for r in range(world):
+        order = [(r + i) % world for i in range(1, world)] + [r]
+        assert order[0] == (r + 1) % world and order[-1] == r
+        for p in order:
+            part = torch.empty(rows, n, dtype=dtype)
+            a_rows = a[r][p * rows:(p + 1) * rows]
+            ag_gemm.ag_gemm_kernel[(2,)](
+                a_rows, b[r], part, bias[r], part, ranks[r].err, rows, n, k,
+                a_rows.stride(0), a_rows.stride(1), b[r].stride(0), b[r].stride(1),
+                part.stride(0), part.stride(1), 1, 0, 0, 0, HAS_BIAS=True, WAIT=False,
+                NUM_PROGS=2, **BLOCKS)
+            recv[p][r] = part  # the copy-engine push
+            comm.write_flag_kernel[(1,)](ranks[p].flags, r, epoch)  # READY[r] on p
+    for r in range(world):
+        comm.wait_flags_kernel[(1,)](ranks[r].flags, 0, world, epoch, LIMIT, ranks[r].err)
+        assert int(ranks[r].err) == 0
+        out = torch.empty(rows, n, dtype=dtype)
+        reduce.reduce_slots_kernel[(3,)](recv[r], out, rows * n, rows * n, world,
+                                         0.25 if reduce_op == "avg" else 1.0, BLOCK=256)
+        ref = sum(ref_mm(a[q][r * rows:(r + 1) * rows], b[q], bias[q]) for q in range(world))
+        if reduce_op == "avg":
+            ref = ref / world
+        assert rel_err(out, ref) < 1e-2
+
+
+def test_reduce_slots_bf16():
+    world, n = 3, 1000
+    src = torch.randn(world, n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    reduce.reduce_slots_kernel[(4,)](src, out, n, n, world, 1.0 / world, BLOCK=256)
+    assert rel_err(out, src.double().mean(0)) < 1e-2
+
+
+def test_wait_gives_up_and_names_the_flag():
+    flags = torch.tensor([3, 3, 2], dtype=torch.int32)
+    err = torch.zeros(1, dtype=torch.int32)
+    comm.wait_flags_kernel[(1,)](flags, 0, 3, 3, LIMIT, err)
+    assert int(err) == 3  # flag 2 (+1)
+    err.zero_()
+    comm.wait_flags_kernel[(1,)](flags, 0, 2, 3, LIMIT, err)
+    assert int(err) == 0
+
+
+def test_chunk_groups_follow_the_ring():
+    from ditron_inductor.runtime.fused import _runs, chunk_groups, default_groups
+
+    assert sum(default_groups(8)) == 8 and default_groups(8)[0] == 1
+    groups = chunk_groups(8, 6, [1, 3, 4])
+    assert groups == [[6], [7, 0, 1], [2, 3, 4, 5]]
+    assert _runs([7, 0, 1]) == [(7, 7), (0, 1)]
+    assert [c for g in chunk_groups(4, 1, default_groups(4)) for c in g] == [1, 2, 3, 0]
