@@ -25,6 +25,7 @@ from .scheduler.task import (
     MATMUL_ALL_REDUCE,
     MATMUL_REDUCE_SCATTER,
     Task,
+    chunks_contiguous,
 )
 
 log = logging.getLogger(LOGGER_NAME)
@@ -123,6 +124,7 @@ def all_gather_matmul_task(a_shard: Tensor, weights: Sequence[Tensor], biases, g
         device_type=a_shard.device.type, dim=gather_dim,
         dim_size=a_shard.shape[gather_dim] * world_size,
         has_bias=tuple(b is not None for b in biases),
+        rank_chunks_contiguous=chunks_contiguous(a_shard.shape, gather_dim),
     )
 
 
@@ -173,6 +175,7 @@ def matmul_collective_task(op: str, a: Tensor, b: Tensor, bias, out_shape, dim: 
         ns=(b.shape[1],), dtype=a.dtype, device_type=a.device.type, dim=dim,
         dim_size=shape[dim] if op == MATMUL_REDUCE_SCATTER else None,
         reduce_op=reduce_op, has_bias=(bias is not None,),
+        rank_chunks_contiguous=chunks_contiguous(shape, dim),
     )
 
 

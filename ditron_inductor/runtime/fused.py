@@ -234,7 +234,15 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
     if torch.cuda.is_current_stream_capturing():
         return _why_not("CUDA graph capture (epochs are host values)")
     if gather_dim != 0:
-        return _why_not("gather_dim != 0")
+        if not task.rank_chunks_contiguous:
+            return _why_not(f"gather_dim {gather_dim} interleaves the ranks' rows")
+        # every dim before gather_dim has size 1: the same rows as a gather on dim 0
+        lead = list(a_shard.shape[:gather_dim])
+        outs = all_gather_matmul_fused(task, plan, a_shard.reshape(a_shard.shape[gather_dim:]),
+                                       weights, biases, 0, group_name, world_size)
+        if outs is not None:
+            outs[0] = outs[0].view(lead + list(outs[0].shape))
+        return outs
     if a_shard.dtype not in _DTYPES or a_shard.dim() < 2:
         return _why_not(f"dtype {a_shard.dtype} / rank {a_shard.dim()}")
     k = a_shard.shape[-1]
@@ -377,8 +385,16 @@ def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_sh
                                 reduce_op, group_name, world_size):
     if torch.cuda.is_current_stream_capturing():
         return _why_not("CUDA graph capture (epochs are host values)")
-    if scatter_dim != 0 or reduce_op not in ("sum", "avg"):
-        return _why_not(f"scatter_dim {scatter_dim} / reduce_op {reduce_op}")
+    if reduce_op not in ("sum", "avg"):
+        return _why_not(f"reduce_op {reduce_op}")
+    if scatter_dim != 0:
+        if not task.rank_chunks_contiguous:
+            return _why_not(f"scatter_dim {scatter_dim} interleaves the ranks' rows")
+        # every dim before scatter_dim has size 1: the same rows as a scatter on dim 0
+        lead = list(out_shape[:scatter_dim])
+        out = matmul_reduce_scatter_fused(task, plan, a, b, bias, list(out_shape[scatter_dim:]),
+                                          0, reduce_op, group_name, world_size)
+        return None if out is None else out.view(lead + list(out.shape))
     if a.dtype not in _DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
         return _why_not("dtype or rank")
     if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != b.shape[1]):

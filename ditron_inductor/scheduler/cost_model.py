@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .plan import FUSED, REFERENCE_PLAN, DevicePlan
+from .plan import FUSED, DevicePlan
 from .task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task, size_hint
 
 _TRITON_BIG = dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64, group_m=8,
@@ -158,10 +158,13 @@ def default_params(task: Task) -> dict:
 
 def choose_device_plan(task: Task) -> tuple[Optional[DevicePlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain)."""
+    # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still
+    # schedule, rather than the same work hidden inside an opaque reference op.
     if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
-        return REFERENCE_PLAN, "no fused kernel for this op"
-    if getattr(task, "dim", 0) != 0:
-        return REFERENCE_PLAN, f"the fused kernels gather/scatter along dim 0 only (dim {task.dim})"
+        return None, f"no fused CUDA kernel for {task.op} yet"
+    if not task.rank_chunks_contiguous:
+        return None, (f"the fused kernels take each rank's chunk as one block of rows; "
+                      f"dim {task.dim} with a leading dim > 1 interleaves them")
     preds = {k: v for k, v in predict(task).items() if k not in UNVALIDATED}
     base = preds.pop("nccl_cublas")
     best = min(preds, key=preds.get)

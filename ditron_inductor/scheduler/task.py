@@ -28,8 +28,9 @@ class Task:
     m, k, ns: the matmul is [m, k] @ [k, n] for each n in ns. For all-gather, m counts the rows
     gathered from all ranks; for reduce-scatter and all-reduce, the rows of the local matmul
     before the collective. dim is the gather/scatter dim of the N-d activation and dim_size its
-    full length; shard_rows is how many rows of the [m, ...] matrix one rank owns (None for
-    all-reduce).
+    full length. rank_chunks_contiguous: each rank's chunk is one block of consecutive rows of
+    the [m, k] matrix (dim 0, or every dim before dim has size 1), the layout the fused kernels
+    take; a gather/scatter on dim 1 of [B > 1, S, H] interleaves the ranks' rows instead.
     """
 
     op: str
@@ -44,6 +45,7 @@ class Task:
     dim_size: Optional[SymOrInt] = None
     reduce_op: Optional[str] = None
     has_bias: tuple[bool, ...] = ()
+    rank_chunks_contiguous: bool = True
 
     @property
     def m_hint(self) -> int:
@@ -77,3 +79,11 @@ def numel(shape) -> SymOrInt:
     for s in shape:
         total = total * s
     return total
+
+
+def chunks_contiguous(shape, dim: int) -> bool:
+    """Whether cutting `shape` into equal pieces along `dim` leaves each piece one block of
+    consecutive rows of the flattened [rows, last] matrix (a symbolic size counts as > 1)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return dim == 0 or statically_known_true(numel(shape[:dim]) == 1)

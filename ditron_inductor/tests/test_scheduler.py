@@ -110,3 +110,31 @@ def test_plan_survives_the_graph_as_text():
 
 def test_task_description_names_shapes_and_group():
     assert AG.describe() == "all_gather_matmul M=8192 K=8192 N=7168 bfloat16 world=4 group=0"
+
+
+def test_rank_chunks_contiguous_follows_the_layout():
+    from ditron_inductor import ops
+
+    w = torch.empty(64, 32)
+    task = ops.all_gather_matmul_task
+    assert task(torch.empty(4, 64), [w], [None], 0, "0", 8).rank_chunks_contiguous
+    assert task(torch.empty(1, 4, 64), [w], [None], 1, "0", 8).rank_chunks_contiguous
+    assert not task(torch.empty(2, 4, 64), [w], [None], 1, "0", 8).rank_chunks_contiguous
+    rs = ops.matmul_collective_task
+    assert rs(ops.MATMUL_REDUCE_SCATTER, torch.empty(16, 64), w, None, [1, 16, 32], 1, "sum", "0",
+              8).rank_chunks_contiguous
+    assert not rs(ops.MATMUL_REDUCE_SCATTER, torch.empty(32, 64), w, None, [2, 16, 32], 1, "sum",
+                  "0", 8).rank_chunks_contiguous
+
+
+def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
+    from ditron_inductor.scheduler.cost_model import choose_device_plan
+
+    plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
+    assert plan is None and "interleaves" in why
+    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum"))
+    assert plan is None and why == "no fused CUDA kernel for matmul_all_reduce yet"
+    # [1, S, H] gathered on dim 1 is planned like a dim-0 gather
+    same_rows = dataclasses.replace(AG, dim=1, rank_chunks_contiguous=True)
+    assert choose_device_plan(same_rows) == choose_device_plan(AG)
+

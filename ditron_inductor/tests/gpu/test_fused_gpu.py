@@ -87,6 +87,18 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
     ref = all_gather_matmul_reference(a, [w], [None], 0, group_name, world)
     assert torch.equal(out[0], ref[0]) and out[0].shape == (5 * world, 3, 64)
     _check("AG 3-d", out[1], ref[1])
+    # gathered along dim 1: fused where the leading dim is 1 ([1, S, H]: the rows of a dim-0
+    # gather), the reference path where it interleaves the ranks' rows ([2, S, H])
+    from ditron_inductor.runtime.fused import stats
+
+    for batch, fused_expected in ((1, True), (2, False)):
+        a = torch.randn(batch, 5, 64, generator=gen, device=dev, dtype=dtype)
+        served = stats["all_gather_matmul"]
+        out = torch.ops.ditron.all_gather_matmul(a, [w], [None], 1, group_name, world, _plan())
+        ref = all_gather_matmul_reference(a, [w], [None], 1, group_name, world)
+        assert (stats["all_gather_matmul"] > served) == fused_expected, f"AG dim 1 B={batch}"
+        assert torch.equal(out[0], ref[0]) and out[0].shape == (batch, 5 * world, 64)
+        _check(f"AG dim 1 B={batch}", out[1], ref[1])
 
 
 def _rs_cases(group_name, world, rank, dtype, gen, calls):
@@ -117,6 +129,19 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
     ref = matmul_reduce_scatter_reference(a, b, None, shape, 0, "sum", group_name, world)
     assert out.shape == (4, 6, 32)
     _check("RS 3-d", out, ref)
+    # scattered along dim 1 of [B, S, N]: fused for B = 1, the reference path for B = 2
+    from ditron_inductor.runtime.fused import stats
+
+    for batch, fused_expected in ((1, True), (2, False)):
+        a = torch.randn(batch * 4 * world, 64, generator=gen, device=dev, dtype=dtype)
+        shape = [batch, 4 * world, 32]
+        served = stats["matmul_reduce_scatter"]
+        out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, shape, 1, "sum", group_name,
+                                                     world, _plan())
+        ref = matmul_reduce_scatter_reference(a, b, None, shape, 1, "sum", group_name, world)
+        assert (stats["matmul_reduce_scatter"] > served) == fused_expected, f"RS dim 1 B={batch}"
+        assert out.shape == (batch, 4, 32)
+        _check(f"RS dim 1 B={batch}", out, ref)
 
 
 def _compiled_case(group_name, world, rank, gen):
