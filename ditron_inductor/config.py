@@ -19,7 +19,8 @@ def _env_set(name: str, default: str) -> frozenset[str]:
 
 # Which patterns the pass may rewrite (DITRON_PATTERNS, comma separated).
 patterns: frozenset[str] = _env_set(
-    "DITRON_PATTERNS", "all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce"
+    "DITRON_PATTERNS",
+    "all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce,matmul_all_reduce_rmsnorm",
 )
 
 # Dtypes the ditron ops serve; other dtypes are left to Inductor.

@@ -12,6 +12,7 @@ reference path instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional, Sequence
 
@@ -23,6 +24,7 @@ from .scheduler.plan import REFERENCE, DevicePlan
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
+    MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
     Task,
     chunks_contiguous,
@@ -244,3 +246,59 @@ def matmul_all_reduce(
 @matmul_all_reduce.register_fake
 def _(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
     return a.new_empty(list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]])
+
+
+# ------------------------------------------------- matmul -> all-reduce (+ residual) -> RMSNorm
+
+
+def rms_norm_reference(h: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool) -> Tensor:
+    """Llama-style RMSNorm over the last dim, in the two roundings models use:
+    weight_in_fp32=False: (h32 * rsqrt(mean(h32^2) + eps)).to(h.dtype) * weight (Hugging Face);
+    weight_in_fp32=True:  (h32 * rsqrt(mean(h32^2) + eps) * weight).to(h.dtype) (F.rms_norm)."""
+    h32 = h.float()
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        return (normed * weight).to(h.dtype)
+    return normed.to(h.dtype) * weight
+
+
+def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_weight, eps,
+                                        weight_in_fp32, reduce_op, group_name, world_size):
+    summed = matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, world_size)
+    h = summed if residual is None else summed + residual
+    return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
+
+
+@torch.library.custom_op("ditron::matmul_all_reduce_rmsnorm", mutates_args=())
+def matmul_all_reduce_rmsnorm(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    out_shape: Sequence[int],
+    residual: Optional[Tensor],
+    norm_weight: Tensor,
+    eps: float,
+    weight_in_fp32: bool,
+    reduce_op: str,
+    group_name: str,
+    world_size: int,
+    plan: str,
+) -> tuple[Tensor, Tensor]:
+    """The row-parallel layer of tensor-parallel inference in one op:
+    h = all_reduce(a @ b + bias) (viewed as `out_shape`) + residual, y = RMSNorm(h) * norm_weight
+    (see `rms_norm_reference` for the two roundings). Returns (h, y): h is the next residual."""
+    task = dataclasses.replace(
+        matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
+                               group_name, world_size),
+        op=MATMUL_ALL_REDUCE_RMSNORM, has_residual=residual is not None)
+    return _dispatch(task, plan, matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape,
+                     residual, norm_weight, eps, weight_in_fp32, reduce_op, group_name,
+                     world_size)
+
+
+@matmul_all_reduce_rmsnorm.register_fake
+def _(a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op, group_name,
+      world_size, plan):
+    shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
+    return a.new_empty(shape), a.new_empty(shape)
+

@@ -46,7 +46,7 @@ reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 
 def _source_files() -> tuple[str, ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = ["ops.py", "config.py", "lowering/match.py", "lowering/rewrite.py",
+    names = ["ops.py", "config.py", "lowering/match.py", "lowering/norm.py", "lowering/rewrite.py",
              "lowering/graph_pass.py", "scheduler/decide.py", "scheduler/cost_model.py",
              "scheduler/plan.py", "scheduler/task.py"]
     return tuple(os.path.join(root, n) for n in names)

@@ -9,7 +9,7 @@ Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
       -> mm / addmm (one or several, the gathered activation as left operand)
   mm / addmm [-> reshape to N-d] [-> split/slice on dim d -> cat(dim 0)]
       -> reduce_scatter_tensor -> wait_tensor
-  mm / addmm [-> reshape to N-d] -> all_reduce -> wait_tensor
+  mm / addmm [-> reshape to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import Graph, Node
 
-from .. import ops
-from ..scheduler.task import MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER, Task
+from .. import config, ops
+from ..scheduler.task import (
+    MATMUL_ALL_REDUCE,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+    Task,
+)
+from .norm import RmsNormTail, find_rmsnorm_tail
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -215,7 +221,7 @@ def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
 
 @dataclasses.dataclass
 class MatmulCollectiveMatch:
-    op: str  # MATMUL_REDUCE_SCATTER or MATMUL_ALL_REDUCE
+    op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE or MATMUL_ALL_REDUCE_RMSNORM
     collective: Node
     wait: Node
     matmul: MatmulUse
@@ -226,6 +232,7 @@ class MatmulCollectiveMatch:
     group_name: str
     world_size: int
     problem: Optional[str] = None
+    norm: Optional[RmsNormTail] = None  # the residual add + RMSNorm after an all-reduce
 
     @property
     def anchor(self) -> Node:
@@ -239,10 +246,15 @@ class MatmulCollectiveMatch:
     def task(self) -> Task:
         mm = self.matmul
         shape = fake(self.reshape).shape if self.reshape is not None else []
-        return ops.matmul_collective_task(
-            self.op, fake(mm.a), fake(mm.weight), None if mm.bias is None else fake(mm.bias),
-            shape, self.dim, self.reduce_op, self.group_name, self.world_size,
+        task = ops.matmul_collective_task(
+            MATMUL_ALL_REDUCE if self.norm else self.op, fake(mm.a), fake(mm.weight),
+            None if mm.bias is None else fake(mm.bias), shape, self.dim, self.reduce_op,
+            self.group_name, self.world_size,
         )
+        if self.norm:
+            task = dataclasses.replace(task, op=self.op,
+                                       has_residual=self.norm.residual is not None)
+        return task
 
     def replaced_nodes(self) -> list[Node]:
         return [self.matmul.node]
@@ -289,6 +301,10 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
     if reshape is not None and not all(isinstance(s, (int, Node)) and not (
             isinstance(s, int) and s < 0) for s in reshape.args[1]):
         match.problem = match.problem or f"{reshape.name} infers a size (-1)"
+    if op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in config.patterns:
+        match.norm = find_rmsnorm_tail(match.wait)
+        if match.norm is not None:
+            match.op = MATMUL_ALL_REDUCE_RMSNORM
     return match
 
 

@@ -46,18 +46,29 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
 
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
     mm = match.matmul
+    norm = match.norm
     if match.op == MATMUL_REDUCE_SCATTER:
         target = ditron.matmul_reduce_scatter.default
         extra = (match.out_shape, match.dim)
+    elif norm is not None:
+        target = ditron.matmul_all_reduce_rmsnorm.default
+        extra = (match.out_shape, norm.residual, norm.weight, norm.eps, norm.weight_in_fp32)
     else:
         target = ditron.matmul_all_reduce.default
         extra = (match.out_shape,)
     args = (mm.a, mm.weight, mm.bias, *extra, match.reduce_op, match.group_name,
             match.world_size, plan)
     op = _insert_call(graph, target, args)
-    match.wait.replace_all_uses_with(op)
+    tail: list[Node] = []  # the replaced nodes after the collective, users first
+    if norm is not None:
+        h, y = (_insert_getitem(graph, op, i) for i in range(2))
+        norm.h.replace_all_uses_with(h)
+        norm.out.replace_all_uses_with(y)
+        tail = [norm.out] + norm.inner[::-1] + [norm.h]
+    else:
+        match.wait.replace_all_uses_with(op)
     inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
-    _erase_unused(graph, [match.wait, match.collective]
+    _erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
                   + ([match.reshape] if match.reshape is not None else []) + [mm.node])
     return op

@@ -18,7 +18,8 @@ SymOrInt = Union[int, torch.SymInt]
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 MATMUL_ALL_REDUCE = "matmul_all_reduce"
-OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE)
+MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
+OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Task:
     reduce_op: Optional[str] = None
     has_bias: tuple[bool, ...] = ()
     rank_chunks_contiguous: bool = True
+    # matmul_all_reduce_rmsnorm: a residual is added before the norm
+    has_residual: bool = False
 
     @property
     def m_hint(self) -> int:

@@ -28,6 +28,7 @@ from ditron_inductor.tests.distributed import run_ranks
 AG = "all_gather_matmul"
 RS = "matmul_reduce_scatter"
 AR = "matmul_all_reduce"
+AR_NORM = "matmul_all_reduce_rmsnorm"
 RTOL, ATOL = 1e-4, 1e-5
 THIS = "ditron_inductor.tests.test_e2e_gloo"
 RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -139,6 +140,24 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
     def ar(x, w):
         return funcol.all_reduce(F.linear(x, w), "sum", g)
 
+    def ar_rmsnorm(norm):  # inference: row-parallel layer, residual add, RMSNorm
+        def f(x, w, res, nw):
+            h = funcol.all_reduce(F.linear(x, w), "sum", g) + res
+            return torch.cat([h, norm(h, nw)], dim=-1)
+        return f
+
+    def rmsnorm_hf(h, nw):  # Hugging Face Llama: round, then scale
+        h32 = h.float()
+        return (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * nw
+
+    def rmsnorm_fp32_weight(h, nw):  # scale in float32, then round
+        h32 = h.float()
+        return (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6) * nw).to(h.dtype)
+
+    def rmsnorm_functional(h, nw):
+        return F.rms_norm(h, (N,), nw, 1e-5)
+
+    bf16 = [t.to(torch.bfloat16) for t in (x, w, _randn(B, S, N, seed=6), _randn(N, seed=7))]
     xw = _randn(B, S * world_size, H, seed=200 + rank)  # rows that a reduce-scatter splits
     wq, wk, wv = (_randn(N, H, seed=s) for s in (3, 4, 5))
     checks = {
@@ -150,6 +169,11 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
         # funcol's reduce-scatter has no backward for avg: forward only.
         "rs_dim1_avg": lambda: _fwd_bwd(rs(1, "avg"), [xw, w, b], grads=False),
         "ar_sum": lambda: _fwd_bwd(ar, [x, w]),
+        "ar_rmsnorm_hf": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_hf), bf16, grads=False),
+        "ar_rmsnorm_fp32_weight": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_fp32_weight), bf16,
+                                                   grads=False),
+        "ar_rmsnorm_functional": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_functional), bf16,
+                                                  grads=False),
     }
     if hasattr(funcol, "all_gather_single"):
         checks["ag_dim1_single"] = lambda: _fwd_bwd(ag_dim1_single, [x, w, b])
@@ -166,6 +190,9 @@ FUNCOL_EXPECTED = {
     "rs_dim1_sum": {"forward": [RS], "backward": [AG]},
     "rs_dim1_avg": {"forward": [RS]},
     "ar_sum": {"forward": [AR]},
+    "ar_rmsnorm_hf": {"forward": [AR_NORM]},
+    "ar_rmsnorm_fp32_weight": {"forward": [AR_NORM]},
+    "ar_rmsnorm_functional": {"forward": [AR_NORM]},
 }
 
 

@@ -148,6 +148,76 @@ return matmul_all_reduce_default
 """)
 
 
+def rmsnorm(h, w, weight_in_fp32=False, eps=1e-6):
+    h32 = h.float()
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * w).to(h.dtype) if weight_in_fp32 else normed.to(h.dtype) * w
+
+
+class AllReduceRmsNormTest(TestCase):
+    """Tensor-parallel inference: row-parallel matmul, all-reduce, residual add, RMSNorm."""
+
+    def trace_layer(self, layer, dtype=torch.bfloat16, residual=True):
+        args = [randn(2, 3, 8), randn(16, 8)] + ([randn(2, 3, 16)] if residual else []) + [randn(16)]
+        with fake_group(2) as g:
+            gm = trace(lambda *a: layer(g, *a), *[t.to(dtype) for t in args])
+            report = rewrite(gm)
+        return gm, report
+
+    def test_residual_and_norm_rounded_then_scaled(self):
+        def layer(g, x, w, residual, norm_w):
+            h = all_reduce(F.linear(x, w), "sum", g) + residual
+            return h, rmsnorm(h, norm_w)
+
+        gm, report = self.trace_layer(layer)
+        self.assertIn("matmul_all_reduce_rmsnorm M=6 K=8 N=16 bfloat16", report.candidates[0].task)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(arg1_1, [1, 0])
+view = view(arg0_1, [6, 8])
+matmul_all_reduce_rmsnorm_default = matmul_all_reduce_rmsnorm(view, permute, None, [2, 3, 16], arg2_1, arg3_1, 1e-06, False, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(matmul_all_reduce_rmsnorm_default, 1)
+getitem = getitem(matmul_all_reduce_rmsnorm_default, 0)
+convert_element_type = prims.convert_element_type.default(view, torch.float32)
+convert_element_type_1 = prims.convert_element_type.default(permute, torch.float32)
+return [getitem, getitem_1]
+""")
+
+    def test_norm_scaled_in_fp32_without_residual(self):
+        def layer(g, x, w, norm_w):
+            return rmsnorm(all_reduce(F.linear(x, w), "sum", g), norm_w, weight_in_fp32=True)
+
+        gm, _ = self.trace_layer(layer, residual=False)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(arg1_1, [1, 0])
+view = view(arg0_1, [6, 8])
+matmul_all_reduce_rmsnorm_default = matmul_all_reduce_rmsnorm(view, permute, None, [2, 3, 16], None, arg2_1, 1e-06, True, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(matmul_all_reduce_rmsnorm_default, 1)
+getitem = getitem(matmul_all_reduce_rmsnorm_default, 0)
+convert_element_type = prims.convert_element_type.default(view, torch.float32)
+convert_element_type_1 = prims.convert_element_type.default(permute, torch.float32)
+return getitem_1
+""")
+
+    def test_float32_norm(self):
+        def layer(g, x, w, residual, norm_w):
+            return rmsnorm(all_reduce(x @ w.t(), "sum", g) + residual, norm_w)
+
+        gm, report = self.trace_layer(layer, dtype=torch.float32)
+        self.assertIn("matmul_all_reduce_rmsnorm", report.candidates[0].task)
+        self.assertIn("1e-06, True", graph_text(gm))  # in float32 the two roundings coincide
+
+    def test_norm_intermediate_used_elsewhere_keeps_only_the_all_reduce(self):
+        def layer(g, x, w, residual, norm_w):
+            h = all_reduce(F.linear(x, w), "sum", g) + residual
+            h32 = h.float()
+            variance = h32.pow(2).mean(-1, keepdim=True)
+            return (h32 * torch.rsqrt(variance + 1e-6)).to(h.dtype) * norm_w, variance
+
+        gm, report = self.trace_layer(layer)
+        self.assertIn("matmul_all_reduce M=6", report.candidates[0].task)
+        self.assertIn("rsqrt", graph_text(gm))
+
+
 class LeftAloneTest(TestCase):
     """Shapes that match but must not be rewritten: the graph stays as it was, with a reason."""
 
