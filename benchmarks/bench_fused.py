@@ -82,6 +82,17 @@ def safe(name, fn, *a, **k):
         return float("nan")
 
 
+def bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args) -> dict:
+    """The baselines every fused op is compared with, timed alike in the same run."""
+    return {
+        "nccl_cublas": bench(nccl_cublas, inputs, args.iters, args.reps, label="nccl_cublas"),
+        "torch_fused": safe("torch_fused", bench, torch_fused, inputs, args.iters, args.reps,
+                            label="torch_fused"),
+        "gemm_only": bench(gemm_only, inputs, args.iters, args.reps),
+        "comm_only": bench(comm_only, inputs, args.iters, args.reps),
+    }
+
+
 def plan_text(params):
     from ditron_inductor.scheduler.plan import FUSED, DevicePlan
 
@@ -126,12 +137,7 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
             return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name, world, text)
         return f
 
-    ms = {}
-    ms["nccl_cublas"] = bench(nccl_cublas, inputs, args.iters, args.reps, label="nccl_cublas")
-    ms["torch_fused"] = safe("torch_fused", bench, torch_fused, inputs, args.iters, args.reps,
-                             label="torch_fused")
-    ms["gemm_only"] = bench(gemm_only, inputs, args.iters, args.reps)
-    ms["comm_only"] = bench(comm_only, inputs, args.iters, args.reps)
+    ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     from ditron_inductor.runtime.fused import triton_gemm
 
     full = torch.randn(M, K, device=dev, dtype=dtype)
@@ -184,12 +190,7 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
                                                           world, text)
         return f
 
-    ms = {}
-    ms["nccl_cublas"] = bench(nccl_cublas, inputs, args.iters, args.reps, label="nccl_cublas")
-    ms["torch_fused"] = safe("torch_fused", bench, torch_fused, inputs, args.iters, args.reps,
-                             label="torch_fused")
-    ms["gemm_only"] = bench(gemm_only, inputs, args.iters, args.reps)
-    ms["comm_only"] = bench(comm_only, inputs, args.iters, args.reps)
+    ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     plans = {}
     ref = nccl_cublas(*inputs[0])
     for name, params in RS_CANDIDATES.items():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (run from the repo root, `.whl/` carried): install the package so
-# its entry points exist, then check the backend under that machine's torch: unit tests, the demo
-# over NCCL (scheduler's plans, then fused plans forced), and the fused kernels on 2 ranks.
+# Checks of the backend that need the GPU machine's torch (run from the repo root, `.whl/`
+# carried): install the package so its entry points exist, then run the named steps.
+#   bash scripts/device_check.sh [step ...]    (default: every step)
+# Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2. Logs land in $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -9,12 +10,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|PASS|FAIL|Error' "$OUT/$name.log" | tail -1)"; }
-step torch_logs env TORCH_LOGS=ditron python3 -c "import torch; print('TORCH_LOGS=ditron accepted')"
-step unit timeout -k 5 170 python3 -m pytest -q -x -p no:cacheprovider ditron_inductor/tests/test_backend.py \
-  ditron_inductor/tests/test_lowering.py ditron_inductor/tests/test_scheduler.py ditron_inductor/tests/test_ops.py
-step demo_nccl timeout -k 5 120 python3 -m ditron_inductor.demo
-step demo_nccl_fused env DITRON_PLAN=fused TORCH_LOGS=ditron timeout -k 5 120 python3 -m ditron_inductor.demo
-step fused_w2 timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_fused_gpu.py -k "world2 and torch"
-grep -h "FUSED\|not fused\|PASS\|FAIL" "$OUT/demo_nccl.log" | head -20
+
+torch_logs() { env TORCH_LOGS=+ditron,graph_breaks python3 -c "import torch; print('TORCH_LOGS accepted')"; }
+unit() { timeout -k 5 170 python3 -m pytest -q -p no:cacheprovider ditron_inductor/tests/test_backend.py \
+  ditron_inductor/tests/test_lowering.py ditron_inductor/tests/test_scheduler.py ditron_inductor/tests/test_ops.py; }
+e2e_gloo() { timeout -k 5 400 python3 -m pytest -q -p no:cacheprovider ditron_inductor/tests/test_e2e_gloo.py; }
+demo_nccl() { timeout -k 5 120 python3 -m ditron_inductor.demo; }
+demo_nccl_fused() { DITRON_PLAN=fused TORCH_LOGS=ditron timeout -k 5 120 python3 -m ditron_inductor.demo; }
+fused_w2() { timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider \
+  ditron_inductor/tests/gpu/test_fused_gpu.py -k "world2 and torch"; }
+
+steps=${*:-torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2}
+for name in $steps; do
+  t0=$SECONDS; "$name" >"$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|PASS|FAIL|Error|accepted' "$OUT/$name.log" | tail -1)"
+done
+[ -f "$OUT/demo_nccl.log" ] && grep -h "FUSED\|not fused\|PASS\|FAIL" "$OUT/demo_nccl.log" | head -20
+exit 0

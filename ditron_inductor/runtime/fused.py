@@ -316,12 +316,7 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
                             num_progs=_num_sms(a_shard.device) - nprog, proxy_fence=True)
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return _gemm_failed(ctx, main, exc)
-        driver.stream_wait(main, ctx.ev_end)
-        _check_errors(ctx, "all_gather_matmul")
-        stats["all_gather_matmul"] += 1
-        shape = list(a_shard.shape)
-        shape[0] *= W
-        return [gathered.view(shape)] + outs
+        return _all_gather_done(ctx, main, a_shard, gathered, outs)
 
     # 2. copy streams: my own rows first, then the peers' shards pulled in ring order (the i-th
     #    on stream i % S), each followed by its chunk flag (Triton GEMM) or event (cuBLAS)
@@ -369,11 +364,16 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
                     a_rows = gathered[lo:hi]
                 for w, b, out in zip(weights, biases, outs):
                     _mm(a_rows, w, b, out[lo:hi], {"gemm": "cublas"})
+    return _all_gather_done(ctx, main, a_shard, gathered, outs)
+
+
+def _all_gather_done(ctx: OpContext, main: int, a_shard, gathered, outs) -> list:
+    """Join the transfer streams, surface kernel-side errors, and shape the op's outputs."""
     driver.stream_wait(main, ctx.ev_end)
     _check_errors(ctx, "all_gather_matmul")
     stats["all_gather_matmul"] += 1
     shape = list(a_shard.shape)
-    shape[0] *= W
+    shape[0] *= ctx.world
     return [gathered.view(shape)] + outs
 
 
