@@ -5,7 +5,7 @@ Imported lazily by `ops._load_fused_impls` on the first CUDA call with a fused p
 triton, and nvshmem where that backend is chosen).
 """
 
-from . import fused  # noqa: F401  (registers the implementations)
+from . import all_reduce, fused  # noqa: F401  (registers the implementations)
 from .context import clear_contexts
 
 

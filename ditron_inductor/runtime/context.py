@@ -17,6 +17,8 @@ before the copy that reads it has run).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import config
@@ -38,13 +40,13 @@ def size_class(nbytes: int) -> int:
 class OpContext:
     READY = 0
 
-    def __init__(self, group_name: str, backend_name: str, data_bytes: int):
+    def __init__(self, group_name: str, backend_name: str, data_bytes: int, flag_words: int = 0):
         self.backend = backend_for(group_name, backend_name)
         self.rank = self.backend.rank
         self.world = self.backend.world
         self.DONE = self.world
         self.data = self.backend.alloc(data_bytes)
-        self.flags = self.backend.alloc(4 * 2 * self.world)
+        self.flags = self.backend.alloc(4 * max(2 * self.world, flag_words))
         self.flags.local.zero_()
         self.device = self.data.local.device
         w = self.world
@@ -111,17 +113,20 @@ _contexts: dict[tuple, OpContext] = {}
 _by_request: dict[tuple, OpContext] = {}
 
 
-def get_context(op: str, group_name: str, data_bytes: int) -> OpContext:
+def get_context(op: str, group_name: str, data_bytes: int, flag_words: int = 0,
+                create: bool = True) -> Optional[OpContext]:
+    """The op's context for this size class; with create=False (e.g. during CUDA-graph capture,
+    where the collective setup cannot run) None if it does not exist yet."""
     cls = size_class(data_bytes)
     fast_key = (op, group_name, config.symm_mem_backend, cls)
     ctx = _by_request.get(fast_key)
-    if ctx is not None:
+    if ctx is not None or not create:
         return ctx
     backend_name = choose_backend_name(group_name)
     key = (op, group_name, backend_name, cls)
     ctx = _contexts.get(key)
     if ctx is None:
-        ctx = _contexts[key] = OpContext(group_name, backend_name, cls)
+        ctx = _contexts[key] = OpContext(group_name, backend_name, cls, flag_words)
     _by_request[fast_key] = ctx
     return ctx
 

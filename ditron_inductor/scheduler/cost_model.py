@@ -24,7 +24,14 @@ from __future__ import annotations
 from typing import Optional
 
 from .plan import FUSED, DevicePlan
-from .task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task, size_hint
+from .task import (
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+    Task,
+    size_hint,
+)
 
 _TRITON_BIG = dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64, group_m=8,
                    stages=3, warps=8)
@@ -156,8 +163,26 @@ def default_params(task: Task) -> dict:
     return dict(cands[best])
 
 
+# GEMM + all-reduce (runtime/all_reduce.py): one_shot up to this many rows (decode), else
+# two_shot. Not yet run on GPUs: the model never chooses them; DITRON_PLAN=fused forces them.
+ONE_SHOT_MAX_M = 256
+ALL_REDUCE_UNCALIBRATED = "the fused all-reduce kernels are not yet calibrated on GPUs"
+
+
+def all_reduce_params(task: Task) -> dict:
+    """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
+    if task.m_hint <= ONE_SHOT_MAX_M:
+        return dict(algo="one_shot")
+    # about 256 rows per chunk (~4 MB of bf16 partials at N = 8192), at least one per rank
+    w = max(1, task.world_size)
+    chunks = min(64 // w * w, max(w, task.m_hint // 256 // w * w))
+    return dict(algo="two_shot", chunks=chunks, comm_sms=32)
+
+
 def choose_device_plan(task: Task) -> tuple[Optional[DevicePlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain)."""
+    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+        return None, f"{ALL_REDUCE_UNCALIBRATED}: NCCL + cuBLAS (DITRON_PLAN=fused forces them)"
     # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still
     # schedule, rather than the same work hidden inside an opaque reference op.
     if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):

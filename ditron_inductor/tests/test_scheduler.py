@@ -133,7 +133,7 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
     plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
     assert plan is None and "interleaves" in why
     plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum"))
-    assert plan is None and why == "no fused CUDA kernel for matmul_all_reduce yet"
+    assert plan is None and "not yet calibrated" in why
     # [1, S, H] gathered on dim 1 is planned like a dim-0 gather
     same_rows = dataclasses.replace(AG, dim=1, rank_chunks_contiguous=True)
     assert choose_device_plan(same_rows) == choose_device_plan(AG)

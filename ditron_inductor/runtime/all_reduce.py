@@ -1,0 +1,185 @@
+"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py).
+
+One call on rank r (one context per (group, size class), shared by both ops and both plans):
+  one_shot (decode): cuBLAS writes a @ b (+ bias) into my symmetric buffer; one kernel raises my
+      READY, reads the W partials, adds the residual, normalises each row, writes h (and y).
+  two_shot (prefill): the side stream starts the reduction kernel on `comm_sms` SMs; the main
+      stream runs cuBLAS chunk by chunk (chunk 0 first on every rank) and after each raises
+      READY[j] by a 4-byte copy from the device epoch word; the owner of each chunk reduces it and
+      publishes h, the others gather it; the main stream joins the side stream.
+
+Epochs are device words that the kernels advance (see the template), and each kernel ends with a
+barrier on DONE, so the next call's GEMM may overwrite the buffers: nothing on the host changes
+between calls, and a call captured in a CUDA graph replays correctly. The context must exist
+before capture (its setup is collective and synchronises): a call captured before any eager call
+of its size class takes the reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+import triton
+
+from .. import config
+from ..ops import register_fused
+from ..scheduler.plan import DevicePlan
+from ..scheduler.task import Task
+from ..templates import all_reduce as kernels
+from . import driver
+from .context import OpContext, debug_waits, get_context
+from .fused import _DTYPES, _limit, _mm, _num_sms, _why_not
+
+stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
+_CONTEXT = "all_reduce"
+_WAIT_NAMES = {kernels.ERR_READY: "READY (a peer's partial)",
+               kernels.ERR_REDUCED: "REDUCED (an owner's reduced rows)",
+               kernels.ERR_DONE: "DONE (a peer's end-of-call barrier)"}
+
+
+@dataclasses.dataclass
+class DeviceEpoch:
+    """The device words of one context's all-reduce protocol (local, not symmetric)."""
+
+    epoch: torch.Tensor  # [last finished epoch, current epoch]
+    arrive: torch.Tensor  # arrival counters: [kernel, chunk 0, chunk 1, ...]
+    side: torch.cuda.Stream  # the two-shot reduction runs here, next to the GEMM chunks
+
+
+# per context, dropped with it (a new context starts from zeroed flags and epoch 1 on every rank)
+_epochs: "weakref.WeakKeyDictionary[OpContext, DeviceEpoch]" = weakref.WeakKeyDictionary()
+
+
+def _device_epoch(ctx: OpContext) -> DeviceEpoch:
+    state = _epochs.get(ctx)
+    if state is None:
+        state = _epochs[ctx] = DeviceEpoch(
+            epoch=torch.tensor([0, 1], dtype=torch.int32, device=ctx.device),
+            arrive=torch.zeros(1 + kernels.MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
+            side=torch.cuda.Stream(device=ctx.device, priority=-1))
+    return state
+
+
+def _params(task: Task, plan: DevicePlan) -> dict:
+    params = dict(plan.params)
+    if "algo" not in params:
+        from ..scheduler.cost_model import all_reduce_params
+
+        params = {**all_reduce_params(task), **params}
+    return params
+
+
+def _block_n(n: int) -> int:
+    return min(4096, triton.next_power_of_2(n))
+
+
+def _check_errors(ctx: OpContext, what: str) -> None:
+    if not debug_waits() or torch.cuda.is_current_stream_capturing():
+        return
+    torch.cuda.synchronize()
+    code = int(ctx.err.item())
+    if code:
+        ctx.err.zero_()
+        raise RuntimeError(
+            f"ditron: {what} on rank {ctx.rank}: a wait on {_WAIT_NAMES.get(code, code)} gave up "
+            f"after {config.wait_timeout_s} s; a peer never signalled it (ranks running "
+            "different programs?)")
+
+
+def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape):
+    """Why the fused path cannot serve these inputs, or None."""
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op}"
+    if a.dtype not in _DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
+        return f"dtype {a.dtype} / operands not 2-d"
+    m, n = a.shape[0], b.shape[1]
+    if m == 0 or n == 0 or a.shape[1] == 0:
+        return "empty"
+    if 2 * m * n >= 2 ** 31:
+        return "more than 2**31 elements in the buffers (32-bit offsets)"
+    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != n):
+        return "bias"
+    if residual is not None and (residual.dtype != a.dtype or residual.numel() != m * n
+                                 or not residual.is_contiguous()):
+        return "residual dtype/shape/layout"
+    if norm_weight is not None:
+        if norm_weight.dim() != 1 or norm_weight.shape[0] != n or not norm_weight.is_contiguous():
+            return "norm weight shape"
+        if norm_weight.dtype != a.dtype and not (weight_in_fp32
+                                                  and norm_weight.dtype == torch.float32):
+            return "norm weight dtype (the reference would return another dtype)"
+    if shape[-1] != n:
+        return "out_shape does not end in N"
+    return None
+
+
+def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
+                     weight_in_fp32, reduce_op):
+    """(h, y) (y None without norm_weight), or None for inputs this path does not serve."""
+    m, n = a.shape[0], b.shape[1]
+    shape = list(out_shape) if len(out_shape) else [m, n]
+    why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape)
+    if why:
+        return _why_not(why)
+    capturing = torch.cuda.is_current_stream_capturing()
+    ctx = get_context(_CONTEXT, task.group_name, 2 * m * n * a.element_size(),
+                      flag_words=kernels.FLAG_WORDS, create=not capturing)
+    if ctx is None:
+        return _why_not("CUDA graph capture before any eager call of this size class")
+    params = _params(task, plan)
+    dev = _device_epoch(ctx)
+    partial = ctx.data.view(-1, a.dtype, (m, n))
+    h = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    y = torch.empty_like(h) if norm_weight is not None else None
+    common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.local.view(torch.int32),
+              dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
+              h if residual is None else residual, h if norm_weight is None else norm_weight)
+    consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
+                  W_FP32=bool(weight_in_fp32), BLOCK_N=_block_n(n),
+                  num_warps=int(params.get("warps", 8)))
+    if params["algo"] == "one_shot":
+        _mm(a, b, bias, partial, {})
+        progs = min(m, _num_sms(a.device))
+        kernels.one_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, ctx.world,
+                                          _limit(), **consts)
+    else:
+        _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
+    _check_errors(ctx, task.op)
+    stats[task.op] += 1
+    return h.view(shape), (None if y is None else y.view(shape))
+
+
+def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
+    m, n = partial.shape
+    chunks = max(1, min(int(params.get("chunks", 2 * ctx.world)), kernels.MAX_CHUNKS, m))
+    rows = triton.cdiv(m, chunks)
+    chunks = triton.cdiv(m, rows)
+    progs = max(1, min(int(params.get("comm_sms", 32)), _num_sms(a.device) // 2))
+    main = torch.cuda.current_stream()
+    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
+    with torch.cuda.stream(dev.side):
+        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, ctx.world, rows, chunks,
+                                          _limit(), **consts)
+    current_epoch = dev.epoch.data_ptr() + 4
+    for j in range(chunks):  # chunk 0 first on every rank: the order the owners reduce in
+        lo, hi = j * rows, min((j + 1) * rows, m)
+        _mm(a[lo:hi], b, bias, partial[lo:hi], {})
+        driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+    main.wait_stream(dev.side)
+
+
+@register_fused("matmul_all_reduce")
+def matmul_all_reduce_fused(task: Task, plan: DevicePlan, a, b, bias, out_shape, reduce_op,
+                            group_name, world_size):
+    out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op)
+    return None if out is None else out[0]
+
+
+@register_fused("matmul_all_reduce_rmsnorm")
+def matmul_all_reduce_rmsnorm_fused(task: Task, plan: DevicePlan, a, b, bias, out_shape,
+                                    residual, norm_weight, eps, weight_in_fp32, reduce_op,
+                                    group_name, world_size):
+    return all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
+                            weight_in_fp32, reduce_op)

@@ -1,0 +1,173 @@
+"""Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
+and fp16, random data, M from 1 to 8192 (one_shot and two_shot, forced), K per rank 1024 and
+3584, N 8192 and a smaller N, residual and norm variants (both roundings), many calls in a row,
+and under torch.cuda.graph capture + replay. Every case asserts that the fused path served it.
+
+Run on the GPU machine: pytest -m gpu ditron_inductor/tests/gpu/test_all_reduce_gpu.py
+(DITRON_AR_QUICK=1: a subset of the shapes, for a short device budget).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+
+from .test_fused_gpu import _check, _free_port, _plan
+
+pytestmark = pytest.mark.gpu
+
+QUICK = os.environ.get("DITRON_AR_QUICK", "0") == "1"
+MS = (1, 7, 32, 128, 256, 257, 2048) if QUICK else (1, 7, 32, 128, 256, 257, 2048, 8192)
+SHAPES_KN = ((1024, 1000), (3584, 8192)) if QUICK else ((1024, 1000), (1024, 8192), (3584, 8192))
+PLANS = ({}, {"algo": "one_shot"}, {"algo": "two_shot", "chunks": 4, "comm_sms": 16})
+EPS = 1e-6
+
+
+def _variants(n, dtype, dev, gen, m):
+    """(residual, norm weight, weight_in_fp32) triples: plain all-reduce, norm without residual,
+    residual + norm in both roundings."""
+    res = torch.randn(m, n, generator=gen, device=dev, dtype=dtype)
+    w = (torch.rand(n, generator=gen, device=dev) + 0.5)
+    return [(None, None, False), (None, w.to(dtype), False), (res, w.to(dtype), False),
+            (res, w, True)]
+
+
+def _call(a, b, bias, residual, weight, w_fp32, group_name, world, plan):
+    from ditron_inductor.ops import (
+        matmul_all_reduce_reference,
+        matmul_all_reduce_rmsnorm_reference,
+    )
+
+    if weight is None:
+        out = torch.ops.ditron.matmul_all_reduce(a, b, bias, [], "sum", group_name, world, plan)
+        return (out,), (matmul_all_reduce_reference(a, b, bias, [], "sum", group_name, world),)
+    out = torch.ops.ditron.matmul_all_reduce_rmsnorm(a, b, bias, [], residual, weight, EPS,
+                                                     w_fp32, "sum", group_name, world, plan)
+    ref = matmul_all_reduce_rmsnorm_reference(a, b, bias, [], residual, weight, EPS, w_fp32,
+                                              "sum", group_name, world)
+    return out, ref
+
+
+def _eager_cases(group_name, world, dtype, gen, calls):
+    from ditron_inductor.runtime.all_reduce import stats
+
+    dev = torch.device("cuda")
+    for k, n in SHAPES_KN:
+        for m in MS:
+            if m >= 2048 and n < 8192:
+                continue  # large M with the small N adds nothing but time
+            b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
+            bias = torch.randn(n, generator=gen, device=dev, dtype=dtype)
+            for plan_params in PLANS:
+                if plan_params.get("algo") == "one_shot" and m > 256:
+                    continue
+                plan = _plan(**plan_params)
+                for vi, (residual, weight, w_fp32) in enumerate(_variants(n, dtype, dev, gen, m)):
+                    for call in range(calls):
+                        a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
+                        before = sum(stats.values())
+                        out, ref = _call(a, b, bias if call % 2 else None, residual, weight,
+                                         w_fp32, group_name, world, plan)
+                        tag = (f"AR m={m} k={k} n={n} {dtype} plan={plan_params} variant={vi} "
+                               f"call={call}")
+                        assert sum(stats.values()) == before + 1, f"{tag}: fused path not served"
+                        for o, r in zip(out, ref):
+                            _check(tag, o, r)
+
+
+def _graph_case(group_name, world, dtype, gen, m, plan_params, replays=5):
+    """Capture one call (plus the reference on the same stream for comparison) in a CUDA graph,
+    then replay it on new inputs copied into the captured tensors."""
+    from ditron_inductor.ops import matmul_all_reduce_rmsnorm_reference
+    from ditron_inductor.runtime.all_reduce import stats
+
+    dev = torch.device("cuda")
+    k, n = 1024, 8192
+    plan = _plan(**plan_params)
+    a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
+    b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
+    residual = torch.randn(m, n, generator=gen, device=dev, dtype=dtype)
+    weight = torch.rand(n, generator=gen, device=dev, dtype=dtype) + 0.5
+
+    def step():
+        return torch.ops.ditron.matmul_all_reduce_rmsnorm(a, b, None, [], residual, weight, EPS,
+                                                          False, "sum", group_name, world, plan)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: contexts, compiled kernels
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    served = sum(stats.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y = step()
+    assert sum(stats.values()) == served + 1, "the captured call did not take the fused path"
+    for replay in range(replays):
+        a.copy_(torch.randn(m, k, generator=gen, device=dev, dtype=dtype))
+        residual.copy_(torch.randn(m, n, generator=gen, device=dev, dtype=dtype))
+        graph.replay()
+        ref = matmul_all_reduce_rmsnorm_reference(a, b, None, [], residual, weight, EPS, False,
+                                                  "sum", group_name, world)
+        tag = f"graph m={m} {dtype} plan={plan_params} replay={replay}"
+        _check(tag + " h", h, ref[0])
+        _check(tag + " y", y, ref[1])
+        if replay % 2:  # eager calls between replays share the context and its device epoch
+            out, ref = _call(a, b, None, residual, weight, False, group_name, world, plan)
+            _check(tag + " eager", out[1], ref[1])
+
+
+def _worker(rank, world, port, calls, result_dir):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    status = "ok"
+    try:
+        from ditron_inductor import config
+        from ditron_inductor.runtime.all_reduce import stats
+
+        config.wait_timeout_s = float(os.environ.get("DITRON_WAIT_TIMEOUT_S", "20"))
+        group_name = dist.group.WORLD.group_name
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(4321 + rank)
+        for dtype in (torch.bfloat16, torch.float16):
+            _eager_cases(group_name, world, dtype, gen, calls)
+        config.wait_timeout_s = 0.0  # no host checks inside a captured graph
+        for m, plan_params in ((1, {"algo": "one_shot"}), (128, {}), (2048, {}),
+                               (512, {"algo": "two_shot", "chunks": 8, "comm_sms": 8})):
+            _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
+        status = f"ok stats={dict(stats)}"
+        from ditron_inductor import runtime
+
+        runtime.shutdown()
+    except Exception:  # noqa: BLE001 - report, then fail the test from the parent
+        status = "FAIL\n" + traceback.format_exc()
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as fh:
+        fh.write(status)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(world, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(world, _free_port(), calls, str(tmp_path)), nprocs=world,
+                       join=True, start_method="spawn")
+    reports = [open(tmp_path / f"rank{r}.txt").read() for r in range(world)]
+    print("\n".join(f"rank {r}: {t.splitlines()[0]}" for r, t in enumerate(reports)))
+    failures = [t for t in reports if t.startswith("FAIL")]
+    assert not failures, failures[0]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_all_reduce_fused(world, tmp_path):
+    _run(world, tmp_path)

@@ -1,0 +1,235 @@
+"""The GEMM + all-reduce (+ residual + RMSNorm) kernels under the Triton interpreter, on emulated
+ranks (see test_kernels_interpreter.py): each rank owns host tensors (its symmetric buffer: the
+partial product, then the reduced half; its flag words; its device epoch words), reached through
+tables of their addresses.
+
+The interpreter runs one rank at a time, so producers run first: the GEMM partials and READY
+flags of every rank before any reduction; in the two-shot, every rank's REDUCE half before any
+GATHER half; and a rank's end-of-call barrier finds the DONE of the ranks that the emulation runs
+after it already raised (they would raise it on their own; the ranks run before it raised theirs
+for real, which the test checks).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the templates
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ditron_inductor.ops import rms_norm_reference  # noqa: E402
+from ditron_inductor.templates import all_reduce as ar  # noqa: E402
+
+LIMIT = 50  # polls before a wait gives up
+
+
+def table(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+class Ranks:
+    """W emulated ranks with the state one all-reduce context holds on each GPU."""
+
+    def __init__(self, world, m, n, dtype):
+        self.world, self.m, self.n = world, m, n
+        self.data = [torch.full((2 * m * n,), float("nan"), dtype=dtype) for _ in range(world)]
+        self.flags = [torch.zeros(ar.FLAG_WORDS, dtype=torch.int32) for _ in range(world)]
+        self.epoch = [torch.tensor([0, 1], dtype=torch.int32) for _ in range(world)]
+        self.arrive = [torch.zeros(1 + ar.MAX_CHUNKS, dtype=torch.int32) for _ in range(world)]
+        self.err = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+        self.data_table, self.flag_table = table(self.data), table(self.flags)
+
+    def write_partials(self, partials):
+        for r, p in enumerate(partials):  # what cuBLAS writes into the symmetric buffer
+            self.data[r][: self.m * self.n] = p.reshape(-1)
+
+    def raise_done_after(self, r, epoch):
+        for q in range(r + 1, self.world):
+            self.flags[q][ar.DONE] = epoch
+
+    def check_call_finished(self, epoch):
+        for r in range(self.world):
+            assert int(self.err[r]) == 0, f"rank {r}: wait gave up (code {int(self.err[r])})"
+            assert self.epoch[r].tolist() == [epoch, epoch + 1]
+            assert int(self.flags[r][ar.DONE]) == epoch
+            assert int(self.arrive[r].abs().sum()) == 0  # arrival counters reset
+
+
+def launch_args(ranks, r, h, y, residual, weight):
+    return (ranks.data_table, ranks.flag_table, ranks.flags[r], ranks.epoch[r], ranks.arrive[r],
+            ranks.err[r], h, y if y is not None else h,
+            residual if residual is not None else h, weight if weight is not None else h)
+
+
+def new_outs(ranks, weight):
+    dtype = ranks.data[0].dtype
+    shape = (ranks.m, ranks.n)
+    return [(torch.full(shape, float("nan"), dtype=dtype),
+             torch.full(shape, float("nan"), dtype=dtype) if weight is not None else None)
+            for _ in range(ranks.world)]
+
+
+def one_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, outs=None):
+    m, n, world = ranks.m, ranks.n, ranks.world
+    epoch = int(ranks.epoch[0][1])
+    for r in range(world):  # every rank's program 0 raises READY before anyone reads
+        ranks.flags[r][ar.READY] = int(ranks.epoch[r][1])
+    outs = outs or new_outs(ranks, weight)
+    for r in range(world):
+        h, y = outs[r]
+        ranks.raise_done_after(r, epoch)
+        ar.one_shot_kernel[(progs,)](
+            *launch_args(ranks, r, h, y, residual, weight), m, n, eps, r, world, LIMIT,
+            HAS_RES=residual is not None, NORM=weight is not None, W_FP32=w_fp32,
+            BLOCK_N=block_n)
+    ranks.check_call_finished(epoch)
+    return outs
+
+
+def two_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, chunks, outs=None):
+    m, n, world = ranks.m, ranks.n, ranks.world
+    epoch = int(ranks.epoch[0][1])
+    rows = -(-m // chunks)
+    num_chunks = -(-m // rows)
+    for r in range(world):  # the GEMM chunks, each followed by its READY copy from epoch[1]
+        for j in range(num_chunks):
+            ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
+    outs = outs or new_outs(ranks, weight)
+    for phase in ("reduce", "gather"):
+        for r in range(world):
+            h, y = outs[r]
+            if phase == "gather":
+                ranks.raise_done_after(r, epoch)
+            ar.two_shot_kernel[(progs,)](
+                *launch_args(ranks, r, h, y, residual, weight), m, n, eps, r, world, rows,
+                num_chunks, LIMIT, HAS_RES=residual is not None, NORM=weight is not None,
+                W_FP32=w_fp32, BLOCK_N=block_n, REDUCE=phase == "reduce",
+                GATHER=phase == "gather")
+        if phase == "reduce":
+            for r in range(world):
+                for j in range(num_chunks):
+                    if j % world == r:  # every owner published its chunks
+                        assert int(ranks.flags[r][ar.REDUCED + j]) == epoch
+    ranks.check_call_finished(epoch)
+    return outs
+
+
+def reference(partials, residual, weight, eps, w_fp32, dtype):
+    summed = sum(p.float() for p in partials).to(dtype)  # the all-reduce, rounded once
+    h = summed if residual is None else (summed.float() + residual.float()).to(dtype)
+    y = None if weight is None else rms_norm_reference(h, weight, eps, w_fp32)
+    return h, y
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(outs, ref, dtype):
+    """Every rank has the same bits; fp32 matches the reference to rounding, 16-bit types to
+    about one unit in the last place (the interpreter's bf16 casts may round differently)."""
+    for h, y in outs:
+        assert torch.equal(h, outs[0][0]), "ranks disagree on h"
+        if ref[1] is not None:
+            assert torch.equal(y, outs[0][1]), "ranks disagree on y"
+    h, y = outs[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(h, ref[0], atol=1e-5, rtol=1e-5)
+        if ref[1] is not None:
+            torch.testing.assert_close(y, ref[1], atol=1e-4, rtol=1e-4)
+        return
+    assert rel_err(h, ref[0]) < 1e-2
+    if ref[1] is not None:
+        assert rel_err(y, ref[1]) < 2e-2
+
+
+CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
+    (2, 1, 40, torch.float32, True, True, True, "one"),
+    (2, 7, 72, torch.float16, True, True, False, "one"),
+    (4, 5, 100, torch.float16, False, False, False, "one"),
+    (4, 3, 96, torch.float32, False, True, True, "one"),
+    (2, 33, 40, torch.float16, True, True, True, "two"),
+    (4, 37, 72, torch.float32, True, True, False, "two"),
+    (4, 3, 48, torch.float16, False, False, False, "two"),  # fewer rows than ranks
+    (2, 300, 24, torch.float16, True, True, False, "two"),
+    (2, 256, 16, torch.bfloat16, True, True, True, "one"),
+]
+
+
+@pytest.mark.parametrize("world,m,n,dtype,res,norm,w_fp32,path", CASES)
+def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
+    """Several calls in a row on one set of ranks: the device epoch advances by itself."""
+    gen = torch.Generator().manual_seed(m * 31 + n)
+    ranks = Ranks(world, m, n, dtype)
+    weight = (torch.randn(n, generator=gen) * 0.5 + 1).to(torch.float32 if w_fp32 else dtype) \
+        if norm else None
+    for call in range(3 if m < 100 else 2):
+        partials = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)]
+        residual = torch.randn(m, n, generator=gen).to(dtype) if res else None
+        ranks.write_partials(partials)
+        if path == "one":
+            outs = one_shot(ranks, residual, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
+        else:
+            outs = two_shot(ranks, residual, weight, 1e-6, w_fp32, progs=4, block_n=32,
+                            chunks=2 * world)
+        check(outs, reference(partials, residual, weight, 1e-6, w_fp32, dtype), dtype)
+        assert int(ranks.epoch[0][0]) == call + 1
+
+
+@pytest.mark.parametrize("path", ["one", "two"])
+def test_replay_same_launch_arguments(path):
+    """What a CUDA graph replays: the very same launch arguments (output, residual and weight
+    tensors, no host epoch) call after call; new partials land in place, the device epoch
+    advances by itself and every replay is right."""
+    world, m, n, dtype = 2, 6, 40, torch.float32
+    gen = torch.Generator().manual_seed(7)
+    ranks = Ranks(world, m, n, dtype)
+    weight = torch.randn(n, generator=gen)
+    residual = torch.empty(m, n)
+    outs = new_outs(ranks, weight)
+    for replay in range(4):
+        partials = [torch.randn(m, n, generator=gen) for _ in range(world)]
+        residual.copy_(torch.randn(m, n, generator=gen))
+        ranks.write_partials(partials)
+        if path == "one":
+            one_shot(ranks, residual, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
+        else:
+            two_shot(ranks, residual, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
+                     outs=outs)
+        check(outs, reference(partials, residual, weight, 1e-5, True, dtype), dtype)
+        assert ranks.epoch[1].tolist() == [replay + 1, replay + 2]
+
+
+def test_missing_peer_is_reported_not_a_hang():
+    """A peer that never raised READY: the bounded wait gives up and names READY."""
+    world, m, n = 2, 2, 16
+    ranks = Ranks(world, m, n, torch.float32)
+    ranks.write_partials([torch.ones(m, n)] * world)
+    h = torch.empty(m, n)
+    ranks.flags[1][ar.DONE] = 1  # only rank 1's READY is missing
+    ar.one_shot_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, world,
+                             LIMIT, HAS_RES=False, NORM=False, W_FP32=False, BLOCK_N=16)
+    assert int(ranks.err[0]) == ar.ERR_READY
+
+
+def test_plans_and_declines():
+    from ditron_inductor.runtime.all_reduce import _declines
+    from ditron_inductor.scheduler.cost_model import all_reduce_params, choose_device_plan
+    from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, Task
+
+    task = Task(op=MATMUL_ALL_REDUCE_RMSNORM, group_name="0", world_size=8, m=128, k=3584,
+                ns=(8192,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum")
+    plan, why = choose_device_plan(task)
+    assert plan is None and "not yet calibrated" in why
+    assert all_reduce_params(task) == {"algo": "one_shot"}
+    big = all_reduce_params(Task(**{**task.__dict__, "m": 8192}))
+    assert big["algo"] == "two_shot" and big["chunks"] % 8 == 0 and big["chunks"] <= ar.MAX_CHUNKS
+    a, b = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)
+    w16, w32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
+    assert _declines(a, b, None, None, w16, False, "sum", [4, 16]) is None
+    assert _declines(a, b, None, None, w32, True, "sum", [4, 16]) is None
+    assert "dtype" in _declines(a, b, None, None, w32, False, "sum", [4, 16])
+    assert "reduce_op" in _declines(a, b, None, None, None, False, "avg", [4, 16])
+    assert "dtype" in _declines(a.float(), b.float(), None, None, None, False, "sum", [4, 16])
