@@ -23,14 +23,13 @@ import weakref
 import torch
 import triton
 
-from .. import config
 from ..ops import register_fused
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
 from . import driver
-from .context import OpContext, debug_waits, get_context
-from .fused import _DTYPES, _limit, _mm, _num_sms, _why_not
+from .context import OpContext, get_context
+from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _why_not
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
@@ -73,19 +72,6 @@ def _params(task: Task, plan: DevicePlan) -> dict:
 
 def _block_n(n: int) -> int:
     return min(4096, triton.next_power_of_2(n))
-
-
-def _check_errors(ctx: OpContext, what: str) -> None:
-    if not debug_waits() or torch.cuda.is_current_stream_capturing():
-        return
-    torch.cuda.synchronize()
-    code = int(ctx.err.item())
-    if code:
-        ctx.err.zero_()
-        raise RuntimeError(
-            f"ditron: {what} on rank {ctx.rank}: a wait on {_WAIT_NAMES.get(code, code)} gave up "
-            f"after {config.wait_timeout_s} s; a peer never signalled it (ranks running "
-            "different programs?)")
 
 
 def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape):
@@ -146,7 +132,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
                                           _limit(), **consts)
     else:
         _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
-    _check_errors(ctx, task.op)
+    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
 

@@ -86,17 +86,20 @@ def _wait_geq(ctx: OpContext, stream: int, idx: int, value: int) -> None:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
 
-def _check_errors(ctx: OpContext, what: str) -> None:
-    if not debug_waits():
+def _check_errors(ctx: OpContext, what: str, flag_name=None) -> None:
+    """In debug mode, raise if a bounded wait of the last call gave up, naming its flag
+    (`flag_name(code)`; by default the flag word and epoch)."""
+    if not debug_waits() or torch.cuda.is_current_stream_capturing():
         return
     torch.cuda.synchronize()
     code = int(ctx.err.item())
     if code:
         ctx.err.zero_()
+        flag = flag_name(code) if flag_name else f"flag {code - 1} (epoch {ctx.epoch})"
         raise RuntimeError(
-            f"ditron: {what} on rank {ctx.rank}: a wait gave up after "
-            f"{config.wait_timeout_s} s on flag {code - 1} (epoch {ctx.epoch}); a peer never "
-            "signalled it (ranks running different programs?)")
+            f"ditron: {what} on rank {ctx.rank}: a wait on {flag} gave up after "
+            f"{config.wait_timeout_s} s; a peer never signalled it (ranks running different "
+            "programs?)")
 
 
 def _gemm_failed(ctx: OpContext, main: int, exc: Exception):

@@ -15,6 +15,7 @@ import traceback
 import pytest
 import torch
 
+from .ranks import report_and_close
 from .test_fused_gpu import _check, _free_port, _plan
 
 pytestmark = pytest.mark.gpu
@@ -149,10 +150,7 @@ def _worker(rank, world, port, calls, result_dir):
         runtime.shutdown()
     except Exception:  # noqa: BLE001 - report, then fail the test from the parent
         status = "FAIL\n" + traceback.format_exc()
-    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as fh:
-        fh.write(status)
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_close(result_dir, rank, status)
 
 
 def _run(world, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):

@@ -15,6 +15,8 @@ import traceback
 import pytest
 import torch
 
+from .ranks import report_and_close
+
 pytestmark = pytest.mark.gpu
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -230,10 +232,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
         runtime.shutdown()
     except Exception:  # noqa: BLE001 - report, then fail the test from the parent
         status = "FAIL\n" + traceback.format_exc()
-    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as fh:
-        fh.write(status)
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_close(result_dir, rank, status)
 
 
 def _run(world, backend, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):
