@@ -86,10 +86,12 @@ def run_pass(graph: Graph) -> GraphReport:
         return GraphReport(name, ())
     log.debug("graph %s before the ditron pass:\n%s", name, graph)
 
+    # Tasks first: they are shapes and dtypes, which rewrites do not change, and a rewrite may
+    # erase a node that a later match shares (the later match is then rejected).
+    tasks = [match.task() for match in matches]
     rewritten: set = set()
     candidates = []
-    for match in matches:
-        task = match.task()
+    for match, task in zip(matches, tasks):
         decision = _decide(match, task, rewritten)
         if decision.fuse:
             plan_text = decision.plan.encode()
@@ -119,6 +121,6 @@ def _decide(match, task, rewritten: set) -> Decision:
     if match.problem:
         return reject(match.problem)
     taken = [n.name for n in match.replaced_nodes() if n in rewritten]
-    if taken or any(n.graph is None for n in match.replaced_nodes()):
+    if taken:
         return reject(f"{', '.join(taken)} already belongs to an earlier ditron op")
     return decide(task)

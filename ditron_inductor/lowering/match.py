@@ -54,22 +54,37 @@ def other_users(node: Node, allowed: Sequence[Node]) -> list[Node]:
 
 @dataclasses.dataclass
 class MatmulUse:
-    """One mm/addmm whose left operand is the gathered activation (or that feeds a collective)."""
+    """One mm/addmm whose left operand is the gathered activation (or that feeds a collective).
+
+    The operands are read from the node when asked: an earlier rewrite in the same pass may have
+    replaced one of them (a matmul fed by another fused matmul)."""
 
     node: Node
-    a: Node
-    weight: Node
-    bias: Optional[Node]
+
+    @property
+    def has_bias(self) -> bool:
+        return self.node.target is aten.addmm.default
+
+    @property
+    def a(self) -> Node:
+        return self.node.args[1 if self.has_bias else 0]
+
+    @property
+    def weight(self) -> Node:
+        return self.node.args[2 if self.has_bias else 1]
+
+    @property
+    def bias(self) -> Optional[Node]:
+        return self.node.args[0] if self.has_bias else None
 
 
 def as_matmul(node: Node) -> Optional[MatmulUse]:
     if is_call(node, aten.mm.default):
-        return MatmulUse(node, node.args[0], node.args[1], None)
-    if is_call(node, aten.addmm.default) and not node.kwargs:
-        bias, a, weight = node.args[:3]
-        # Only a per-column bias: the ops add a bias of shape [N] (broadcast over rows).
-        if len(node.args) == 3 and len(fake(bias).shape) == 1:
-            return MatmulUse(node, a, weight, bias)
+        return MatmulUse(node)
+    # Only a per-column bias: the ops add a bias of shape [N] (broadcast over rows).
+    if (is_call(node, aten.addmm.default) and not node.kwargs and len(node.args) == 3
+            and len(fake(node.args[0]).shape) == 1):
+        return MatmulUse(node)
     return None
 
 

@@ -25,14 +25,28 @@ prims = torch.ops.prims
 
 @dataclasses.dataclass
 class RmsNormTail:
+    """The residual and the norm weight are read from the nodes when asked: an earlier rewrite
+    in the same pass may have replaced them (the next layer's residual is this layer's h)."""
+
+    reduced: Node  # the all-reduce's result (its wait_tensor)
     residual_add: Optional[Node]  # h = reduced + residual; None: h is the reduced sum itself
-    residual: Optional[Node]
     h: Node
     out: Node  # y, the normalised output
-    weight: Node
+    scale: Node  # the mul by the norm weight
+    scaled: Node  # what `scale` multiplies by the weight
     eps: float
     weight_in_fp32: bool
     inner: list[Node]  # the nodes between h and out, in graph order
+
+    @property
+    def residual(self) -> Optional[Node]:
+        if self.residual_add is None:
+            return None
+        return _other_operand(self.residual_add, self.reduced)
+
+    @property
+    def weight(self) -> Node:
+        return _other_operand(self.scale, self.scaled)
 
 
 def _is(node: object, *targets) -> bool:
@@ -53,21 +67,21 @@ def _to_dtype(node: Node, dtype: torch.dtype) -> bool:
     return _is(node, prims.convert_element_type.default) and node.args[1] == dtype
 
 
-def find_residual_add(reduced: Node) -> tuple[Optional[Node], Optional[Node]]:
-    """(add, residual) when the reduced sum's only use is `reduced + residual` of equal shape."""
+def find_residual_add(reduced: Node) -> Optional[Node]:
+    """`reduced + residual` (of equal shape) when that is the reduced sum's only use."""
     add = _only_user(reduced, aten.add.Tensor)
     if add is None or add.kwargs or len(add.args) != 2:
-        return None, None
+        return None
     residual = _other_operand(add, reduced)
     if not isinstance(residual, Node) or residual is reduced:
-        return None, None
+        return None
     if residual.meta["val"].shape != reduced.meta["val"].shape:
-        return None, None
-    return add, residual
+        return None
+    return add
 
 
 def find_rmsnorm_tail(reduced: Node) -> Optional[RmsNormTail]:
-    residual_add, residual = find_residual_add(reduced)
+    residual_add = find_residual_add(reduced)
     h = residual_add if residual_add is not None else reduced
     dtype = h.meta["val"].dtype
     ndim = h.meta["val"].dim()
@@ -77,12 +91,12 @@ def find_rmsnorm_tail(reduced: Node) -> Optional[RmsNormTail]:
             continue
         tail = _norm_from(h, h32, dtype, ndim)
         if tail is not None:
-            return RmsNormTail(residual_add, residual, h, *tail)
+            return RmsNormTail(reduced, residual_add, h, *tail)
     return None
 
 
 def _norm_from(h: Node, h32: Node, dtype: torch.dtype, ndim: int):
-    """(out, weight, eps, weight_in_fp32, inner) for the norm of h32, or None."""
+    """(out, scale, scaled, eps, weight_in_fp32, inner) for the norm of h32, or None."""
     square = next((u for u in h32.users if _is(u, aten.pow.Tensor_Scalar) and u.args[1] == 2), None)
     normed = next((u for u in h32.users if _is(u, aten.mul.Tensor)), None)
     if square is None or normed is None:
@@ -103,7 +117,7 @@ def _norm_from(h: Node, h32: Node, dtype: torch.dtype, ndim: int):
     if after is None:
         return None
     if _is(after, aten.mul.Tensor):  # weight applied in float32, then rounded (or all float32)
-        weight, weight_in_fp32 = _other_operand(after, normed), True
+        scale, scaled, weight_in_fp32 = after, normed, True
         out = after
         if dtype != torch.float32:
             out = _only_user(after, prims.convert_element_type.default)
@@ -114,12 +128,15 @@ def _norm_from(h: Node, h32: Node, dtype: torch.dtype, ndim: int):
         if not _to_dtype(after, dtype):
             return None
         out = _only_user(after, aten.mul.Tensor)
-        weight, weight_in_fp32 = (_other_operand(out, after) if out is not None else None), False
+        if out is None:
+            return None
+        scale, scaled, weight_in_fp32 = out, after, False
         inner.append(after)
+    weight = _other_operand(scale, scaled)
     if not isinstance(weight, Node) or weight.meta["val"].dim() != 1:
         return None
     if weight.meta["val"].shape[0] != h.meta["val"].shape[-1]:
         return None
     if h32 is not h and len(h32.users) != 2:
         return None
-    return out, weight, eps, weight_in_fp32, inner
+    return out, scale, scaled, eps, weight_in_fp32, inner

@@ -157,7 +157,13 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
     def rmsnorm_functional(h, nw):
         return F.rms_norm(h, (N,), nw, 1e-5)
 
+    def two_layers(x, w, res, nw, w2):  # the second layer's residual is the first's sum
+        h1 = funcol.all_reduce(F.linear(x, w), "sum", g) + res
+        h2 = funcol.all_reduce(F.linear(rmsnorm_hf(h1, nw), w2), "sum", g) + h1
+        return rmsnorm_hf(h2, nw)
+
     bf16 = [t.to(torch.bfloat16) for t in (x, w, _randn(B, S, N, seed=6), _randn(N, seed=7))]
+    w2 = _randn(N, N, seed=8).to(torch.bfloat16)
     xw = _randn(B, S * world_size, H, seed=200 + rank)  # rows that a reduce-scatter splits
     wq, wk, wv = (_randn(N, H, seed=s) for s in (3, 4, 5))
     checks = {
@@ -174,6 +180,7 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
                                                    grads=False),
         "ar_rmsnorm_functional": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_functional), bf16,
                                                   grads=False),
+        "ar_rmsnorm_two_layers": lambda: _fwd_bwd(two_layers, bf16 + [w2], grads=False),
     }
     if hasattr(funcol, "all_gather_single"):
         checks["ag_dim1_single"] = lambda: _fwd_bwd(ag_dim1_single, [x, w, b])
@@ -193,6 +200,7 @@ FUNCOL_EXPECTED = {
     "ar_rmsnorm_hf": {"forward": [AR_NORM]},
     "ar_rmsnorm_fp32_weight": {"forward": [AR_NORM]},
     "ar_rmsnorm_functional": {"forward": [AR_NORM]},
+    "ar_rmsnorm_two_layers": {"forward": [AR_NORM, AR_NORM]},
 }
 
 

@@ -218,6 +218,55 @@ return getitem_1
         self.assertIn("rsqrt", graph_text(gm))
 
 
+class ConsecutiveMatchesTest(TestCase):
+    """A later match whose operand an earlier rewrite replaced must use the replacement."""
+
+    def test_second_layer_residual_is_the_first_layers_sum(self):
+        def two_layers(g, x, w1, w2, residual, n1, n2):
+            h1 = all_reduce(F.linear(x, w1), "sum", g) + residual
+            h2 = all_reduce(F.linear(rmsnorm(h1, n1), w2), "sum", g) + h1
+            return rmsnorm(h2, n2)
+
+        args = [randn(2, 3, 16), randn(16, 16), randn(16, 16), randn(2, 3, 16), randn(16),
+                randn(16)]
+        with fake_group(2) as g:
+            gm = trace(lambda *a: two_layers(g, *a), *[t.to(torch.bfloat16) for t in args])
+            report = rewrite(gm)
+        self.assertEqual([c.fused for c in report.candidates], [True, True])
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(arg1_1, [1, 0])
+view = view(arg0_1, [6, 16])
+matmul_all_reduce_rmsnorm_default = matmul_all_reduce_rmsnorm(view, permute, None, [2, 3, 16], arg3_1, arg4_1, 1e-06, False, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(matmul_all_reduce_rmsnorm_default, 1)
+getitem = getitem(matmul_all_reduce_rmsnorm_default, 0)
+convert_element_type = prims.convert_element_type.default(view, torch.float32)
+convert_element_type_1 = prims.convert_element_type.default(permute, torch.float32)
+permute_1 = permute(arg2_1, [1, 0])
+view_2 = view(getitem_1, [6, 16])
+matmul_all_reduce_rmsnorm_default_1 = matmul_all_reduce_rmsnorm(view_2, permute_1, None, [2, 3, 16], getitem, arg5_1, 1e-06, False, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_3 = getitem(matmul_all_reduce_rmsnorm_default_1, 1)
+getitem_2 = getitem(matmul_all_reduce_rmsnorm_default_1, 0)
+convert_element_type_4 = prims.convert_element_type.default(view_2, torch.float32)
+convert_element_type_5 = prims.convert_element_type.default(permute_1, torch.float32)
+return getitem_3
+""")
+
+    def test_matmul_fed_by_an_earlier_fused_matmul(self):
+        def chain(g, x, w1, w2):
+            return reduce_scatter(all_gather(x, 0, g) @ w1 @ w2, "sum", 0, g)
+
+        with fake_group(2) as g:
+            gm = trace(lambda *a: chain(g, *a), randn(4, 8), randn(8, 8), randn(8, 8))
+            report = rewrite(gm)
+        self.assertEqual([c.fused for c in report.candidates], [True, True])
+        self.assertExpectedInline(graph_text(gm), """\
+all_gather_matmul_default = all_gather_matmul(arg0_1, [arg1_1], [None], 0, '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(all_gather_matmul_default, 1)
+matmul_reduce_scatter_default = matmul_reduce_scatter(getitem_1, arg2_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+
 class LeftAloneTest(TestCase):
     """Shapes that match but must not be rewritten: the graph stays as it was, with a reason."""
 
