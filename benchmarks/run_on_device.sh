@@ -1,6 +1,8 @@
 #!/bin/bash
 # One call on the GPU machine: install the carried wheels, run the GPU tests, run the benchmark.
 #   bash benchmarks/run_on_device.sh <world sizes for tests, e.g. "2" or "4 8"> <bench world> [bench args...]
+# The all-reduce kernels (GEMM + all-reduce + RMSNorm) join in with AR=1: their GPU tests on the
+# same world sizes (quick subset) and their benchmark on the bench world.
 # Logs and results land in $OUT (the device tool brings them back).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -16,6 +18,16 @@ for w in $TESTS; do
   timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_fused_gpu.py -k "$K" 2>&1 | tee $OUT/gpu_tests_w$w.log | grep -v "^$" | tail -6
   echo "gpu tests world $w: rc=$?"
 done
+if [ "${AR:-0}" = "1" ]; then
+  for w in $TESTS; do
+    DITRON_AR_QUICK=1 timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[$w]" 2>&1 | tee $OUT/ar_tests_w$w.log | grep -v "^$" | tail -6
+    echo "all-reduce gpu tests world $w: rc=$?"
+  done
+fi
+if [ "$BENCH_W" != "0" ] && [ "${AR:-0}" = "1" ]; then
+  timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_all_reduce.py --out $OUT/ar_bench_w$BENCH_W 2>&1 | tee $OUT/ar_bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -40
+  echo "all-reduce bench rc=$?"
+fi
 if [ "$BENCH_W" != "0" ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_fused.py --out $OUT/bench_w$BENCH_W "$@" 2>&1 | tee $OUT/bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -60
   echo "bench rc=$?"

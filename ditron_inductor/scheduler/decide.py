@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import config
