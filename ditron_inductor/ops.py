@@ -269,6 +269,13 @@ def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_we
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 
 
+def matmul_all_reduce_rmsnorm_task(a, b, bias, out_shape, has_residual: bool, reduce_op: str,
+                                   group_name: str, world_size: int) -> Task:
+    task = matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
+                                  group_name, world_size)
+    return dataclasses.replace(task, op=MATMUL_ALL_REDUCE_RMSNORM, has_residual=has_residual)
+
+
 @torch.library.custom_op("ditron::matmul_all_reduce_rmsnorm", mutates_args=())
 def matmul_all_reduce_rmsnorm(
     a: Tensor,
@@ -287,10 +294,8 @@ def matmul_all_reduce_rmsnorm(
     """The row-parallel layer of tensor-parallel inference in one op:
     h = all_reduce(a @ b + bias) (viewed as `out_shape`) + residual, y = RMSNorm(h) * norm_weight
     (see `rms_norm_reference` for the two roundings). Returns (h, y): h is the next residual."""
-    task = dataclasses.replace(
-        matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
-                               group_name, world_size),
-        op=MATMUL_ALL_REDUCE_RMSNORM, has_residual=residual is not None)
+    task = matmul_all_reduce_rmsnorm_task(a, b, bias, out_shape, residual is not None, reduce_op,
+                                          group_name, world_size)
     return _dispatch(task, plan, matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape,
                      residual, norm_weight, eps, weight_in_fp32, reduce_op, group_name,
                      world_size)

@@ -168,10 +168,6 @@ class AllGatherMatmulMatch:
     def a_shard(self) -> Node:
         return self.gather.args[0]
 
-    @property
-    def anchor(self) -> Node:
-        return self.gather
-
     def task(self) -> Task:
         return ops.all_gather_matmul_task(
             fake(self.a_shard), [fake(m.weight) for m in self.matmuls],
@@ -250,10 +246,6 @@ class MatmulCollectiveMatch:
     norm: Optional[RmsNormTail] = None  # the residual add + RMSNorm after an all-reduce
 
     @property
-    def anchor(self) -> Node:
-        return self.collective
-
-    @property
     def out_shape(self) -> list:
         """The N-d shape of the matmul output as the graph views it ([] when it stays 2-d)."""
         return list(self.reshape.args[1]) if self.reshape is not None else []
@@ -261,15 +253,15 @@ class MatmulCollectiveMatch:
     def task(self) -> Task:
         mm = self.matmul
         shape = fake(self.reshape).shape if self.reshape is not None else []
-        task = ops.matmul_collective_task(
-            MATMUL_ALL_REDUCE if self.norm else self.op, fake(mm.a), fake(mm.weight),
-            None if mm.bias is None else fake(mm.bias), shape, self.dim, self.reduce_op,
+        bias = None if mm.bias is None else fake(mm.bias)
+        if self.norm:
+            return ops.matmul_all_reduce_rmsnorm_task(
+                fake(mm.a), fake(mm.weight), bias, shape, self.norm.residual is not None,
+                self.reduce_op, self.group_name, self.world_size)
+        return ops.matmul_collective_task(
+            self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
             self.group_name, self.world_size,
         )
-        if self.norm:
-            task = dataclasses.replace(task, op=self.op,
-                                       has_residual=self.norm.residual is not None)
-        return task
 
     def replaced_nodes(self) -> list[Node]:
         return [self.matmul.node]

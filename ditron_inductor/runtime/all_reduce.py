@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ..ops import register_fused
+from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
@@ -59,15 +60,6 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
             arrive=torch.zeros(1 + kernels.MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
             side=torch.cuda.Stream(device=ctx.device, priority=-1))
     return state
-
-
-def _params(task: Task, plan: DevicePlan) -> dict:
-    params = dict(plan.params)
-    if "algo" not in params:
-        from ..scheduler.cost_model import all_reduce_params
-
-        params = {**all_reduce_params(task), **params}
-    return params
 
 
 def _block_n(n: int) -> int:
@@ -114,7 +106,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
                       flag_words=kernels.FLAG_WORDS, create=not capturing)
     if ctx is None:
         return _why_not("CUDA graph capture before any eager call of this size class")
-    params = _params(task, plan)
+    params = complete_params(task, plan)
     dev = _device_epoch(ctx)
     partial = ctx.data.view(-1, a.dtype, (m, n))
     h = torch.empty((m, n), dtype=a.dtype, device=a.device)

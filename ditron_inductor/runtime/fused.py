@@ -38,6 +38,7 @@ import triton
 from .. import config
 from ..log_names import LOGGER_NAME
 from ..ops import register_fused
+from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from . import driver
@@ -58,15 +59,6 @@ def _why_not(msg: str):
 
 def _limit() -> int:
     return int(config.wait_timeout_s * _POLLS_PER_S)
-
-
-def _params(task: Task, plan: DevicePlan) -> dict:
-    params = dict(plan.params)
-    if not params or "gemm" not in params:
-        from ..scheduler.cost_model import default_params
-
-        params = {**default_params(task), **params}
-    return params
 
 
 # ---------------------------------------------------------------------------- stream-side flags
@@ -255,7 +247,7 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
         if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != w.dtype
                               or b.stride(0) != 1):
             return _why_not("bias shape/dtype")
-    params = _params(task, plan)
+    params = complete_params(task, plan)
     rows = a_shard.numel() // k
     if rows == 0 or k == 0:
         return _why_not("empty input")
@@ -408,7 +400,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_sh
     shape = list(out_shape) if len(out_shape) else [M, N]
     if M % W or shape[0] % W or M * N == 0:
         return _why_not("rows do not divide by the world size")
-    params = _params(task, plan)
+    params = complete_params(task, plan)
     rows = M // W
     esize = a.element_size()
     chunk_bytes = rows * N * esize

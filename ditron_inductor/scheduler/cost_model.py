@@ -179,6 +179,15 @@ def all_reduce_params(task: Task) -> dict:
     return dict(algo="two_shot", chunks=chunks, comm_sms=32)
 
 
+def complete_params(task: Task, plan: DevicePlan) -> dict:
+    """A fused plan's parameters, with the defaults filled in when the plan does not name its
+    algorithm (DITRON_PLAN=fused gives a plan with no parameters)."""
+    params = dict(plan.params)
+    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+        return params if "algo" in params else {**all_reduce_params(task), **params}
+    return params if "gemm" in params else {**default_params(task), **params}
+
+
 def choose_device_plan(task: Task) -> tuple[Optional[DevicePlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain)."""
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
