@@ -6,12 +6,15 @@ Per shape (M, K per rank, N; bf16 unless --dtype), op "matmul_all_reduce":
   nccl_cublas       a @ b, then NCCL all-reduce
   symm_one_shot     a @ b, copied into a symm_mem buffer, torch.ops.symm_mem.one_shot_all_reduce
   symm_two_shot     the same with torch.ops.symm_mem.two_shot_all_reduce_ (in place)
-  ditron            torch.ops.ditron.matmul_all_reduce with the forced fused plan (one_shot for
-                    M <= 256, else two_shot), and every plan in --plans for calibration
+  ditron            torch.ops.ditron.matmul_all_reduce with the fused plan the runtime picks
+                    unprompted (cost_model.all_reduce_params), and every plan in EXTRA_PLANS
+                    for calibration
   gemm_only, comm_only
 and op "matmul_all_reduce_rmsnorm": nccl_cublas = the unfused sequence (cuBLAS, NCCL, + residual,
 RMSNorm in eager torch ops) vs ditron's fused op. Timing and the JSON/markdown row format are
-bench_fused.py's (imported): {op, M, K, N, world, dtype, ms: {...}, plans: {...}, host_ms}.
+bench_fused.py's (imported): {op, M, K, N, world, dtype, ms: {...}, plans: {...}, host_ms}, plus
+graph_ms: the same contenders timed as CUDA-graph replays (bench_fused.bench_graph), where decode
+steps are served and the host's launch cost is gone; plans hold {eager, graph} per candidate.
 """
 
 from __future__ import annotations
@@ -23,17 +26,30 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_fused import HOST_MS, bench, check_close, geomean, plan_text, safe  # noqa: E402
+from bench_fused import (  # noqa: E402
+    HOST_MS,
+    bench,
+    bench_graph,
+    check_close,
+    geomean,
+    plan_text,
+    safe,
+)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 SUITE = [(m, k, 8192) for k in (3584, 1024) for m in (2048, 8192, 128, 32, 1)]
-EXTRA_PLANS = {  # label -> plan params, measured on every shape they apply to
-    "one_shot": dict(algo="one_shot"),
-    "two_shot_c8": dict(algo="two_shot", chunks=8, comm_sms=32),
-    "two_shot_c16": dict(algo="two_shot", chunks=16, comm_sms=32),
-    "two_shot_c16_s16": dict(algo="two_shot", chunks=16, comm_sms=16),
+EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for calibration
+    "one_shot": (dict(algo="one_shot"), lambda m: m <= 256),
+    "one_shot_scalar": (dict(algo="one_shot", vec=False), lambda m: m <= 256),
+    "two_shot_nolap": (dict(algo="two_shot", overlap=False, chunks=8), lambda m: m <= 8192),
+    "two_shot_nolap_scalar": (dict(algo="two_shot", overlap=False, chunks=8, vec=False),
+                              lambda m: m <= 256),
+    "two_shot_nolap_c32": (dict(algo="two_shot", overlap=False, chunks=32), lambda m: m >= 256),
+    "two_shot_c8": (dict(algo="two_shot", chunks=8, comm_sms=32), lambda m: m >= 1024),
+    "two_shot_c16": (dict(algo="two_shot", chunks=16, comm_sms=32), lambda m: m >= 1024),
+    "two_shot_c16_s16": (dict(algo="two_shot", chunks=16, comm_sms=16), lambda m: m >= 1024),
 }
 EPS = 1e-6
 
@@ -97,50 +113,105 @@ def run_shape(shape, dtype, group_name, world, args):
         return lambda a, b: torch.ops.ditron.matmul_all_reduce(a, b, None, [], "sum",
                                                                group_name, world, text)
 
+    from ditron_inductor import config
+
     def timed(name, fn, ref=None, pick=lambda out: out):
+        """(eager ms, CUDA-graph ms) of one contender, checked against the reference first."""
+        t0 = time.time()
+
         def one():
-            if ref is not None:
-                check_close(f"{shape} {name}", pick(fn(*inputs[0])), ref)
+            if ref is not None:  # one call with bounded waits: an error, not a hang
+                config.wait_timeout_s, failed = 10.0, None
+                try:
+                    out = pick(fn(*inputs[0]))
+                except Exception as exc:  # noqa: BLE001 - made collective below
+                    out, failed = ref, exc
+                finally:
+                    config.wait_timeout_s = 0.0
+                flag = torch.tensor([failed is not None], device="cuda", dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank skips, or none
+                if flag.item():
+                    raise RuntimeError(f"a rank failed: {failed}")
+                check_close(f"{shape} {name}", out, ref)
             return bench(fn, inputs, args.iters, args.reps, label=name)
-        return safe(name, one)
+        eager = safe(name, one)
+        graph = safe(name + " (graph)", bench_graph, fn, inputs, args.iters, args.reps)
+        if dist.get_rank() == 0 and args.verbose:
+            print(f"  {shape} {name}: {eager:.3f} / {graph:.3f} ms ({time.time() - t0:.1f} s)",
+                  flush=True)
+        return eager, graph
 
     from ditron_inductor.runtime.all_reduce import stats
-    from ditron_inductor.scheduler.cost_model import ONE_SHOT_MAX_M
 
-    forced = {"algo": "one_shot"} if M <= ONE_SHOT_MAX_M else {}  # {}: the runtime's defaults
-    rows = []
+    def measure(contenders, op, plans_too):
+        """rows' ms (eager) and graph_ms dicts; ditron is NaN where the fused path never served."""
+        ms, graph_ms, plans = {}, {}, {}
+        HOST_MS.clear()
+        for name, (fn, ref, pick) in contenders.items():
+            served = stats[op]
+            ms[name], graph_ms[name] = timed(name, fn, ref, pick)
+            if name == "ditron" and stats[op] == served:
+                ms[name] = graph_ms[name] = float("nan")  # never report the fallback as ditron
+        for label, (params, applies) in EXTRA_PLANS.items():
+            if plans_too and applies(M):
+                eager, graph = timed(label, ditron(params, op.endswith("rmsnorm")), *ref_of[op])
+                plans[label] = {"eager": eager, "graph": graph}
+        return ms, graph_ms, plans
+
     ref = nccl_cublas(*inputs[0])
-    ms, plans = {}, {}
-    HOST_MS.clear()
-    ms["nccl_cublas"] = timed("nccl_cublas", nccl_cublas)
-    ms["symm_one_shot"] = timed("symm_one_shot", symm_one_shot, ref)
-    ms["symm_two_shot"] = timed("symm_two_shot", symm_two_shot, ref)
-    ms["gemm_only"] = timed("gemm_only", gemm_only)
-    ms["comm_only"] = timed("comm_only", comm_only)
-    served = stats["matmul_all_reduce"]
-    ms["ditron"] = timed("ditron", ditron(forced, False), ref)
-    for label, params in EXTRA_PLANS.items():
-        if params["algo"] == "one_shot" and M > ONE_SHOT_MAX_M:
-            continue
-        plans[label] = timed(label, ditron(params, False), ref)
-    if stats["matmul_all_reduce"] == served:
-        ms["ditron"] = float("nan")  # the fused path never served: do not report the fallback
-    rows.append({"op": "matmul_all_reduce", "M": M, "K": K, "N": N, "world": world,
-                 "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
-                 "chosen": str(forced or "default two_shot")})
-
     ref_y = unfused_norm(*inputs[0])[1]
-    HOST_MS.clear()
-    ms_n = {"nccl_cublas": timed("unfused", unfused_norm),
-            "gemm_only": ms["gemm_only"], "comm_only": ms["comm_only"]}
-    served = stats["matmul_all_reduce_rmsnorm"]
-    ms_n["ditron"] = timed("ditron_norm", ditron(forced, True), ref_y, pick=lambda out: out[1])
-    if stats["matmul_all_reduce_rmsnorm"] == served:
-        ms_n["ditron"] = float("nan")
+    ref_of = {"matmul_all_reduce": (ref, lambda out: out),
+              "matmul_all_reduce_rmsnorm": (ref_y, lambda out: out[1])}
+    same = (None, lambda out: out)
+    rows = []
+    # ditron = the plan the runtime picks without being told (cost_model.all_reduce_params)
+    ms, graph_ms, plans = measure({
+        "nccl_cublas": (nccl_cublas, None, same[1]),
+        "symm_one_shot": (symm_one_shot, ref, same[1]),
+        "symm_two_shot": (symm_two_shot, ref, same[1]),
+        "gemm_only": (gemm_only, *same),
+        "comm_only": (comm_only, *same),
+        "ditron": (ditron({}, False), *ref_of["matmul_all_reduce"]),
+    }, "matmul_all_reduce", True)
+    rows.append({"op": "matmul_all_reduce", "M": M, "K": K, "N": N, "world": world,
+                 "dtype": args.dtype, "ms": ms, "graph_ms": graph_ms, "plans": plans,
+                 "host_ms": dict(HOST_MS)})
+    ms_n, graph_n, plans_n = measure({
+        "nccl_cublas": (unfused_norm, None, same[1]),
+        "ditron": (ditron({}, True), *ref_of["matmul_all_reduce_rmsnorm"]),
+    }, "matmul_all_reduce_rmsnorm", M in (1, 32, 128, 2048))
+    for key in ("gemm_only", "comm_only"):
+        ms_n[key], graph_n[key] = ms[key], graph_ms[key]
     rows.append({"op": "matmul_all_reduce_rmsnorm", "M": M, "K": K, "N": N, "world": world,
-                 "dtype": args.dtype, "ms": ms_n, "plans": {}, "host_ms": dict(HOST_MS),
-                 "chosen": str(forced or "default two_shot")})
+                 "dtype": args.dtype, "ms": ms_n, "graph_ms": graph_n, "plans": plans_n,
+                 "host_ms": dict(HOST_MS)})
     return rows
+
+
+COLUMNS = [("nccl_cublas", "NCCL+cuBLAS"), ("symm_one_shot", "symm one-shot"),
+           ("symm_two_shot", "symm two-shot"), ("ditron", "ditron"), ("gemm_only", "GEMM"),
+           ("comm_only", "AR")]
+
+
+def table(rows, key, title):
+    """One markdown table of the rows' `key` timings ("ms": eager, "graph_ms": CUDA graph)."""
+    lines = [f"## {title}", "", "| op | M | K | N | " + " | ".join(c for _, c in COLUMNS)
+             + " | vs NCCL | bound/ditron | plans |", "| --- " * (len(COLUMNS) + 7) + "|"]
+    speedups = {}
+    for r in rows:
+        m = r[key]
+        s = m["nccl_cublas"] / m["ditron"]
+        speedups.setdefault(r["op"], []).append(s)
+        bound = max(m.get("gemm_only", float("nan")), m.get("comm_only", float("nan")))
+        sub = "eager" if key == "ms" else "graph"
+        lines.append(f"| {r['op'].replace('matmul_', '')} | {r['M']} | {r['K']} | {r['N']} | "
+                     + " | ".join(f"{m[c]:.3f}" if c in m else "-" for c, _ in COLUMNS)
+                     + f" | {s:.2f}x | {bound / m['ditron']:.2f} | "
+                     + " ".join(f"{k}={v[sub]:.3f}" for k, v in r["plans"].items()) + " |")
+    lines.append("")
+    for op, values in speedups.items():
+        lines.append(f"Geometric mean over NCCL+cuBLAS, {op}: {geomean(values):.3f}x")
+    return lines
 
 
 def write_table(rows, args, world):
@@ -149,21 +220,12 @@ def write_table(rows, args, world):
              + " ".join(sys.argv[1:]) + "`",
              f"- torch {torch.__version__}, triton {__import__('triton').__version__}, "
              f"{torch.cuda.get_device_name()}", "",
-             "Median ms per call (max over ranks); vs NCCL = NCCL+cuBLAS (unfused sequence for "
-             "the RMSNorm rows) / ditron.", "",
-             "| op | M | K | N | NCCL+cuBLAS | symm one-shot | symm two-shot | ditron | GEMM | "
-             "AR | vs NCCL | plans |", "| --- " * 12 + "|"]
-    speedups = []
-    for r in rows:
-        m = r["ms"]
-        s = m["nccl_cublas"] / m["ditron"]
-        speedups.append(s)
-        cell = lambda key: f"{m[key]:.3f}" if key in m else "-"  # noqa: E731
-        lines.append(f"| {r['op'].replace('matmul_', '')} | {r['M']} | {r['K']} | {r['N']} | "
-                     f"{cell('nccl_cublas')} | {cell('symm_one_shot')} | {cell('symm_two_shot')} "
-                     f"| {cell('ditron')} | {cell('gemm_only')} | {cell('comm_only')} | {s:.2f}x | "
-                     + " ".join(f"{k}={v:.3f}" for k, v in r["plans"].items()) + " |")
-    lines += ["", f"Geometric mean over NCCL+cuBLAS: {geomean(speedups):.3f}x"]
+             "Median ms per call (max over ranks). all_reduce rows: a @ b then the all-reduce; "
+             "all_reduce_rmsnorm rows: then + residual and RMSNorm, NCCL+cuBLAS being the unfused "
+             "sequence (cuBLAS, NCCL, eager torch ops). ditron = the plan the runtime picks "
+             "unprompted; plans = every candidate, for calibration. bound = max(GEMM, AR).", ""]
+    lines += table(rows, "ms", "Eager (host launches every call)") + [""]
+    lines += table(rows, "graph_ms", f"CUDA graph ({args.iters} calls captured, replayed)")
     text = "\n".join(lines) + "\n"
     with open(args.out + ".md", "w") as fh:
         fh.write(text)
@@ -178,6 +240,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--verbose", action="store_true", help="one line per contender (rank 0)")
+    ap.add_argument("--ms", default="", help="only these M, e.g. 1,128 (default: the suite's)")
+    ap.add_argument("--ks", default="", help="only these K per rank, e.g. 3584")
     args = ap.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -189,13 +254,18 @@ def main():
 
     dtype = getattr(torch, args.dtype)
     rows, t0 = [], time.time()
-    for shape in SUITE:
+    only = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
+    ms, ks = only(args.ms), only(args.ks)
+    for shape in [s for s in SUITE if (not ms or s[0] in ms) and (not ks or s[1] in ks)]:
         new = run_shape(shape, dtype, group_name, world, args)
         rows += new
         if rank == 0:
             for r in new:
-                print(f"{r['op']} {shape}: " + " ".join(f"{k}={v:.3f}" for k, v in r["ms"].items())
-                      + " | " + " ".join(f"{k}={v:.3f}" for k, v in r["plans"].items())
+                print(f"{r['op']} {shape}: eager "
+                      + " ".join(f"{k}={v:.3f}" for k, v in r["ms"].items()) + " | graph "
+                      + " ".join(f"{k}={v:.3f}" for k, v in r["graph_ms"].items()) + " | plans "
+                      + " ".join(f"{k}={v['eager']:.3f}/{v['graph']:.3f}"
+                                 for k, v in r["plans"].items())
                       + f" | host {r['host_ms']} ({time.time() - t0:.0f}s)", flush=True)
             with open(args.out + ".partial.json", "w") as fh:
                 json.dump(rows, fh, indent=1)

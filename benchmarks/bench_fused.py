@@ -73,6 +73,37 @@ def bench(fn, inputs, iters, reps, warmup=3, label=None):
     return t[0].item()
 
 
+def bench_graph(fn, inputs, iters, reps, warmup=3):
+    """Like `bench`, but `iters` calls captured once in a CUDA graph and the graph replayed: the
+    GPU time without the host's launch gaps (how decode steps are served). Median ms per call on
+    this rank, max over ranks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up: compiled kernels, contexts, NCCL setup
+        for i in range(warmup):
+            fn(*inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(side)
+    sync_all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(*inputs[i % len(inputs)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        sync_all()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    del graph
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def safe(name, fn, *a, **k):
     try:
         return fn(*a, **k)

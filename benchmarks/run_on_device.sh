@@ -3,6 +3,7 @@
 #   bash benchmarks/run_on_device.sh <world sizes for tests, e.g. "2" or "4 8"> <bench world> [bench args...]
 # The all-reduce kernels (GEMM + all-reduce + RMSNorm) join in with AR=1: their GPU tests on the
 # same world sizes (quick subset) and their benchmark on the bench world.
+# FUSED_TESTS=0 / FUSED_BENCH=0 leave out the all-gather/reduce-scatter tests / benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -14,6 +15,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import nvshmem.core; print('nvshmem4py ok')" 2>&1 | tail -1
 nvidia-smi topo -m 2>&1 | head -12
 for w in $TESTS; do
+  [ "${FUSED_TESTS:-1}" = "0" ] && break
   K="world$w"; [ "$w" = "4" ] && K="world4 and torch"
   timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_fused_gpu.py -k "$K" 2>&1 | tee $OUT/gpu_tests_w$w.log | grep -v "^$" | tail -6
   echo "gpu tests world $w: rc=$?"
@@ -28,7 +30,7 @@ if [ "$BENCH_W" != "0" ] && [ "${AR:-0}" = "1" ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_all_reduce.py --out $OUT/ar_bench_w$BENCH_W 2>&1 | tee $OUT/ar_bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -40
   echo "all-reduce bench rc=$?"
 fi
-if [ "$BENCH_W" != "0" ]; then
+if [ "$BENCH_W" != "0" ] && [ "${FUSED_BENCH:-1}" = "1" ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_fused.py --out $OUT/bench_w$BENCH_W "$@" 2>&1 | tee $OUT/bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -60
   echo "bench rc=$?"
 fi

@@ -3,6 +3,8 @@
 One call on rank r (one context per (group, size class), shared by both ops and both plans):
   one_shot (decode): cuBLAS writes a @ b (+ bias) into my symmetric buffer; one kernel raises my
       READY, reads the W partials, adds the residual, normalises each row, writes h (and y).
+  two_shot, overlap=False (mid sizes): cuBLAS writes the whole partial, then one two-shot kernel
+      on the same stream: each rank reduces its rows from all peers, the others copy them back.
   two_shot (prefill): the side stream starts the reduction kernel on `comm_sms` SMs; the main
       stream runs cuBLAS chunk by chunk (chunk 0 first on every rank) and after each raises
       READY[j] by a 4-byte copy from the device epoch word; the owner of each chunk reduces it and
@@ -115,13 +117,21 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
-                  W_FP32=bool(weight_in_fp32), BLOCK_N=_block_n(n),
+                  W_FP32=bool(weight_in_fp32), BLOCK_N=int(params.get("block_n", _block_n(n))),
+                  WORLD=ctx.world, WORLD_P2=triton.next_power_of_2(ctx.world),
+                  VEC=bool(params.get("vec", True)),
                   num_warps=int(params.get("warps", 8)))
     if params["algo"] == "one_shot":
         _mm(a, b, bias, partial, {})
         progs = min(m, _num_sms(a.device))
-        kernels.one_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, ctx.world,
-                                          _limit(), **consts)
+        kernels.one_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, _limit(),
+                                          **consts)
+    elif not params.get("overlap", True):
+        _mm(a, b, bias, partial, {})  # whole: the weights are read once
+        chunks, rows = _row_chunks(ctx, params, m)
+        progs = max(1, min(rows, _num_sms(a.device)))
+        kernels.two_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, rows, chunks,
+                                          _limit(), GEMM_DONE=True, **consts)
     else:
         _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
     _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
@@ -129,22 +139,32 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     return h.view(shape), (None if y is None else y.view(shape))
 
 
-def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
-    m, n = partial.shape
+def _row_chunks(ctx, params, m):
+    """(number of row chunks, rows per chunk): chunk j is reduced by rank j % W."""
     chunks = max(1, min(int(params.get("chunks", 2 * ctx.world)), kernels.MAX_CHUNKS, m))
     rows = triton.cdiv(m, chunks)
-    chunks = triton.cdiv(m, rows)
+    return triton.cdiv(m, rows), rows
+
+
+def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
+    """The GEMM chunk by chunk on the main stream, the reduction on the side stream."""
+    m, n = partial.shape
+    chunks, rows = _row_chunks(ctx, params, m)
     progs = max(1, min(int(params.get("comm_sms", 32)), _num_sms(a.device) // 2))
     main = torch.cuda.current_stream()
     dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
-    with torch.cuda.stream(dev.side):
-        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, ctx.world, rows, chunks,
-                                          _limit(), **consts)
     current_epoch = dev.epoch.data_ptr() + 4
     for j in range(chunks):  # chunk 0 first on every rank: the order the owners reduce in
         lo, hi = j * rows, min((j + 1) * rows, m)
         _mm(a[lo:hi], b, bias, partial[lo:hi], {})
         driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+    # Launched after every GEMM chunk is queued, though it starts with the first: a host call
+    # that synchronises the device while the chunks are being queued (cuBLAS or the caching
+    # allocator reaching cudaMalloc) would otherwise wait for this spinning kernel, which waits
+    # for chunks not yet queued (seen on 8x H200: REDUCED waits that never finished).
+    with torch.cuda.stream(dev.side):
+        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
+                                          **consts)
     main.wait_stream(dev.side)
 
 

@@ -163,20 +163,51 @@ def default_params(task: Task) -> dict:
     return dict(cands[best])
 
 
-# GEMM + all-reduce (runtime/all_reduce.py): one_shot up to this many rows (decode), else
-# two_shot. Not yet run on GPUs: the model never chooses them; DITRON_PLAN=fused forces them.
-ONE_SHOT_MAX_M = 256
-ALL_REDUCE_UNCALIBRATED = "the fused all-reduce kernels are not yet calibrated on GPUs"
+# GEMM + all-reduce (runtime/all_reduce.py). Decode: one_shot up to ONE_SHOT_MAX_M rows (latency:
+# one flag wait, every rank reads all W partials; scalar peer loads, vec=False, measured faster
+# there than 16-byte ones); mid sizes: the whole GEMM, then the two-shot kernel (each rank moves
+# ~2 partials' worth instead of W); prefill: the two-shot pipelined with the GEMM in row chunks.
+# These are the runtime's defaults when a fused plan names no algorithm (DITRON_PLAN=fused).
+ONE_SHOT_MAX_M = 32
+NO_OVERLAP_MAX_M = 1024
+
+# What the scheduler fuses, from benchmarks/results/ar_h200x8_run5.md (8x H200, bf16, 2026-11-20,
+# CUDA-graph replays, best plan over NCCL+cuBLAS, K per rank 3584 / 1024):
+#   + residual + RMSNorm (vs the unfused sequence): M=1 1.46x / 1.46x, M=32 1.42x / 1.43x
+#     (one_shot scalar); M=128 1.15x / 1.10x (two_shot after the whole GEMM);
+#   all-reduce alone: M=1 1.32x / 1.42x (one_shot scalar); M=32 1.07x / 0.98x; M=128 slower.
+# Not fused: M >= 2048 (every two-shot plan slower than NCCL, ar_h200x8_run4.md), and every plan
+# launched eagerly (its host launch cost, ~0.15-0.3 ms a call on that machine, exceeds the gain).
+RMSNORM_FUSED_MAX_M = 128
+ALL_REDUCE_FUSED_MAX_M = 16  # measured at M=1 and M=32 only; the cut between them is a guess
 
 
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
-    if task.m_hint <= ONE_SHOT_MAX_M:
-        return dict(algo="one_shot")
-    # about 256 rows per chunk (~4 MB of bf16 partials at N = 8192), at least one per rank
     w = max(1, task.world_size)
+    if task.m_hint <= ONE_SHOT_MAX_M:
+        return dict(algo="one_shot", vec=False)
+    if task.m_hint <= NO_OVERLAP_MAX_M:
+        return dict(algo="two_shot", overlap=False, chunks=w)
+    # about 256 rows per chunk (~4 MB of bf16 partials at N = 8192), at least one per rank
     chunks = min(64 // w * w, max(w, task.m_hint // 256 // w * w))
     return dict(algo="two_shot", chunks=chunks, comm_sms=32)
+
+
+def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:
+    """(plan, why) for the GEMM + all-reduce ops, from the measurements above."""
+    keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
+    limit = (RMSNORM_FUSED_MAX_M if task.op == MATMUL_ALL_REDUCE_RMSNORM
+             else ALL_REDUCE_FUSED_MAX_M)
+    if task.m_hint > limit:
+        return None, (f"M={task.m_hint} > {limit}: the fused kernels measured no gain over NCCL "
+                      f"at this size: {keep}")
+    if not cuda_graphs:
+        return None, ("launched eagerly the fused kernel costs more host time than it saves; "
+                      f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
+    params = all_reduce_params(task)
+    return (DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))),
+            f"fused plan {params['algo']} (M={task.m_hint} <= {limit}, replayed in a CUDA graph)")
 
 
 def complete_params(task: Task, plan: DevicePlan) -> dict:
@@ -188,10 +219,11 @@ def complete_params(task: Task, plan: DevicePlan) -> dict:
     return params if "gemm" in params else {**default_params(task), **params}
 
 
-def choose_device_plan(task: Task) -> tuple[Optional[DevicePlan], str]:
-    """(plan, why). A None plan means: leave the graph as it was (no predicted gain)."""
+def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[DevicePlan], str]:
+    """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
+    cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
-        return None, f"{ALL_REDUCE_UNCALIBRATED}: NCCL + cuBLAS (DITRON_PLAN=fused forces them)"
+        return all_reduce_plan(task, cuda_graphs)
     # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still
     # schedule, rather than the same work hidden inside an opaque reference op.
     if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):

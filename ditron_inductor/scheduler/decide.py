@@ -46,6 +46,14 @@ def group_problem(group_name: str, world_size: int) -> Optional[str]:
     return None
 
 
+def _cuda_graphs() -> bool:
+    """Whether Inductor will replay this graph as a CUDA graph (mode="reduce-overhead"): the same
+    on every rank, since every rank compiles with the same mode and options."""
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs)
+
+
 def decide(task: Task) -> Decision:
     if task.op not in config.patterns:
         return reject(f"pattern {task.op} is disabled (DITRON_PATTERNS)")
@@ -68,7 +76,7 @@ def decide(task: Task) -> Decision:
 
     if config.force_plan == REFERENCE or task.device_type != "cuda":
         return Decision(True, "reference plan (decomposed collective + matmul)", REFERENCE_PLAN)
-    plan, why = choose_device_plan(task)
+    plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
     if config.force_plan == FUSED and (plan is None or plan.impl == REFERENCE):
         plan, why = DevicePlan(impl=FUSED), "fused plan forced by DITRON_PLAN=fused"
     if plan is None:

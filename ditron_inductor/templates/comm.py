@@ -34,9 +34,14 @@ def wait_flag(ptr, epoch, limit, err_ptr, code):
 
 
 @triton.jit
-def peer_ptr(table_ptr, peer, dtype: tl.constexpr):
-    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses)."""
-    return tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
+def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses).
+    ALIGNED: say that it is 16-byte aligned (symmetric buffers are), so that the compiler may
+    emit 16-byte loads and stores through it."""
+    ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit(do_not_specialize=["offset", "value", "skip"])

@@ -57,6 +57,10 @@ class Ranks:
             assert int(self.arrive[r].abs().sum()) == 0  # arrival counters reset
 
 
+def world_consts(world):
+    return dict(WORLD=world, WORLD_P2=1 << (world - 1).bit_length())
+
+
 def launch_args(ranks, r, h, y, residual, weight):
     return (ranks.data_table, ranks.flag_table, ranks.flags[r], ranks.epoch[r], ranks.arrive[r],
             ranks.err[r], h, y if y is not None else h,
@@ -71,7 +75,7 @@ def new_outs(ranks, weight):
             for _ in range(ranks.world)]
 
 
-def one_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, outs=None):
+def one_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, outs=None):
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     for r in range(world):  # every rank's program 0 raises READY before anyone reads
@@ -81,20 +85,24 @@ def one_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, outs=None):
         h, y = outs[r]
         ranks.raise_done_after(r, epoch)
         ar.one_shot_kernel[(progs,)](
-            *launch_args(ranks, r, h, y, residual, weight), m, n, eps, r, world, LIMIT,
-            HAS_RES=residual is not None, NORM=weight is not None, W_FP32=w_fp32,
-            BLOCK_N=block_n)
+            *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
+            LIMIT, HAS_RES=residuals is not None, NORM=weight is not None, W_FP32=w_fp32,
+            BLOCK_N=block_n, **world_consts(world))
     ranks.check_call_finished(epoch)
     return outs
 
 
-def two_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, chunks, outs=None):
+def two_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, chunks, outs=None,
+             gemm_done=False):
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     rows = -(-m // chunks)
     num_chunks = -(-m // rows)
-    for r in range(world):  # the GEMM chunks, each followed by its READY copy from epoch[1]
-        for j in range(num_chunks):
+    for r in range(world):
+        if gemm_done:  # the whole GEMM, then the kernel raises READY[0] itself
+            ranks.flags[r][ar.READY] = ranks.epoch[r][1]
+            continue
+        for j in range(num_chunks):  # the GEMM chunks, each followed by its READY copy
             ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
     outs = outs or new_outs(ranks, weight)
     for phase in ("reduce", "gather"):
@@ -103,10 +111,10 @@ def two_shot(ranks, residual, weight, eps, w_fp32, progs, block_n, chunks, outs=
             if phase == "gather":
                 ranks.raise_done_after(r, epoch)
             ar.two_shot_kernel[(progs,)](
-                *launch_args(ranks, r, h, y, residual, weight), m, n, eps, r, world, rows,
-                num_chunks, LIMIT, HAS_RES=residual is not None, NORM=weight is not None,
-                W_FP32=w_fp32, BLOCK_N=block_n, REDUCE=phase == "reduce",
-                GATHER=phase == "gather")
+                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
+                rows, num_chunks, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
+                W_FP32=w_fp32, BLOCK_N=block_n, GEMM_DONE=gemm_done,
+                REDUCE=phase == "reduce", GATHER=phase == "gather", **world_consts(world))
         if phase == "reduce":
             for r in range(world):
                 for j in range(num_chunks):
@@ -127,22 +135,22 @@ def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check(outs, ref, dtype):
-    """Every rank has the same bits; fp32 matches the reference to rounding, 16-bit types to
-    about one unit in the last place (the interpreter's bf16 casts may round differently)."""
-    for h, y in outs:
-        assert torch.equal(h, outs[0][0]), "ranks disagree on h"
+def check(outs, partials, residuals, weight, eps, w_fp32, dtype):
+    """Each rank matches the reference with its own residual (the ranks' residuals differ here):
+    fp32 to rounding, 16-bit types to about one unit in the last place (the interpreter's bf16
+    casts may round differently). Without residuals every rank has the same bits."""
+    for r, (h, y) in enumerate(outs):
+        if residuals is None:
+            assert torch.equal(h, outs[0][0]), "ranks disagree on h"
+        ref = reference(partials, residuals and residuals[r], weight, eps, w_fp32, dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(h, ref[0], atol=1e-5, rtol=1e-5)
+            if ref[1] is not None:
+                torch.testing.assert_close(y, ref[1], atol=1e-4, rtol=1e-4)
+            continue
+        assert rel_err(h, ref[0]) < 1e-2
         if ref[1] is not None:
-            assert torch.equal(y, outs[0][1]), "ranks disagree on y"
-    h, y = outs[0]
-    if dtype == torch.float32:
-        torch.testing.assert_close(h, ref[0], atol=1e-5, rtol=1e-5)
-        if ref[1] is not None:
-            torch.testing.assert_close(y, ref[1], atol=1e-4, rtol=1e-4)
-        return
-    assert rel_err(h, ref[0]) < 1e-2
-    if ref[1] is not None:
-        assert rel_err(y, ref[1]) < 2e-2
+            assert rel_err(y, ref[1]) < 2e-2
 
 
 CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
@@ -155,6 +163,9 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (4, 3, 48, torch.float16, False, False, False, "two"),  # fewer rows than ranks
     (2, 300, 24, torch.float16, True, True, False, "two"),
     (2, 256, 16, torch.bfloat16, True, True, True, "one"),
+    (4, 37, 72, torch.float32, True, True, False, "two_gemm_done"),
+    (3, 10, 40, torch.float16, True, True, True, "one"),  # a world that is not a power of 2
+    (3, 10, 40, torch.float32, False, True, False, "two_gemm_done"),
 ]
 
 
@@ -167,18 +178,19 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         if norm else None
     for call in range(3 if m < 100 else 2):
         partials = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)]
-        residual = torch.randn(m, n, generator=gen).to(dtype) if res else None
+        residuals = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)] \
+            if res else None
         ranks.write_partials(partials)
         if path == "one":
-            outs = one_shot(ranks, residual, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
+            outs = one_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
         else:
-            outs = two_shot(ranks, residual, weight, 1e-6, w_fp32, progs=4, block_n=32,
-                            chunks=2 * world)
-        check(outs, reference(partials, residual, weight, 1e-6, w_fp32, dtype), dtype)
+            outs = two_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=4, block_n=32,
+                            chunks=2 * world, gemm_done=path == "two_gemm_done")
+        check(outs, partials, residuals, weight, 1e-6, w_fp32, dtype)
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["one", "two"])
+@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done"])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
@@ -187,18 +199,19 @@ def test_replay_same_launch_arguments(path):
     gen = torch.Generator().manual_seed(7)
     ranks = Ranks(world, m, n, dtype)
     weight = torch.randn(n, generator=gen)
-    residual = torch.empty(m, n)
+    residuals = [torch.empty(m, n) for _ in range(world)]
     outs = new_outs(ranks, weight)
     for replay in range(4):
         partials = [torch.randn(m, n, generator=gen) for _ in range(world)]
-        residual.copy_(torch.randn(m, n, generator=gen))
+        for residual in residuals:
+            residual.copy_(torch.randn(m, n, generator=gen))
         ranks.write_partials(partials)
         if path == "one":
-            one_shot(ranks, residual, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
+            one_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
         else:
-            two_shot(ranks, residual, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
-                     outs=outs)
-        check(outs, reference(partials, residual, weight, 1e-5, True, dtype), dtype)
+            two_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
+                     outs=outs, gemm_done=path == "two_gemm_done")
+        check(outs, partials, residuals, weight, 1e-5, True, dtype)
         assert ranks.epoch[1].tolist() == [replay + 1, replay + 2]
 
 
@@ -209,8 +222,9 @@ def test_missing_peer_is_reported_not_a_hang():
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     ranks.flags[1][ar.DONE] = 1  # only rank 1's READY is missing
-    ar.one_shot_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, world,
-                             LIMIT, HAS_RES=False, NORM=False, W_FP32=False, BLOCK_N=16)
+    ar.one_shot_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, LIMIT,
+                             HAS_RES=False, NORM=False, W_FP32=False, BLOCK_N=16,
+                             **world_consts(world))
     assert int(ranks.err[0]) == ar.ERR_READY
 
 
@@ -221,9 +235,20 @@ def test_plans_and_declines():
 
     task = Task(op=MATMUL_ALL_REDUCE_RMSNORM, group_name="0", world_size=8, m=128, k=3584,
                 ns=(8192,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum")
-    plan, why = choose_device_plan(task)
-    assert plan is None and "not yet calibrated" in why
-    assert all_reduce_params(task) == {"algo": "one_shot"}
+    # fused where it measured a gain: decode sizes replayed in CUDA graphs
+    plan, why = choose_device_plan(task, cuda_graphs=True)
+    assert plan.impl == "fused" and dict(plan.params) == all_reduce_params(task), why
+    plan, why = choose_device_plan(task, cuda_graphs=False)
+    assert plan is None and "eagerly" in why
+    plan, why = choose_device_plan(Task(**{**task.__dict__, "m": 2048}), cuda_graphs=True)
+    assert plan is None and "no gain" in why
+    plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
+    assert choose_device_plan(plain, cuda_graphs=True)[0] is None  # M=128: slower than NCCL
+    assert choose_device_plan(Task(**{**plain.__dict__, "m": 1}), cuda_graphs=True)[0].impl == \
+        "fused"
+    assert all_reduce_params(task) == {"algo": "two_shot", "overlap": False, "chunks": 8}
+    assert all_reduce_params(Task(**{**task.__dict__, "m": 1})) == {"algo": "one_shot",
+                                                                    "vec": False}
     big = all_reduce_params(Task(**{**task.__dict__, "m": 8192}))
     assert big["algo"] == "two_shot" and big["chunks"] % 8 == 0 and big["chunks"] <= ar.MAX_CHUNKS
     a, b = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)

@@ -75,17 +75,35 @@ def test_cpu_tasks_get_the_reference_plan(group4):
 
 def test_cuda_plan_comes_from_the_cost_model(group4, monkeypatch):
     plan = DevicePlan(FUSED, params=(("block_m", 128),))
-    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (plan, "predicted win"))
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (plan, "predicted win"))
     d = decide(AG)
     assert d.fuse and d.plan == plan and d.reason == "predicted win"
 
-    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (None, "no gain"))
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
     d = decide(AG)
     assert not d.fuse and d.reason == "no gain"
 
 
+def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
+    """The GEMM + all-reduce + RMSNorm kernel measured a gain only when replayed in a CUDA graph
+    (mode="reduce-overhead"), which the decision reads from Inductor's config."""
+    from torch._inductor import config as inductor_config
+
+    from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
+
+    decode = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, m=32, k=3584, ns=(8192,),
+                                 reduce_op="sum", has_residual=True)
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        d = decide(decode)
+    assert not d.fuse and "eagerly" in d.reason
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        d = decide(decode)
+        assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "one_shot"
+        assert not decide(dataclasses.replace(decode, m=4096)).fuse
+
+
 def test_forced_plans(group4, monkeypatch):
-    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task: (None, "no gain"))
+    monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
     monkeypatch.setattr(config, "force_plan", "fused")
     assert decide(AG).plan.impl == FUSED
     monkeypatch.setattr(config, "force_plan", "reference")
@@ -132,8 +150,9 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
     plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
     assert plan is None and "interleaves" in why
-    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum"))
-    assert plan is None and "not yet calibrated" in why
+    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum"),
+                                   cuda_graphs=True)
+    assert plan is None and "no gain" in why
     # [1, S, H] gathered on dim 1 is planned like a dim-0 gather
     same_rows = dataclasses.replace(AG, dim=1, rank_chunks_contiguous=True)
     assert choose_device_plan(same_rows) == choose_device_plan(AG)

@@ -1,5 +1,6 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
-and fp16, random data, M from 1 to 8192 (one_shot and two_shot, forced), K per rank 1024 and
+and fp16, random data, M from 1 to 8192 (each plan forced: one_shot, two_shot after the whole
+GEMM, two_shot pipelined with GEMM chunks, and the runtime's default), K per rank 1024 and
 3584, N 8192 and a smaller N, residual and norm variants (both roundings), many calls in a row,
 and under torch.cuda.graph capture + replay. Every case asserts that the fused path served it.
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.gpu
 QUICK = os.environ.get("DITRON_AR_QUICK", "0") == "1"
 MS = (1, 7, 32, 128, 256, 257, 2048) if QUICK else (1, 7, 32, 128, 256, 257, 2048, 8192)
 SHAPES_KN = ((1024, 1000), (3584, 8192)) if QUICK else ((1024, 1000), (1024, 8192), (3584, 8192))
-PLANS = ({}, {"algo": "one_shot"}, {"algo": "two_shot", "chunks": 4, "comm_sms": 16})
+PLANS = ({}, {"algo": "one_shot"}, {"algo": "two_shot", "overlap": False, "chunks": 3},
+         {"algo": "two_shot", "chunks": 4, "comm_sms": 16})
 EPS = 1e-6
 
 
@@ -141,7 +143,7 @@ def _worker(rank, world, port, calls, result_dir):
         for dtype in (torch.bfloat16, torch.float16):
             _eager_cases(group_name, world, dtype, gen, calls)
         config.wait_timeout_s = 0.0  # no host checks inside a captured graph
-        for m, plan_params in ((1, {"algo": "one_shot"}), (128, {}), (2048, {}),
+        for m, plan_params in ((1, {"algo": "one_shot"}), (32, {}), (128, {}), (2048, {}),
                                (512, {"algo": "two_shot", "chunks": 8, "comm_sms": 8})):
             _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
         status = f"ok stats={dict(stats)}"

@@ -1,0 +1,71 @@
+"""Compile the Triton templates for Hopper (sm_90) without a GPU: the front end's checks
+(constexpr globals, types, shapes) and the back end down to a cubin, as the GPU machine would.
+Run in its own process (test_kernels_compile.py): the interpreter tests switch Triton's JIT to
+interpretation for the whole process.
+
+    python -m ditron_inductor.tests.sm90_compile    # prints one line per kernel variant
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ditron_inductor.templates import all_reduce, comm, reduce  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+_AR_ARGS = dict(data_table="*i64", flag_table="*i64", flags_ptr="*i32", epoch_ptr="*i32",
+                arrive_ptr="*i32", err_ptr="*i32", h_ptr="*bf16", y_ptr="*bf16",
+                res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32", rank="i32",
+                limit="i32", rows_per_chunk="i32", num_chunks="i32")
+
+
+def variants():
+    """(kernel, argument types, constexprs, num_warps) for every variant worth compiling."""
+    for world in (2, 3, 8):
+        p2 = 1 << (world - 1).bit_length()
+        for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
+            base = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK_N=4096, WORLD=world,
+                        WORLD_P2=p2, VEC=world != 3)
+            yield all_reduce.one_shot_kernel, _AR_ARGS, base, 8
+            for gemm_done in (False, True):
+                yield (all_reduce.two_shot_kernel, _AR_ARGS,
+                       dict(base, GEMM_DONE=gemm_done, REDUCE=True, GATHER=True), 8)
+    yield (reduce.reduce_slots_kernel,
+           dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
+                scale="fp32"), dict(BLOCK=4096), 8)
+    yield (comm.wait_flags_kernel,
+           dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit="i32",
+                err_ptr="*i32"), {}, 1)
+    yield (comm.notify_peers_kernel,
+           dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
+
+
+def compile_for_hopper(fn, arg_types, constexprs, num_warps, divisible=("N",)):
+    """As the JIT compiles it for arguments like the runtime's: every pointer 16-byte aligned
+    (torch allocations and symmetric buffers are), and the specialised integers named in
+    `divisible` multiples of 16."""
+    signature = {name: "constexpr" if name in constexprs else arg_types[name]
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name].startswith("*") or (name in divisible
+                                                   and name not in fn.do_not_specialize)}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps))
+
+
+def main():
+    for fn, types, consts, warps in variants():
+        kernel = compile_for_hopper(fn, types, consts, warps)
+        assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+        print(f"ok {fn.__name__} {consts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
