@@ -49,28 +49,39 @@ def sync_all():
 HOST_MS = {}  # label -> host ms per call (enqueue time of the timed loop), for the last bench
 
 
-def bench(fn, inputs, iters, reps, warmup=3, label=None):
-    """Median ms per call on this rank, max over ranks. With a label, also the host time per call
-    (time to enqueue the loop): a contender whose host time reaches its GPU time is host-bound."""
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
+def _timed_reps(enqueue, iters, reps):
+    """`reps` repetitions of enqueue() (which queues `iters` calls), each timed by CUDA events
+    after a sync of every rank: (median device ms per call, median host ms per call to
+    enqueue), each the maximum over ranks."""
     times, host = [], []
     for _ in range(reps):
         sync_all()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        for i in range(iters):
-            fn(*inputs[i % len(inputs)])
+        enqueue()
         host.append((time.perf_counter() - t0) * 1e3 / iters)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / iters)
     t = torch.tensor([statistics.median(times), statistics.median(host)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t[0].item(), t[1].item()
+
+
+def bench(fn, inputs, iters, reps, warmup=3, label=None):
+    """Median ms per call on this rank, max over ranks. With a label, also the host time per call
+    (time to enqueue the loop): a contender whose host time reaches its GPU time is host-bound."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+
+    def enqueue():
+        for i in range(iters):
+            fn(*inputs[i % len(inputs)])
+    ms, host_ms = _timed_reps(enqueue, iters, reps)
     if label:
-        HOST_MS[label] = t[1].item()
-    return t[0].item()
+        HOST_MS[label] = host_ms
+    return ms
 
 
 def bench_graph(fn, inputs, iters, reps, warmup=3):
@@ -89,19 +100,9 @@ def bench_graph(fn, inputs, iters, reps, warmup=3):
         for i in range(iters):
             fn(*inputs[i % len(inputs)])
     graph.replay()
-    times = []
-    for _ in range(reps):
-        sync_all()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
+    ms, _ = _timed_reps(graph.replay, iters, reps)
     del graph
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return ms
 
 
 def safe(name, fn, *a, **k):
@@ -137,6 +138,21 @@ def check_close(name, out, ref):
     if t.item() > 2e-2 or not math.isfinite(t.item()):
         raise RuntimeError(f"{name}: relative error {t.item():.3e} against NCCL+cuBLAS")
     return t.item()
+
+
+def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_plan, plans):
+    """Time every candidate plan (`ditron(params)`; `ditron(None)` is NCCL + cuBLAS), each first
+    checked against NCCL + cuBLAS (`pick` takes the compared output), into `plans`; return the
+    time of the cost model's choice."""
+    ref = pick(ditron(None)(*inputs[0]))
+    for name, params in candidates.items():
+        def one(name=name, params=params):
+            check_close(f"{tag} {name}", pick(ditron(params)(*inputs[0])), ref)
+            return bench(ditron(params), inputs, args.iters, args.reps, label=name)
+        plans[name] = safe(name, one)
+    chosen, why = ditron_task_plan
+    return (bench(ditron(None), inputs, args.iters, args.reps) if chosen is None
+            else plans.get(chosen["label"], float("nan")))
 
 
 def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
@@ -178,16 +194,8 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
                                      lambda a, b: triton_gemm(full, b, None, out,
                                                               AG_CANDIDATES["tri_tma_128x256"]),
                                      inputs, args.iters, args.reps)
-    ref = nccl_cublas(*inputs[0])[1]
-    for name, params in AG_CANDIDATES.items():
-        def one(name=name, params=params):
-            got = ditron(params)(*inputs[0])[1]
-            check_close(f"AG {shape} {name}", got, ref)
-            return bench(ditron(params), inputs, args.iters, args.reps, label=name)
-        plans[name] = safe(name, one)
-    chosen, why = ditron_task_plan
-    ms["ditron"] = (bench(ditron(None), inputs, args.iters, args.reps) if chosen is None
-                    else plans.get(chosen["label"], float("nan")))
+    ms["ditron"] = bench_candidates(f"AG {shape}", AG_CANDIDATES, ditron, lambda out: out[1],
+                                    inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
@@ -223,16 +231,8 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     plans = {}
-    ref = nccl_cublas(*inputs[0])
-    for name, params in RS_CANDIDATES.items():
-        def one(name=name, params=params):
-            got = ditron(params)(*inputs[0])
-            check_close(f"RS {shape} {name}", got, ref)
-            return bench(ditron(params), inputs, args.iters, args.reps, label=name)
-        plans[name] = safe(name, one)
-    chosen, why = ditron_task_plan
-    ms["ditron"] = (bench(ditron(None), inputs, args.iters, args.reps) if chosen is None
-                    else plans.get(chosen["label"], float("nan")))
+    ms["ditron"] = bench_candidates(f"RS {shape}", RS_CANDIDATES, ditron, lambda out: out, inputs,
+                                    args, ditron_task_plan, plans)
     return ms, plans
 
 

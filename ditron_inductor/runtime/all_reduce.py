@@ -118,8 +118,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), BLOCK_N=int(params.get("block_n", _block_n(n))),
-                  WORLD=ctx.world, WORLD_P2=triton.next_power_of_2(ctx.world),
-                  VEC=bool(params.get("vec", True)),
+                  **kernels.world_constants(ctx.world), VEC=bool(params.get("vec", True)),
                   num_warps=int(params.get("warps", 8)))
     if params["algo"] == "one_shot":
         _mm(a, b, bias, partial, {})

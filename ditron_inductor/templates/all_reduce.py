@@ -63,6 +63,11 @@ K_DONE, K_READY, K_REDUCED = tl.constexpr(DONE), tl.constexpr(READY), tl.constex
 K_ERR_READY, K_ERR_REDUCED = tl.constexpr(ERR_READY), tl.constexpr(ERR_REDUCED)
 K_ERR_DONE = tl.constexpr(ERR_DONE)
 
+def world_constants(world: int) -> dict:
+    """The kernels' compile-time world size: WORLD, and WORLD_P2 its next power of two."""
+    return dict(WORLD=world, WORLD_P2=triton.next_power_of_2(world))
+
+
 # N is specialised (whether it divides by 16): rows then start 16-byte aligned and the loads
 # and stores of a row compile to 16-byte vectors; the other integers change from call to call
 _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "num_chunks", "limit"]

@@ -29,10 +29,9 @@ _AR_ARGS = dict(data_table="*i64", flag_table="*i64", flags_ptr="*i32", epoch_pt
 def variants():
     """(kernel, argument types, constexprs, num_warps) for every variant worth compiling."""
     for world in (2, 3, 8):
-        p2 = 1 << (world - 1).bit_length()
         for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
-            base = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK_N=4096, WORLD=world,
-                        WORLD_P2=p2, VEC=world != 3)
+            base = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK_N=4096, VEC=world != 3,
+                        **all_reduce.world_constants(world))
             yield all_reduce.one_shot_kernel, _AR_ARGS, base, 8
             for gemm_done in (False, True):
                 yield (all_reduce.two_shot_kernel, _AR_ARGS,

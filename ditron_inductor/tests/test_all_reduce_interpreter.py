@@ -57,10 +57,6 @@ class Ranks:
             assert int(self.arrive[r].abs().sum()) == 0  # arrival counters reset
 
 
-def world_consts(world):
-    return dict(WORLD=world, WORLD_P2=1 << (world - 1).bit_length())
-
-
 def launch_args(ranks, r, h, y, residual, weight):
     return (ranks.data_table, ranks.flag_table, ranks.flags[r], ranks.epoch[r], ranks.arrive[r],
             ranks.err[r], h, y if y is not None else h,
@@ -87,7 +83,7 @@ def one_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, outs=None):
         ar.one_shot_kernel[(progs,)](
             *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
             LIMIT, HAS_RES=residuals is not None, NORM=weight is not None, W_FP32=w_fp32,
-            BLOCK_N=block_n, **world_consts(world))
+            BLOCK_N=block_n, **ar.world_constants(world))
     ranks.check_call_finished(epoch)
     return outs
 
@@ -114,7 +110,7 @@ def two_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, chunks, outs
                 *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
                 rows, num_chunks, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
                 W_FP32=w_fp32, BLOCK_N=block_n, GEMM_DONE=gemm_done,
-                REDUCE=phase == "reduce", GATHER=phase == "gather", **world_consts(world))
+                REDUCE=phase == "reduce", GATHER=phase == "gather", **ar.world_constants(world))
         if phase == "reduce":
             for r in range(world):
                 for j in range(num_chunks):
@@ -224,7 +220,7 @@ def test_missing_peer_is_reported_not_a_hang():
     ranks.flags[1][ar.DONE] = 1  # only rank 1's READY is missing
     ar.one_shot_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, LIMIT,
                              HAS_RES=False, NORM=False, W_FP32=False, BLOCK_N=16,
-                             **world_consts(world))
+                             **ar.world_constants(world))
     assert int(ranks.err[0]) == ar.ERR_READY
 
 
