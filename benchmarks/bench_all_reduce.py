@@ -4,16 +4,17 @@
 
 Per shape (M, K per rank, N; bf16 unless --dtype), op "matmul_all_reduce":
   nccl_cublas       a @ b, then NCCL all-reduce
-  symm_one_shot     a @ b, copied into a symm_mem buffer, torch.ops.symm_mem.one_shot_all_reduce
+  symm_one_shot     a @ b written into a symm_mem buffer, torch.ops.symm_mem.one_shot_all_reduce
   symm_two_shot     the same with torch.ops.symm_mem.two_shot_all_reduce_ (in place)
   ditron            torch.ops.ditron.matmul_all_reduce with the fused plan the runtime picks
                     unprompted (cost_model.all_reduce_params), and every plan in EXTRA_PLANS
                     for calibration
   gemm_only, comm_only
 and op "matmul_all_reduce_rmsnorm": nccl_cublas = the unfused sequence (cuBLAS, NCCL, + residual,
-RMSNorm in eager torch ops) vs ditron's fused op. Timing and the JSON/markdown row format are
-bench_fused.py's (imported): {op, M, K, N, world, dtype, ms: {...}, plans: {...}, host_ms}, plus
-graph_ms: the same contenders timed as CUDA-graph replays (bench_fused.bench_graph), where decode
+RMSNorm in eager torch ops), nccl_inductor = the same with the residual add and norm compiled by
+Inductor (one fused kernel, what a compiled model without ditron runs), vs ditron's fused op.
+Timing and the JSON/markdown row format are bench_fused.py's (imported): {op, M, K, N, world,
+dtype, ms: {...}, plans: {...}, host_ms}, plus graph_ms: the same contenders timed as CUDA-graph replays (bench_fused.bench_graph), where decode
 steps are served and the host's launch cost is gone; plans hold {eager, graph} per candidate.
 """
 
@@ -41,15 +42,17 @@ import torch.distributed as dist  # noqa: E402
 
 SUITE = [(m, k, 8192) for k in (3584, 1024) for m in (2048, 8192, 128, 32, 1)]
 EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for calibration
-    "one_shot": (dict(algo="one_shot"), lambda m: m <= 256),
-    "one_shot_scalar": (dict(algo="one_shot", vec=False), lambda m: m <= 256),
-    "two_shot_nolap": (dict(algo="two_shot", overlap=False, chunks=8), lambda m: m <= 8192),
-    "two_shot_nolap_scalar": (dict(algo="two_shot", overlap=False, chunks=8, vec=False),
-                              lambda m: m <= 256),
-    "two_shot_nolap_c32": (dict(algo="two_shot", overlap=False, chunks=32), lambda m: m >= 256),
-    "two_shot_c8": (dict(algo="two_shot", chunks=8, comm_sms=32), lambda m: m >= 1024),
-    "two_shot_c16": (dict(algo="two_shot", chunks=16, comm_sms=32), lambda m: m >= 1024),
-    "two_shot_c16_s16": (dict(algo="two_shot", chunks=16, comm_sms=16), lambda m: m >= 1024),
+    # the earlier kernels, superseded by the push kernel (ar_h200x8_run6.md; the pipelined
+    # two-shot, 4-25x slower than NCCL there, is no longer timed)
+    "one_shot_scalar": (dict(algo="one_shot", vec=False), lambda m: m <= 128),
+    "two_shot_nolap": (dict(algo="two_shot", overlap=False, chunks=8), lambda m: m <= 2048),
+    "push_b256": (dict(algo="push", block=256), lambda m: m <= 128),
+    "push_b512": (dict(algo="push", block=512), lambda m: m <= 128),
+    "push_b1024": (dict(algo="push", block=1024), lambda m: m <= 2048),
+    "push_b2048": (dict(algo="push", block=2048), lambda m: 256 <= m),
+    "push_b4096": (dict(algo="push", block=4096, warps=8), lambda m: m >= 256),
+    "push_p64": (dict(algo="push", progs=64), lambda m: m >= 128),
+    "push_lap_c16": (dict(algo="push", overlap=True, chunks=16, progs=48), lambda m: m >= 2048),
 }
 EPS = 1e-6
 
@@ -76,6 +79,15 @@ def run_shape(shape, dtype, group_name, world, args):
     def unfused_norm(a, b):
         h = nccl_cublas(a, b) + residual
         return h, _rmsnorm(h, weight)
+
+    def residual_norm(s, res, w):
+        h = s + res
+        return h, _rmsnorm(h, w)
+
+    inductor_tail = torch.compile(residual_norm)  # one fused Inductor kernel, as a compiled model
+
+    def nccl_inductor_norm(a, b):
+        return inductor_tail(nccl_cublas(a, b), residual, weight)
 
     def gemm_only(a, b):
         return a @ b
@@ -178,8 +190,9 @@ def run_shape(shape, dtype, group_name, world, args):
                  "host_ms": dict(HOST_MS)})
     ms_n, graph_n, plans_n = measure({
         "nccl_cublas": (unfused_norm, None, same[1]),
+        "nccl_inductor": (nccl_inductor_norm, *ref_of["matmul_all_reduce_rmsnorm"]),
         "ditron": (ditron({}, True), *ref_of["matmul_all_reduce_rmsnorm"]),
-    }, "matmul_all_reduce_rmsnorm", M in (1, 32, 128, 2048))
+    }, "matmul_all_reduce_rmsnorm", M <= 2048)
     for key in ("gemm_only", "comm_only"):
         ms_n[key], graph_n[key] = ms[key], graph_ms[key]
     rows.append({"op": "matmul_all_reduce_rmsnorm", "M": M, "K": K, "N": N, "world": world,
@@ -188,7 +201,8 @@ def run_shape(shape, dtype, group_name, world, args):
     return rows
 
 
-COLUMNS = [("nccl_cublas", "NCCL+cuBLAS"), ("symm_one_shot", "symm one-shot"),
+COLUMNS = [("nccl_cublas", "NCCL+cuBLAS"), ("nccl_inductor", "NCCL+cuBLAS, Inductor norm"),
+           ("symm_one_shot", "symm one-shot"),
            ("symm_two_shot", "symm two-shot"), ("ditron", "ditron"), ("gemm_only", "GEMM"),
            ("comm_only", "AR")]
 
@@ -196,17 +210,22 @@ COLUMNS = [("nccl_cublas", "NCCL+cuBLAS"), ("symm_one_shot", "symm one-shot"),
 def table(rows, key, title):
     """One markdown table of the rows' `key` timings ("ms": eager, "graph_ms": CUDA graph)."""
     lines = [f"## {title}", "", "| op | M | K | N | " + " | ".join(c for _, c in COLUMNS)
-             + " | vs NCCL | bound/ditron | plans |", "| --- " * (len(COLUMNS) + 7) + "|"]
+             + " | vs NCCL | vs Inductor norm | bound/ditron | plans |",
+             "| --- " * (len(COLUMNS) + 8) + "|"]
     speedups = {}
     for r in rows:
         m = r[key]
         s = m["nccl_cublas"] / m["ditron"]
         speedups.setdefault(r["op"], []).append(s)
+        s_ind = f"{m['nccl_inductor'] / m['ditron']:.2f}x" if "nccl_inductor" in m else "-"
+        if "nccl_inductor" in m:
+            speedups.setdefault(r["op"] + " (vs Inductor norm)", []).append(
+                m["nccl_inductor"] / m["ditron"])
         bound = max(m.get("gemm_only", float("nan")), m.get("comm_only", float("nan")))
         sub = "eager" if key == "ms" else "graph"
         lines.append(f"| {r['op'].replace('matmul_', '')} | {r['M']} | {r['K']} | {r['N']} | "
                      + " | ".join(f"{m[c]:.3f}" if c in m else "-" for c, _ in COLUMNS)
-                     + f" | {s:.2f}x | {bound / m['ditron']:.2f} | "
+                     + f" | {s:.2f}x | {s_ind} | {bound / m['ditron']:.2f} | "
                      + " ".join(f"{k}={v[sub]:.3f}" for k, v in r["plans"].items()) + " |")
     lines.append("")
     for op, values in speedups.items():
@@ -222,7 +241,9 @@ def write_table(rows, args, world):
              f"{torch.cuda.get_device_name()}", "",
              "Median ms per call (max over ranks). all_reduce rows: a @ b then the all-reduce; "
              "all_reduce_rmsnorm rows: then + residual and RMSNorm, NCCL+cuBLAS being the unfused "
-             "sequence (cuBLAS, NCCL, eager torch ops). ditron = the plan the runtime picks "
+             "sequence (cuBLAS, NCCL, eager torch ops), and NCCL+cuBLAS, Inductor norm the same "
+             "with the residual add and norm compiled by Inductor (one kernel, as in a compiled "
+             "model). ditron = the plan the runtime picks "
              "unprompted; plans = every candidate, for calibration. bound = max(GEMM, AR).", ""]
     lines += table(rows, "ms", "Eager (host launches every call)") + [""]
     lines += table(rows, "graph_ms", f"CUDA graph ({args.iters} calls captured, replayed)")

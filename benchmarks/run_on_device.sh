@@ -3,6 +3,7 @@
 #   bash benchmarks/run_on_device.sh <world sizes for tests, e.g. "2" or "4 8"> <bench world> [bench args...]
 # The all-reduce kernels (GEMM + all-reduce + RMSNorm) join in with AR=1: their GPU tests on the
 # same world sizes (quick subset) and their benchmark on the bench world.
+# AR_ARGS: extra arguments of bench_all_reduce.py (e.g. "--verbose --ms 1,32").
 # FUSED_TESTS=0 / FUSED_BENCH=0 leave out the all-gather/reduce-scatter tests / benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
 set -o pipefail
@@ -27,7 +28,7 @@ if [ "${AR:-0}" = "1" ]; then
   done
 fi
 if [ "$BENCH_W" != "0" ] && [ "${AR:-0}" = "1" ]; then
-  timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_all_reduce.py --out $OUT/ar_bench_w$BENCH_W 2>&1 | tee $OUT/ar_bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -40
+  timeout -k 5 ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node $BENCH_W benchmarks/bench_all_reduce.py --out $OUT/ar_bench_w$BENCH_W ${AR_ARGS:-} 2>&1 | tee $OUT/ar_bench_w$BENCH_W.log | grep -v "Warning\|warn(" | tail -40
   echo "all-reduce bench rc=$?"
 fi
 if [ "$BENCH_W" != "0" ] && [ "${FUSED_BENCH:-1}" = "1" ]; then

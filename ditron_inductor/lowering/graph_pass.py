@@ -69,7 +69,21 @@ class DitronPass(CustomGraphPass):
             user = getattr(self.user_pass, "uuid", lambda: None)()
             if user is None:  # an uncacheable user pass makes the whole pass uncacheable
                 return None
-        return (get_hash_for_files(_source_files()).hex(), config.cache_key(), user)
+        return (get_hash_for_files(_source_files()).hex(), config.cache_key(), user,
+                process_groups_key())
+
+
+def process_groups_key() -> tuple:
+    """The process groups' names and sizes: a rewritten graph names its group and world size, so
+    a graph cached by a run with 8 ranks must not serve one where group '0' has 2."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()
+    from torch.distributed.distributed_c10d import _world
+
+    return tuple(sorted((name, len(_world.pg_group_ranks.get(pg, ())))
+                        for pg, name in _world.pg_names.items()))
 
 
 def graph_name(graph: Graph) -> str:

@@ -1,20 +1,25 @@
-"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py).
+"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py,
+templates/all_reduce_push.py).
 
-One call on rank r (one context per (group, size class), shared by both ops and both plans):
-  one_shot (decode): cuBLAS writes a @ b (+ bias) into my symmetric buffer; one kernel raises my
-      READY, reads the W partials, adds the residual, normalises each row, writes h (and y).
-  two_shot, overlap=False (mid sizes): cuBLAS writes the whole partial, then one two-shot kernel
-      on the same stream: each rank reduces its rows from all peers, the others copy them back.
-  two_shot (prefill): the side stream starts the reduction kernel on `comm_sms` SMs; the main
-      stream runs cuBLAS chunk by chunk (chunk 0 first on every rank) and after each raises
-      READY[j] by a 4-byte copy from the device epoch word; the owner of each chunk reduces it and
-      publishes h, the others gather it; the main stream joins the side stream.
+One call on rank r (one context per (group, size class), shared by both ops and every plan):
+  push (the default, all sizes): cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one
+      kernel: each rank sums its blocks from every peer and pushes the sums to every peer, copies
+      the sums out adding its residual, normalises the rows; with overlap=True the GEMM runs in
+      row chunks and the kernel beside it on the side stream, waiting on each chunk's READY.
+  The earlier plans, slower than push at every size measured (ar_h200x8_run6/8.md), are kept
+  for comparison and run only when a plan names them:
+  one_shot: one kernel raises my READY, reads the W partials, adds the residual, normalises.
+  two_shot, overlap=False: one two-shot kernel after the whole GEMM: each rank reduces its rows
+      from all peers, the others copy them back.
+  two_shot: the reduction kernel on the side stream on `comm_sms` SMs next to the GEMM in row
+      chunks, READY[j] raised by a 4-byte copy from the device epoch word after chunk j.
 
-Epochs are device words that the kernels advance (see the template), and each kernel ends with a
-barrier on DONE, so the next call's GEMM may overwrite the buffers: nothing on the host changes
-between calls, and a call captured in a CUDA graph replays correctly. The context must exist
-before capture (its setup is collective and synchronises): a call captured before any eager call
-of its size class takes the reference path.
+Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
+the next call's GEMM when it ends (push: every peer has read and pushed before it raises
+PUSHED; the others: a barrier on DONE): nothing on the host changes between calls, and a call
+captured in a CUDA graph replays correctly. The context must exist before capture (its setup is
+collective and synchronises): a call captured before any eager call of its size class takes the
+reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
 """
 
 from __future__ import annotations
@@ -30,15 +35,19 @@ from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
+from ..templates.all_reduce_push import push_kernel
 from . import driver
-from .context import OpContext, get_context
+from .context import OpContext, build_outside_graph_pools, get_context
 from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _why_not
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
 _WAIT_NAMES = {kernels.ERR_READY: "READY (a peer's partial)",
                kernels.ERR_REDUCED: "REDUCED (an owner's reduced rows)",
-               kernels.ERR_DONE: "DONE (a peer's end-of-call barrier)"}
+               kernels.ERR_DONE: "DONE (a peer's end-of-call barrier)",
+               kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
+               kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
+               kernels.ERR_STARTED: "STARTED (a peer's partial)"}
 
 
 @dataclasses.dataclass
@@ -57,10 +66,10 @@ _epochs: "weakref.WeakKeyDictionary[OpContext, DeviceEpoch]" = weakref.WeakKeyDi
 def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     state = _epochs.get(ctx)
     if state is None:
-        state = _epochs[ctx] = DeviceEpoch(
+        state = _epochs[ctx] = build_outside_graph_pools(ctx.device, lambda: DeviceEpoch(
             epoch=torch.tensor([0, 1], dtype=torch.int32, device=ctx.device),
             arrive=torch.zeros(1 + kernels.MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
-            side=torch.cuda.Stream(device=ctx.device, priority=-1))
+            side=torch.cuda.Stream(device=ctx.device, priority=-1)))
     return state
 
 
@@ -117,25 +126,35 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
-                  W_FP32=bool(weight_in_fp32), BLOCK_N=int(params.get("block_n", _block_n(n))),
-                  **kernels.world_constants(ctx.world), VEC=bool(params.get("vec", True)),
-                  num_warps=int(params.get("warps", 8)))
+                  W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
+    if params["algo"] == "push":
+        if ctx.world > kernels.MAX_WORLD:
+            return _why_not(f"the push kernel's flags serve up to {kernels.MAX_WORLD} ranks")
+        _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
+    else:
+        _earlier_plan(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
+    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
+    stats[task.op] += 1
+    return h.view(shape), (None if y is None else y.view(shape))
+
+
+def _earlier_plan(ctx, dev, params, a, b, bias, partial, common, consts, eps):
+    """The one-shot and two-shot plans (templates/all_reduce.py)."""
+    m, n = partial.shape
+    consts = dict(consts, BLOCK_N=int(params.get("block_n", _block_n(n))),
+                  VEC=bool(params.get("vec", True)), num_warps=int(params.get("warps", 8)))
     if params["algo"] == "one_shot":
         _mm(a, b, bias, partial, {})
         progs = min(m, _num_sms(a.device))
-        kernels.one_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, _limit(),
-                                          **consts)
+        kernels.one_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, _limit(), **consts)
     elif not params.get("overlap", True):
         _mm(a, b, bias, partial, {})  # whole: the weights are read once
         chunks, rows = _row_chunks(ctx, params, m)
         progs = max(1, min(rows, _num_sms(a.device)))
-        kernels.two_shot_kernel[(progs,)](*common, m, n, float(eps), ctx.rank, rows, chunks,
-                                          _limit(), GEMM_DONE=True, **consts)
+        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
+                                          GEMM_DONE=True, **consts)
     else:
-        _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
-    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
-    stats[task.op] += 1
-    return h.view(shape), (None if y is None else y.view(shape))
+        _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps)
 
 
 def _row_chunks(ctx, params, m):
@@ -164,6 +183,51 @@ def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     with torch.cuda.stream(dev.side):
         kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
                                           **consts)
+    main.wait_stream(dev.side)
+
+
+def push_grid(world, numel, sms, params, norm=False):
+    """(programs, BLOCK, warps) of the push kernel: one 16-byte vector of 16-bit elements per
+    thread and peer in a block (BLOCK = 256 x warps, at most 8 warps); blocks of 256 to 1024
+    elements with about 32 or more programs at work, 4096 from 128 blocks of 4096 per rank up
+    (measured best at M=32 and M >= 2048, ar_h200x8_run6.md); with a norm at least 1024 (its
+    rows go to 4 warps, not 1: faster at M=1, ar_h200x8_run7.md); fewer programs than SMs (the
+    kernel waits on its own programs: all must be resident)."""
+    per_rank = triton.cdiv(numel, world)
+    small = max(1024 if norm else 256,
+                min(1024, triton.next_power_of_2(per_rank // 32 + 1) // 2))
+    block = int(params.get("block", 0)) or (4096 if per_rank >= 128 * 4096 else small)
+    warps = int(params.get("warps", 0)) or max(1, min(8, block // 256))
+    cap = min(int(params.get("progs", kernels.MAX_PROGS)), kernels.MAX_PROGS, sms - 4)
+    return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
+
+
+def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
+    """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream; with
+    overlap, the GEMM in row chunks and the kernel beside it on the side stream."""
+    m, n = partial.shape
+    overlap = bool(params.get("overlap", False))
+    if overlap:
+        params = {"progs": 32, **params}  # leave most SMs to the GEMM
+    progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
+                                    norm=consts["NORM"])
+    launch = dict(consts, BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
+                  num_warps=warps)
+    if not overlap:
+        _mm(a, b, bias, partial, {})
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, _limit(), **launch)
+        return
+    chunks, rows = _row_chunks(ctx, params, m)
+    main = torch.cuda.current_stream()
+    dev.side.wait_stream(main)
+    current_epoch = dev.epoch.data_ptr() + 4
+    for j in range(chunks):
+        lo, hi = j * rows, min((j + 1) * rows, m)
+        _mm(a[lo:hi], b, bias, partial[lo:hi], {})
+        driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+    with torch.cuda.stream(dev.side):  # after the chunks are queued: see _two_shot
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, _limit(), CHUNKED=True,
+                              **launch)
     main.wait_stream(dev.side)
 
 

@@ -17,7 +17,8 @@ before the copy that reads it has run).
 
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -25,9 +26,37 @@ from .. import config
 from . import driver
 from .symm import backend_for, choose_backend_name, group_barrier
 
+T = TypeVar("T")
 MIN_CLASS = 1 << 20
 MAX_STREAMS = 4
 TAPE = 64
+
+
+def build_outside_graph_pools(device: torch.device, build: Callable[[], T]) -> T:
+    """build() (which allocates state that outlives the call: contexts, flags, epochs), run where
+    Inductor's CUDA-graph trees do not route allocations into their pool. They do so while they
+    warm up and record a graph, for the current thread since torch 2.8 (the current stream
+    before), and then refuse a pool holding tensors that no output tracks ("tensors in the
+    cudagraph pool not tracked as outputs", seen on 8x H200 with torch 2.11). So: a helper thread,
+    on a stream of its own, while this thread waits (collectives inside build() run there too)."""
+    result: list = []
+
+    def work():
+        try:
+            torch.cuda.set_device(device)  # the current device is per thread
+            stream = torch.cuda.Stream(device=device)
+            with torch.cuda.stream(stream):
+                result.append(build())
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result.append(exc)
+
+    helper = threading.Thread(target=work, name="ditron-setup")
+    helper.start()
+    helper.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def size_class(nbytes: int) -> int:
@@ -80,8 +109,9 @@ class OpContext:
         "arrived" for this call): each call adds nprog to every chunk's counter."""
         entry = self._counters.get(nprog)
         if entry is None:
-            entry = self._counters[nprog] = [
-                torch.zeros(self.world, dtype=torch.int32, device=self.device), 0]
+            counters = build_outside_graph_pools(self.device, lambda: torch.zeros(
+                self.world, dtype=torch.int32, device=self.device))
+            entry = self._counters[nprog] = [counters, 0]
         entry[1] += 1
         return entry[0], entry[1] * nprog
 
@@ -126,7 +156,9 @@ def get_context(op: str, group_name: str, data_bytes: int, flag_words: int = 0,
     key = (op, group_name, backend_name, cls)
     ctx = _contexts.get(key)
     if ctx is None:
-        ctx = _contexts[key] = OpContext(group_name, backend_name, cls, flag_words)
+        ctx = _contexts[key] = build_outside_graph_pools(
+            torch.device("cuda", torch.cuda.current_device()),
+            lambda: OpContext(group_name, backend_name, cls, flag_words))
     _by_request[fast_key] = ctx
     return ctx
 

@@ -163,51 +163,44 @@ def default_params(task: Task) -> dict:
     return dict(cands[best])
 
 
-# GEMM + all-reduce (runtime/all_reduce.py). Decode: one_shot up to ONE_SHOT_MAX_M rows (latency:
-# one flag wait, every rank reads all W partials; scalar peer loads, vec=False, measured faster
-# there than 16-byte ones); mid sizes: the whole GEMM, then the two-shot kernel (each rank moves
-# ~2 partials' worth instead of W); prefill: the two-shot pipelined with the GEMM in row chunks.
+# GEMM + all-reduce (runtime/all_reduce.py): the push kernel (templates/all_reduce_push.py) after
+# the whole GEMM, at every size. On 8x H200 (benchmarks/results/ar_h200x8_run6.md and run8.md,
+# bf16, 2026-11-21) it was faster than the earlier one-shot and two-shot kernels at every size
+# measured (M 1 to 8192, K per rank 3584 and 1024), and the push beside the GEMM's row chunks
+# (overlap=True) slower than after it except at M=8192. Block sizes: runtime.all_reduce.push_grid.
 # These are the runtime's defaults when a fused plan names no algorithm (DITRON_PLAN=fused).
-ONE_SHOT_MAX_M = 32
-NO_OVERLAP_MAX_M = 1024
-
-# What the scheduler fuses, from benchmarks/results/ar_h200x8_run5.md (8x H200, bf16, 2026-11-20,
-# CUDA-graph replays, best plan over NCCL+cuBLAS, K per rank 3584 / 1024):
-#   + residual + RMSNorm (vs the unfused sequence): M=1 1.46x / 1.46x, M=32 1.42x / 1.43x
-#     (one_shot scalar); M=128 1.15x / 1.10x (two_shot after the whole GEMM);
-#   all-reduce alone: M=1 1.32x / 1.42x (one_shot scalar); M=32 1.07x / 0.98x; M=128 slower.
-# Not fused: M >= 2048 (every two-shot plan slower than NCCL, ar_h200x8_run4.md), and every plan
-# launched eagerly (its host launch cost, ~0.15-0.3 ms a call on that machine, exceeds the gain).
-RMSNORM_FUSED_MAX_M = 128
-ALL_REDUCE_FUSED_MAX_M = 16  # measured at M=1 and M=32 only; the cut between them is a guess
+#
+# What the scheduler fuses (run 8, CUDA-graph replays, over NCCL + cuBLAS, K 3584 / 1024):
+#   all-reduce alone: M=1 1.45x / 1.33x, M=32 1.41x / 1.40x, M=128 1.41x / 1.38x;
+#   M=2048 1.01x / 1.00x, M=8192 slower (0.94x / 0.91x);
+#   + residual + RMSNorm, over the same with the residual add and norm compiled by Inductor (one
+#   kernel, what a compiled model runs without ditron): M=1 1.28x / 1.48x, M=32 1.29x, M=128
+#   1.24x / 1.38x; M=2048 0.98x / 0.97x. (Over the eager unfused sequence: 1.47x-2.07x up to
+#   M=2048, which only an uncompiled model would see.)
+# Not fused: M above FUSED_MAX_M (the largest size measured with a gain; M 256-1024 were not
+# measured), and every plan launched eagerly (host launch cost ~0.15-0.3 ms a call on that
+# machine, more than the gain at the sizes where the all-reduce wins).
+FUSED_MAX_M = 128
 
 
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
-    w = max(1, task.world_size)
-    if task.m_hint <= ONE_SHOT_MAX_M:
-        return dict(algo="one_shot", vec=False)
-    if task.m_hint <= NO_OVERLAP_MAX_M:
-        return dict(algo="two_shot", overlap=False, chunks=w)
-    # about 256 rows per chunk (~4 MB of bf16 partials at N = 8192), at least one per rank
-    chunks = min(64 // w * w, max(w, task.m_hint // 256 // w * w))
-    return dict(algo="two_shot", chunks=chunks, comm_sms=32)
+    return dict(algo="push")
 
 
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:
     """(plan, why) for the GEMM + all-reduce ops, from the measurements above."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
-    limit = (RMSNORM_FUSED_MAX_M if task.op == MATMUL_ALL_REDUCE_RMSNORM
-             else ALL_REDUCE_FUSED_MAX_M)
-    if task.m_hint > limit:
-        return None, (f"M={task.m_hint} > {limit}: the fused kernels measured no gain over NCCL "
-                      f"at this size: {keep}")
+    if task.m_hint > FUSED_MAX_M:
+        return None, (f"M={task.m_hint} > {FUSED_MAX_M}: the fused kernels measured no gain "
+                      f"over NCCL at this size: {keep}")
     if not cuda_graphs:
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
     params = all_reduce_params(task)
     return (DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))),
-            f"fused plan {params['algo']} (M={task.m_hint} <= {limit}, replayed in a CUDA graph)")
+            f"fused plan {params['algo']} (M={task.m_hint} <= {FUSED_MAX_M}, replayed in a CUDA "
+            "graph)")
 
 
 def complete_params(task: Task, plan: DevicePlan) -> dict:

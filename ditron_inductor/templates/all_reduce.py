@@ -1,4 +1,7 @@
-"""GEMM + all-reduce (+ residual + RMSNorm): the reduction kernels on symmetric memory.
+"""GEMM + all-reduce (+ residual + RMSNorm): the first reduction kernels (one-shot, two-shot) on
+symmetric memory, and what every all-reduce kernel shares (the flag layout, the waits). The
+default kernel is the push kernel of all_reduce_push.py, faster at every size measured; these
+stay for comparison.
 
 Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
 buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
@@ -55,13 +58,24 @@ DONE = 0
 READY = 1  # READY + j, j < MAX_CHUNKS
 MAX_CHUNKS = 64
 REDUCED = READY + MAX_CHUNKS  # REDUCED + j
-FLAG_WORDS = REDUCED + MAX_CHUNKS
+# the push kernel (all_reduce_push.py): STARTED + p * WORLD + q = program p of rank q has started
+# (rank q's partial is complete); PUSHED + p * WORLD + q = program p of rank q pushed its sums to
+# me; LOCAL + p = my program p has copied its rows out (a barrier over my programs)
+MAX_PROGS, MAX_WORLD = 128, 16
+STARTED = REDUCED + MAX_CHUNKS
+PUSHED = STARTED + MAX_PROGS * MAX_WORLD
+LOCAL = PUSHED + MAX_PROGS * MAX_WORLD
+FLAG_WORDS = LOCAL + MAX_PROGS
 # error codes (err word): which wait gave up
-ERR_READY, ERR_REDUCED, ERR_DONE = 1, 2, 3
+ERR_READY, ERR_REDUCED, ERR_DONE, ERR_PUSHED, ERR_LOCAL, ERR_STARTED = 1, 2, 3, 4, 5, 6
 # the same numbers for the kernels (Triton reads only constexpr globals)
 K_DONE, K_READY, K_REDUCED = tl.constexpr(DONE), tl.constexpr(READY), tl.constexpr(REDUCED)
 K_ERR_READY, K_ERR_REDUCED = tl.constexpr(ERR_READY), tl.constexpr(ERR_REDUCED)
 K_ERR_DONE = tl.constexpr(ERR_DONE)
+K_ERR_PUSHED, K_ERR_LOCAL = tl.constexpr(ERR_PUSHED), tl.constexpr(ERR_LOCAL)
+K_ERR_STARTED = tl.constexpr(ERR_STARTED)
+K_STARTED, K_PUSHED = tl.constexpr(STARTED), tl.constexpr(PUSHED)
+K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
 
 def world_constants(world: int) -> dict:
     """The kernels' compile-time world size: WORLD, and WORLD_P2 its next power of two."""
@@ -79,20 +93,26 @@ def _add(a, b):
 
 
 @triton.jit
-def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr,
-               WORLD_P2: tl.constexpr):
-    """Wait until flag word idx of every rank (mine included) >= epoch. The W flags are polled
-    together (one vector of acquire loads per poll): one NVLink round trip, not W in a row."""
-    q = tl.arange(0, WORLD_P2)
-    mine = q < WORLD
-    ptrs = tl.load(flag_table + q, mask=mine, other=0).to(tl.pointer_type(tl.int32)) + idx
-    v = tl.where(mine, tl.atomic_add(ptrs, 0, mask=mine, sem="acquire", scope="sys"), epoch)
+def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
+    """Wait until every flag *ptrs[i] (where mask) >= epoch, polling them together: one vector of
+    acquire loads per poll (one NVLink round trip for remote flags, not one per flag)."""
+    v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
     n = 0
     while (tl.min(v, 0) < epoch) & ((limit == 0) | (n < limit)):
-        v = tl.where(mine, tl.atomic_add(ptrs, 0, mask=mine, sem="acquire", scope="sys"), epoch)
+        v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
         n += 1
     if tl.min(v, 0) < epoch:
         tl.atomic_max(err_ptr, code)
+
+
+@triton.jit
+def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr,
+               WORLD_P2: tl.constexpr):
+    """Wait until flag word idx of every rank (mine included) >= epoch."""
+    q = tl.arange(0, WORLD_P2)
+    mine = q < WORLD
+    ptrs = tl.load(flag_table + q, mask=mine, other=0).to(tl.pointer_type(tl.int32)) + idx
+    wait_all(ptrs, mine, epoch, limit, err_ptr, code)
 
 
 @triton.jit
@@ -134,16 +154,18 @@ def h_row(data_table, src_rank, sym_out_off, h_ptr, res_ptr, row, N,
 
 @triton.jit
 def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for one row whose h this program has just written."""
+             BLOCK_N: tl.constexpr, CACHE: tl.constexpr = ""):
+    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. CACHE: the h
+    loads' cache modifier (".cg" where other programs wrote h: it skips this SM's L1)."""
     dtype = y_ptr.dtype.element_ty
     base = row * N  # int32: the runtime keeps 2 * M * N below 2**31
     rstd = tl.rsqrt(sum_sq / N + eps)
-    tl.debug_barrier()  # h of this row was stored by this program's threads: read it back
+    tl.debug_barrier()  # h of this row may have been stored by this program's threads
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         mask = cols < N
-        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if W_FP32:
             y = (h * rstd * w).to(dtype)
@@ -237,8 +259,8 @@ def two_shot_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
                     num_chunks, limit,
                     HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                     BLOCK_N: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-                    VEC: tl.constexpr = True, GEMM_DONE: tl.constexpr = False, REDUCE: tl.constexpr = True,
-                    GATHER: tl.constexpr = True):
+                    VEC: tl.constexpr = True, GEMM_DONE: tl.constexpr = False,
+                    REDUCE: tl.constexpr = True, GATHER: tl.constexpr = True):
     """arrive_ptr[0]: the kernel's arrival counter; arrive_ptr[1 + j]: chunk j's (owner only).
     The reduced half of each symmetric buffer starts at element M * N.
     GEMM_DONE: the whole GEMM ran before this kernel on the same stream (no overlap: the decode

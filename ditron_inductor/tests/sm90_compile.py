@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ditron_inductor.templates import all_reduce, comm, reduce  # noqa: E402
+from ditron_inductor.templates import all_reduce, all_reduce_push, comm, reduce  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -36,6 +36,11 @@ def variants():
             for gemm_done in (False, True):
                 yield (all_reduce.two_shot_kernel, _AR_ARGS,
                        dict(base, GEMM_DONE=gemm_done, REDUCE=True, GATHER=True), 8)
+            for chunked in (False, True):
+                yield (all_reduce_push.push_kernel, _AR_ARGS,
+                       dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
+                            CHUNKED=chunked, REDUCE=True, COPY=True, NORMALISE=True,
+                            **all_reduce.world_constants(world)), 4)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)

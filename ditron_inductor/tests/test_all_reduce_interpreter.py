@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.templates import all_reduce as ar  # noqa: E402
+from ditron_inductor.templates import all_reduce_push  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
 
@@ -120,6 +121,45 @@ def two_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, chunks, outs
     return outs
 
 
+def started(ranks, r, progs):
+    """Rank r's STARTED words: [program, rank that raised it]."""
+    return ranks.flags[r][ar.STARTED: ar.STARTED + progs * ranks.world].view(progs, ranks.world)
+
+
+def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0):
+    """The push kernel: every rank's REDUCE phase (which pushes the sums), then every rank's
+    COPY, then (with a norm) every rank's NORMALISE; chunks > 0: the GEMM in row chunks, each
+    followed by its READY."""
+    m, n, world = ranks.m, ranks.n, ranks.world
+    epoch = int(ranks.epoch[0][1])
+    rows = -(-m // chunks) if chunks else m
+    for r in range(world):  # the GEMM chunks and their READY copies run first
+        for j in range(-(-m // rows) if chunks else 0):
+            ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
+    outs = outs or new_outs(ranks, weight)
+    phases = ["REDUCE", "COPY"] + (["NORMALISE"] if weight is not None else [])
+    for phase in phases:
+        for r in range(world):
+            h, y = outs[r]
+            if phase == "REDUCE" and not chunks:  # STARTED of the ranks the emulation runs later
+                started(ranks, r, progs)[:, r + 1:] = epoch
+            all_reduce_push.push_kernel[(progs,)](
+                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
+                rows, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
+                W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, CHUNKED=chunks > 0,
+                REDUCE=phase == "REDUCE", COPY=phase == "COPY", NORMALISE=phase == "NORMALISE",
+                **ar.world_constants(world))
+    for r in range(world):
+        assert int(ranks.err[r]) == 0, f"rank {r}: wait gave up (code {int(ranks.err[r])})"
+        assert ranks.epoch[r].tolist() == [epoch, epoch + 1]
+        if not chunks:  # every program of every rank raised STARTED on every rank
+            assert started(ranks, r, progs).eq(epoch).all()
+        pushed = ranks.flags[r][ar.PUSHED: ar.PUSHED + progs * world]
+        assert pushed.tolist() == [epoch] * (progs * world), "a program did not push"
+        assert int(ranks.arrive[r].abs().sum()) == 0
+    return outs
+
+
 def reference(partials, residual, weight, eps, w_fp32, dtype):
     summed = sum(p.float() for p in partials).to(dtype)  # the all-reduce, rounded once
     h = summed if residual is None else (summed.float() + residual.float()).to(dtype)
@@ -162,6 +202,12 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (4, 37, 72, torch.float32, True, True, False, "two_gemm_done"),
     (3, 10, 40, torch.float16, True, True, True, "one"),  # a world that is not a power of 2
     (3, 10, 40, torch.float32, False, True, False, "two_gemm_done"),
+    (2, 1, 40, torch.float32, True, True, True, "push"),  # fewer elements than blocks
+    (4, 7, 72, torch.float16, True, True, False, "push"),  # a partial last block
+    (3, 10, 40, torch.float16, False, False, False, "push"),
+    (8, 5, 64, torch.float32, False, True, False, "push"),
+    (4, 37, 72, torch.float32, True, True, True, "push_chunked"),
+    (2, 300, 24, torch.float16, True, True, False, "push_chunked"),
 ]
 
 
@@ -179,6 +225,9 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         ranks.write_partials(partials)
         if path == "one":
             outs = one_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
+        elif path.startswith("push"):
+            outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
+                        chunks=2 * world if path == "push_chunked" else 0)
         else:
             outs = two_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=4, block_n=32,
                             chunks=2 * world, gemm_done=path == "two_gemm_done")
@@ -186,7 +235,7 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done"])
+@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done", "push"])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
@@ -204,6 +253,8 @@ def test_replay_same_launch_arguments(path):
         ranks.write_partials(partials)
         if path == "one":
             one_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
+        elif path == "push":
+            push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs)
         else:
             two_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
                      outs=outs, gemm_done=path == "two_gemm_done")
@@ -224,6 +275,20 @@ def test_missing_peer_is_reported_not_a_hang():
     assert int(ranks.err[0]) == ar.ERR_READY
 
 
+def test_push_missing_peer_is_reported_not_a_hang():
+    """A peer whose program never started: the bounded wait gives up and names STARTED."""
+    world, m, n = 2, 1, 16
+    ranks = Ranks(world, m, n, torch.float32)
+    ranks.write_partials([torch.ones(m, n)] * world)
+    h = torch.empty(m, n)
+    all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
+                                      m, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
+                                      BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
+                                      **ar.world_constants(world))
+    assert int(ranks.err[0]) == ar.ERR_STARTED
+    assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
+
+
 def test_plans_and_declines():
     from ditron_inductor.runtime.all_reduce import _declines
     from ditron_inductor.scheduler.cost_model import all_reduce_params, choose_device_plan
@@ -239,14 +304,10 @@ def test_plans_and_declines():
     plan, why = choose_device_plan(Task(**{**task.__dict__, "m": 2048}), cuda_graphs=True)
     assert plan is None and "no gain" in why
     plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
-    assert choose_device_plan(plain, cuda_graphs=True)[0] is None  # M=128: slower than NCCL
-    assert choose_device_plan(Task(**{**plain.__dict__, "m": 1}), cuda_graphs=True)[0].impl == \
-        "fused"
-    assert all_reduce_params(task) == {"algo": "two_shot", "overlap": False, "chunks": 8}
-    assert all_reduce_params(Task(**{**task.__dict__, "m": 1})) == {"algo": "one_shot",
-                                                                    "vec": False}
-    big = all_reduce_params(Task(**{**task.__dict__, "m": 8192}))
-    assert big["algo"] == "two_shot" and big["chunks"] % 8 == 0 and big["chunks"] <= ar.MAX_CHUNKS
+    assert choose_device_plan(plain, cuda_graphs=True)[0].impl == "fused"
+    assert choose_device_plan(Task(**{**plain.__dict__, "m": 129}), cuda_graphs=True)[0] is None
+    assert all_reduce_params(task) == {"algo": "push"}
+
     a, b = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)
     w16, w32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
     assert _declines(a, b, None, None, w16, False, "sum", [4, 16]) is None
@@ -254,3 +315,18 @@ def test_plans_and_declines():
     assert "dtype" in _declines(a, b, None, None, w32, False, "sum", [4, 16])
     assert "reduce_op" in _declines(a, b, None, None, None, False, "avg", [4, 16])
     assert "dtype" in _declines(a.float(), b.float(), None, None, None, False, "sum", [4, 16])
+
+
+def test_push_grid():
+    """Blocks of one 16-byte vector per thread and peer, about 32 or more programs with work,
+    never more programs than MAX_PROGS or than the SMs leave (all must be resident)."""
+    from ditron_inductor.runtime.all_reduce import push_grid
+
+    assert push_grid(8, 1 * 8192, 132, {}) == (4, 256, 1)  # decode: 1024 elements per rank
+    assert push_grid(8, 32 * 8192, 132, {}) == (32, 1024, 4)
+    assert push_grid(8, 128 * 8192, 132, {}) == (128, 1024, 4)
+    assert push_grid(8, 2048 * 8192, 132, {}) == (128, 4096, 8)
+    assert push_grid(8, 2048 * 8192, 100, {}) == (96, 4096, 8)
+    assert push_grid(2, 40, 132, {}) == (1, 256, 1)
+    assert push_grid(8, 128 * 8192, 132, {"block": 512, "progs": 7}) == (7, 512, 2)
+    assert push_grid(8, 1 * 8192, 132, {}, norm=True) == (1, 1024, 4)  # the norm's 4 warps

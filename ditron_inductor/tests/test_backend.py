@@ -109,6 +109,20 @@ def test_pass_uuid_follows_options_and_user_pass(monkeypatch):
     assert DitronPass(lambda graph: None).uuid() is None  # a user pass with no uuid: no caching
 
 
+def test_pass_uuid_follows_the_process_groups():
+    """A rewritten graph names its group and world size: a run where group '0' has another size
+    must not be served a graph cached by this one (seen on GPUs: 2 ranks given 8's graph)."""
+    from ditron_inductor.tests.fx_helpers import fake_group
+
+    keys = []
+    for world in (8, 2):
+        with fake_group(world):
+            keys.append(DitronPass().uuid())
+    assert keys[0] != keys[1]
+    with fake_group(8):
+        assert DitronPass().uuid() == keys[0]
+
+
 def test_fx_graph_cache_serves_a_rewritten_graph():
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
