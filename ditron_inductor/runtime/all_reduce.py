@@ -169,10 +169,20 @@ def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     m, n = partial.shape
     chunks, rows = _row_chunks(ctx, params, m)
     progs = max(1, min(int(params.get("comm_sms", 32)), _num_sms(a.device) // 2))
+    _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, lambda: (
+        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
+                                          **consts)))
+
+
+def _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, side_kernel):
+    """The GEMM in row chunks on the main stream, chunk 0 first on every rank (the order the
+    reduction takes them in), READY[j] raised after chunk j by a 4-byte copy from the device
+    epoch word; side_kernel() on the side stream; then the main stream joins the side stream."""
+    m = partial.shape[0]
     main = torch.cuda.current_stream()
     dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
     current_epoch = dev.epoch.data_ptr() + 4
-    for j in range(chunks):  # chunk 0 first on every rank: the order the owners reduce in
+    for j in range(chunks):
         lo, hi = j * rows, min((j + 1) * rows, m)
         _mm(a[lo:hi], b, bias, partial[lo:hi], {})
         driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
@@ -181,8 +191,7 @@ def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     # allocator reaching cudaMalloc) would otherwise wait for this spinning kernel, which waits
     # for chunks not yet queued (seen on 8x H200: REDUCED waits that never finished).
     with torch.cuda.stream(dev.side):
-        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
-                                          **consts)
+        side_kernel()
     main.wait_stream(dev.side)
 
 
@@ -218,17 +227,9 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
         push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, _limit(), **launch)
         return
     chunks, rows = _row_chunks(ctx, params, m)
-    main = torch.cuda.current_stream()
-    dev.side.wait_stream(main)
-    current_epoch = dev.epoch.data_ptr() + 4
-    for j in range(chunks):
-        lo, hi = j * rows, min((j + 1) * rows, m)
-        _mm(a[lo:hi], b, bias, partial[lo:hi], {})
-        driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
-    with torch.cuda.stream(dev.side):  # after the chunks are queued: see _two_shot
+    _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, lambda: (
         push_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, _limit(), CHUNKED=True,
-                              **launch)
-    main.wait_stream(dev.side)
+                              **launch)))
 
 
 @register_fused("matmul_all_reduce")
