@@ -53,6 +53,12 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "push_b4096": (dict(algo="push", block=4096, warps=8), lambda m: m >= 256),
     "push_p64": (dict(algo="push", progs=64), lambda m: m >= 128),
     "push_lap_c16": (dict(algo="push", overlap=True, chunks=16, progs=48), lambda m: m >= 2048),
+    "scatter": (dict(algo="push_scatter"), lambda m: m <= 2048),
+    "scatter_b256": (dict(algo="push_scatter", block=256), lambda m: m <= 128),
+    "scatter_b512": (dict(algo="push_scatter", block=512), lambda m: m <= 128),
+    "scatter_b4096": (dict(algo="push_scatter", block=4096, warps=8), lambda m: m >= 2048),
+    "all": (dict(algo="push_all"), lambda m: m <= 32),
+    "all_b1024": (dict(algo="push_all", block=1024), lambda m: m <= 32),
 }
 EPS = 1e-6
 
@@ -262,7 +268,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--verbose", action="store_true", help="one line per contender (rank 0)")
-    ap.add_argument("--ms", default="", help="only these M, e.g. 1,128 (default: the suite's)")
+    ap.add_argument("--ms", default="", help="these M (N 8192) instead of the suite's, e.g. 1,256")
     ap.add_argument("--ks", default="", help="only these K per rank, e.g. 3584")
     args = ap.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
@@ -277,7 +283,9 @@ def main():
     rows, t0 = [], time.time()
     only = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
     ms, ks = only(args.ms), only(args.ks)
-    for shape in [s for s in SUITE if (not ms or s[0] in ms) and (not ks or s[1] in ks)]:
+    shapes = ([(m, k, 8192) for k in sorted(ks or {3584, 1024}, reverse=True)
+               for m in sorted(ms)] if ms else [s for s in SUITE if not ks or s[1] in ks])
+    for shape in shapes:
         new = run_shape(shape, dtype, group_name, world, args)
         rows += new
         if rank == 0:

@@ -1,11 +1,16 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py,
 templates/all_reduce_push.py).
 
-One call on rank r (one context per (group, size class), shared by both ops and every plan):
-  push (the default, all sizes): cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one
-      kernel: each rank sums its blocks from every peer and pushes the sums to every peer, copies
-      the sums out adding its residual, normalises the rows; with overlap=True the GEMM runs in
-      row chunks and the kernel beside it on the side stream, waiting on each chunk's READY.
+One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
+plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
+  push_all (M <= 8): every rank stores its whole partial into a slot on every rank, waits once,
+      sums its slots locally, adds its residual, normalises the rows.
+  push (above): each rank sums its blocks from every peer and pushes the sums to every peer,
+      copies the sums out adding its residual, normalises the rows; with overlap=True the GEMM
+      runs in row chunks and the kernel beside it on the side stream, waiting on each chunk's
+      READY.
+  push_scatter: push with the partials stored into their owners' slots instead of read by them
+      (level with push at M 16-32, slower above: run only when a plan names it).
   The earlier plans, slower than push at every size measured (ar_h200x8_run6/8.md), are kept
   for comparison and run only when a plan names them:
   one_shot: one kernel raises my READY, reads the W partials, adds the residual, normalises.
@@ -13,10 +18,12 @@ One call on rank r (one context per (group, size class), shared by both ops and 
       from all peers, the others copy them back.
   two_shot: the reduction kernel on the side stream on `comm_sms` SMs next to the GEMM in row
       chunks, READY[j] raised by a 4-byte copy from the device epoch word after chunk j.
+One context per (group, size class) is shared by both ops and every plan but push_all, which has
+its own (_buffer_elements says why).
 
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises
-PUSHED; the others: a barrier on DONE): nothing on the host changes between calls, and a call
+PUSHED; push_all: epoch-parity slots; the others: a barrier on DONE): nothing on the host changes between calls, and a call
 captured in a CUDA graph replays correctly. The context must exist before capture (its setup is
 collective and synchronises): a call captured before any eager call of its size class takes the
 reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
@@ -35,9 +42,9 @@ from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
-from ..templates.all_reduce_push import push_kernel
+from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from . import driver
-from .context import OpContext, build_outside_graph_pools, get_context
+from .context import OpContext, build_outside_graph_pools, get_context, size_class
 from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _why_not
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
@@ -73,6 +80,25 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     return state
 
 
+PUSH_ALGOS = ("push", "push_scatter", "push_all")
+_MAX_BLOCK = 4096  # push_grid's largest block
+
+
+def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
+    """(context name, elements of its symmetric buffer) for a call of `numel` elements.
+    push_all has a context of its own: its slots are safe to overwrite only after calls of its
+    own kind (module doc of templates/all_reduce_push.py). The others share one: the partial in
+    the first half, the scatter slots (or the earlier plans' reduced sums) in the second, with
+    room for the scatter's last, partial, block row."""
+    if algo == "push_all":
+        return _CONTEXT + "_push_all", (1 + 2 * world) * _slot_stride(numel)
+    return _CONTEXT, 2 * (numel + kernels.MAX_WORLD * _MAX_BLOCK)
+
+
+def _slot_stride(numel: int) -> int:
+    return triton.cdiv(numel, 16) * 16  # slots start 16-byte aligned
+
+
 def _block_n(n: int) -> int:
     return min(4096, triton.next_power_of_2(n))
 
@@ -86,8 +112,6 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
     m, n = a.shape[0], b.shape[1]
     if m == 0 or n == 0 or a.shape[1] == 0:
         return "empty"
-    if 2 * m * n >= 2 ** 31:
-        return "more than 2**31 elements in the buffers (32-bit offsets)"
     if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != n):
         return "bias"
     if residual is not None and (residual.dtype != a.dtype or residual.numel() != m * n
@@ -112,12 +136,18 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape)
     if why:
         return _why_not(why)
+    params = complete_params(task, plan)
+    algo = params["algo"]
+    if algo in PUSH_ALGOS and task.world_size > kernels.MAX_WORLD:
+        return _why_not(f"the push kernels' flags serve up to {kernels.MAX_WORLD} ranks")
+    context, elems = _buffer_elements(algo, m * n, task.world_size)
+    if size_class(elems * a.element_size()) // a.element_size() >= 2 ** 31:
+        return _why_not("more than 2**31 elements in the buffers (32-bit offsets)")
     capturing = torch.cuda.is_current_stream_capturing()
-    ctx = get_context(_CONTEXT, task.group_name, 2 * m * n * a.element_size(),
+    ctx = get_context(context, task.group_name, elems * a.element_size(),
                       flag_words=kernels.FLAG_WORDS, create=not capturing)
     if ctx is None:
         return _why_not("CUDA graph capture before any eager call of this size class")
-    params = complete_params(task, plan)
     dev = _device_epoch(ctx)
     partial = ctx.data.view(-1, a.dtype, (m, n))
     h = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -127,9 +157,9 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
-    if params["algo"] == "push":
-        if ctx.world > kernels.MAX_WORLD:
-            return _why_not(f"the push kernel's flags serve up to {kernels.MAX_WORLD} ranks")
+    if algo == "push_all":
+        _push_all(ctx, params, a, b, bias, partial, common, consts, float(eps))
+    elif algo in PUSH_ALGOS:
         _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
     else:
         _earlier_plan(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
@@ -196,16 +226,17 @@ def _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, side_kerne
 
 
 def push_grid(world, numel, sms, params, norm=False):
-    """(programs, BLOCK, warps) of the push kernel: one 16-byte vector of 16-bit elements per
-    thread and peer in a block (BLOCK = 256 x warps, at most 8 warps); blocks of 256 to 1024
-    elements with about 32 or more programs at work, 4096 from 128 blocks of 4096 per rank up
-    (measured best at M=32 and M >= 2048, ar_h200x8_run6.md); with a norm at least 1024 (its
-    rows go to 4 warps, not 1: faster at M=1, ar_h200x8_run7.md); fewer programs than SMs (the
-    kernel waits on its own programs: all must be resident)."""
+    """(programs, BLOCK, warps) of a push kernel (push_all: world=1, every rank handles every
+    element): one 16-byte vector of 16-bit elements per thread and peer in a block (BLOCK = 256 x
+    warps, at most 8 warps); blocks of 256 to 1024 elements with about 32 or more programs at
+    work, 4096 from 64 blocks of 4096 per rank up (measured best at M=32 and M >= 2048,
+    ar_h200x8_run6.md, and at M=256, run9.md); with a norm at least 1024 (its rows go to 4 warps,
+    not 1: faster at M=1, ar_h200x8_run7.md); fewer programs than SMs (the kernel waits on its
+    own programs: all must be resident)."""
     per_rank = triton.cdiv(numel, world)
     small = max(1024 if norm else 256,
                 min(1024, triton.next_power_of_2(per_rank // 32 + 1) // 2))
-    block = int(params.get("block", 0)) or (4096 if per_rank >= 128 * 4096 else small)
+    block = int(params.get("block", 0)) or (4096 if per_rank >= 64 * 4096 else small)
     warps = int(params.get("warps", 0)) or max(1, min(8, block // 256))
     cap = min(int(params.get("progs", kernels.MAX_PROGS)), kernels.MAX_PROGS, sms - 4)
     return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
@@ -213,23 +244,41 @@ def push_grid(world, numel, sms, params, norm=False):
 
 def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream; with
-    overlap, the GEMM in row chunks and the kernel beside it on the side stream."""
+    overlap, the GEMM in row chunks and the kernel beside it on the side stream. push_scatter:
+    the partials reach their owners by stores into the second half of the buffer."""
     m, n = partial.shape
     overlap = bool(params.get("overlap", False))
+    scatter = params["algo"] == "push_scatter"
     if overlap:
+        if scatter:
+            raise ValueError("plan push_scatter runs after the whole GEMM: overlap=False")
         params = {"progs": 32, **params}  # leave most SMs to the GEMM
     progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
                                     norm=consts["NORM"])
     launch = dict(consts, BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
-                  num_warps=warps)
+                  num_warps=warps, SCATTER=scatter)
+    slots = ctx.data.nbytes // partial.element_size() // 2
     if not overlap:
         _mm(a, b, bias, partial, {})
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, _limit(), **launch)
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, slots, _limit(), **launch)
         return
     chunks, rows = _row_chunks(ctx, params, m)
     _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, lambda: (
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, _limit(), CHUNKED=True,
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, slots, _limit(), CHUNKED=True,
                               **launch)))
+
+
+def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):
+    """The GEMM, then push_all_kernel: every rank's partial into a slot on every rank (the
+    slots of this call's epoch parity), one wait, a local sum."""
+    m, n = partial.shape
+    progs, block, warps = push_grid(1, m * n, _num_sms(a.device), params, norm=consts["NORM"])
+    stride = ctx.data.nbytes // partial.element_size() // (1 + 2 * ctx.world) // 16 * 16
+    _mm(a, b, bias, partial, {})
+    push_all_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, stride, _limit(),
+                              **consts, BLOCK=block,
+                              BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
+                              num_warps=warps)
 
 
 @register_fused("matmul_all_reduce")

@@ -163,29 +163,36 @@ def default_params(task: Task) -> dict:
     return dict(cands[best])
 
 
-# GEMM + all-reduce (runtime/all_reduce.py): the push kernel (templates/all_reduce_push.py) after
-# the whole GEMM, at every size. On 8x H200 (benchmarks/results/ar_h200x8_run6.md and run8.md,
-# bf16, 2026-11-21) it was faster than the earlier one-shot and two-shot kernels at every size
-# measured (M 1 to 8192, K per rank 3584 and 1024), and the push beside the GEMM's row chunks
-# (overlap=True) slower than after it except at M=8192. Block sizes: runtime.all_reduce.push_grid.
-# These are the runtime's defaults when a fused plan names no algorithm (DITRON_PLAN=fused).
+# GEMM + all-reduce (runtime/all_reduce.py), kernels in templates/all_reduce_push.py, the plan by M
+# (these are also the runtime's defaults when a fused plan names no algorithm, DITRON_PLAN=fused):
+#   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
+#     wait, a local sum): 3-5 us less than push at M 1-8, slower from M=16 (its traffic is W - 1
+#     partials per rank) (ar_h200x8_run9.md, run10.md);
+#   above: push (each rank sums its blocks over the ranks, then stores the sums on every rank),
+#     after the whole GEMM. push_scatter (the partials stored to their owners instead of read by
+#     them) measured level with push at M 16-32 and slower from M=128: a plan, not a default.
+#   The earlier one-shot and two-shot kernels (templates/all_reduce.py) and the push beside the
+#   GEMM's row chunks (overlap=True) were slower everywhere but at M=8192 (run6/run8.md).
+# Block sizes: runtime.all_reduce.push_grid.
 #
-# What the scheduler fuses (run 8, CUDA-graph replays, over NCCL + cuBLAS, K 3584 / 1024):
-#   all-reduce alone: M=1 1.45x / 1.33x, M=32 1.41x / 1.40x, M=128 1.41x / 1.38x;
-#   M=2048 1.01x / 1.00x, M=8192 slower (0.94x / 0.91x);
+# What the scheduler fuses (8x H200, bf16, CUDA-graph replays, over NCCL + cuBLAS, K 3584 / 1024,
+# ar_h200x8_run11.md, 2026-11-21):
+#   all-reduce alone: M=1 1.61x / 2.06x, M=8 1.47x / 1.93x, M=32 1.34x / 1.42x, M=128 1.40x /
+#   1.30x, M=256 1.35x / 1.31x, M=512 1.17x / 1.18x;
 #   + residual + RMSNorm, over the same with the residual add and norm compiled by Inductor (one
-#   kernel, what a compiled model runs without ditron): M=1 1.28x / 1.48x, M=32 1.29x, M=128
-#   1.24x / 1.38x; M=2048 0.98x / 0.97x. (Over the eager unfused sequence: 1.47x-2.07x up to
-#   M=2048, which only an uncompiled model would see.)
-# Not fused: M above FUSED_MAX_M (the largest size measured with a gain; M 256-1024 were not
-# measured), and every plan launched eagerly (host launch cost ~0.15-0.3 ms a call on that
-# machine, more than the gain at the sizes where the all-reduce wins).
-FUSED_MAX_M = 128
+#   kernel, what a compiled model runs without ditron): 1.15x-2.12x at M <= 512 (over the eager
+#   unfused sequence, which only an uncompiled model would see: 1.58x-3.00x).
+# Not fused: M above FUSED_MAX_M (M=1024 measured 1.05x and level with the Inductor-compiled
+# norm in run 9; M=2048 level, 1.00x / 1.03x; M=8192 slower, 0.93x / 0.91x), and every plan
+# launched eagerly (host launch cost ~0.15-0.3 ms a call on that machine, more than the gain at
+# the sizes where the all-reduce wins).
+FUSED_MAX_M = 512
+PUSH_ALL_MAX_M = 8
 
 
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
-    return dict(algo="push")
+    return dict(algo="push_all" if task.m_hint <= PUSH_ALL_MAX_M else "push")
 
 
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:

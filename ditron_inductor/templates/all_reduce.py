@@ -154,9 +154,11 @@ def h_row(data_table, src_rank, sym_out_off, h_ptr, res_ptr, row, N,
 
 @triton.jit
 def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
-             BLOCK_N: tl.constexpr, CACHE: tl.constexpr = ""):
-    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. CACHE: the h
-    loads' cache modifier (".cg" where other programs wrote h: it skips this SM's L1)."""
+             BLOCK_N: tl.constexpr, SKIP_L1: tl.constexpr):
+    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. SKIP_L1: load h
+    with .cg (where other programs wrote h: it skips this SM's L1). A flag, not the modifier
+    string: Triton 3.6 cannot compile a str constexpr in a called function (seen on the GPU
+    machine)."""
     dtype = y_ptr.dtype.element_ty
     base = row * N  # int32: the runtime keeps 2 * M * N below 2**31
     rstd = tl.rsqrt(sum_sq / N + eps)
@@ -164,8 +166,11 @@ def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         mask = cols < N
-        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0,
-                    cache_modifier=CACHE).to(tl.float32)
+        if SKIP_L1:
+            h = tl.load(h_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            h = tl.load(h_ptr + base + cols, mask=mask, other=0.0)
+        h = h.to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if W_FP32:
             y = (h * rstd * w).to(dtype)
@@ -205,7 +210,7 @@ def reduce_chunk(data_table, flag_table, flags_ptr, chunk_arrive_ptr, err_ptr, h
         sum_sq = h_row(data_table, rank, reduced_off, h_ptr, res_ptr, row, N, GATHER=False,
                        STORE_SYM=True, HAS_RES=HAS_RES, BLOCK_N=BLOCK_N, WORLD=WORLD, VEC=VEC)
         if NORM:
-            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32=W_FP32, BLOCK_N=BLOCK_N)
+            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32, BLOCK_N, False)
     arrived = tl.atomic_add(chunk_arrive_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == nprog - 1:
         tl.atomic_xchg(chunk_arrive_ptr, 0, sem="relaxed", scope="gpu")
@@ -229,7 +234,7 @@ def gather_chunk(data_table, flag_table, err_ptr, h_ptr, y_ptr, res_ptr, w_ptr, 
         sum_sq = h_row(data_table, owner, reduced_off, h_ptr, res_ptr, row, N, GATHER=True,
                        STORE_SYM=False, HAS_RES=HAS_RES, BLOCK_N=BLOCK_N, WORLD=WORLD, VEC=VEC)
         if NORM:
-            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32=W_FP32, BLOCK_N=BLOCK_N)
+            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32, BLOCK_N, False)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -248,7 +253,7 @@ def one_shot_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
         sum_sq = h_row(data_table, rank, 0, h_ptr, res_ptr, row, N, GATHER=False,
                        STORE_SYM=False, HAS_RES=HAS_RES, BLOCK_N=BLOCK_N, WORLD=WORLD, VEC=VEC)
         if NORM:
-            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32=W_FP32, BLOCK_N=BLOCK_N)
+            norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32, BLOCK_N, False)
     finish_call(flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr, epoch, limit, WORLD,
                 WORLD_P2)
 

@@ -1,37 +1,57 @@
-"""GEMM + all-reduce (+ residual + RMSNorm): the push kernel, a two-shot with no end barrier.
+"""GEMM + all-reduce (+ residual + RMSNorm): the push kernels, all-reduces with no end barrier.
 
-The partials P_q = a_q @ b_q (+ bias) [M, N] lie flat in the ranks' symmetric data buffers, as for
-the kernels of all_reduce.py, cut into blocks of BLOCK elements. Block g is owned by rank g % W,
-so block row i (blocks W*i .. W*i + W - 1, contiguous) holds one block of every rank, and every
-row chunk of the GEMM holds blocks of every rank.
+push_kernel (push, and push_scatter with SCATTER): a two-shot. The partials P_q = a_q @ b_q
+(+ bias) [M, N] lie flat in the first half of the ranks' symmetric data buffers, as for the
+kernels of all_reduce.py, cut into blocks of BLOCK elements. Block g is owned by rank g % W, so
+block row i (blocks W*i .. W*i + W - 1, contiguous) holds one block of every rank, and every row
+chunk of the GEMM holds blocks of every rank.
 
 One launch per rank, P programs, all resident at once (P <= MAX_PROGS, fewer than the SMs):
-1. REDUCE: program pid raises STARTED[pid][rank] on every rank (the GEMM before this kernel wrote
-   my partial) and waits for STARTED[pid][q] of every rank q in my own flags: a barrier per
+1. SEND: program pid raises STARTED[pid][rank] on every rank (the GEMM before this kernel wrote
+   my partial). With SCATTER it first stores my partial of each block of its block rows into the
+   block's owner's slot for me (slot (W*i + rank) of the owner's second half, at `slots`).
+2. REDUCE: program pid waits for STARTED[pid][q] of every rank q in my own flags: a barrier per
    program, whose waits poll local words (no NVLink round trip per poll, no word polled by more
    than one program). Then, for each of my blocks g = W*i + rank, i = pid, pid + P, ...
-   sums the W partials in fp32, rounds to the dtype (the all-reduce's own rounding, as in the
+   sums the W partials in fp32 (read from the peers' buffers, or with SCATTER from my own
+   slots: no network read), rounds to the dtype (the all-reduce's own rounding, as in the
    reference) and stores the sum into block g of every rank's buffer: a push, whose stores need
    no reply. Then it raises PUSHED[pid][rank] on every rank.
-2. COPY: program pid waits for PUSHED[pid][q] of every rank q: block rows pid, pid + P, ... of my
+3. COPY: program pid waits for PUSHED[pid][q] of every rank q: block rows pid, pid + P, ... of my
    buffer then hold every owner's sums; it copies them to h, adding my residual.
-3. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
+4. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
    (h is whole), then normalises rows pid, pid + P, ... of h into y.
 The last program through advances the epoch (epoch words as in all_reduce.py).
 
-Per rank 2 (W-1)/W of the partial crosses NVLink, as in any two-shot, and a call waits on the
-network twice (STARTED, PUSHED), with no end-of-call barrier: when my kernel ends, every rank's
-program p has read my block of its own and pushed into my buffer (it raises PUSHED[p] on me only
-after both), so the next call's GEMM may overwrite my buffer; and no rank pushes the next call's
-sums before my next kernel raises STARTED. Each sum is computed once, by its owner, and
-copied to every rank: all ranks get the same bits.
+Per rank 2 (W-1)/W of the partial crosses NVLink (push: once each way; push_scatter: twice
+outwards), and a call waits on the network twice (STARTED, PUSHED), with no end-of-call barrier:
+- my first half: every rank's program p has read my block of its own and pushed into my buffer
+  before it raises PUSHED[p] on me, so when my kernel ends the next call's GEMM may overwrite my
+  buffer; and no rank pushes the next call's sums before my next kernel raises STARTED;
+- my slots (SCATTER): a peer stores into them in its next call before any wait, but it has seen
+  my PUSHED of this call, raised after I read them; the slots sit at a fixed offset (half the
+  buffer), so the copy-out of a larger M in this call never shares words with them.
+Each sum is computed once, by its owner, and copied to every rank: all ranks get the same bits.
 
 CHUNKED (prefill): the GEMM runs in row chunks on the main stream and READY[j] is raised after
 chunk j; this kernel runs beside it on a side stream on a few SMs and, before a block, waits for
-the chunk holding the block's last row (chunks complete in order on every rank).
+the chunk holding the block's last row (chunks complete in order on every rank). No SEND.
 
-REDUCE / COPY / NORMALISE are all on for GPUs. The interpreter runs one rank, and one program, at
-a time: it launches each phase separately for every rank (producers before consumers).
+push_all_kernel (push_all, the smallest M): a one-shot with one network wait. The buffer holds
+the partial, then 2 W slots of `stride` elements (fixed per context): the slots of epoch parity
+e % 2, one per sender.
+1. SEND: program pid stores blocks pid, pid + P, ... of my partial into my slot on every rank,
+   then raises STARTED[pid][rank] on every rank.
+2. REDUCE: it waits for STARTED[pid][q] of every rank, sums its blocks over my W slots (local
+   reads), adds my residual and writes h. 3. NORMALISE as above.
+W - 1 partials leave each rank, against the two-shot's 2 (W-1)/W of one, so it wins only where
+latency rules (M <= 8 on 8x H200). Slots of the same parity are written again two calls later:
+by then every rank has raised STARTED in the call between, which it does only after finishing
+the call that read them. A context of its own (runtime/all_reduce.py): that argument holds only
+between calls of this kernel.
+
+The phases are all on for GPUs. The interpreter runs one rank, and one program, at a time: it
+launches each phase separately for every rank (producers before consumers).
 """
 
 import triton
@@ -42,7 +62,8 @@ from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_READY, K_ERR_STARTED, 
                          wait_peers)
 from .comm import peer_ptr
 
-_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "limit"]
+_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "limit"]  # `slots` is specialised
+# (on divisibility by 16, so that loads from the slots stay 16-byte vectors): one value per context
 
 
 @triton.jit
@@ -58,15 +79,45 @@ def normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32: tl.constexpr, BLOCK_N
             h = tl.load(h_ptr + row * N + cols, mask=cols < N, other=0.0,
                         cache_modifier=".cg").to(tl.float32)
             ss += h * h
-        norm_row(h_ptr, y_ptr, w_ptr, row, N, tl.sum(ss, 0), eps, W_FP32, BLOCK_N, CACHE=".cg")
+        norm_row(h_ptr, y_ptr, w_ptr, row, N, tl.sum(ss, 0), eps, W_FP32, BLOCK_N, True)
+
+
+@triton.jit
+def rows_written(flags_ptr, epoch):
+    """Raise LOCAL[pid]: this program's share of h is written (after every thread's stores)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flags_ptr + K_LOCAL + tl.program_id(0), epoch, sem="release", scope="gpu")
+
+
+@triton.jit
+def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
+                           W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Wait for every program's LOCAL (h is whole: a barrier over this GPU's programs), then
+    normalise rows pid, pid + P, ... of h into y."""
+    progs = tl.arange(0, K_MAX_PROGS)
+    wait_all(flags_ptr + K_LOCAL + progs, progs < tl.num_programs(0), epoch, limit, err_ptr,
+             K_ERR_LOCAL)
+    tl.debug_barrier()
+    normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32, BLOCK_N)
+
+
+@triton.jit
+def finish_call(arrive_ptr, epoch_ptr, epoch):
+    """The last program through resets the arrival counter and advances the epoch."""
+    arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
+        tl.store(epoch_ptr, epoch)
+        tl.store(epoch_ptr + 1, epoch + 1)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr,
-                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, limit,
+                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, slots, limit,
                 HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
                 WORLD_P2: tl.constexpr, CHUNKED: tl.constexpr = False,
+                SCATTER: tl.constexpr = False, SEND: tl.constexpr = True,
                 REDUCE: tl.constexpr = True, COPY: tl.constexpr = True,
                 NORMALISE: tl.constexpr = True):
     pid = tl.program_id(0)
@@ -79,10 +130,20 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
     ranks = tl.arange(0, WORLD_P2)
     peer_flags = tl.load(flag_table + ranks, mask=ranks < WORLD, other=0).to(
         tl.pointer_type(tl.int32))
+    mine = peer_ptr(data_table, rank, dtype, True)
+    if SEND and not CHUNKED:
+        if SCATTER:  # my partial of each block of my block rows, into its owner's slot for me
+            for i in range(pid, block_rows, nprog):
+                for q in tl.static_range(WORLD):
+                    idx = (i * WORLD + q) * BLOCK + offs
+                    part = tl.load(mine + idx, mask=idx < numel, other=0.0)
+                    tl.store(peer_ptr(data_table, q, dtype, True) + slots
+                             + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
+            tl.debug_barrier()  # every thread's stores, then the signal that releases them
+        tl.atomic_xchg(peer_flags + K_STARTED + pid * WORLD + rank, epoch,
+                       mask=ranks < WORLD, sem="release", scope="sys")
     if REDUCE:
         if not CHUNKED:
-            tl.atomic_xchg(peer_flags + K_STARTED + pid * WORLD + rank, epoch,
-                           mask=ranks < WORLD, sem="release", scope="sys")
             wait_all(flags_ptr + K_STARTED + pid * WORLD + ranks, ranks < WORLD, epoch, limit,
                      err_ptr, K_ERR_STARTED)
             tl.debug_barrier()
@@ -99,8 +160,13 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                     ready = need + 1
             acc = tl.zeros([BLOCK], tl.float32)
             for q in tl.static_range(WORLD):
-                acc += tl.load(peer_ptr(data_table, q, dtype, True) + idx, mask=mask,
-                               other=0.0).to(tl.float32)
+                if SCATTER:  # rank q's partial of block g, pushed into my slot for q
+                    part = tl.load(mine + slots + (i * WORLD + q) * BLOCK + offs, mask=mask,
+                                   other=0.0, cache_modifier=".cg")
+                else:
+                    part = tl.load(peer_ptr(data_table, q, dtype, True) + idx, mask=mask,
+                                   other=0.0)
+                acc += part.to(tl.float32)
             total = acc.to(dtype)
             for q in tl.static_range(WORLD):
                 tl.store(peer_ptr(data_table, q, dtype, True) + idx, total, mask=mask)
@@ -111,7 +177,6 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
         wait_all(flags_ptr + K_PUSHED + pid * WORLD + ranks, ranks < WORLD, epoch, limit,
                  err_ptr, K_ERR_PUSHED)
         tl.debug_barrier()
-        mine = peer_ptr(data_table, rank, dtype, True)
         for i in range(pid, block_rows, nprog):
             for q in tl.static_range(WORLD):
                 idx = (i * WORLD + q) * BLOCK + offs
@@ -122,16 +187,63 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                     h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
                 tl.store(h_ptr + idx, h, mask=mask)
         if NORM:
-            tl.debug_barrier()
-            tl.atomic_xchg(flags_ptr + K_LOCAL + pid, epoch, sem="release", scope="gpu")
+            rows_written(flags_ptr, epoch)
     if NORM and NORMALISE:
-        progs = tl.arange(0, K_MAX_PROGS)
-        wait_all(flags_ptr + K_LOCAL + progs, progs < nprog, epoch, limit, err_ptr, K_ERR_LOCAL)
-        tl.debug_barrier()
-        normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32, BLOCK_N)
+        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
+                               W_FP32, BLOCK_N)
     if (NORM and NORMALISE) or (not NORM and COPY):  # the phase that ends the call
-        arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == nprog - 1:
-            tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
-            tl.store(epoch_ptr, epoch)
-            tl.store(epoch_ptr + 1, epoch + 1)
+        finish_call(arrive_ptr, epoch_ptr, epoch)
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr,
+                    h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, slots, stride, limit,
+                    HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
+                    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
+                    WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
+                    REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+    """The one-wait all-reduce for the smallest M (see the module doc, push_all)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr + 1)
+    dtype = h_ptr.dtype.element_ty
+    numel = M * N
+    offs = tl.arange(0, BLOCK)
+    ranks = tl.arange(0, WORLD_P2)
+    mine = peer_ptr(data_table, rank, dtype, True)
+    call_slots = slots + (epoch % 2) * WORLD * stride  # this call's half of the slots
+    if SEND:  # my partial's blocks pid, pid + P, ... into my slot on every rank
+        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
+            idx = b * BLOCK + offs
+            part = tl.load(mine + idx, mask=idx < numel, other=0.0)
+            for q in tl.static_range(WORLD):
+                tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
+                         part, mask=idx < numel)
+        tl.debug_barrier()  # every thread's stores, then the signal that releases them
+        peer_flags = tl.load(flag_table + ranks, mask=ranks < WORLD, other=0).to(
+            tl.pointer_type(tl.int32))
+        tl.atomic_xchg(peer_flags + K_STARTED + pid * WORLD + rank, epoch, mask=ranks < WORLD,
+                       sem="release", scope="sys")
+    if REDUCE:  # once every rank's same program has sent: sum my slots, add my residual
+        wait_all(flags_ptr + K_STARTED + pid * WORLD + ranks, ranks < WORLD, epoch, limit,
+                 err_ptr, K_ERR_STARTED)
+        tl.debug_barrier()
+        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
+            idx = b * BLOCK + offs
+            mask = idx < numel
+            acc = tl.zeros([BLOCK], tl.float32)
+            for q in tl.static_range(WORLD):
+                acc += tl.load(mine + call_slots + q * stride + idx, mask=mask, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
+            h = acc.to(dtype)
+            if HAS_RES:
+                res = tl.load(res_ptr + idx, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            tl.store(h_ptr + idx, h, mask=mask)
+        if NORM:
+            rows_written(flags_ptr, epoch)
+    if NORM and NORMALISE:
+        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
+                               W_FP32, BLOCK_N)
+    if (NORM and NORMALISE) or (not NORM and REDUCE):  # the phase that ends the call
+        finish_call(arrive_ptr, epoch_ptr, epoch)

@@ -23,7 +23,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _AR_ARGS = dict(data_table="*i64", flag_table="*i64", flags_ptr="*i32", epoch_ptr="*i32",
                 arrive_ptr="*i32", err_ptr="*i32", h_ptr="*bf16", y_ptr="*bf16",
                 res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32", rank="i32",
-                limit="i32", rows_per_chunk="i32", num_chunks="i32")
+                limit="i32", rows_per_chunk="i32", num_chunks="i32", slots="i32", stride="i32")
 
 
 def variants():
@@ -36,11 +36,13 @@ def variants():
             for gemm_done in (False, True):
                 yield (all_reduce.two_shot_kernel, _AR_ARGS,
                        dict(base, GEMM_DONE=gemm_done, REDUCE=True, GATHER=True), 8)
-            for chunked in (False, True):
+            push = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
+                        SEND=True, REDUCE=True, NORMALISE=True,
+                        **all_reduce.world_constants(world))
+            for chunked, scatter in ((False, False), (True, False), (False, True)):
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
-                       dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
-                            CHUNKED=chunked, REDUCE=True, COPY=True, NORMALISE=True,
-                            **all_reduce.world_constants(world)), 4)
+                       dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
+            yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
@@ -51,7 +53,7 @@ def variants():
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
 
 
-def compile_for_hopper(fn, arg_types, constexprs, num_warps, divisible=("N",)):
+def compile_for_hopper(fn, arg_types, constexprs, num_warps, divisible=("N", "slots", "stride")):
     """As the JIT compiles it for arguments like the runtime's: every pointer 16-byte aligned
     (torch allocations and symmetric buffers are), and the specialised integers named in
     `divisible` multiples of 16."""

@@ -33,9 +33,11 @@ def table(tensors):
 class Ranks:
     """W emulated ranks with the state one all-reduce context holds on each GPU."""
 
-    def __init__(self, world, m, n, dtype):
+    def __init__(self, world, m, n, dtype, data_numel=None):
         self.world, self.m, self.n = world, m, n
-        self.data = [torch.full((2 * m * n,), float("nan"), dtype=dtype) for _ in range(world)]
+        self.data_numel = data_numel or 2 * m * n
+        self.data = [torch.full((self.data_numel,), float("nan"), dtype=dtype)
+                     for _ in range(world)]
         self.flags = [torch.zeros(ar.FLAG_WORDS, dtype=torch.int32) for _ in range(world)]
         self.epoch = [torch.tensor([0, 1], dtype=torch.int32) for _ in range(world)]
         self.arrive = [torch.zeros(1 + ar.MAX_CHUNKS, dtype=torch.int32) for _ in range(world)]
@@ -129,10 +131,12 @@ def started(ranks, r, progs):
     return ranks.flags[r][ar.STARTED: ar.STARTED + progs * ranks.world].view(progs, ranks.world)
 
 
-def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0):
-    """The push kernel: every rank's REDUCE phase (which pushes the sums), then every rank's
-    COPY, then (with a norm) every rank's NORMALISE; chunks > 0: the GEMM in row chunks, each
-    followed by its READY."""
+def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
+         algo="push"):
+    """A push kernel (push, push_scatter or push_all): every rank's SEND phase (which raises
+    STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push, push_scatter:
+    which pushes the sums), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in row
+    chunks, each followed by its READY."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     rows = -(-m // chunks) if chunks else m
@@ -140,25 +144,48 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
         for j in range(-(-m // rows) if chunks else 0):
             ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
     outs = outs or new_outs(ranks, weight)
-    phases = ["REDUCE", "COPY"] + (["NORMALISE"] if weight is not None else [])
+    phases = ["SEND", "REDUCE"] + ([] if algo == "push_all" else ["COPY"]) \
+        + (["NORMALISE"] if weight is not None else [])
     for phase in phases:
         for r in range(world):
             h, y = outs[r]
-            if phase == "REDUCE" and not chunks:  # STARTED of the ranks the emulation runs later
-                started(ranks, r, progs)[:, r + 1:] = epoch
-            all_reduce_push.push_kernel[(progs,)](
-                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
-                rows, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
-                W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, CHUNKED=chunks > 0,
-                REDUCE=phase == "REDUCE", COPY=phase == "COPY", NORMALISE=phase == "NORMALISE",
-                **ar.world_constants(world))
-    ranks.check_call_finished(epoch, done_barrier=False)  # the push kernel has no DONE barrier
+            args = (*launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps,
+                    r)
+            consts = dict(HAS_RES=residuals is not None, NORM=weight is not None,
+                          W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
+                          REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
+                          **ar.world_constants(world))
+            if algo == "push_all":
+                stride = push_all_stride(ranks)
+                all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT, **consts)
+            else:
+                all_reduce_push.push_kernel[(progs,)](
+                    *args, rows, ranks.data_numel // 2, LIMIT, CHUNKED=chunks > 0,
+                    SCATTER=algo == "push_scatter", COPY=phase == "COPY", **consts)
+    ranks.check_call_finished(epoch, done_barrier=False)  # the push kernels have no DONE barrier
     for r in range(world):
         if not chunks:  # every program of every rank raised STARTED on every rank
             assert started(ranks, r, progs).eq(epoch).all()
-        pushed = ranks.flags[r][ar.PUSHED: ar.PUSHED + progs * world]
-        assert pushed.tolist() == [epoch] * (progs * world), "a program did not push"
+        if algo != "push_all":
+            pushed = ranks.flags[r][ar.PUSHED: ar.PUSHED + progs * world]
+            assert pushed.tolist() == [epoch] * (progs * world), "a program did not push"
     return outs
+
+
+def push_all_stride(ranks):
+    """The runtime's layout: the partial, then 2 W slots (two epoch parities) of this size."""
+    return ranks.data_numel // (1 + 2 * ranks.world) // 16 * 16
+
+
+def ranks_for(path, world, m, n, dtype, block=16):
+    """Ranks whose buffers have the runtime's layout for this path's kernel."""
+    from ditron_inductor.runtime.all_reduce import _buffer_elements
+
+    if path == "push_all":
+        return Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
+    if path == "push_scatter":  # slots in the second half, room for a partial last block row
+        return Ranks(world, m, n, dtype, 2 * (m * n + world * block))
+    return Ranks(world, m, n, dtype)
 
 
 def reference(partials, residual, weight, eps, w_fp32, dtype):
@@ -209,6 +236,14 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (8, 5, 64, torch.float32, False, True, False, "push"),
     (4, 37, 72, torch.float32, True, True, True, "push_chunked"),
     (2, 300, 24, torch.float16, True, True, False, "push_chunked"),
+    (2, 1, 40, torch.float32, True, True, True, "push_scatter"),  # a partial last block row
+    (4, 7, 72, torch.float16, True, True, False, "push_scatter"),
+    (3, 10, 40, torch.float16, False, False, False, "push_scatter"),
+    (8, 5, 64, torch.float32, False, True, False, "push_scatter"),
+    (2, 1, 40, torch.float32, True, True, True, "push_all"),
+    (4, 7, 72, torch.float16, True, True, False, "push_all"),
+    (3, 10, 40, torch.float16, False, False, False, "push_all"),
+    (8, 5, 64, torch.float32, False, True, False, "push_all"),
 ]
 
 
@@ -216,7 +251,7 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
 def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
     """Several calls in a row on one set of ranks: the device epoch advances by itself."""
     gen = torch.Generator().manual_seed(m * 31 + n)
-    ranks = Ranks(world, m, n, dtype)
+    ranks = ranks_for(path, world, m, n, dtype)
     weight = (torch.randn(n, generator=gen) * 0.5 + 1).to(torch.float32 if w_fp32 else dtype) \
         if norm else None
     for call in range(3 if m < 100 else 2):
@@ -228,7 +263,8 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
             outs = one_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
         elif path.startswith("push"):
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
-                        chunks=2 * world if path == "push_chunked" else 0)
+                        chunks=2 * world if path == "push_chunked" else 0,
+                        algo=path if path != "push_chunked" else "push")
         else:
             outs = two_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=4, block_n=32,
                             chunks=2 * world, gemm_done=path == "two_gemm_done")
@@ -236,14 +272,15 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done", "push"])
+@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done", "push", "push_scatter",
+                                  "push_all"])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
     advances by itself and every replay is right."""
     world, m, n, dtype = 2, 6, 40, torch.float32
     gen = torch.Generator().manual_seed(7)
-    ranks = Ranks(world, m, n, dtype)
+    ranks = ranks_for(path, world, m, n, dtype)
     weight = torch.randn(n, generator=gen)
     residuals = [torch.empty(m, n) for _ in range(world)]
     outs = new_outs(ranks, weight)
@@ -254,8 +291,8 @@ def test_replay_same_launch_arguments(path):
         ranks.write_partials(partials)
         if path == "one":
             one_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
-        elif path == "push":
-            push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs)
+        elif path.startswith("push"):
+            push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs, algo=path)
         else:
             two_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
                      outs=outs, gemm_done=path == "two_gemm_done")
@@ -283,7 +320,7 @@ def test_push_missing_peer_is_reported_not_a_hang():
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
-                                      m, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
+                                      m, m * n, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
                                       BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
                                       **ar.world_constants(world))
     assert int(ranks.err[0]) == ar.ERR_STARTED
@@ -304,9 +341,13 @@ def test_plans_and_declines():
     assert plan is None and "eagerly" in why
     plan, why = choose_device_plan(Task(**{**task.__dict__, "m": 2048}), cuda_graphs=True)
     assert plan is None and "no gain" in why
+    assert choose_device_plan(Task(**{**task.__dict__, "m": 1024}), cuda_graphs=True)[0] is None
+    by_m = {m: dict(choose_device_plan(Task(**{**task.__dict__, "m": m}), cuda_graphs=True)[0]
+                    .params)["algo"] for m in (1, 8, 9, 512)}
+    assert by_m == {1: "push_all", 8: "push_all", 9: "push", 512: "push"}
     plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
     assert choose_device_plan(plain, cuda_graphs=True)[0].impl == "fused"
-    assert choose_device_plan(Task(**{**plain.__dict__, "m": 129}), cuda_graphs=True)[0] is None
+    assert choose_device_plan(Task(**{**plain.__dict__, "m": 513}), cuda_graphs=True)[0] is None
     assert all_reduce_params(task) == {"algo": "push"}
 
     a, b = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)
@@ -327,7 +368,9 @@ def test_push_grid():
     assert push_grid(8, 32 * 8192, 132, {}) == (32, 1024, 4)
     assert push_grid(8, 128 * 8192, 132, {}) == (128, 1024, 4)
     assert push_grid(8, 2048 * 8192, 132, {}) == (128, 4096, 8)
+    assert push_grid(8, 256 * 8192, 132, {}) == (64, 4096, 8)  # 4096 from 64 blocks up
     assert push_grid(8, 2048 * 8192, 100, {}) == (96, 4096, 8)
     assert push_grid(2, 40, 132, {}) == (1, 256, 1)
     assert push_grid(8, 128 * 8192, 132, {"block": 512, "progs": 7}) == (7, 512, 2)
     assert push_grid(8, 1 * 8192, 132, {}, norm=True) == (1, 1024, 4)  # the norm's 4 warps
+    assert push_grid(1, 1 * 8192, 132, {}) == (32, 256, 1)  # push_all: every element
