@@ -1,14 +1,17 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py,
-templates/all_reduce_push.py).
+all_reduce_push.py, all_reduce_lamport.py).
 
 One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
 plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
   push_all (M <= 8): every rank stores its whole partial into a slot on every rank, waits once,
       sums its slots locally, adds its residual, normalises the rows.
-  push (above): each rank sums its blocks from every peer and pushes the sums to every peer,
+  push (the rest): each rank sums its blocks from every peer and pushes the sums to every peer,
       copies the sums out adding its residual, normalises the rows; with overlap=True the GEMM
       runs in row chunks and the kernel beside it on the side stream, waiting on each chunk's
       READY.
+  lamport (M 9-128 on up to 4 ranks): push_scatter's steps with no flags: every receive word
+      starts as -0.0, which no sender sends, and a receiver polls the data itself
+      (templates/all_reduce_lamport.py).
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
   The earlier plans, slower than push at every size measured (ar_h200x8_run6/8.md), are kept
@@ -18,15 +21,16 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       from all peers, the others copy them back.
   two_shot: the reduction kernel on the side stream on `comm_sms` SMs next to the GEMM in row
       chunks, READY[j] raised by a 4-byte copy from the device epoch word after chunk j.
-One context per (group, size class) is shared by both ops and every plan but push_all, which has
-its own (_buffer_elements says why).
+One context per (group, size class) is shared by both ops and every plan but push_all and
+lamport, which have their own (_buffer_elements says why).
 
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises
-PUSHED; push_all: epoch-parity slots; the others: a barrier on DONE): nothing on the host changes between calls, and a call
-captured in a CUDA graph replays correctly. The context must exist before capture (its setup is
-collective and synchronises): a call captured before any eager call of its size class takes the
-reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
+PUSHED; push_all and lamport: epoch-parity regions; the others: a barrier on DONE): nothing on
+the host changes between calls, and a call captured in a CUDA graph replays correctly. The
+context must exist before capture (its setup is collective and synchronises): a call captured
+before any eager call of its size class takes the reference path. Inductor's CUDA-graph trees
+warm up eagerly first, which creates it.
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
+from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from . import driver
 from .context import OpContext, build_outside_graph_pools, get_context, size_class
 from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _why_not
+from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
@@ -54,7 +60,8 @@ _WAIT_NAMES = {kernels.ERR_READY: "READY (a peer's partial)",
                kernels.ERR_DONE: "DONE (a peer's end-of-call barrier)",
                kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
                kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
-               kernels.ERR_STARTED: "STARTED (a peer's partial)"}
+               kernels.ERR_STARTED: "STARTED (a peer's partial)",
+               kernels.ERR_SENT: "lamport data (a peer's partial or sums)"}
 
 
 @dataclasses.dataclass
@@ -80,18 +87,21 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     return state
 
 
-PUSH_ALGOS = ("push", "push_scatter", "push_all")
+PUSH_ALGOS = ("push", "push_scatter", "push_all", "lamport")
 _MAX_BLOCK = 4096  # push_grid's largest block
 
 
 def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
     """(context name, elements of its symmetric buffer) for a call of `numel` elements.
     push_all has a context of its own: its slots are safe to overwrite only after calls of its
-    own kind (module doc of templates/all_reduce_push.py). The others share one: the partial in
-    the first half, the scatter slots (or the earlier plans' reduced sums) in the second, with
-    room for the scatter's last, partial, block row."""
+    own kind (module doc of templates/all_reduce_push.py); so has lamport: its receive words
+    must hold the empty mark between calls, which no other kernel keeps. The others share one:
+    the partial in the first half, the scatter slots (or the earlier plans' reduced sums) in
+    the second, with room for the scatter's last, partial, block row (lamport's regions too)."""
     if algo == "push_all":
         return _CONTEXT + "_push_all", (1 + 2 * world) * _slot_stride(numel)
+    if algo == "lamport":
+        return _CONTEXT + "_lamport", 5 * _slot_stride(numel + kernels.MAX_WORLD * _MAX_BLOCK)
     return _CONTEXT, 2 * (numel + kernels.MAX_WORLD * _MAX_BLOCK)
 
 
@@ -159,6 +169,8 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
                   W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
     if algo == "push_all":
         _push_all(ctx, params, a, b, bias, partial, common, consts, float(eps))
+    elif algo == "lamport":
+        _lamport(ctx, params, a, b, bias, partial, common, consts, float(eps))
     elif algo in PUSH_ALGOS:
         _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
     else:
@@ -279,6 +291,31 @@ def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):
                               **consts, BLOCK=block,
                               BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
                               num_warps=warps)
+
+
+def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
+    """The GEMM, then lamport_kernel (templates/all_reduce_lamport.py) on its context, whose
+    words all hold the empty mark before the first call."""
+    m, n = partial.shape
+    if ctx not in _marked_empty:
+        build_outside_graph_pools(ctx.device, lambda: _mark_empty(ctx))
+        _marked_empty.add(ctx)
+    progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
+                                    norm=consts["NORM"])
+    stride = ctx.data.nbytes // partial.element_size() // 5 // 16 * 16
+    _mm(a, b, bias, partial, {})
+    lamport_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(), **consts,
+                             BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
+                             num_warps=warps)
+
+
+_marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
+
+
+def _mark_empty(ctx):
+    """Every word of my buffer = the empty mark, on every rank before any rank sends (setup)."""
+    ctx.data.local.view(torch.int16).fill_(EMPTY_BITS)
+    group_barrier(ctx.backend.group)
 
 
 @register_fused("matmul_all_reduce")

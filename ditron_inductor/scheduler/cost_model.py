@@ -168,6 +168,11 @@ def default_params(task: Task) -> dict:
 #   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
 #     wait, a local sum): 3-5 us less than push at M 1-8, slower from M=16 (its traffic is W - 1
 #     partials per rank) (ar_h200x8_run9.md, run10.md);
+#   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (templates/all_reduce_lamport.py:
+#     push_scatter's traffic, but the data carries its own arrival: no flags, no fences): on 4
+#     and 2 H200 (ar_h200x4_run13.md, ar_h200x2_run14.md) 2-7 us less than push at M=32, about
+#     2 us at M=128, level at 256-512 (4 ranks). Not yet measured on 8 GPUs (the 8-GPU machine
+#     was not lent after it was written), where push stays the default;
 #   above: push (each rank sums its blocks over the ranks, then stores the sums on every rank),
 #     after the whole GEMM. push_scatter (the partials stored to their owners instead of read by
 #     them) measured level with push at M 16-32 and slower from M=128: a plan, not a default.
@@ -188,11 +193,16 @@ def default_params(task: Task) -> dict:
 # the sizes where the all-reduce wins).
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
+LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 128, 4
 
 
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
-    return dict(algo="push_all" if task.m_hint <= PUSH_ALL_MAX_M else "push")
+    if task.m_hint <= PUSH_ALL_MAX_M:
+        return dict(algo="push_all")
+    if task.m_hint <= LAMPORT_MAX_M and task.world_size <= LAMPORT_MAX_WORLD:
+        return dict(algo="lamport")
+    return dict(algo="push")
 
 
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:

@@ -67,13 +67,13 @@ PUSHED = STARTED + MAX_PROGS * MAX_WORLD
 LOCAL = PUSHED + MAX_PROGS * MAX_WORLD
 FLAG_WORDS = LOCAL + MAX_PROGS
 # error codes (err word): which wait gave up
-ERR_READY, ERR_REDUCED, ERR_DONE, ERR_PUSHED, ERR_LOCAL, ERR_STARTED = 1, 2, 3, 4, 5, 6
+ERR_READY, ERR_REDUCED, ERR_DONE, ERR_PUSHED, ERR_LOCAL, ERR_STARTED, ERR_SENT = 1, 2, 3, 4, 5, 6, 7
 # the same numbers for the kernels (Triton reads only constexpr globals)
 K_DONE, K_READY, K_REDUCED = tl.constexpr(DONE), tl.constexpr(READY), tl.constexpr(REDUCED)
 K_ERR_READY, K_ERR_REDUCED = tl.constexpr(ERR_READY), tl.constexpr(ERR_REDUCED)
 K_ERR_DONE = tl.constexpr(ERR_DONE)
 K_ERR_PUSHED, K_ERR_LOCAL = tl.constexpr(ERR_PUSHED), tl.constexpr(ERR_LOCAL)
-K_ERR_STARTED = tl.constexpr(ERR_STARTED)
+K_ERR_STARTED, K_ERR_SENT = tl.constexpr(ERR_STARTED), tl.constexpr(ERR_SENT)
 K_STARTED, K_PUSHED = tl.constexpr(STARTED), tl.constexpr(PUSHED)
 K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
 

@@ -16,7 +16,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ditron_inductor.templates import all_reduce, all_reduce_push, comm, reduce  # noqa: E402
+from ditron_inductor.templates import (  # noqa: E402
+    all_reduce,
+    all_reduce_lamport,
+    all_reduce_push,
+    comm,
+    reduce,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -43,6 +49,7 @@ def variants():
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
                        dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
+            yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)

@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.templates import all_reduce as ar  # noqa: E402
-from ditron_inductor.templates import all_reduce_push  # noqa: E402
+from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
+from ditron_inductor.templates.all_reduce_lamport import EMPTY_BITS  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
 
@@ -134,9 +135,9 @@ def started(ranks, r, progs):
 def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
          algo="push"):
     """A push kernel (push, push_scatter or push_all): every rank's SEND phase (which raises
-    STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push, push_scatter:
-    which pushes the sums), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in row
-    chunks, each followed by its READY."""
+    STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push and
+    push_scatter push the sums there), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in
+    row chunks, each followed by its READY."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     rows = -(-m // chunks) if chunks else m
@@ -185,7 +186,39 @@ def ranks_for(path, world, m, n, dtype, block=16):
         return Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
     if path == "push_scatter":  # slots in the second half, room for a partial last block row
         return Ranks(world, m, n, dtype, 2 * (m * n + world * block))
+    if path == "lamport":  # five regions, every word the empty mark (-0.0) to begin with
+        ranks = Ranks(world, m, n, dtype, 5 * lamport_stride(m * n + world * block))
+        for data in ranks.data:
+            data.fill_(-0.0)
+        return ranks
     return Ranks(world, m, n, dtype)
+
+
+def lamport_stride(numel):
+    return -(-numel // 16) * 16
+
+
+def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None):
+    """The lamport kernel: every rank's SEND, then REDUCE, COPY and (with a norm) NORMALISE.
+    After the call every receive word holds the empty mark again."""
+    m, n, world = ranks.m, ranks.n, ranks.world
+    epoch = int(ranks.epoch[0][1])
+    stride = ranks.data_numel // 5
+    outs = outs or new_outs(ranks, weight)
+    for phase in ["SEND", "REDUCE", "COPY"] + (["NORMALISE"] if weight is not None else []):
+        for r in range(world):
+            h, y = outs[r]
+            all_reduce_lamport.lamport_kernel[(progs,)](
+                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
+                stride, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
+                W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
+                REDUCE=phase == "REDUCE", COPY=phase == "COPY", NORMALISE=phase == "NORMALISE",
+                **ar.world_constants(world))
+    ranks.check_call_finished(epoch, done_barrier=False)
+    for r in range(world):
+        received = ranks.data[r][stride:].view(torch.int16)
+        assert received.eq(EMPTY_BITS).all(), f"rank {r}: a receive word was not marked empty"
+    return outs
 
 
 def reference(partials, residual, weight, eps, w_fp32, dtype):
@@ -240,6 +273,11 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (4, 7, 72, torch.float16, True, True, False, "push_scatter"),
     (3, 10, 40, torch.float16, False, False, False, "push_scatter"),
     (8, 5, 64, torch.float32, False, True, False, "push_scatter"),
+    (2, 1, 40, torch.float16, True, True, True, "lamport"),  # a partial last block row
+    (4, 7, 72, torch.float16, True, True, False, "lamport"),
+    (3, 10, 40, torch.float16, False, False, False, "lamport"),
+    (8, 5, 64, torch.float16, False, True, False, "lamport"),
+    (4, 37, 72, torch.bfloat16, True, True, True, "lamport"),  # several block rows a program
     (2, 1, 40, torch.float32, True, True, True, "push_all"),
     (4, 7, 72, torch.float16, True, True, False, "push_all"),
     (3, 10, 40, torch.float16, False, False, False, "push_all"),
@@ -261,6 +299,8 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         ranks.write_partials(partials)
         if path == "one":
             outs = one_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
+        elif path == "lamport":
+            outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16)
         elif path.startswith("push"):
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
                         chunks=2 * world if path == "push_chunked" else 0,
@@ -273,16 +313,17 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
 
 
 @pytest.mark.parametrize("path", ["one", "two", "two_gemm_done", "push", "push_scatter",
-                                  "push_all"])
+                                  "push_all", "lamport"])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
     advances by itself and every replay is right."""
-    world, m, n, dtype = 2, 6, 40, torch.float32
+    world, m, n = 2, 6, 40
+    dtype = torch.float16 if path == "lamport" else torch.float32  # lamport: 16-bit only
     gen = torch.Generator().manual_seed(7)
     ranks = ranks_for(path, world, m, n, dtype)
-    weight = torch.randn(n, generator=gen)
-    residuals = [torch.empty(m, n) for _ in range(world)]
+    weight = torch.randn(n, generator=gen).to(dtype)
+    residuals = [torch.empty(m, n, dtype=dtype) for _ in range(world)]
     outs = new_outs(ranks, weight)
     for replay in range(4):
         partials = [torch.randn(m, n, generator=gen) for _ in range(world)]
@@ -291,6 +332,8 @@ def test_replay_same_launch_arguments(path):
         ranks.write_partials(partials)
         if path == "one":
             one_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
+        elif path == "lamport":
+            lamport(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs)
         elif path.startswith("push"):
             push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs, algo=path)
         else:
@@ -327,6 +370,35 @@ def test_push_missing_peer_is_reported_not_a_hang():
     assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
 
 
+def test_lamport_sends_negative_zero_as_zero():
+    """Partials holding -0.0 (the empty mark) and sums that round to -0.0: sent as +0.0, so no
+    receiver waits forever, and the results are right."""
+    world, m, n, dtype = 2, 3, 32, torch.float16
+    ranks = ranks_for("lamport", world, m, n, dtype)
+    partials = [torch.randn(m, n).to(dtype) for _ in range(world)]
+    partials[0][0] = -0.0
+    partials[1][0] = -0.0  # a row whose sum is -0.0
+    partials[0][1, :4] = -1e-8  # rounds to -0.0 in float16
+    ranks.write_partials(partials)
+    outs = lamport(ranks, None, None, 1e-6, False, progs=2, block=16)
+    check(outs, partials, None, None, 1e-6, False, dtype)
+    assert outs[0][0][0].eq(0).all()
+
+
+def test_lamport_missing_peer_is_reported_not_a_hang():
+    """A peer that never sent: the bounded poll gives up and names the lamport data."""
+    world, m, n = 2, 1, 16
+    ranks = ranks_for("lamport", world, m, n, torch.float16)
+    ranks.write_partials([torch.ones(m, n, dtype=torch.float16)] * world)
+    h = torch.empty(m, n, dtype=torch.float16)
+    args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, ranks.data_numel // 5,
+            LIMIT)
+    consts = dict(HAS_RES=False, NORM=False, W_FP32=False, BLOCK=16, BLOCK_N=16, COPY=False,
+                  **ar.world_constants(world))
+    all_reduce_lamport.lamport_kernel[(1,)](*args, **consts)  # rank 1 never sends
+    assert int(ranks.err[0]) == ar.ERR_SENT
+
+
 def test_plans_and_declines():
     from ditron_inductor.runtime.all_reduce import _declines
     from ditron_inductor.scheduler.cost_model import all_reduce_params, choose_device_plan
@@ -345,6 +417,10 @@ def test_plans_and_declines():
     by_m = {m: dict(choose_device_plan(Task(**{**task.__dict__, "m": m}), cuda_graphs=True)[0]
                     .params)["algo"] for m in (1, 8, 9, 512)}
     assert by_m == {1: "push_all", 8: "push_all", 9: "push", 512: "push"}
+    four = Task(**{**task.__dict__, "world_size": 4})  # lamport: measured on 4 GPUs
+    assert {m: all_reduce_params(Task(**{**four.__dict__, "m": m}))["algo"]
+            for m in (8, 32, 128, 256)} == {8: "push_all", 32: "lamport", 128: "lamport",
+                                            256: "push"}
     plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
     assert choose_device_plan(plain, cuda_graphs=True)[0].impl == "fused"
     assert choose_device_plan(Task(**{**plain.__dict__, "m": 513}), cuda_graphs=True)[0] is None

@@ -98,7 +98,7 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
     assert not d.fuse and "eagerly" in d.reason
     with inductor_config.patch({"triton.cudagraphs": True}):
         d = decide(decode)
-        assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "push"
+        assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "lamport"  # 4 ranks
         assert not decide(dataclasses.replace(decode, m=4096)).fuse
 
 

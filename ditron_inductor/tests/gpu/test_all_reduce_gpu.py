@@ -2,7 +2,7 @@
 and fp16, random data, M from 1 to 8192 (each plan forced: one_shot, two_shot after the whole
 GEMM, two_shot pipelined with GEMM chunks, and the runtime's default), K per rank 1024 and
 3584, N 8192 and a smaller N, the push kernels (push after the GEMM or beside its row chunks,
-push_scatter, push_all),
+push_scatter, push_all, lamport),
 residual and norm variants (both roundings), many calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
 mode="reduce-overhead". Every case asserts that the fused path served it.
@@ -32,7 +32,8 @@ PLANS = ({}, {"algo": "one_shot"}, {"algo": "two_shot", "overlap": False, "chunk
          {"algo": "two_shot", "chunks": 4, "comm_sms": 16}, {"algo": "push"},
          {"algo": "push", "overlap": True, "chunks": 4, "progs": 16},
          {"algo": "push", "block": 512, "progs": 7}, {"algo": "push_scatter"},
-         {"algo": "push_scatter", "block": 512, "progs": 7}, {"algo": "push_all"})
+         {"algo": "push_scatter", "block": 512, "progs": 7}, {"algo": "push_all"},
+         {"algo": "lamport"}, {"algo": "lamport", "block": 512, "progs": 7})
 EPS = 1e-6
 
 
@@ -200,7 +201,8 @@ def _worker(rank, world, port, calls, result_dir):
                        (1, {"algo": "push"}), (128, {"algo": "push"}),
                        (2048, {"algo": "push", "overlap": True, "chunks": 8}),
                        (1, {"algo": "push_all"}), (7, {"algo": "push_all"}),
-                       (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}))
+                       (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}),
+                       (32, {"algo": "lamport"}), (128, {"algo": "lamport"}))
         for m, plan_params in graph_cases if everything else ():
             _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
         _compiled_decode_case(world, torch.bfloat16, gen)

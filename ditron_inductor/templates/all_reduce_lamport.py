@@ -1,0 +1,123 @@
+"""GEMM + all-reduce (+ residual + RMSNorm): the lamport kernel, a two-shot with no flags.
+
+Data that carries its own arrival: every receive word starts as the empty mark (-0.0, only the
+sign bit set) and a sender never sends -0.0 (it sends +0.0 instead, which sums the same), so a
+receiver polls the data itself until no mark is left. No flag, and no fence between the data
+and a flag: each step costs one NVLink one-way latency, where push (all_reduce_push.py) pays a
+flag barrier, a network read and a fence before each flag. A receiver marks the words empty
+again as soon as it has read them.
+
+The symmetric buffer holds five regions of `stride` elements (fixed per context): the partial
+P_q = a_q @ b_q (+ bias) [M, N] (written by cuBLAS, read only locally), then the scatter slots
+of epoch parity 0 and 1, then the sums of parity 0 and 1. Blocks and owners as in push: block g
+is owned by rank g % W; program pid takes block rows pid, pid + P, ...
+1. SEND: my partial of block W*i + q goes into rank q's scatter slot for me (slot W*i + rank of
+   this call's parity).
+2. REDUCE: I poll my slots of block row i until every rank's part is there, mark them empty,
+   sum them in fp32, round, and store the sum into block W*i + rank of every rank's sums.
+3. COPY: I poll my sums of block row i until every owner's block is there, mark them empty and
+   write h (+ my residual). 4. NORMALISE as in push (a barrier over this GPU's programs).
+A region of parity p is written again two calls later: a peer can start call e + 2 only after
+my call e + 1 sent to it, which follows my call e, whose reads marked the region empty again.
+So nothing waits at the end of a call and nothing is reset. Every sum is computed once, by its
+owner: all ranks get the same bits. 16-bit dtypes only (the mark is one 16-bit word).
+
+The interpreter runs one rank at a time: each phase separately for every rank, as for push.
+"""
+
+import triton
+import triton.language as tl
+
+from .all_reduce import K_ERR_SENT
+from .all_reduce_push import finish_call, normalise_when_written, rows_written
+from .comm import peer_ptr
+
+_DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
+EMPTY_BITS = -32768  # the empty mark: the int16 view of bfloat16 / float16 -0.0
+K_EMPTY_BITS = tl.constexpr(EMPTY_BITS)  # the same for the kernels (constexpr globals only)
+
+
+@triton.jit
+def is_empty(x):
+    return x.to(tl.int16, bitcast=True) == K_EMPTY_BITS
+
+
+@triton.jit
+def sendable(x):
+    """x with -0.0 (the empty mark) sent as +0.0."""
+    return tl.where(is_empty(x), tl.zeros_like(x), x)
+
+
+@triton.jit
+def empty_like(x):
+    return tl.full(x.shape, K_EMPTY_BITS, tl.int16).to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def take_when_full(ptrs, mask, limit, err_ptr):
+    """Poll *ptrs (where mask) until no word holds the empty mark, mark them empty again and
+    return what they held. Bounded when limit > 0 (debug): gives up and records K_ERR_SENT."""
+    x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    n = 0
+    while (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & ((limit == 0) | (n < limit)):
+        x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+        n += 1
+    if tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0:
+        tl.atomic_max(err_ptr, K_ERR_SENT)
+    tl.store(ptrs, empty_like(x), mask=mask)
+    return x
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr, h_ptr,
+                   y_ptr, res_ptr, w_ptr, M, N, eps, rank, stride, limit, HAS_RES: tl.constexpr,
+                   NORM: tl.constexpr, W_FP32: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_N: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                   SEND: tl.constexpr = True, REDUCE: tl.constexpr = True,
+                   COPY: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+    # flag_table: unused (no flags cross GPUs here), kept so that every all-reduce kernel takes
+    # the same leading arguments
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr + 1)
+    dtype = h_ptr.dtype.element_ty
+    numel = M * N
+    block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
+    offs = tl.arange(0, BLOCK)
+    ranks = tl.arange(0, WORLD_P2)
+    mine = peer_ptr(data_table, rank, dtype, True)
+    slots = (1 + epoch % 2) * stride  # this call's scatter slots
+    sums = (3 + epoch % 2) * stride  # this call's sums
+    if SEND:
+        for i in range(pid, block_rows, nprog):
+            for q in tl.static_range(WORLD):
+                idx = (i * WORLD + q) * BLOCK + offs
+                part = sendable(tl.load(mine + idx, mask=idx < numel, other=0.0))
+                tl.store(peer_ptr(data_table, q, dtype, True) + slots
+                         + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
+    if REDUCE:
+        for i in range(pid, block_rows, nprog):
+            idx = (i * WORLD + rank) * BLOCK + offs
+            parts = take_when_full(
+                mine + slots + (i * WORLD + ranks[:, None]) * BLOCK + offs[None, :],
+                (ranks[:, None] < WORLD) & (idx[None, :] < numel), limit, err_ptr)
+            total = sendable(tl.sum(parts.to(tl.float32), axis=0).to(dtype))
+            for q in tl.static_range(WORLD):
+                tl.store(peer_ptr(data_table, q, dtype, True) + sums + idx, total,
+                         mask=idx < numel)
+    if COPY:
+        for i in range(pid, block_rows, nprog):
+            idx = (i * WORLD + ranks[:, None]) * BLOCK + offs[None, :]
+            mask = (ranks[:, None] < WORLD) & (idx < numel)
+            h = take_when_full(mine + sums + idx, mask, limit, err_ptr)
+            if HAS_RES:
+                res = tl.load(res_ptr + idx, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            tl.store(h_ptr + idx, h, mask=mask)
+        if NORM:
+            rows_written(flags_ptr, epoch)
+    if NORM and NORMALISE:
+        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
+                               W_FP32, BLOCK_N)
+    if (NORM and NORMALISE) or (not NORM and COPY):  # the phase that ends the call
+        finish_call(arrive_ptr, epoch_ptr, epoch)
