@@ -1,36 +1,28 @@
-"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (templates/all_reduce.py,
-all_reduce_push.py, all_reduce_lamport.py).
+"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (kernels:
+templates/all_reduce_push.py and all_reduce_lamport.py; what they share: all_reduce.py).
 
 One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
 plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
   push_all (M <= 8): every rank stores its whole partial into a slot on every rank, waits once,
       sums its slots locally, adds its residual, normalises the rows.
+  lamport (M 9-128 on up to 4 ranks): the partials are stored into their owners' slots, the
+      owners' sums into every rank, with no flags: every receive word starts as -0.0, which no
+      sender sends, and a receiver polls the data itself.
   push (the rest): each rank sums its blocks from every peer and pushes the sums to every peer,
       copies the sums out adding its residual, normalises the rows; with overlap=True the GEMM
       runs in row chunks and the kernel beside it on the side stream, waiting on each chunk's
-      READY.
-  lamport (M 9-128 on up to 4 ranks): push_scatter's steps with no flags: every receive word
-      starts as -0.0, which no sender sends, and a receiver polls the data itself
-      (templates/all_reduce_lamport.py).
+      READY (a 4-byte copy from the device epoch word after the chunk).
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
-  The earlier plans, slower than push at every size measured (ar_h200x8_run6/8.md), are kept
-  for comparison and run only when a plan names them:
-  one_shot: one kernel raises my READY, reads the W partials, adds the residual, normalises.
-  two_shot, overlap=False: one two-shot kernel after the whole GEMM: each rank reduces its rows
-      from all peers, the others copy them back.
-  two_shot: the reduction kernel on the side stream on `comm_sms` SMs next to the GEMM in row
-      chunks, READY[j] raised by a 4-byte copy from the device epoch word after chunk j.
-One context per (group, size class) is shared by both ops and every plan but push_all and
-lamport, which have their own (_buffer_elements says why).
+One context per (group, size class) is shared by both ops and by push and push_scatter; push_all
+and lamport have their own (_buffer_elements says why).
 
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
-the next call's GEMM when it ends (push: every peer has read and pushed before it raises
-PUSHED; push_all and lamport: epoch-parity regions; the others: a barrier on DONE): nothing on
-the host changes between calls, and a call captured in a CUDA graph replays correctly. The
-context must exist before capture (its setup is collective and synchronises): a call captured
-before any eager call of its size class takes the reference path. Inductor's CUDA-graph trees
-warm up eagerly first, which creates it.
+the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
+push_all and lamport: epoch-parity regions): nothing on the host changes between calls, and a
+call captured in a CUDA graph replays correctly. The context must exist before capture (its
+setup is collective and synchronises): a call captured before any eager call of its size class
+takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
 """
 
 from __future__ import annotations
@@ -55,9 +47,7 @@ from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
-_WAIT_NAMES = {kernels.ERR_READY: "READY (a peer's partial)",
-               kernels.ERR_REDUCED: "REDUCED (an owner's reduced rows)",
-               kernels.ERR_DONE: "DONE (a peer's end-of-call barrier)",
+_WAIT_NAMES = {kernels.ERR_READY: "READY (a chunk of a peer's GEMM)",
                kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
                kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
                kernels.ERR_STARTED: "STARTED (a peer's partial)",
@@ -70,7 +60,7 @@ class DeviceEpoch:
 
     epoch: torch.Tensor  # [last finished epoch, current epoch]
     arrive: torch.Tensor  # arrival counters: [kernel, chunk 0, chunk 1, ...]
-    side: torch.cuda.Stream  # the two-shot reduction runs here, next to the GEMM chunks
+    side: torch.cuda.Stream  # push with overlap runs here, next to the GEMM chunks
 
 
 # per context, dropped with it (a new context starts from zeroed flags and epoch 1 on every rank)
@@ -87,7 +77,7 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     return state
 
 
-PUSH_ALGOS = ("push", "push_scatter", "push_all", "lamport")
+ALGOS = ("push", "push_scatter", "push_all", "lamport")  # plan param "algo"
 _MAX_BLOCK = 4096  # push_grid's largest block
 
 
@@ -96,8 +86,8 @@ def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
     push_all has a context of its own: its slots are safe to overwrite only after calls of its
     own kind (module doc of templates/all_reduce_push.py); so has lamport: its receive words
     must hold the empty mark between calls, which no other kernel keeps. The others share one:
-    the partial in the first half, the scatter slots (or the earlier plans' reduced sums) in
-    the second, with room for the scatter's last, partial, block row (lamport's regions too)."""
+    the partial in the first half, the scatter slots in the second, with room for the
+    scatter's last, partial, block row (lamport's regions too)."""
     if algo == "push_all":
         return _CONTEXT + "_push_all", (1 + 2 * world) * _slot_stride(numel)
     if algo == "lamport":
@@ -148,8 +138,10 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         return _why_not(why)
     params = complete_params(task, plan)
     algo = params["algo"]
-    if algo in PUSH_ALGOS and task.world_size > kernels.MAX_WORLD:
-        return _why_not(f"the push kernels' flags serve up to {kernels.MAX_WORLD} ranks")
+    if algo not in ALGOS:
+        raise ValueError(f"all-reduce plan algo={algo!r}: not one of {ALGOS}")
+    if task.world_size > kernels.MAX_WORLD:
+        return _why_not(f"the all-reduce kernels' flags serve up to {kernels.MAX_WORLD} ranks")
     context, elems = _buffer_elements(algo, m * n, task.world_size)
     if size_class(elems * a.element_size()) // a.element_size() >= 2 ** 31:
         return _why_not("more than 2**31 elements in the buffers (32-bit offsets)")
@@ -171,49 +163,18 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         _push_all(ctx, params, a, b, bias, partial, common, consts, float(eps))
     elif algo == "lamport":
         _lamport(ctx, params, a, b, bias, partial, common, consts, float(eps))
-    elif algo in PUSH_ALGOS:
-        _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
     else:
-        _earlier_plan(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
+        _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
     _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
 
 
-def _earlier_plan(ctx, dev, params, a, b, bias, partial, common, consts, eps):
-    """The one-shot and two-shot plans (templates/all_reduce.py)."""
-    m, n = partial.shape
-    consts = dict(consts, BLOCK_N=int(params.get("block_n", _block_n(n))),
-                  VEC=bool(params.get("vec", True)), num_warps=int(params.get("warps", 8)))
-    if params["algo"] == "one_shot":
-        _mm(a, b, bias, partial, {})
-        progs = min(m, _num_sms(a.device))
-        kernels.one_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, _limit(), **consts)
-    elif not params.get("overlap", True):
-        _mm(a, b, bias, partial, {})  # whole: the weights are read once
-        chunks, rows = _row_chunks(ctx, params, m)
-        progs = max(1, min(rows, _num_sms(a.device)))
-        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
-                                          GEMM_DONE=True, **consts)
-    else:
-        _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps)
-
-
 def _row_chunks(ctx, params, m):
-    """(number of row chunks, rows per chunk): chunk j is reduced by rank j % W."""
+    """(number of row chunks, rows per chunk) of the GEMM beside push (overlap=True)."""
     chunks = max(1, min(int(params.get("chunks", 2 * ctx.world)), kernels.MAX_CHUNKS, m))
     rows = triton.cdiv(m, chunks)
     return triton.cdiv(m, rows), rows
-
-
-def _two_shot(ctx, dev, params, a, b, bias, partial, common, consts, eps):
-    """The GEMM chunk by chunk on the main stream, the reduction on the side stream."""
-    m, n = partial.shape
-    chunks, rows = _row_chunks(ctx, params, m)
-    progs = max(1, min(int(params.get("comm_sms", 32)), _num_sms(a.device) // 2))
-    _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, lambda: (
-        kernels.two_shot_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, chunks, _limit(),
-                                          **consts)))
 
 
 def _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, side_kernel):

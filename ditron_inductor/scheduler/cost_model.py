@@ -176,8 +176,9 @@ def default_params(task: Task) -> dict:
 #   above: push (each rank sums its blocks over the ranks, then stores the sums on every rank),
 #     after the whole GEMM. push_scatter (the partials stored to their owners instead of read by
 #     them) measured level with push at M 16-32 and slower from M=128: a plan, not a default.
-#   The earlier one-shot and two-shot kernels (templates/all_reduce.py) and the push beside the
-#   GEMM's row chunks (overlap=True) were slower everywhere but at M=8192 (run6/run8.md).
+#   Session 2's one-shot and two-shot kernels (removed in session 4) and the push beside the
+#   GEMM's row chunks (overlap=True, still a plan) were slower everywhere but at M=8192
+#   (run6/run8.md).
 # Block sizes: runtime.all_reduce.push_grid.
 #
 # What the scheduler fuses (8x H200, bf16, CUDA-graph replays, over NCCL + cuBLAS, K 3584 / 1024,

@@ -1,8 +1,8 @@
 """GEMM + all-reduce (+ residual + RMSNorm): the push kernels, all-reduces with no end barrier.
 
 push_kernel (push, and push_scatter with SCATTER): a two-shot. The partials P_q = a_q @ b_q
-(+ bias) [M, N] lie flat in the first half of the ranks' symmetric data buffers, as for the
-kernels of all_reduce.py, cut into blocks of BLOCK elements. Block g is owned by rank g % W, so
+(+ bias) [M, N] lie flat in the first half of the ranks' symmetric data buffers (all_reduce.py
+has what the kernels share), cut into blocks of BLOCK elements. Block g is owned by rank g % W, so
 block row i (blocks W*i .. W*i + W - 1, contiguous) holds one block of every rank, and every row
 chunk of the GEMM holds blocks of every rank.
 
@@ -21,7 +21,7 @@ One launch per rank, P programs, all resident at once (P <= MAX_PROGS, fewer tha
    buffer then hold every owner's sums; it copies them to h, adding my residual.
 4. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
    (h is whole), then normalises rows pid, pid + P, ... of h into y.
-The last program through advances the epoch (epoch words as in all_reduce.py).
+The last program through advances the epoch (the epoch words: all_reduce.py).
 
 Per rank 2 (W-1)/W of the partial crosses NVLink (push: once each way; push_scatter: twice
 outwards), and a call waits on the network twice (STARTED, PUSHED), with no end-of-call barrier:
@@ -79,7 +79,7 @@ def normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32: tl.constexpr, BLOCK_N
             h = tl.load(h_ptr + row * N + cols, mask=cols < N, other=0.0,
                         cache_modifier=".cg").to(tl.float32)
             ss += h * h
-        norm_row(h_ptr, y_ptr, w_ptr, row, N, tl.sum(ss, 0), eps, W_FP32, BLOCK_N, True)
+        norm_row(h_ptr, y_ptr, w_ptr, row, N, tl.sum(ss, 0), eps, W_FP32, BLOCK_N)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
     nprog = tl.num_programs(0)
     epoch = tl.load(epoch_ptr + 1)
     dtype = h_ptr.dtype.element_ty
-    numel = M * N  # int32: the runtime keeps 2 * M * N below 2**31
+    numel = M * N  # int32: the runtime keeps its buffers below 2**31 elements
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)

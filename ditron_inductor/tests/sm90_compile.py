@@ -29,19 +29,13 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _AR_ARGS = dict(data_table="*i64", flag_table="*i64", flags_ptr="*i32", epoch_ptr="*i32",
                 arrive_ptr="*i32", err_ptr="*i32", h_ptr="*bf16", y_ptr="*bf16",
                 res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32", rank="i32",
-                limit="i32", rows_per_chunk="i32", num_chunks="i32", slots="i32", stride="i32")
+                limit="i32", rows_per_chunk="i32", slots="i32", stride="i32")
 
 
 def variants():
     """(kernel, argument types, constexprs, num_warps) for every variant worth compiling."""
     for world in (2, 3, 8):
         for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
-            base = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK_N=4096, VEC=world != 3,
-                        **all_reduce.world_constants(world))
-            yield all_reduce.one_shot_kernel, _AR_ARGS, base, 8
-            for gemm_done in (False, True):
-                yield (all_reduce.two_shot_kernel, _AR_ARGS,
-                       dict(base, GEMM_DONE=gemm_done, REDUCE=True, GATHER=True), 8)
             push = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
                         SEND=True, REDUCE=True, NORMALISE=True,
                         **all_reduce.world_constants(world))

@@ -1,13 +1,11 @@
 """The GEMM + all-reduce (+ residual + RMSNorm) kernels under the Triton interpreter, on emulated
-ranks (see test_kernels_interpreter.py): each rank owns host tensors (its symmetric buffer: the
-partial product, then the reduced half; its flag words; its device epoch words), reached through
+ranks (see test_kernels_interpreter.py): each rank owns host tensors (its symmetric buffer with
+the runtime's layout for the kernel; its flag words; its device epoch words), reached through
 tables of their addresses.
 
-The interpreter runs one rank at a time, so producers run first: the GEMM partials and READY
-flags of every rank before any reduction; in the two-shot, every rank's REDUCE half before any
-GATHER half; and a rank's end-of-call barrier finds the DONE of the ranks that the emulation runs
-after it already raised (they would raise it on their own; the ranks run before it raised theirs
-for real, which the test checks).
+The interpreter runs one rank at a time, so producers run first: the GEMM partials (and the READY
+flags of a chunked GEMM) of every rank before any kernel, then each phase of the kernel (SEND,
+REDUCE, COPY, NORMALISE) on every rank before the next phase on any.
 """
 
 import os
@@ -49,18 +47,11 @@ class Ranks:
         for r, p in enumerate(partials):  # what cuBLAS writes into the symmetric buffer
             self.data[r][: self.m * self.n] = p.reshape(-1)
 
-    def raise_done_after(self, r, epoch):
-        for q in range(r + 1, self.world):
-            self.flags[q][ar.DONE] = epoch
-
-    def check_call_finished(self, epoch, done_barrier=True):
-        """No wait gave up, the epoch advanced, the arrival counters are reset, and (kernels
-        that end with one) every rank passed the DONE barrier."""
+    def check_call_finished(self, epoch):
+        """No wait gave up, the epoch advanced and the arrival counters are reset."""
         for r in range(self.world):
             assert int(self.err[r]) == 0, f"rank {r}: wait gave up (code {int(self.err[r])})"
             assert self.epoch[r].tolist() == [epoch, epoch + 1]
-            if done_barrier:
-                assert int(self.flags[r][ar.DONE]) == epoch
             assert int(self.arrive[r].abs().sum()) == 0  # arrival counters reset
 
 
@@ -76,55 +67,6 @@ def new_outs(ranks, weight):
     return [(torch.full(shape, float("nan"), dtype=dtype),
              torch.full(shape, float("nan"), dtype=dtype) if weight is not None else None)
             for _ in range(ranks.world)]
-
-
-def one_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, outs=None):
-    m, n, world = ranks.m, ranks.n, ranks.world
-    epoch = int(ranks.epoch[0][1])
-    for r in range(world):  # every rank's program 0 raises READY before anyone reads
-        ranks.flags[r][ar.READY] = int(ranks.epoch[r][1])
-    outs = outs or new_outs(ranks, weight)
-    for r in range(world):
-        h, y = outs[r]
-        ranks.raise_done_after(r, epoch)
-        ar.one_shot_kernel[(progs,)](
-            *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
-            LIMIT, HAS_RES=residuals is not None, NORM=weight is not None, W_FP32=w_fp32,
-            BLOCK_N=block_n, **ar.world_constants(world))
-    ranks.check_call_finished(epoch)
-    return outs
-
-
-def two_shot(ranks, residuals, weight, eps, w_fp32, progs, block_n, chunks, outs=None,
-             gemm_done=False):
-    m, n, world = ranks.m, ranks.n, ranks.world
-    epoch = int(ranks.epoch[0][1])
-    rows = -(-m // chunks)
-    num_chunks = -(-m // rows)
-    for r in range(world):
-        if gemm_done:  # the whole GEMM, then the kernel raises READY[0] itself
-            ranks.flags[r][ar.READY] = ranks.epoch[r][1]
-            continue
-        for j in range(num_chunks):  # the GEMM chunks, each followed by its READY copy
-            ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
-    outs = outs or new_outs(ranks, weight)
-    for phase in ("reduce", "gather"):
-        for r in range(world):
-            h, y = outs[r]
-            if phase == "gather":
-                ranks.raise_done_after(r, epoch)
-            ar.two_shot_kernel[(progs,)](
-                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
-                rows, num_chunks, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
-                W_FP32=w_fp32, BLOCK_N=block_n, GEMM_DONE=gemm_done,
-                REDUCE=phase == "reduce", GATHER=phase == "gather", **ar.world_constants(world))
-        if phase == "reduce":
-            for r in range(world):
-                for j in range(num_chunks):
-                    if j % world == r:  # every owner published its chunks
-                        assert int(ranks.flags[r][ar.REDUCED + j]) == epoch
-    ranks.check_call_finished(epoch)
-    return outs
 
 
 def started(ranks, r, progs):
@@ -163,7 +105,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
                 all_reduce_push.push_kernel[(progs,)](
                     *args, rows, ranks.data_numel // 2, LIMIT, CHUNKED=chunks > 0,
                     SCATTER=algo == "push_scatter", COPY=phase == "COPY", **consts)
-    ranks.check_call_finished(epoch, done_barrier=False)  # the push kernels have no DONE barrier
+    ranks.check_call_finished(epoch)
     for r in range(world):
         if not chunks:  # every program of every rank raised STARTED on every rank
             assert started(ranks, r, progs).eq(epoch).all()
@@ -214,7 +156,7 @@ def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None):
                 W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
                 REDUCE=phase == "REDUCE", COPY=phase == "COPY", NORMALISE=phase == "NORMALISE",
                 **ar.world_constants(world))
-    ranks.check_call_finished(epoch, done_barrier=False)
+    ranks.check_call_finished(epoch)
     for r in range(world):
         received = ranks.data[r][stride:].view(torch.int16)
         assert received.eq(EMPTY_BITS).all(), f"rank {r}: a receive word was not marked empty"
@@ -251,18 +193,7 @@ def check(outs, partials, residuals, weight, eps, w_fp32, dtype):
 
 
 CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
-    (2, 1, 40, torch.float32, True, True, True, "one"),
-    (2, 7, 72, torch.float16, True, True, False, "one"),
-    (4, 5, 100, torch.float16, False, False, False, "one"),
-    (4, 3, 96, torch.float32, False, True, True, "one"),
-    (2, 33, 40, torch.float16, True, True, True, "two"),
-    (4, 37, 72, torch.float32, True, True, False, "two"),
-    (4, 3, 48, torch.float16, False, False, False, "two"),  # fewer rows than ranks
-    (2, 300, 24, torch.float16, True, True, False, "two"),
-    (2, 256, 16, torch.bfloat16, True, True, True, "one"),
-    (4, 37, 72, torch.float32, True, True, False, "two_gemm_done"),
-    (3, 10, 40, torch.float16, True, True, True, "one"),  # a world that is not a power of 2
-    (3, 10, 40, torch.float32, False, True, False, "two_gemm_done"),
+    (2, 256, 16, torch.bfloat16, True, True, True, "push"),  # bfloat16, many block rows
     (2, 1, 40, torch.float32, True, True, True, "push"),  # fewer elements than blocks
     (4, 7, 72, torch.float16, True, True, False, "push"),  # a partial last block
     (3, 10, 40, torch.float16, False, False, False, "push"),
@@ -297,23 +228,17 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         residuals = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)] \
             if res else None
         ranks.write_partials(partials)
-        if path == "one":
-            outs = one_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=min(m, 4), block_n=32)
-        elif path == "lamport":
+        if path == "lamport":
             outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16)
-        elif path.startswith("push"):
+        else:
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
                         chunks=2 * world if path == "push_chunked" else 0,
                         algo=path if path != "push_chunked" else "push")
-        else:
-            outs = two_shot(ranks, residuals, weight, 1e-6, w_fp32, progs=4, block_n=32,
-                            chunks=2 * world, gemm_done=path == "two_gemm_done")
         check(outs, partials, residuals, weight, 1e-6, w_fp32, dtype)
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["one", "two", "two_gemm_done", "push", "push_scatter",
-                                  "push_all", "lamport"])
+@pytest.mark.parametrize("path", ["push", "push_scatter", "push_all", "lamport"])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
@@ -330,29 +255,25 @@ def test_replay_same_launch_arguments(path):
         for residual in residuals:
             residual.copy_(torch.randn(m, n, generator=gen))
         ranks.write_partials(partials)
-        if path == "one":
-            one_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, outs=outs)
-        elif path == "lamport":
+        if path == "lamport":
             lamport(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs)
-        elif path.startswith("push"):
-            push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs, algo=path)
         else:
-            two_shot(ranks, residuals, weight, 1e-5, True, progs=2, block_n=16, chunks=3,
-                     outs=outs, gemm_done=path == "two_gemm_done")
+            push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs, algo=path)
         check(outs, partials, residuals, weight, 1e-5, True, dtype)
         assert ranks.epoch[1].tolist() == [replay + 1, replay + 2]
 
 
-def test_missing_peer_is_reported_not_a_hang():
-    """A peer that never raised READY: the bounded wait gives up and names READY."""
-    world, m, n = 2, 2, 16
+def test_chunk_never_ready_is_reported_not_a_hang():
+    """Push beside the GEMM's chunks, a chunk whose READY never came: the bounded wait gives up
+    and names READY."""
+    world, m, n = 2, 4, 16
     ranks = Ranks(world, m, n, torch.float32)
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
-    ranks.flags[1][ar.DONE] = 1  # only rank 1's READY is missing
-    ar.one_shot_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, LIMIT,
-                             HAS_RES=False, NORM=False, W_FP32=False, BLOCK_N=16,
-                             **ar.world_constants(world))
+    all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
+                                      2, m * n, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
+                                      BLOCK=16, BLOCK_N=16, CHUNKED=True, COPY=False,
+                                      **ar.world_constants(world))
     assert int(ranks.err[0]) == ar.ERR_READY
 
 
