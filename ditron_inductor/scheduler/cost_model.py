@@ -163,8 +163,9 @@ def default_params(task: Task) -> dict:
     return dict(cands[best])
 
 
-# GEMM + all-reduce (runtime/all_reduce.py), kernels in templates/all_reduce_push.py, the plan by M
-# (these are also the runtime's defaults when a fused plan names no algorithm, DITRON_PLAN=fused):
+# GEMM + all-reduce (runtime/all_reduce.py; kernels in templates/all_reduce_push.py and
+# all_reduce_lamport.py), the plan by M (these are also the runtime's defaults when a fused plan
+# names no algorithm, DITRON_PLAN=fused):
 #   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
 #     wait, a local sum): 3-5 us less than push at M 1-8, slower from M=16 (its traffic is W - 1
 #     partials per rank) (ar_h200x8_run9.md, run10.md);

@@ -354,6 +354,13 @@ def test_plans_and_declines():
     assert "dtype" in _declines(a, b, None, None, w32, False, "sum", [4, 16])
     assert "reduce_op" in _declines(a, b, None, None, None, False, "avg", [4, 16])
     assert "dtype" in _declines(a.float(), b.float(), None, None, None, False, "sum", [4, 16])
+    # a plan naming a kernel that does not exist is an error, not a silent fallback
+    from ditron_inductor.runtime.all_reduce import all_reduce_fused
+    from ditron_inductor.scheduler.plan import DevicePlan
+
+    with pytest.raises(ValueError, match="one_shot"):
+        all_reduce_fused(task, DevicePlan(impl="fused", params=(("algo", "one_shot"),)), a, b,
+                         None, [], None, None, 1e-6, False, "sum")
 
 
 def test_push_grid():

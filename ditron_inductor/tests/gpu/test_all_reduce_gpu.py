@@ -194,7 +194,8 @@ def _worker(rank, world, port, calls, result_dir):
         for dtype in (torch.bfloat16, torch.float16) if everything else ():
             _eager_cases(group_name, world, dtype, gen, calls)
         config.wait_timeout_s = 0.0  # no host checks inside a captured graph
-        graph_cases = ((1, {}), (32, {}), (128, {}), (2048, {}), (1, {"algo": "push"}), (128, {"algo": "push"}),
+        graph_cases = ((1, {}), (32, {}), (128, {}), (2048, {}), (1, {"algo": "push"}),
+                       (128, {"algo": "push"}),
                        (2048, {"algo": "push", "overlap": True, "chunks": 8}),
                        (1, {"algo": "push_all"}), (7, {"algo": "push_all"}),
                        (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}),
