@@ -82,17 +82,31 @@ _MAX_BLOCK = 4096  # push_grid's largest block
 
 
 def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
-    """(context name, elements of its symmetric buffer) for a call of `numel` elements.
-    push_all has a context of its own: its slots are safe to overwrite only after calls of its
-    own kind (module doc of templates/all_reduce_push.py); so has lamport: its receive words
-    must hold the empty mark between calls, which no other kernel keeps. The others share one:
-    the partial in the first half, the scatter slots in the second, with room for the
-    scatter's last, partial, block row (lamport's regions too)."""
+    """(context name, elements of its symmetric buffer) for a call of `numel` elements: room for
+    every region (_regions) of the algorithm's layout. push_all has a context of its own: its
+    slots are safe to overwrite only after calls of its own kind (module doc of
+    templates/all_reduce_push.py); so has lamport: its receive words must hold the empty mark
+    between calls, which no other kernel keeps. push and push_scatter share one. The slack:
+    room for the scatter's (and lamport's) last, partial, block row."""
+    slack = kernels.MAX_WORLD * _MAX_BLOCK
     if algo == "push_all":
-        return _CONTEXT + "_push_all", (1 + 2 * world) * _slot_stride(numel)
+        return _CONTEXT + "_push_all", _regions(algo, world) * _slot_stride(numel)
     if algo == "lamport":
-        return _CONTEXT + "_lamport", 5 * _slot_stride(numel + kernels.MAX_WORLD * _MAX_BLOCK)
-    return _CONTEXT, 2 * (numel + kernels.MAX_WORLD * _MAX_BLOCK)
+        return _CONTEXT + "_lamport", _regions(algo, world) * _slot_stride(numel + slack)
+    return _CONTEXT, _regions(algo, world) * (numel + slack)
+
+
+def _regions(algo: str, world: int) -> int:
+    """The equal regions an algorithm's buffer is cut into: push and push_scatter, the partial
+    and the scatter slots; push_all, the partial and W slots of each epoch parity; lamport, the
+    partial, the scatter slots and the sums of each epoch parity."""
+    return {"push_all": 1 + 2 * world, "lamport": 5}.get(algo, 2)
+
+
+def region_elements(buffer_elements: int, algo: str, world: int) -> int:
+    """Elements per region of a buffer that size (fixed per context, so per call the regions
+    never move; 16-byte aligned)."""
+    return buffer_elements // _regions(algo, world) // 16 * 16
 
 
 def _slot_stride(numel: int) -> int:
@@ -215,6 +229,18 @@ def push_grid(world, numel, sms, params, norm=False):
     return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
 
 
+def _launch(consts, n, block, warps):
+    """A push kernel's compile-time launch arguments: the call's constants, BLOCK and warps
+    from push_grid, and the norm's row tile (BLOCK_N, at most 1024 elements a warp)."""
+    return dict(consts, BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
+                num_warps=warps)
+
+
+def _region(ctx, partial, algo):
+    """Elements per region of this context's buffer (region_elements)."""
+    return region_elements(ctx.data.nbytes // partial.element_size(), algo, ctx.world)
+
+
 def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream; with
     overlap, the GEMM in row chunks and the kernel beside it on the side stream. push_scatter:
@@ -228,9 +254,8 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
         params = {"progs": 32, **params}  # leave most SMs to the GEMM
     progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
                                     norm=consts["NORM"])
-    launch = dict(consts, BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
-                  num_warps=warps, SCATTER=scatter)
-    slots = ctx.data.nbytes // partial.element_size() // 2
+    launch = dict(_launch(consts, n, block, warps), SCATTER=scatter)
+    slots = _region(ctx, partial, params["algo"])
     if not overlap:
         _mm(a, b, bias, partial, {})
         push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, slots, _limit(), **launch)
@@ -246,12 +271,10 @@ def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):
     slots of this call's epoch parity), one wait, a local sum."""
     m, n = partial.shape
     progs, block, warps = push_grid(1, m * n, _num_sms(a.device), params, norm=consts["NORM"])
-    stride = ctx.data.nbytes // partial.element_size() // (1 + 2 * ctx.world) // 16 * 16
+    stride = _region(ctx, partial, "push_all")
     _mm(a, b, bias, partial, {})
     push_all_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, stride, _limit(),
-                              **consts, BLOCK=block,
-                              BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
-                              num_warps=warps)
+                              **_launch(consts, n, block, warps))
 
 
 def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
@@ -263,11 +286,10 @@ def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
         _marked_empty.add(ctx)
     progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
                                     norm=consts["NORM"])
-    stride = ctx.data.nbytes // partial.element_size() // 5 // 16 * 16
+    stride = _region(ctx, partial, "lamport")
     _mm(a, b, bias, partial, {})
-    lamport_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(), **consts,
-                             BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
-                             num_warps=warps)
+    lamport_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(),
+                             **_launch(consts, n, block, warps))
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .all_reduce import K_ERR_SENT
-from .all_reduce_push import finish_call, normalise_when_written, rows_written
+from .all_reduce_push import end_of_call, store_h
 from .comm import peer_ptr
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
@@ -109,15 +109,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
         for i in range(pid, block_rows, nprog):
             idx = (i * WORLD + ranks[:, None]) * BLOCK + offs[None, :]
             mask = (ranks[:, None] < WORLD) & (idx < numel)
-            h = take_when_full(mine + sums + idx, mask, limit, err_ptr)
-            if HAS_RES:
-                res = tl.load(res_ptr + idx, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            tl.store(h_ptr + idx, h, mask=mask)
-        if NORM:
-            rows_written(flags_ptr, epoch)
-    if NORM and NORMALISE:
-        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
-                               W_FP32, BLOCK_N)
-    if (NORM and NORMALISE) or (not NORM and COPY):  # the phase that ends the call
-        finish_call(arrive_ptr, epoch_ptr, epoch)
+            sums_of_row = take_when_full(mine + sums + idx, mask, limit, err_ptr)
+            store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)
+    end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
+                err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)

@@ -102,6 +102,31 @@ def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, lim
 
 
 @triton.jit
+def store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES: tl.constexpr):
+    """h = the all-reduced s (+ my residual, added in fp32 and rounded, as the reference)."""
+    if HAS_RES:
+        res = tl.load(res_ptr + idx, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + res.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + idx, s, mask=mask)
+
+
+@triton.jit
+def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
+                err_ptr, WROTE_H: tl.constexpr, NORM: tl.constexpr, NORMALISE: tl.constexpr,
+                W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What every all-reduce kernel does once this program's rows of h are written (WROTE_H:
+    the phase that wrote them ran): with NORM, raise LOCAL and (NORMALISE) normalise after the
+    barrier over this GPU's programs; the phase that ends the call advances the epoch."""
+    if WROTE_H and NORM:
+        rows_written(flags_ptr, epoch)
+    if NORM and NORMALISE:
+        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
+                               W_FP32, BLOCK_N)
+    if (NORM and NORMALISE) or (not NORM and WROTE_H):
+        finish_call(arrive_ptr, epoch_ptr, epoch)
+
+
+@triton.jit
 def finish_call(arrive_ptr, epoch_ptr, epoch):
     """The last program through resets the arrival counter and advances the epoch."""
     arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
@@ -181,18 +206,10 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
             for q in tl.static_range(WORLD):
                 idx = (i * WORLD + q) * BLOCK + offs
                 mask = idx < numel
-                h = tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_RES:
-                    res = tl.load(res_ptr + idx, mask=mask, other=0.0)
-                    h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
-                tl.store(h_ptr + idx, h, mask=mask)
-        if NORM:
-            rows_written(flags_ptr, epoch)
-    if NORM and NORMALISE:
-        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
-                               W_FP32, BLOCK_N)
-    if (NORM and NORMALISE) or (not NORM and COPY):  # the phase that ends the call
-        finish_call(arrive_ptr, epoch_ptr, epoch)
+                store_h(h_ptr, res_ptr, idx, mask,
+                        tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg"), HAS_RES)
+    end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
+                err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -235,15 +252,6 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
             for q in tl.static_range(WORLD):
                 acc += tl.load(mine + call_slots + q * stride + idx, mask=mask, other=0.0,
                                cache_modifier=".cg").to(tl.float32)
-            h = acc.to(dtype)
-            if HAS_RES:
-                res = tl.load(res_ptr + idx, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            tl.store(h_ptr + idx, h, mask=mask)
-        if NORM:
-            rows_written(flags_ptr, epoch)
-    if NORM and NORMALISE:
-        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
-                               W_FP32, BLOCK_N)
-    if (NORM and NORMALISE) or (not NORM and REDUCE):  # the phase that ends the call
-        finish_call(arrive_ptr, epoch_ptr, epoch)
+            store_h(h_ptr, res_ptr, idx, mask, acc.to(dtype), HAS_RES)
+    end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
+                err_ptr, REDUCE, NORM, NORMALISE, W_FP32, BLOCK_N)

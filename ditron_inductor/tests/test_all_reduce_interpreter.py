@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.templates import all_reduce as ar  # noqa: E402
 from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
+from ditron_inductor.runtime.all_reduce import _buffer_elements, region_elements  # noqa: E402
 from ditron_inductor.templates.all_reduce_lamport import EMPTY_BITS  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
@@ -99,11 +100,11 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
                           REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
                           **ar.world_constants(world))
             if algo == "push_all":
-                stride = push_all_stride(ranks)
+                stride = region(ranks, algo)
                 all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT, **consts)
             else:
                 all_reduce_push.push_kernel[(progs,)](
-                    *args, rows, ranks.data_numel // 2, LIMIT, CHUNKED=chunks > 0,
+                    *args, rows, region(ranks, algo), LIMIT, CHUNKED=chunks > 0,
                     SCATTER=algo == "push_scatter", COPY=phase == "COPY", **consts)
     ranks.check_call_finished(epoch)
     for r in range(world):
@@ -115,29 +116,21 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
     return outs
 
 
-def push_all_stride(ranks):
-    """The runtime's layout: the partial, then 2 W slots (two epoch parities) of this size."""
-    return ranks.data_numel // (1 + 2 * ranks.world) // 16 * 16
-
-
-def ranks_for(path, world, m, n, dtype, block=16):
-    """Ranks whose buffers have the runtime's layout for this path's kernel."""
-    from ditron_inductor.runtime.all_reduce import _buffer_elements
-
-    if path == "push_all":
-        return Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
-    if path == "push_scatter":  # slots in the second half, room for a partial last block row
-        return Ranks(world, m, n, dtype, 2 * (m * n + world * block))
-    if path == "lamport":  # five regions, every word the empty mark (-0.0) to begin with
-        ranks = Ranks(world, m, n, dtype, 5 * lamport_stride(m * n + world * block))
+def ranks_for(path, world, m, n, dtype):
+    """Ranks whose buffers have the runtime's size and layout for this path's kernel (lamport:
+    every word the empty mark, -0.0, to begin with)."""
+    if path not in ("push_scatter", "push_all", "lamport"):
+        return Ranks(world, m, n, dtype)
+    ranks = Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
+    if path == "lamport":
         for data in ranks.data:
             data.fill_(-0.0)
-        return ranks
-    return Ranks(world, m, n, dtype)
+    return ranks
 
 
-def lamport_stride(numel):
-    return -(-numel // 16) * 16
+def region(ranks, algo):
+    """The runtime's region size for these ranks' buffers (the kernels' `slots` / `stride`)."""
+    return region_elements(ranks.data_numel, algo, ranks.world)
 
 
 def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None):
@@ -145,7 +138,7 @@ def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None):
     After the call every receive word holds the empty mark again."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
-    stride = ranks.data_numel // 5
+    stride = region(ranks, "lamport")
     outs = outs or new_outs(ranks, weight)
     for phase in ["SEND", "REDUCE", "COPY"] + (["NORMALISE"] if weight is not None else []):
         for r in range(world):
@@ -192,27 +185,20 @@ def check(outs, partials, residuals, weight, eps, w_fp32, dtype):
             assert rel_err(y, ref[1]) < 2e-2
 
 
+SHAPES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32), run by every push kernel
+    (2, 1, 40, torch.float32, True, True, True),  # fewer elements than blocks: a partial row
+    (4, 7, 72, torch.float16, True, True, False),  # a partial last block
+    (3, 10, 40, torch.float16, False, False, False),
+    (8, 5, 64, torch.float32, False, True, False),
+]
+_16_BIT = {torch.float32: torch.float16}  # lamport's empty mark is one 16-bit word
 CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
+    *[(*shape, path) for path in ("push", "push_scatter", "push_all") for shape in SHAPES],
+    *[(w, m, n, _16_BIT.get(dtype, dtype), *rest, "lamport") for w, m, n, dtype, *rest in SHAPES],
     (2, 256, 16, torch.bfloat16, True, True, True, "push"),  # bfloat16, many block rows
-    (2, 1, 40, torch.float32, True, True, True, "push"),  # fewer elements than blocks
-    (4, 7, 72, torch.float16, True, True, False, "push"),  # a partial last block
-    (3, 10, 40, torch.float16, False, False, False, "push"),
-    (8, 5, 64, torch.float32, False, True, False, "push"),
     (4, 37, 72, torch.float32, True, True, True, "push_chunked"),
     (2, 300, 24, torch.float16, True, True, False, "push_chunked"),
-    (2, 1, 40, torch.float32, True, True, True, "push_scatter"),  # a partial last block row
-    (4, 7, 72, torch.float16, True, True, False, "push_scatter"),
-    (3, 10, 40, torch.float16, False, False, False, "push_scatter"),
-    (8, 5, 64, torch.float32, False, True, False, "push_scatter"),
-    (2, 1, 40, torch.float16, True, True, True, "lamport"),  # a partial last block row
-    (4, 7, 72, torch.float16, True, True, False, "lamport"),
-    (3, 10, 40, torch.float16, False, False, False, "lamport"),
-    (8, 5, 64, torch.float16, False, True, False, "lamport"),
     (4, 37, 72, torch.bfloat16, True, True, True, "lamport"),  # several block rows a program
-    (2, 1, 40, torch.float32, True, True, True, "push_all"),
-    (4, 7, 72, torch.float16, True, True, False, "push_all"),
-    (3, 10, 40, torch.float16, False, False, False, "push_all"),
-    (8, 5, 64, torch.float32, False, True, False, "push_all"),
 ]
 
 
@@ -312,7 +298,7 @@ def test_lamport_missing_peer_is_reported_not_a_hang():
     ranks = ranks_for("lamport", world, m, n, torch.float16)
     ranks.write_partials([torch.ones(m, n, dtype=torch.float16)] * world)
     h = torch.empty(m, n, dtype=torch.float16)
-    args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, ranks.data_numel // 5,
+    args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, region(ranks, "lamport"),
             LIMIT)
     consts = dict(HAS_RES=False, NORM=False, W_FP32=False, BLOCK=16, BLOCK_N=16, COPY=False,
                   **ar.world_constants(world))
