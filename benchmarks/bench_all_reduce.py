@@ -9,7 +9,8 @@ Per shape (M, K per rank, N; bf16 unless --dtype), op "matmul_all_reduce":
   ditron            torch.ops.ditron.matmul_all_reduce with the fused plan the runtime picks
                     unprompted (cost_model.all_reduce_params), and every plan in EXTRA_PLANS
                     for calibration
-  gemm_only, comm_only
+  gemm_only, comm_only (and from M=512 gemm_triton_only: the persistent Triton GEMM on the SMs
+  that push beside it leaves)
 and op "matmul_all_reduce_rmsnorm": nccl_cublas = the unfused sequence (cuBLAS, NCCL, + residual,
 RMSNorm in eager torch ops), nccl_inductor = the same with the residual add and norm compiled by
 Inductor (one fused kernel, what a compiled model without ditron runs), vs ditron's fused op.
@@ -56,6 +57,35 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "lamport_b512": (dict(algo="lamport", block=512), lambda m: 8 < m <= 256),
     "lamport_b4096": (dict(algo="lamport", block=4096, warps=8), lambda m: m >= 128),
     "push": (dict(algo="push"), lambda m: m <= 8),
+    # prefill: push on few SMs alone, and beside the GEMM (cuBLAS row chunks, or the persistent
+    # Triton GEMM raising READY per chunk on the other SMs)
+    "push_p16": (dict(algo="push", progs=16), lambda m: m >= 1024),
+    "push_p32": (dict(algo="push", progs=32), lambda m: m >= 1024),
+    "lap_c4_p32": (dict(algo="push", overlap=True, chunks=4, progs=32), lambda m: m >= 1024),
+    "tri_c4_p16": (dict(algo="push", overlap=True, gemm="triton", chunks=4, progs=16),
+                   lambda m: m >= 1024),
+    "tri_c8_p16": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=16),
+                   lambda m: m >= 512),
+    "tri_c8_p32": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32),
+                   lambda m: m >= 512),
+    "tri_c16_p24": (dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=24),
+                    lambda m: m >= 1024),
+    # the same with 4x the bytes in flight per program (32 warps, blocks of 16384): push on few
+    # SMs waits on NVLink latency (ar_h200x4_run15.md)
+    "push_p16_b16k": (dict(algo="push", progs=16, block=16384, warps=32), lambda m: m >= 1024),
+    "push_p32_b16k": (dict(algo="push", progs=32, block=16384, warps=32), lambda m: m >= 1024),
+    "tri_c8_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=16,
+                             block=16384, warps=32), lambda m: m >= 1024),
+    "tri_c8_p32_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32,
+                             block=16384, warps=32), lambda m: m >= 1024),
+    "tri_c16_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=16,
+                              block=16384, warps=32), lambda m: m >= 1024),
+    "lap_c4_p16_b16k": (dict(algo="push", overlap=True, chunks=4, progs=16, block=16384,
+                             warps=32), lambda m: m >= 1024),
+    "tri_c16_p8_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=8,
+                             block=16384, warps=32), lambda m: m >= 1024),
+    "tri_c32_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=32, progs=16,
+                              block=16384, warps=32), lambda m: m >= 1024),
 }
 EPS = 1e-6
 
@@ -94,6 +124,12 @@ def run_shape(shape, dtype, group_name, world, args):
 
     def gemm_only(a, b):
         return a @ b
+
+    def gemm_triton_only(a, b):  # the persistent Triton GEMM on the SMs push beside it leaves
+        from ditron_inductor.runtime.fused import _num_sms, triton_gemm
+
+        out = torch.empty(M, N, device=dev, dtype=dtype)
+        return triton_gemm(a, b, None, out, {}, num_progs=_num_sms(a.device) - 32)
 
     def comm_only(a, b):
         return c10d.wait_tensor(c10d.all_reduce(full, "sum", group_name))
@@ -168,7 +204,7 @@ def run_shape(shape, dtype, group_name, world, args):
             if name == "ditron" and stats[op] == served:
                 ms[name] = graph_ms[name] = float("nan")  # never report the fallback as ditron
         for label, (params, applies) in EXTRA_PLANS.items():
-            if plans_too and applies(M):
+            if plans_too and applies(M) and (not args.plans or label in args.plans.split(",")):
                 eager, graph = timed(label, ditron(params, op.endswith("rmsnorm")), *ref_of[op])
                 plans[label] = {"eager": eager, "graph": graph}
         return ms, graph_ms, plans
@@ -185,6 +221,7 @@ def run_shape(shape, dtype, group_name, world, args):
         "symm_one_shot": (symm_one_shot, ref, same[1]),
         "symm_two_shot": (symm_two_shot, ref, same[1]),
         "gemm_only": (gemm_only, *same),
+        **({"gemm_triton_only": (gemm_triton_only, *same)} if M >= 512 else {}),
         "comm_only": (comm_only, *same),
         "ditron": (ditron({}, False), *ref_of["matmul_all_reduce"]),
     }, "matmul_all_reduce", True)
@@ -267,6 +304,7 @@ def main():
     ap.add_argument("--verbose", action="store_true", help="one line per contender (rank 0)")
     ap.add_argument("--ms", default="", help="these M (N 8192) instead of the suite's, e.g. 1,256")
     ap.add_argument("--ks", default="", help="only these K per rank, e.g. 3584")
+    ap.add_argument("--plans", default="", help="only these EXTRA_PLANS labels, e.g. push_p16")
     args = ap.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)

@@ -9,9 +9,11 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       owners' sums into every rank, with no flags: every receive word starts as -0.0, which no
       sender sends, and a receiver polls the data itself.
   push (the rest): each rank sums its blocks from every peer and pushes the sums to every peer,
-      copies the sums out adding its residual, normalises the rows; with overlap=True the GEMM
-      runs in row chunks and the kernel beside it on the side stream, waiting on each chunk's
-      READY (a 4-byte copy from the device epoch word after the chunk).
+      copies the sums out adding its residual, normalises the rows; with overlap=True the kernel
+      runs on a few SMs beside the GEMM (side stream), waiting on each row chunk's READY:
+      gemm="triton", a persistent Triton GEMM on the other SMs that raises READY per finished
+      chunk (templates/gemm_ready.py); else cuBLAS in row chunks, each followed by a 4-byte copy
+      from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
 One context per (group, size class) is shared by both ops and by push and push_scatter; push_all
@@ -40,9 +42,10 @@ from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
+from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, build_outside_graph_pools, get_context, size_class
-from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _why_not
+from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _tma_ok, _why_not
 from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
@@ -185,28 +188,67 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
 
 
 def _row_chunks(ctx, params, m):
-    """(number of row chunks, rows per chunk) of the GEMM beside push (overlap=True)."""
+    """(number of row chunks, rows per chunk) of the cuBLAS GEMM beside push (overlap=True)."""
     chunks = max(1, min(int(params.get("chunks", 2 * ctx.world)), kernels.MAX_CHUNKS, m))
     rows = triton.cdiv(m, chunks)
     return triton.cdiv(m, rows), rows
 
 
-def _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, side_kernel):
+def _cublas_chunks(ctx, dev, a, b, bias, partial, rows):
     """The GEMM in row chunks on the main stream, chunk 0 first on every rank (the order the
     reduction takes them in), READY[j] raised after chunk j by a 4-byte copy from the device
-    epoch word; side_kernel() on the side stream; then the main stream joins the side stream."""
+    epoch word."""
     m = partial.shape[0]
     main = torch.cuda.current_stream()
-    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
     current_epoch = dev.epoch.data_ptr() + 4
-    for j in range(chunks):
+    for j in range(triton.cdiv(m, rows)):
         lo, hi = j * rows, min((j + 1) * rows, m)
         _mm(a[lo:hi], b, bias, partial[lo:hi], {})
         driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
-    # Launched after every GEMM chunk is queued, though it starts with the first: a host call
-    # that synchronises the device while the chunks are being queued (cuBLAS or the caching
-    # allocator reaching cudaMalloc) would otherwise wait for this spinning kernel, which waits
-    # for chunks not yet queued (seen on 8x H200: REDUCED waits that never finished).
+
+
+# The persistent GEMM beside push (gemm="triton"): its tile (the issue-3 GEMM's best on H200).
+READY_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _ready_gemm_rows(params, m):
+    """Rows per chunk of the persistent GEMM beside push: whole row-blocks, about
+    params["chunks"] chunks (default 8), at most MAX_CHUNKS."""
+    blocks = triton.cdiv(m, READY_GEMM_TILE["BLOCK_M"])
+    chunks = max(1, min(int(params.get("chunks", 8)), kernels.MAX_CHUNKS))
+    group = max(triton.cdiv(blocks, chunks), triton.cdiv(blocks, kernels.MAX_CHUNKS))
+    return group * READY_GEMM_TILE["BLOCK_M"]
+
+
+def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, rows, progs):
+    """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
+    raises READY[j] itself when chunk j (`rows` rows) is stored. b_trans: _tma_ok's answer."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n = partial.shape
+    tile = READY_GEMM_TILE
+    a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
+    b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
+              else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
+    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+    progs = max(1, min(progs, tiles))
+    gemm_ready_kernel[(progs,)](
+        a_desc, b_desc, partial, partial if bias is None else bias,
+        ctx.flags.local.view(torch.int32), dev.arrive[1:], dev.epoch, m, n, a.shape[1],
+        HAS_BIAS=bias is not None, B_TRANS=b_trans, GROUP_M=rows // tile["BLOCK_M"],
+        NUM_PROGS=progs, **tile)
+
+
+def _gemm_beside(dev, queue_gemm, side_kernel):
+    """queue_gemm() on the main stream, side_kernel() beside it on the side stream, then the
+    main stream joins the side stream."""
+    main = torch.cuda.current_stream()
+    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
+    queue_gemm()
+    # Launched after the GEMM is queued, though it starts with it: a host call that synchronises
+    # the device while the chunks are being queued (cuBLAS or the caching allocator reaching
+    # cudaMalloc) would otherwise wait for this spinning kernel, which waits for chunks not yet
+    # queued (seen on 8x H200: REDUCED waits that never finished).
     with torch.cuda.stream(dev.side):
         side_kernel()
     main.wait_stream(dev.side)
@@ -242,28 +284,47 @@ def _region(ctx, partial, algo):
 
 
 def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
-    """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream; with
-    overlap, the GEMM in row chunks and the kernel beside it on the side stream. push_scatter:
-    the partials reach their owners by stores into the second half of the buffer."""
+    """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
+    overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
+    programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
+    per chunk of whole row-blocks; else cuBLAS in row chunks. Its COPY and NORMALISE follow on
+    the main stream on every SM. push_scatter: the partials reach their owners by
+    stores into the second half of the buffer."""
     m, n = partial.shape
     overlap = bool(params.get("overlap", False))
     scatter = params["algo"] == "push_scatter"
+    b_trans = _tma_ok(a, b, partial) if params.get("gemm") == "triton" else None
+    if overlap and params.get("gemm") == "triton" and b_trans is None:
+        # operands TMA cannot take: the default push after cuBLAS (beside cuBLAS's row chunks
+        # on few SMs it is slower than NCCL, ar_h200x4_run16.md)
+        overlap, params = False, dict(algo="push")
     if overlap:
         if scatter:
             raise ValueError("plan push_scatter runs after the whole GEMM: overlap=False")
         params = {"progs": 32, **params}  # leave most SMs to the GEMM
-    progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
-                                    norm=consts["NORM"])
+    sms = _num_sms(a.device)
+    progs, block, warps = push_grid(ctx.world, m * n, sms, params, norm=consts["NORM"])
     launch = dict(_launch(consts, n, block, warps), SCATTER=scatter)
     slots = _region(ctx, partial, params["algo"])
     if not overlap:
         _mm(a, b, bias, partial, {})
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, slots, _limit(), **launch)
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, progs, slots, _limit(), **launch)
         return
-    chunks, rows = _row_chunks(ctx, params, m)
-    _chunked_gemm_beside(ctx, dev, a, b, bias, partial, chunks, rows, lambda: (
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, rows, slots, _limit(), CHUNKED=True,
-                              **launch)))
+    if b_trans is not None:
+        rows = _ready_gemm_rows(params, m)
+        queue_gemm = lambda: _ready_gemm(  # noqa: E731
+            ctx, dev, a, b, bias, partial, b_trans, rows, sms - progs)
+    else:
+        rows = _row_chunks(ctx, params, m)[1]
+        queue_gemm = lambda: _cublas_chunks(ctx, dev, a, b, bias, partial, rows)  # noqa: E731
+    _gemm_beside(dev, queue_gemm, lambda: push_kernel[(progs,)](
+        *common, m, n, eps, ctx.rank, rows, progs, slots, _limit(), CHUNKED=True, COPY=False,
+        NORMALISE=False, **launch))
+    # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
+    # programs (the COPY phase's condition), as many as fit at once (the norm's barrier)
+    copy_progs = progs * max(1, min(kernels.MAX_PROGS, sms - 4) // progs)
+    push_kernel[(copy_progs,)](*common, m, n, eps, ctx.rank, rows, progs, slots, _limit(),
+                               SEND=False, REDUCE=False, **launch)
 
 
 def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):

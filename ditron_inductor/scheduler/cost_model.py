@@ -52,10 +52,17 @@ AG_CANDIDATES = {
     "tri_sm24_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=24),
     "tri_sm16_128x128": dict(_TRITON_MID, transfer="sm", comm_sms=16),
     "tri_sm16_ptr": dict(_TRITON_MID, tma=False, transfer="sm", comm_sms=16),
+    # 4x the bytes in flight per pulling SM (32 warps, 128 KB a step): the all-reduce's push on
+    # few SMs was NVLink-latency-bound with 8 warps (benchmarks/NOTES.md, session 5)
+    "tri_sm16w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=16, pull_block=32768,
+                                pull_warps=32),
+    "tri_sm32w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=32, pull_block=32768,
+                                pull_warps=32),
 }
 # Plans not yet run on GPUs (the SM-pull transfer: interpreter-tested only). The model predicts
 # them but never chooses them; a plan can still name them explicitly.
-UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr"})
+UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr",
+                         "tri_sm16w32_128x256", "tri_sm32w32_128x256"})
 
 # First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
 # host-blocked outlier on the first reduce-scatter shape of run v2; the Triton one did not.
@@ -189,13 +196,34 @@ def default_params(task: Task) -> dict:
 #   + residual + RMSNorm, over the same with the residual add and norm compiled by Inductor (one
 #   kernel, what a compiled model runs without ditron): 1.15x-2.12x at M <= 512 (over the eager
 #   unfused sequence, which only an uncompiled model would see: 1.58x-3.00x).
-# Not fused: M above FUSED_MAX_M (M=1024 measured 1.05x and level with the Inductor-compiled
-# norm in run 9; M=2048 level, 1.00x / 1.03x; M=8192 slower, 0.93x / 0.91x), and every plan
-# launched eagerly (host launch cost ~0.15-0.3 ms a call on that machine, more than the gain at
-# the sizes where the all-reduce wins).
+# Not fused on 8 GPUs above FUSED_MAX_M: push after the whole GEMM measured 1.05x at M=1024 and
+# level with the Inductor-compiled norm (run 9), M=2048 level (1.00x / 1.03x), M=8192 slower
+# (0.93x / 0.91x); and nowhere launched eagerly below OVERLAP_EAGER_MIN_M (host launch cost
+# ~0.15-0.3 ms a call on that machine, more than the gain at the sizes where the all-reduce wins).
+#
+# Prefill, FUSED_MAX_M < M <= OVERLAP_MAX_M on up to OVERLAP_MAX_WORLD ranks (overlap_params):
+# push's REDUCE on 16-32 SMs beside the persistent Triton GEMM on the others (templates/
+# gemm_ready.py: READY per finished row chunk), then the copy-out and the norm on every SM.
+# Measured on 4 H200 only (ar_h200x4_run17.md, CUDA-graph replays, over NCCL + cuBLAS, K 3584 /
+# 1024): M=1024 1.15x / 1.11x, M=2048 1.27x / 1.17x, M=8192 1.38x / 1.10x; with the norm over
+# the Inductor-compiled norm M=1024 1.12x / 1.10x, M=2048 1.22x / 1.11x. Eagerly at M=8192
+# (host time hidden behind ~1 ms of GPU work) 1.35x / 1.08x; at M=2048 eagerly slower. What
+# made it: 32-warp programs with blocks of 16384 (the REDUCE waits on NVLink latency: bytes in
+# flight per SM set its speed; 8-warp programs on 16-32 SMs took 1.6-2.4x longer) and the
+# copy-out moved off those SMs (ar_h200x4_run15/16.md). Not yet measured on 8 GPUs.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 128, 4
+OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
+
+
+def overlap_params(task: Task) -> dict:
+    """push beside the persistent GEMM (prefill): with a long GEMM (K > 2048) the push gets 16
+    SMs and 16 chunks, with a short one 32 SMs and 8 chunks (the best of run 17 at K 3584 /
+    1024)."""
+    long_gemm = size_hint(task.k) > 2048
+    return dict(algo="push", overlap=True, gemm="triton", chunks=16 if long_gemm else 8,
+                progs=16 if long_gemm else 32, block=16384, warps=32)
 
 
 def all_reduce_params(task: Task) -> dict:
@@ -204,22 +232,26 @@ def all_reduce_params(task: Task) -> dict:
         return dict(algo="push_all")
     if task.m_hint <= LAMPORT_MAX_M and task.world_size <= LAMPORT_MAX_WORLD:
         return dict(algo="lamport")
+    if task.m_hint > FUSED_MAX_M and task.world_size <= OVERLAP_MAX_WORLD:
+        return overlap_params(task)
     return dict(algo="push")
 
 
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:
     """(plan, why) for the GEMM + all-reduce ops, from the measurements above."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
-    if task.m_hint > FUSED_MAX_M:
-        return None, (f"M={task.m_hint} > {FUSED_MAX_M}: the fused kernels measured no gain "
-                      f"over NCCL at this size: {keep}")
-    if not cuda_graphs:
+    m, world = task.m_hint, task.world_size
+    overlap = FUSED_MAX_M < m <= OVERLAP_MAX_M and world <= OVERLAP_MAX_WORLD
+    if m > FUSED_MAX_M and not overlap:
+        return None, (f"M={m} > {FUSED_MAX_M}: no fused kernel measured a gain over NCCL at "
+                      f"this size on {world} ranks: {keep}")
+    if not cuda_graphs and not (overlap and m >= OVERLAP_EAGER_MIN_M):
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
     params = all_reduce_params(task)
+    how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
     return (DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))),
-            f"fused plan {params['algo']} (M={task.m_hint} <= {FUSED_MAX_M}, replayed in a CUDA "
-            "graph)")
+            f"fused plan {params['algo']}{' beside the GEMM' if overlap else ''} (M={m}, {how})")
 
 
 def complete_params(task: Task, plan: DevicePlan) -> dict:

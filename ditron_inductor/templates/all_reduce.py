@@ -53,15 +53,27 @@ def world_constants(world: int) -> dict:
 
 
 @triton.jit
+def gave_up_before(limit, err_ptr):
+    """1 if waits are bounded (limit > 0, debug) and a wait of this call already gave up: later
+    waits then do not wait nor record their own code, so a lost peer costs one timeout (not one
+    per chunk and program) and the error names the first flag that never came."""
+    gave_up = 0
+    if limit > 0:
+        gave_up = tl.where(tl.atomic_add(err_ptr, 0, sem="relaxed", scope="gpu") != 0, 1, 0)
+    return gave_up
+
+
+@triton.jit
 def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
     """Wait until every flag *ptrs[i] (where mask) >= epoch, polling them together: one vector of
     acquire loads per poll (one NVLink round trip for remote flags, not one per flag)."""
     v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
     n = 0
-    while (tl.min(v, 0) < epoch) & ((limit == 0) | (n < limit)):
+    skip = gave_up_before(limit, err_ptr)
+    while (tl.min(v, 0) < epoch) & ((limit == 0) | (n < limit)) & (skip == 0):
         v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
         n += 1
-    if tl.min(v, 0) < epoch:
+    if (tl.min(v, 0) < epoch) & (skip == 0):
         tl.atomic_max(err_ptr, code)
 
 

@@ -28,7 +28,7 @@ The interpreter runs one rank at a time: each phase separately for every rank, a
 import triton
 import triton.language as tl
 
-from .all_reduce import K_ERR_SENT
+from .all_reduce import K_ERR_SENT, gave_up_before
 from .all_reduce_push import end_of_call, store_h
 from .comm import peer_ptr
 
@@ -59,10 +59,12 @@ def take_when_full(ptrs, mask, limit, err_ptr):
     return what they held. Bounded when limit > 0 (debug): gives up and records K_ERR_SENT."""
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
     n = 0
-    while (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & ((limit == 0) | (n < limit)):
+    skip = gave_up_before(limit, err_ptr)
+    while (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & ((limit == 0) | (n < limit)) \
+            & (skip == 0):
         x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         n += 1
-    if tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0:
+    if (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & (skip == 0):
         tl.atomic_max(err_ptr, K_ERR_SENT)
     tl.store(ptrs, empty_like(x), mask=mask)
     return x

@@ -33,9 +33,16 @@ outwards), and a call waits on the network twice (STARTED, PUSHED), with no end-
   buffer), so the copy-out of a larger M in this call never shares words with them.
 Each sum is computed once, by its owner, and copied to every rank: all ranks get the same bits.
 
-CHUNKED (prefill): the GEMM runs in row chunks on the main stream and READY[j] is raised after
-chunk j; this kernel runs beside it on a side stream on a few SMs and, before a block, waits for
-the chunk holding the block's last row (chunks complete in order on every rank). No SEND.
+Phases may run as separate launches of one call (the same BLOCK): push_progs = the programs of
+the launch that ran REDUCE; a launch that runs COPY without it has a multiple of that many (its
+block rows pid, pid + P, ... were all pushed by program pid % push_progs of every rank).
+
+CHUNKED (prefill): the GEMM runs beside this kernel, which runs on a few SMs on a side stream:
+cuBLAS in row chunks on the main stream, READY[j] raised after chunk j, or the persistent GEMM of
+templates/gemm_ready.py, which raises READY[j] when chunk j's last tile is stored. Before a
+block, a program waits for every chunk up to the one holding the block's last row that it has
+not yet seen (the persistent GEMM finishes chunks only about in order). No SEND; COPY and
+NORMALISE run in a second launch on the main stream once the GEMM is done, on every SM.
 
 push_all_kernel (push_all, the smallest M): a one-shot with one network wait. The buffer holds
 the partial, then 2 W slots of `stride` elements (fixed per context): the slots of epoch parity
@@ -62,7 +69,7 @@ from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_READY, K_ERR_STARTED, 
                          wait_peers)
 from .comm import peer_ptr
 
-_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "limit"]  # `slots` is specialised
+_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
 # (on divisibility by 16, so that loads from the slots stay 16-byte vectors): one value per context
 
 
@@ -138,7 +145,8 @@ def finish_call(arrive_ptr, epoch_ptr, epoch):
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr,
-                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, slots, limit,
+                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, push_progs, slots,
+                limit,
                 HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
                 WORLD_P2: tl.constexpr, CHUNKED: tl.constexpr = False,
@@ -179,10 +187,10 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
             mask = idx < numel
             if CHUNKED:
                 need = ((tl.minimum(start + BLOCK, numel) - 1) // N) // rows_per_chunk
-                if need >= ready:
-                    wait_peers(flag_table, K_READY + need, epoch, limit, err_ptr, K_ERR_READY,
+                for c in range(ready, need + 1):  # none when chunk `need` was seen
+                    wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY,
                                WORLD, WORLD_P2)
-                    ready = need + 1
+                ready = tl.maximum(ready, need + 1)
             acc = tl.zeros([BLOCK], tl.float32)
             for q in tl.static_range(WORLD):
                 if SCATTER:  # rank q's partial of block g, pushed into my slot for q
@@ -198,9 +206,9 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
         tl.debug_barrier()  # every thread's stores, then the signal that releases them
         tl.atomic_xchg(peer_flags + K_PUSHED + pid * WORLD + rank, epoch, mask=ranks < WORLD,
                        sem="release", scope="sys")
-    if COPY:
-        wait_all(flags_ptr + K_PUSHED + pid * WORLD + ranks, ranks < WORLD, epoch, limit,
-                 err_ptr, K_ERR_PUSHED)
+    if COPY:  # block rows pid, pid + P, ... were pushed by program pid % push_progs of each rank
+        wait_all(flags_ptr + K_PUSHED + (pid % push_progs) * WORLD + ranks, ranks < WORLD, epoch,
+                 limit, err_ptr, K_ERR_PUSHED)
         tl.debug_barrier()
         for i in range(pid, block_rows, nprog):
             for q in tl.static_range(WORLD):

@@ -21,6 +21,7 @@ from ditron_inductor.templates import (  # noqa: E402
     all_reduce_lamport,
     all_reduce_push,
     comm,
+    gemm_ready,
     reduce,
 )
 
@@ -29,7 +30,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _AR_ARGS = dict(data_table="*i64", flag_table="*i64", flags_ptr="*i32", epoch_ptr="*i32",
                 arrive_ptr="*i32", err_ptr="*i32", h_ptr="*bf16", y_ptr="*bf16",
                 res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32", rank="i32",
-                limit="i32", rows_per_chunk="i32", slots="i32", stride="i32")
+                limit="i32", rows_per_chunk="i32", push_progs="i32", slots="i32",
+                stride="i32")
 
 
 def variants():
@@ -44,6 +46,14 @@ def variants():
                        dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
+    for b_trans in (False, True):  # the GEMM beside push: TMA loads, B as given or as B^T
+        yield (gemm_ready.gemm_ready_kernel,
+               dict(a_desc="tensordesc<bf16[128,64]>",
+                    b_desc=f"tensordesc<bf16[{'256,64' if b_trans else '64,256'}]>",
+                    c_ptr="*bf16", bias_ptr="*bf16", flags_ptr="*i32", counts_ptr="*i32",
+                    epoch_ptr="*i32", M="i32", N="i32", K="i32"),
+               dict(HAS_BIAS=True, B_TRANS=b_trans, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                    GROUP_M=2, NUM_PROGS=100), 8)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
@@ -54,7 +64,8 @@ def variants():
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
 
 
-def compile_for_hopper(fn, arg_types, constexprs, num_warps, divisible=("N", "slots", "stride")):
+def compile_for_hopper(fn, arg_types, constexprs, num_warps,
+                       divisible=("N", "K", "slots", "stride")):
     """As the JIT compiles it for arguments like the runtime's: every pointer 16-byte aligned
     (torch allocations and symmetric buffers are), and the specialised integers named in
     `divisible` multiples of 16."""

@@ -76,15 +76,21 @@ def started(ranks, r, progs):
 
 
 def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
-         algo="push"):
+         algo="push", gemm=None, rows=None, copy_progs=None):
     """A push kernel (push, push_scatter or push_all): every rank's SEND phase (which raises
     STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push and
     push_scatter push the sums there), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in
-    row chunks, each followed by its READY."""
+    row chunks, each followed by its READY; gemm(r): rank r's GEMM, which raises its READY
+    flags itself (chunks of `rows` rows), runs instead. copy_progs: COPY and NORMALISE on that
+    many programs (a multiple of progs), as the runtime launches them beside the GEMM."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
-    rows = -(-m // chunks) if chunks else m
+    rows = rows or (-(-m // chunks) if chunks else m)
+    chunked = chunks > 0 or gemm is not None
     for r in range(world):  # the GEMM chunks and their READY copies run first
+        if gemm is not None:
+            gemm(r)
+            continue
         for j in range(-(-m // rows) if chunks else 0):
             ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
     outs = outs or new_outs(ranks, weight)
@@ -103,12 +109,13 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
                 stride = region(ranks, algo)
                 all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT, **consts)
             else:
-                all_reduce_push.push_kernel[(progs,)](
-                    *args, rows, region(ranks, algo), LIMIT, CHUNKED=chunks > 0,
+                grid = copy_progs if phase in ("COPY", "NORMALISE") and copy_progs else progs
+                all_reduce_push.push_kernel[(grid,)](
+                    *args, rows, progs, region(ranks, algo), LIMIT, CHUNKED=chunked,
                     SCATTER=algo == "push_scatter", COPY=phase == "COPY", **consts)
     ranks.check_call_finished(epoch)
     for r in range(world):
-        if not chunks:  # every program of every rank raised STARTED on every rank
+        if not chunked:  # every program of every rank raised STARTED on every rank
             assert started(ranks, r, progs).eq(epoch).all()
         if algo != "push_all":
             pushed = ranks.flags[r][ar.PUSHED: ar.PUSHED + progs * world]
@@ -249,16 +256,64 @@ def test_replay_same_launch_arguments(path):
         assert ranks.epoch[1].tolist() == [replay + 1, replay + 2]
 
 
+@pytest.mark.parametrize("world,m,n,k,dtype,group_m,b_trans,bias", [
+    (3, 37, 48, 40, torch.float16, 1, False, True),  # M, K not multiples of the tile
+    (2, 64, 40, 32, torch.float32, 2, True, False),  # a partial column block; B given as B^T
+])
+def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
+    """The persistent GEMM of templates/gemm_ready.py writes each rank's partial into its
+    buffer and raises READY per chunk of GROUP_M row-blocks (counters reset after); the push
+    kernel beside it (CHUNKED) waits on those flags; its COPY and NORMALISE run as a second
+    launch on twice the programs. Two calls in a row (the epoch advances)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ditron_inductor.templates.gemm_ready import gemm_ready_kernel
+
+    gen = torch.Generator().manual_seed(m + n)
+    ranks = Ranks(world, m, n, dtype)
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    rows = group_m * tile["BLOCK_M"]
+    chunks = -(-m // rows)
+    weight = torch.randn(n, generator=gen).to(dtype)
+    for call in range(2):
+        a = [torch.randn(m, k, generator=gen).to(dtype) for _ in range(world)]
+        b = [(torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype) for _ in range(world)]
+        biases = [torch.randn(n, generator=gen).to(dtype) if bias else None for _ in range(world)]
+        residuals = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)]
+        partials = []
+
+        def gemm(r):
+            partial = ranks.data[r][: m * n].view(m, n)
+            bd = (TensorDescriptor.from_tensor(b[r].t().contiguous(), [32, 16]) if b_trans
+                  else TensorDescriptor.from_tensor(b[r], [16, 32]))
+            gemm_ready_kernel[(3,)](
+                TensorDescriptor.from_tensor(a[r], [16, 16]), bd, partial,
+                partial if biases[r] is None else biases[r], ranks.flags[r], ranks.arrive[r][1:],
+                ranks.epoch[r], m, n, k, HAS_BIAS=bias, B_TRANS=b_trans, GROUP_M=group_m,
+                NUM_PROGS=3, **tile)
+            ref = a[r].double() @ b[r].double() + (biases[r].double() if bias else 0)
+            assert rel_err(partial, ref) < 2e-3
+            ready = ranks.flags[r][ar.READY: ar.READY + ar.MAX_CHUNKS]
+            assert ready[:chunks].eq(call + 1).all() and ready[chunks:].eq(0).all()
+            assert int(ranks.arrive[r].abs().sum()) == 0, "a chunk counter was not reset"
+            partials.append(partial.clone())
+
+        outs = push(ranks, residuals, weight, 1e-6, False, progs=3, block=16, gemm=gemm,
+                    rows=rows, copy_progs=6)
+        check(outs, partials, residuals, weight, 1e-6, False, dtype)
+
+
 def test_chunk_never_ready_is_reported_not_a_hang():
-    """Push beside the GEMM's chunks, a chunk whose READY never came: the bounded wait gives up
-    and names READY."""
+    """Push beside the GEMM's chunks, chunks whose READY never came: the first bounded wait
+    gives up and names READY; the later waits (the other chunks, then PUSHED in COPY, whose
+    code is higher) neither wait again nor replace the first flag's code."""
     world, m, n = 2, 4, 16
     ranks = Ranks(world, m, n, torch.float32)
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
-                                      2, m * n, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
-                                      BLOCK=16, BLOCK_N=16, CHUNKED=True, COPY=False,
+                                      1, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
+                                      W_FP32=False, BLOCK=16, BLOCK_N=16, CHUNKED=True,
                                       **ar.world_constants(world))
     assert int(ranks.err[0]) == ar.ERR_READY
 
@@ -270,8 +325,8 @@ def test_push_missing_peer_is_reported_not_a_hang():
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
-                                      m, m * n, LIMIT, HAS_RES=False, NORM=False, W_FP32=False,
-                                      BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
+                                      m, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
+                                      W_FP32=False, BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
                                       **ar.world_constants(world))
     assert int(ranks.err[0]) == ar.ERR_STARTED
     assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
@@ -319,7 +374,7 @@ def test_plans_and_declines():
     plan, why = choose_device_plan(task, cuda_graphs=False)
     assert plan is None and "eagerly" in why
     plan, why = choose_device_plan(Task(**{**task.__dict__, "m": 2048}), cuda_graphs=True)
-    assert plan is None and "no gain" in why
+    assert plan is None and "no fused kernel measured a gain" in why  # 8 ranks
     assert choose_device_plan(Task(**{**task.__dict__, "m": 1024}), cuda_graphs=True)[0] is None
     by_m = {m: dict(choose_device_plan(Task(**{**task.__dict__, "m": m}), cuda_graphs=True)[0]
                     .params)["algo"] for m in (1, 8, 9, 512)}
@@ -328,6 +383,8 @@ def test_plans_and_declines():
     assert {m: all_reduce_params(Task(**{**four.__dict__, "m": m}))["algo"]
             for m in (8, 32, 128, 256)} == {8: "push_all", 32: "lamport", 128: "lamport",
                                             256: "push"}
+    prefill = all_reduce_params(Task(**{**four.__dict__, "m": 2048}))  # measured on 4 GPUs
+    assert prefill["overlap"] and prefill["gemm"] == "triton"
     plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
     assert choose_device_plan(plain, cuda_graphs=True)[0].impl == "fused"
     assert choose_device_plan(Task(**{**plain.__dict__, "m": 513}), cuda_graphs=True)[0] is None

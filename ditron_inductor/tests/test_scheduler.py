@@ -99,7 +99,32 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
     with inductor_config.patch({"triton.cudagraphs": True}):
         d = decide(decode)
         assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "lamport"  # 4 ranks
-        assert not decide(dataclasses.replace(decode, m=4096)).fuse
+        assert not decide(dataclasses.replace(decode, m=16384)).fuse
+
+
+def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
+    """Above FUSED_MAX_M the plan is push beside the persistent GEMM (measured on 4 ranks):
+    under CUDA graphs from M=513 to 8192, eagerly only from M=8192 (host time hidden), more push
+    SMs for a short GEMM; never on more ranks than measured, nor above M=8192."""
+    from torch._inductor import config as inductor_config
+
+    from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE
+
+    prefill = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, m=2048, k=3584, ns=(8192,),
+                                  reduce_op="sum")
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        d = decide(prefill)
+        assert d.fuse and "beside the GEMM" in d.reason
+        assert (d.plan.param("overlap"), d.plan.param("gemm"), d.plan.param("progs")) == \
+            (True, "triton", 16)
+        assert decide(dataclasses.replace(prefill, k=1024)).plan.param("progs") == 32
+        assert decide(dataclasses.replace(prefill, m=512)).plan.param("algo") == "push"
+        assert not decide(dataclasses.replace(prefill, m=16384)).fuse
+        assert not decide(dataclasses.replace(prefill, world_size=8)).fuse
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        assert not decide(prefill).fuse
+        d = decide(dataclasses.replace(prefill, m=8192))
+        assert d.fuse and "eager" in d.reason and d.plan.param("overlap")
 
 
 def test_forced_plans(group4, monkeypatch):
@@ -150,9 +175,9 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
     plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
     assert plan is None and "interleaves" in why
-    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, reduce_op="sum"),
-                                   cuda_graphs=True)
-    assert plan is None and "no gain" in why
+    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, m=16384,
+                                                       reduce_op="sum"), cuda_graphs=True)
+    assert plan is None and "no fused kernel measured a gain" in why
     # [1, S, H] gathered on dim 1 is planned like a dim-0 gather
     same_rows = dataclasses.replace(AG, dim=1, rank_chunks_contiguous=True)
     assert choose_device_plan(same_rows) == choose_device_plan(AG)

@@ -1,6 +1,6 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
-and fp16, random data, M from 1 to 8192, each plan forced (push after the GEMM or beside its row
-chunks, push_scatter, push_all, lamport, other block sizes) and the runtime's default, K per
+and fp16, random data, M from 1 to 8192, each plan forced (push after the GEMM or beside it:
+cuBLAS in row chunks or the persistent GEMM that raises READY per chunk, push_scatter, push_all, lamport, other block sizes) and the runtime's default, K per
 rank 1024 and 3584, N 8192 and a smaller N, residual and norm variants (both roundings), many
 calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
@@ -14,6 +14,7 @@ only the compiled decode step under Inductor's CUDA graphs).
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import pytest
@@ -26,13 +27,18 @@ pytestmark = pytest.mark.gpu
 
 QUICK = os.environ.get("DITRON_AR_QUICK", "0") == "1"
 MS = (1, 7, 32, 128, 256, 257, 2048) if QUICK else (1, 7, 32, 128, 256, 257, 2048, 8192)
+# the prefill plans (push beside the GEMM), quick: M below one GEMM tile, one above, prefill
+OVERLAP_MS = MS if os.environ.get("DITRON_AR_OVERLAP_ALL_M", "0") == "1" or not QUICK \
+    else (7, 257, 2048)
 SHAPES_KN = ((1024, 1000), (3584, 8192)) if QUICK else ((1024, 1000), (1024, 8192), (3584, 8192))
 PLANS = ({}, {"algo": "push"},
          {"algo": "push", "overlap": True, "chunks": 4, "progs": 16},
+         {"algo": "push", "overlap": True, "gemm": "triton", "chunks": 4, "progs": 16},
          {"algo": "push", "block": 512, "progs": 7}, {"algo": "push_scatter"},
          {"algo": "push_scatter", "block": 512, "progs": 7}, {"algo": "push_all"},
          {"algo": "lamport"}, {"algo": "lamport", "block": 512, "progs": 7})
 EPS = 1e-6
+START = time.time()
 
 
 def _variants(n, dtype, dev, gen, m):
@@ -73,6 +79,11 @@ def _eager_cases(group_name, world, dtype, gen, calls):
             for plan_params in PLANS:
                 if plan_params.get("algo") == "push_all" and m > 256:
                     continue  # kernels for the smallest M: W times the traffic
+                if plan_params.get("overlap") and m not in OVERLAP_MS:
+                    continue  # prefill plans
+                if torch.distributed.get_rank() == 0:  # where a run that timed out had got to
+                    print(f"  {time.time() - START:.0f} s: {dtype} k={k} n={n} m={m} "
+                          f"plan={plan_params}", flush=True)
                 plan = _plan(**plan_params)
                 for vi, (residual, weight, w_fp32) in enumerate(_variants(n, dtype, dev, gen, m)):
                     for call in range(calls):
@@ -197,6 +208,7 @@ def _worker(rank, world, port, calls, result_dir):
         graph_cases = ((1, {}), (32, {}), (128, {}), (2048, {}), (1, {"algo": "push"}),
                        (128, {"algo": "push"}),
                        (2048, {"algo": "push", "overlap": True, "chunks": 8}),
+                       (2048, {"algo": "push", "overlap": True, "gemm": "triton"}),
                        (1, {"algo": "push_all"}), (7, {"algo": "push_all"}),
                        (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}),
                        (32, {"algo": "lamport"}), (128, {"algo": "lamport"}))

@@ -1,0 +1,64 @@
+"""GEMM + all-reduce with overlap: a persistent GEMM that raises READY per finished row chunk.
+
+C = A @ B (+ bias) is written into my symmetric buffer (the partial the all-reduce reads) by a
+persistent grid that leaves SMs to the push kernel running beside it (templates/
+all_reduce_push.py, CHUNKED; runtime/all_reduce.py launches both). Chunk c = row-blocks
+[c * GROUP_M, (c + 1) * GROUP_M). Tiles follow ag_gemm.tile_coords' grouped order with GROUP_M
+= one chunk, so all programs work on one or two chunks at a time and the chunks finish about in
+order (the push waits for every chunk up to the one it needs, so order is not required).
+
+After a tile's stores its program counts the tile in counts[c]; the program that counts the
+chunk's last tile resets the counter (no later tile of this call touches it; the next call's
+GEMM is queued after this call's push) and raises READY[c] = epoch in my flags with release at
+system scope: the peers' push programs poll it over NVLink, then read the chunk. The tiles'
+stores reach that release through the counter (acquire-release at system scope, after a barrier
+over the program's threads).
+
+A and B come in through TMA descriptors (A [M, K], B [K, N] or, B_TRANS, B^T [N, K]); C is stored
+through pointers (row stride N: the partial is contiguous), whose stores are ordered by the
+barrier and the release above (a TMA store would complete asynchronously).
+"""
+
+import triton
+import triton.language as tl
+
+from .ag_gemm import tile_coords
+from .all_reduce import K_READY
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_ready_kernel(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, counts_ptr, epoch_ptr,
+                      M, N, K, HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+    pid = tl.program_id(0)
+    epoch = tl.load(epoch_ptr + 1)  # the current call's (advanced by the push at its end)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    for tile in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, 0, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        for kk in range(k_tiles):
+            a = a_desc.load([row0, kk * BLOCK_K])
+            if B_TRANS:
+                b = b_desc.load([col0, kk * BLOCK_K]).T
+            else:
+                b = b_desc.load([kk * BLOCK_K, col0])
+            acc = tl.dot(a, b, acc)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias[None, :].to(tl.float32)
+        tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tl.debug_barrier()  # every thread's stores, then the count that releases them
+        chunk = pid_m // GROUP_M
+        tiles = tl.minimum(GROUP_M, num_pid_m - chunk * GROUP_M) * num_pid_n
+        counted = tl.atomic_add(counts_ptr + chunk, 1, sem="acq_rel", scope="sys")
+        if counted == tiles - 1:
+            tl.atomic_xchg(counts_ptr + chunk, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flags_ptr + K_READY + chunk, epoch, sem="release", scope="sys")
