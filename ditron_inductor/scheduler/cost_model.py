@@ -204,13 +204,14 @@ def default_params(task: Task) -> dict:
 # Prefill, FUSED_MAX_M < M <= OVERLAP_MAX_M on up to OVERLAP_MAX_WORLD ranks (overlap_params):
 # push's REDUCE on 16-32 SMs beside the persistent Triton GEMM on the others (templates/
 # gemm_ready.py: READY per finished row chunk), then the copy-out and the norm on every SM.
-# Measured on 4 H200 only (ar_h200x4_run17.md, CUDA-graph replays, over NCCL + cuBLAS, K 3584 /
-# 1024): M=1024 1.15x / 1.11x, M=2048 1.27x / 1.17x, M=8192 1.38x / 1.10x; with the norm over
-# the Inductor-compiled norm M=1024 1.12x / 1.10x, M=2048 1.22x / 1.11x. Eagerly at M=8192
-# (host time hidden behind ~1 ms of GPU work) 1.35x / 1.08x; at M=2048 eagerly slower. What
-# made it: 32-warp programs with blocks of 16384 (the REDUCE waits on NVLink latency: bytes in
-# flight per SM set its speed; 8-warp programs on 16-32 SMs took 1.6-2.4x longer) and the
-# copy-out moved off those SMs (ar_h200x4_run15/16.md). Not yet measured on 8 GPUs.
+# Measured on 4 H200 only (the defaults: ar_h200x4_run18.md, CUDA-graph replays, over NCCL +
+# cuBLAS, K 3584 / 1024): M=1024 1.12x / 1.13x, M=2048 1.28x / 1.14x, M=8192 1.36x / 1.08x; with
+# the norm over the Inductor-compiled norm 1.12x / 1.11x, 1.21x / 1.08x, 1.30x / 1.04x. Eagerly
+# at M=8192 (host time hidden behind ~1 ms of GPU work) 1.35x / 1.09x (norm: 1.27x / 1.05x); at
+# M=2048 eagerly 1.21x / 0.87x, so not fused eagerly there. What made it: 32-warp programs with
+# blocks of 16384 (the REDUCE waits on NVLink latency: bytes in flight per SM set its speed;
+# 8-warp programs on 16-32 SMs took 1.6-2.4x longer, ar_h200x4_run15/16.md) and the copy-out
+# moved off those SMs (run17.md, which also chose the SMs and chunks). Not yet measured on 8 GPUs.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 128, 4
@@ -219,8 +220,8 @@ OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
 
 def overlap_params(task: Task) -> dict:
     """push beside the persistent GEMM (prefill): with a long GEMM (K > 2048) the push gets 16
-    SMs and 16 chunks, with a short one 32 SMs and 8 chunks (the best of run 17 at K 3584 /
-    1024)."""
+    SMs and 16 chunks, with a short one 32 SMs and 8 chunks (the best of ar_h200x4_run17.md at
+    K 3584 / 1024)."""
     long_gemm = size_hint(task.k) > 2048
     return dict(algo="push", overlap=True, gemm="triton", chunks=16 if long_gemm else 8,
                 progs=16 if long_gemm else 32, block=16384, warps=32)

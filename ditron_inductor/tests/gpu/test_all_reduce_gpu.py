@@ -1,14 +1,15 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
 and fp16, random data, M from 1 to 8192, each plan forced (push after the GEMM or beside it:
-cuBLAS in row chunks or the persistent GEMM that raises READY per chunk, push_scatter, push_all, lamport, other block sizes) and the runtime's default, K per
-rank 1024 and 3584, N 8192 and a smaller N, residual and norm variants (both roundings), many
-calls in a row,
+cuBLAS in row chunks or the persistent GEMM that raises READY per chunk; push_scatter, push_all,
+lamport, other block sizes) and the runtime's default, K per rank 1024 and 3584, N 8192 and a
+smaller N, residual and norm variants (both roundings), many calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
 mode="reduce-overhead". Every case asserts that the fused path served it.
 
 Run on the GPU machine: pytest -m gpu ditron_inductor/tests/gpu/test_all_reduce_gpu.py
-(DITRON_AR_QUICK=1: a subset of the shapes, for a short device budget; DITRON_AR_COMPILED_ONLY=1:
-only the compiled decode step under Inductor's CUDA graphs).
+(DITRON_AR_QUICK=1: a subset of the shapes, for a short device budget, the prefill plans at
+M 7, 257 and 2048 only unless DITRON_AR_OVERLAP_ALL_M=1; DITRON_AR_COMPILED_ONLY=1: only the
+compiled decode step under Inductor's CUDA graphs). Rank 0 prints one line per eager case.
 """
 
 from __future__ import annotations
