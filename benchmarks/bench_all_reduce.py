@@ -54,6 +54,7 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "scatter_b4096": (dict(algo="push_scatter", block=4096, warps=8), lambda m: m >= 2048),
     "all": (dict(algo="push_all"), lambda m: m <= 32),
     "lamport": (dict(algo="lamport"), lambda m: m <= 2048),
+    "lamport_all": (dict(algo="lamport_all"), lambda m: m <= 32),  # push_all with the empty mark
     "lamport_b512": (dict(algo="lamport", block=512), lambda m: 8 < m <= 256),
     "lamport_b4096": (dict(algo="lamport", block=4096, warps=8), lambda m: m >= 128),
     "push": (dict(algo="push"), lambda m: m <= 8),
@@ -82,6 +83,10 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
                               block=16384, warps=32), lambda m: m >= 1024),
     "lap_c4_p16_b16k": (dict(algo="push", overlap=True, chunks=4, progs=16, block=16384,
                              warps=32), lambda m: m >= 1024),
+    "lap_c4_p16_b16k_carve": (dict(algo="push", overlap=True, chunks=4, progs=16, block=16384,
+                                   warps=32, carveout=True), lambda m: m >= 1024),
+    "lap_c8_p16_b16k_carve": (dict(algo="push", overlap=True, chunks=8, progs=16, block=16384,
+                                   warps=32, carveout=True), lambda m: m >= 1024),
     "tri_c16_p8_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=8,
                              block=16384, warps=32), lambda m: m >= 1024),
     "tri_c32_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=32, progs=16,

@@ -23,7 +23,7 @@ for w in $TESTS; do
 done
 if [ "${AR:-0}" = "1" ]; then
   for w in $TESTS; do
-    DITRON_AR_QUICK=1 timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[$w]" 2>&1 | tee $OUT/ar_tests_w$w.log | grep -v "^$" | tail -6
+    DITRON_AR_QUICK=1 timeout -k 5 ${TEST_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[$w]" 2>&1 | tee $OUT/ar_tests_w$w.log | grep -v "^$" | tail -6
     echo "all-reduce gpu tests world $w: rc=$?"
   done
 fi

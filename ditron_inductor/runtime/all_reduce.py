@@ -7,7 +7,8 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       sums its slots locally, adds its residual, normalises the rows.
   lamport (M 9-128 on up to 4 ranks): the partials are stored into their owners' slots, the
       owners' sums into every rank, with no flags: every receive word starts as -0.0, which no
-      sender sends, and a receiver polls the data itself.
+      sender sends, and a receiver polls the data itself. lamport_all: push_all with that mark
+      instead of flags (a plan, not yet measured).
   push (the rest): each rank sums its blocks from every peer and pushes the sums to every peer,
       copies the sums out adding its residual, normalises the rows; with overlap=True the kernel
       runs on a few SMs beside the GEMM (side stream), waiting on each row chunk's READY:
@@ -16,13 +17,13 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
-One context per (group, size class) is shared by both ops and by push and push_scatter; push_all
-and lamport have their own (_buffer_elements says why).
+One context per (group, size class) is shared by both ops and by push and push_scatter; push_all,
+lamport and lamport_all have their own (_buffer_elements says why).
 
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
-push_all and lamport: epoch-parity regions): nothing on the host changes between calls, and a
-call captured in a CUDA graph replays correctly. The context must exist before capture (its
+push_all and the lamport kernels: epoch-parity regions): nothing on the host changes between
+calls, and a call captured in a CUDA graph replays correctly. The context must exist before capture (its
 setup is collective and synchronises): a call captured before any eager call of its size class
 takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
 """
@@ -40,7 +41,7 @@ from ..scheduler.cost_model import complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
-from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_kernel
+from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
@@ -80,7 +81,7 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     return state
 
 
-ALGOS = ("push", "push_scatter", "push_all", "lamport")  # plan param "algo"
+ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all")  # plan param "algo"
 _MAX_BLOCK = 4096  # push_grid's largest block
 
 
@@ -88,12 +89,12 @@ def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
     """(context name, elements of its symmetric buffer) for a call of `numel` elements: room for
     every region (_regions) of the algorithm's layout. push_all has a context of its own: its
     slots are safe to overwrite only after calls of its own kind (module doc of
-    templates/all_reduce_push.py); so has lamport: its receive words must hold the empty mark
-    between calls, which no other kernel keeps. push and push_scatter share one. The slack:
-    room for the scatter's (and lamport's) last, partial, block row."""
+    templates/all_reduce_push.py); so have lamport and lamport_all: their receive words must
+    hold the empty mark between calls, which no other kernel keeps. push and push_scatter share
+    one. The slack: room for the scatter's (and lamport's) last, partial, block row."""
     slack = kernels.MAX_WORLD * _MAX_BLOCK
-    if algo == "push_all":
-        return _CONTEXT + "_push_all", _regions(algo, world) * _slot_stride(numel)
+    if algo in ("push_all", "lamport_all"):
+        return f"{_CONTEXT}_{algo}", _regions(algo, world) * _slot_stride(numel)
     if algo == "lamport":
         return _CONTEXT + "_lamport", _regions(algo, world) * _slot_stride(numel + slack)
     return _CONTEXT, _regions(algo, world) * (numel + slack)
@@ -101,9 +102,9 @@ def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
 
 def _regions(algo: str, world: int) -> int:
     """The equal regions an algorithm's buffer is cut into: push and push_scatter, the partial
-    and the scatter slots; push_all, the partial and W slots of each epoch parity; lamport, the
-    partial, the scatter slots and the sums of each epoch parity."""
-    return {"push_all": 1 + 2 * world, "lamport": 5}.get(algo, 2)
+    and the scatter slots; push_all and lamport_all, the partial and W slots of each epoch
+    parity; lamport, the partial, the scatter slots and the sums of each epoch parity."""
+    return {"push_all": 1 + 2 * world, "lamport_all": 1 + 2 * world, "lamport": 5}.get(algo, 2)
 
 
 def region_elements(buffer_elements: int, algo: str, world: int) -> int:
@@ -178,7 +179,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
                   W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
     if algo == "push_all":
         _push_all(ctx, params, a, b, bias, partial, common, consts, float(eps))
-    elif algo == "lamport":
+    elif algo in ("lamport", "lamport_all"):
         _lamport(ctx, params, a, b, bias, partial, common, consts, float(eps))
     else:
         _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
@@ -194,17 +195,26 @@ def _row_chunks(ctx, params, m):
     return triton.cdiv(m, rows), rows
 
 
-def _cublas_chunks(ctx, dev, a, b, bias, partial, rows):
+def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
     """The GEMM in row chunks on the main stream, chunk 0 first on every rank (the order the
     reduction takes them in), READY[j] raised after chunk j by a 4-byte copy from the device
-    epoch word."""
+    epoch word. carveout: SMs cuBLAS leaves free (PyTorch's experimental SM carve-out, for the
+    push beside it; None: cuBLAS takes every SM, the push programs wait for its waves)."""
     m = partial.shape[0]
     main = torch.cuda.current_stream()
     current_epoch = dev.epoch.data_ptr() + 4
-    for j in range(triton.cdiv(m, rows)):
-        lo, hi = j * rows, min((j + 1) * rows, m)
-        _mm(a[lo:hi], b, bias, partial[lo:hi], {})
-        driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+    carve = carveout is not None and hasattr(torch._C, "_set_sm_carveout_experimental")
+    if carve:
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(carveout)
+    try:
+        for j in range(triton.cdiv(m, rows)):
+            lo, hi = j * rows, min((j + 1) * rows, m)
+            _mm(a[lo:hi], b, bias, partial[lo:hi], {})
+            driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+    finally:
+        if carve:
+            torch._C._set_sm_carveout_experimental(before)
 
 
 # The persistent GEMM beside push (gemm="triton"): its tile (the issue-3 GEMM's best on H200).
@@ -287,7 +297,8 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
-    per chunk of whole row-blocks; else cuBLAS in row chunks. Its COPY and NORMALISE follow on
+    per chunk of whole row-blocks; else cuBLAS in row chunks (carveout=True: told to leave the
+    push's SMs free, not yet measured). Its COPY and NORMALISE follow on
     the main stream on every SM. push_scatter: the partials reach their owners by
     stores into the second half of the buffer."""
     m, n = partial.shape
@@ -316,7 +327,9 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
             ctx, dev, a, b, bias, partial, b_trans, rows, sms - progs)
     else:
         rows = _row_chunks(ctx, params, m)[1]
-        queue_gemm = lambda: _cublas_chunks(ctx, dev, a, b, bias, partial, rows)  # noqa: E731
+        carveout = progs if params.get("carveout") else None
+        queue_gemm = lambda: _cublas_chunks(  # noqa: E731
+            ctx, dev, a, b, bias, partial, rows, carveout)
     _gemm_beside(dev, queue_gemm, lambda: push_kernel[(progs,)](
         *common, m, n, eps, ctx.rank, rows, progs, slots, _limit(), CHUNKED=True, COPY=False,
         NORMALISE=False, **launch))
@@ -339,18 +352,21 @@ def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):
 
 
 def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
-    """The GEMM, then lamport_kernel (templates/all_reduce_lamport.py) on its context, whose
+    """The GEMM, then lamport_kernel or (lamport_all, push_all's grid: every rank handles
+    every element) lamport_all_kernel (templates/all_reduce_lamport.py) on its context, whose
     words all hold the empty mark before the first call."""
     m, n = partial.shape
     if ctx not in _marked_empty:
         build_outside_graph_pools(ctx.device, lambda: _mark_empty(ctx))
         _marked_empty.add(ctx)
-    progs, block, warps = push_grid(ctx.world, m * n, _num_sms(a.device), params,
-                                    norm=consts["NORM"])
-    stride = _region(ctx, partial, "lamport")
+    one_shot = params["algo"] == "lamport_all"
+    progs, block, warps = push_grid(1 if one_shot else ctx.world, m * n, _num_sms(a.device),
+                                    params, norm=consts["NORM"])
+    stride = _region(ctx, partial, params["algo"])
     _mm(a, b, bias, partial, {})
-    lamport_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(),
-                             **_launch(consts, n, block, warps))
+    kernel = lamport_all_kernel if one_shot else lamport_kernel
+    kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(),
+                     **_launch(consts, n, block, warps))
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()

@@ -1,4 +1,5 @@
-"""GEMM + all-reduce (+ residual + RMSNorm): the lamport kernel, a two-shot with no flags.
+"""GEMM + all-reduce (+ residual + RMSNorm): the lamport kernels, a two-shot and a one-shot with
+no flags.
 
 Data that carries its own arrival: every receive word starts as the empty mark (-0.0, only the
 sign bit set) and a sender never sends -0.0 (it sends +0.0 instead, which sums the same), so a
@@ -21,6 +22,9 @@ A region of parity p is written again two calls later: a peer can start call e +
 my call e + 1 sent to it, which follows my call e, whose reads marked the region empty again.
 So nothing waits at the end of a call and nothing is reset. Every sum is computed once, by its
 owner: all ranks get the same bits. 16-bit dtypes only (the mark is one 16-bit word).
+
+lamport_all_kernel: the same empty mark on push_all's one-shot (every rank's partial into a slot
+on every rank, one wait, a local sum), for the smallest M.
 
 The interpreter runs one rank at a time: each phase separately for every rank, as for push.
 """
@@ -115,3 +119,48 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
             store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr, h_ptr,
+                       y_ptr, res_ptr, w_ptr, M, N, eps, rank, stride, limit,
+                       HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
+                       WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
+                       REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+    """push_all's one-shot (all_reduce_push.py) with lamport's empty mark instead of STARTED
+    flags, for the smallest M. The buffer holds the partial, then 2 W slots of `stride`
+    elements: the W slots of epoch parity e % 2, one per sender.
+    1. SEND: program pid stores blocks pid, pid + P, ... of my partial (-0.0 sent as +0.0) into
+       my slot on every rank (mine included).
+    2. REDUCE: it polls its blocks of my W slots until no empty mark is left, marks them empty,
+       sums them in fp32 in rank order (every rank the same bits), adds my residual, writes h.
+    3. NORMALISE as in push. Slots of parity p are written again two calls later, by a rank
+    that has finished the call between, which needed my sends of that call, made after my
+    reads of these slots (as lamport_kernel's regions)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr + 1)
+    dtype = h_ptr.dtype.element_ty
+    numel = M * N
+    offs = tl.arange(0, BLOCK)
+    ranks = tl.arange(0, WORLD_P2)
+    mine = peer_ptr(data_table, rank, dtype, True)
+    call_slots = stride + (epoch % 2) * WORLD * stride  # this call's W slots
+    if SEND:
+        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
+            idx = b * BLOCK + offs
+            part = sendable(tl.load(mine + idx, mask=idx < numel, other=0.0))
+            for q in tl.static_range(WORLD):
+                tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
+                         part, mask=idx < numel)
+    if REDUCE:
+        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
+            idx = b * BLOCK + offs
+            mask = idx < numel
+            parts = take_when_full(mine + call_slots + ranks[:, None] * stride + idx[None, :],
+                                   (ranks[:, None] < WORLD) & mask[None, :], limit, err_ptr)
+            store_h(h_ptr, res_ptr, idx, mask, tl.sum(parts.to(tl.float32), axis=0).to(dtype),
+                    HAS_RES)
+    end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
+                err_ptr, REDUCE, NORM, NORMALISE, W_FP32, BLOCK_N)

@@ -46,6 +46,7 @@ def variants():
                        dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
+            yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, push, 4
     for b_trans in (False, True):  # the GEMM beside push: TMA loads, B as given or as B^T
         yield (gemm_ready.gemm_ready_kernel,
                dict(a_desc="tensordesc<bf16[128,64]>",

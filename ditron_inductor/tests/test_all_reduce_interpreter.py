@@ -126,10 +126,10 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
 def ranks_for(path, world, m, n, dtype):
     """Ranks whose buffers have the runtime's size and layout for this path's kernel (lamport:
     every word the empty mark, -0.0, to begin with)."""
-    if path not in ("push_scatter", "push_all", "lamport"):
+    if path not in ("push_scatter", "push_all", "lamport", "lamport_all"):
         return Ranks(world, m, n, dtype)
     ranks = Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
-    if path == "lamport":
+    if path in LAMPORT:
         for data in ranks.data:
             data.fill_(-0.0)
     return ranks
@@ -140,22 +140,31 @@ def region(ranks, algo):
     return region_elements(ranks.data_numel, algo, ranks.world)
 
 
-def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None):
-    """The lamport kernel: every rank's SEND, then REDUCE, COPY and (with a norm) NORMALISE.
-    After the call every receive word holds the empty mark again."""
+LAMPORT = ("lamport", "lamport_all")  # the kernels whose receive words hold the empty mark
+
+
+def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, algo="lamport"):
+    """A lamport kernel: every rank's SEND, then REDUCE, COPY (lamport_all: none) and (with a
+    norm) NORMALISE. After the call every receive word holds the empty mark again."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
-    stride = region(ranks, "lamport")
+    stride = region(ranks, algo)
     outs = outs or new_outs(ranks, weight)
-    for phase in ["SEND", "REDUCE", "COPY"] + (["NORMALISE"] if weight is not None else []):
+    phases = ["SEND", "REDUCE"] + (["COPY"] if algo == "lamport" else []) \
+        + (["NORMALISE"] if weight is not None else [])
+    for phase in phases:
         for r in range(world):
             h, y = outs[r]
-            all_reduce_lamport.lamport_kernel[(progs,)](
-                *launch_args(ranks, r, h, y, residuals and residuals[r], weight), m, n, eps, r,
-                stride, LIMIT, HAS_RES=residuals is not None, NORM=weight is not None,
-                W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
-                REDUCE=phase == "REDUCE", COPY=phase == "COPY", NORMALISE=phase == "NORMALISE",
-                **ar.world_constants(world))
+            consts = dict(HAS_RES=residuals is not None, NORM=weight is not None,
+                          W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
+                          REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
+                          **ar.world_constants(world))
+            if algo == "lamport":
+                consts["COPY"] = phase == "COPY"
+            kernel = (all_reduce_lamport.lamport_kernel if algo == "lamport"
+                      else all_reduce_lamport.lamport_all_kernel)
+            kernel[(progs,)](*launch_args(ranks, r, h, y, residuals and residuals[r], weight),
+                             m, n, eps, r, stride, LIMIT, **consts)
     ranks.check_call_finished(epoch)
     for r in range(world):
         received = ranks.data[r][stride:].view(torch.int16)
@@ -201,7 +210,8 @@ SHAPES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32), run by every
 _16_BIT = {torch.float32: torch.float16}  # lamport's empty mark is one 16-bit word
 CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     *[(*shape, path) for path in ("push", "push_scatter", "push_all") for shape in SHAPES],
-    *[(w, m, n, _16_BIT.get(dtype, dtype), *rest, "lamport") for w, m, n, dtype, *rest in SHAPES],
+    *[(w, m, n, _16_BIT.get(dtype, dtype), *rest, path) for path in LAMPORT
+      for w, m, n, dtype, *rest in SHAPES],
     (2, 256, 16, torch.bfloat16, True, True, True, "push"),  # bfloat16, many block rows
     (4, 37, 72, torch.float32, True, True, True, "push_chunked"),
     (2, 300, 24, torch.float16, True, True, False, "push_chunked"),
@@ -221,8 +231,8 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         residuals = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)] \
             if res else None
         ranks.write_partials(partials)
-        if path == "lamport":
-            outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16)
+        if path in LAMPORT:
+            outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16, algo=path)
         else:
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
                         chunks=2 * world if path == "push_chunked" else 0,
@@ -231,13 +241,13 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["push", "push_scatter", "push_all", "lamport"])
+@pytest.mark.parametrize("path", ["push", "push_scatter", "push_all", *LAMPORT])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
     advances by itself and every replay is right."""
     world, m, n = 2, 6, 40
-    dtype = torch.float16 if path == "lamport" else torch.float32  # lamport: 16-bit only
+    dtype = torch.float16 if path in LAMPORT else torch.float32  # lamport: 16-bit only
     gen = torch.Generator().manual_seed(7)
     ranks = ranks_for(path, world, m, n, dtype)
     weight = torch.randn(n, generator=gen).to(dtype)
@@ -248,8 +258,9 @@ def test_replay_same_launch_arguments(path):
         for residual in residuals:
             residual.copy_(torch.randn(m, n, generator=gen))
         ranks.write_partials(partials)
-        if path == "lamport":
-            lamport(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs)
+        if path in LAMPORT:
+            lamport(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs,
+                    algo=path)
         else:
             push(ranks, residuals, weight, 1e-5, True, progs=2, block=16, outs=outs, algo=path)
         check(outs, partials, residuals, weight, 1e-5, True, dtype)
@@ -332,32 +343,37 @@ def test_push_missing_peer_is_reported_not_a_hang():
     assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
 
 
-def test_lamport_sends_negative_zero_as_zero():
+@pytest.mark.parametrize("algo", LAMPORT)
+def test_lamport_sends_negative_zero_as_zero(algo):
     """Partials holding -0.0 (the empty mark) and sums that round to -0.0: sent as +0.0, so no
     receiver waits forever, and the results are right."""
     world, m, n, dtype = 2, 3, 32, torch.float16
-    ranks = ranks_for("lamport", world, m, n, dtype)
+    ranks = ranks_for(algo, world, m, n, dtype)
     partials = [torch.randn(m, n).to(dtype) for _ in range(world)]
     partials[0][0] = -0.0
     partials[1][0] = -0.0  # a row whose sum is -0.0
     partials[0][1, :4] = -1e-8  # rounds to -0.0 in float16
     ranks.write_partials(partials)
-    outs = lamport(ranks, None, None, 1e-6, False, progs=2, block=16)
+    outs = lamport(ranks, None, None, 1e-6, False, progs=2, block=16, algo=algo)
     check(outs, partials, None, None, 1e-6, False, dtype)
     assert outs[0][0][0].eq(0).all()
 
 
-def test_lamport_missing_peer_is_reported_not_a_hang():
+@pytest.mark.parametrize("algo", LAMPORT)
+def test_lamport_missing_peer_is_reported_not_a_hang(algo):
     """A peer that never sent: the bounded poll gives up and names the lamport data."""
     world, m, n = 2, 1, 16
-    ranks = ranks_for("lamport", world, m, n, torch.float16)
+    ranks = ranks_for(algo, world, m, n, torch.float16)
     ranks.write_partials([torch.ones(m, n, dtype=torch.float16)] * world)
     h = torch.empty(m, n, dtype=torch.float16)
-    args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, region(ranks, "lamport"),
+    args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, region(ranks, algo),
             LIMIT)
-    consts = dict(HAS_RES=False, NORM=False, W_FP32=False, BLOCK=16, BLOCK_N=16, COPY=False,
+    consts = dict(HAS_RES=False, NORM=False, W_FP32=False, BLOCK=16, BLOCK_N=16,
                   **ar.world_constants(world))
-    all_reduce_lamport.lamport_kernel[(1,)](*args, **consts)  # rank 1 never sends
+    if algo == "lamport":
+        all_reduce_lamport.lamport_kernel[(1,)](*args, COPY=False, **consts)  # rank 1 never sends
+    else:
+        all_reduce_lamport.lamport_all_kernel[(1,)](*args, **consts)
     assert int(ranks.err[0]) == ar.ERR_SENT
 
 
@@ -421,3 +437,34 @@ def test_push_grid():
     assert push_grid(8, 128 * 8192, 132, {"block": 512, "progs": 7}) == (7, 512, 2)
     assert push_grid(8, 1 * 8192, 132, {}, norm=True) == (1, 1024, 4)  # the norm's 4 warps
     assert push_grid(1, 1 * 8192, 132, {}) == (32, 256, 1)  # push_all: every element
+
+
+def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
+    """carveout=True: cuBLAS is told to leave the push's SMs free while it queues the chunks
+    beside push, and the user's own carve-out setting is back afterwards (also after a failed
+    GEMM); READY is raised after each chunk."""
+    from types import SimpleNamespace
+
+    from ditron_inductor.runtime import all_reduce as runtime
+
+    seen, flags = [], []
+    monkeypatch.setattr(runtime, "_mm", lambda a, b, bias, out, p: seen.append(
+        (out.shape[0], torch._C._get_sm_carveout_experimental())))
+    monkeypatch.setattr(runtime.driver, "memcpy", lambda dst, src, n, stream: flags.append(dst))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    ctx = SimpleNamespace(flag_addr=lambda i: 1000 + i)
+    dev = SimpleNamespace(epoch=torch.zeros(2, dtype=torch.int32))
+    a, b, partial = torch.zeros(10, 4), torch.zeros(4, 3), torch.zeros(10, 3)
+    torch._C._set_sm_carveout_experimental(None)
+    runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
+    assert seen == [(4, 16), (4, 16), (2, 16)] and flags == [1000, 1001, 1002]
+    assert torch._C._get_sm_carveout_experimental() is None
+    seen.clear()
+    runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4)  # no carve-out asked: none set
+    assert [c for _, c in seen] == [None, None, None]
+    monkeypatch.setattr(runtime, "_mm", lambda *args: 1 / 0)
+    torch._C._set_sm_carveout_experimental(8)
+    with pytest.raises(ZeroDivisionError):
+        runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
+    assert torch._C._get_sm_carveout_experimental() == 8
+    torch._C._set_sm_carveout_experimental(None)

@@ -1,7 +1,7 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
 and fp16, random data, M from 1 to 8192, each plan forced (push after the GEMM or beside it:
 cuBLAS in row chunks or the persistent GEMM that raises READY per chunk; push_scatter, push_all,
-lamport, other block sizes) and the runtime's default, K per rank 1024 and 3584, N 8192 and a
+lamport, lamport_all, other block sizes) and the runtime's default, K per rank 1024 and 3584, N 8192 and a
 smaller N, residual and norm variants (both roundings), many calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
 mode="reduce-overhead". Every case asserts that the fused path served it.
@@ -35,9 +35,11 @@ SHAPES_KN = ((1024, 1000), (3584, 8192)) if QUICK else ((1024, 1000), (1024, 819
 PLANS = ({}, {"algo": "push"},
          {"algo": "push", "overlap": True, "chunks": 4, "progs": 16},
          {"algo": "push", "overlap": True, "gemm": "triton", "chunks": 4, "progs": 16},
+         {"algo": "push", "overlap": True, "chunks": 4, "progs": 16, "carveout": True},
          {"algo": "push", "block": 512, "progs": 7}, {"algo": "push_scatter"},
          {"algo": "push_scatter", "block": 512, "progs": 7}, {"algo": "push_all"},
-         {"algo": "lamport"}, {"algo": "lamport", "block": 512, "progs": 7})
+         {"algo": "lamport"}, {"algo": "lamport", "block": 512, "progs": 7},
+         {"algo": "lamport_all"})
 EPS = 1e-6
 START = time.time()
 
@@ -78,7 +80,7 @@ def _eager_cases(group_name, world, dtype, gen, calls):
             b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
             bias = torch.randn(n, generator=gen, device=dev, dtype=dtype)
             for plan_params in PLANS:
-                if plan_params.get("algo") == "push_all" and m > 256:
+                if plan_params.get("algo") in ("push_all", "lamport_all") and m > 256:
                     continue  # kernels for the smallest M: W times the traffic
                 if plan_params.get("overlap") and m not in OVERLAP_MS:
                     continue  # prefill plans
@@ -211,6 +213,7 @@ def _worker(rank, world, port, calls, result_dir):
                        (2048, {"algo": "push", "overlap": True, "chunks": 8}),
                        (2048, {"algo": "push", "overlap": True, "gemm": "triton"}),
                        (1, {"algo": "push_all"}), (7, {"algo": "push_all"}),
+                       (1, {"algo": "lamport_all"}), (7, {"algo": "lamport_all"}),
                        (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}),
                        (32, {"algo": "lamport"}), (128, {"algo": "lamport"}))
         for m, plan_params in graph_cases if everything else ():
