@@ -217,8 +217,15 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
             torch._C._set_sm_carveout_experimental(before)
 
 
-# The persistent GEMM beside push (gemm="triton"): its tile (the issue-3 GEMM's best on H200).
+# The persistent GEMM beside push (gemm="triton"): its tile (the issue-3 GEMM's best on H200);
+# plan params gemm_block_n, gemm_stages, gemm_warps try others.
 READY_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _ready_gemm_tile(params):
+    return dict(READY_GEMM_TILE, **{key: int(params[name]) for name, key in (
+        ("gemm_block_n", "BLOCK_N"), ("gemm_stages", "num_stages"), ("gemm_warps", "num_warps"))
+        if name in params})
 
 
 def _ready_gemm_rows(params, m):
@@ -230,13 +237,13 @@ def _ready_gemm_rows(params, m):
     return group * READY_GEMM_TILE["BLOCK_M"]
 
 
-def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, rows, progs):
+def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, rows, progs, tile):
     """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
-    raises READY[j] itself when chunk j (`rows` rows) is stored. b_trans: _tma_ok's answer."""
+    raises READY[j] itself when chunk j (`rows` rows) is stored. b_trans: _tma_ok's answer;
+    tile: _ready_gemm_tile's."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = partial.shape
-    tile = READY_GEMM_TILE
     a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
     b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
               else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
@@ -324,7 +331,7 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     if b_trans is not None:
         rows = _ready_gemm_rows(params, m)
         queue_gemm = lambda: _ready_gemm(  # noqa: E731
-            ctx, dev, a, b, bias, partial, b_trans, rows, sms - progs)
+            ctx, dev, a, b, bias, partial, b_trans, rows, sms - progs, _ready_gemm_tile(params))
     else:
         rows = _row_chunks(ctx, params, m)[1]
         carveout = progs if params.get("carveout") else None

@@ -468,3 +468,21 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
         runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
     assert torch._C._get_sm_carveout_experimental() == 8
     torch._C._set_sm_carveout_experimental(None)
+
+
+def test_ready_gemm_tile_from_the_plan():
+    """The GEMM beside push takes its tile from the plan where it names one (gemm_block_n,
+    gemm_stages, gemm_warps), the default tile elsewhere; chunks are whole row-blocks."""
+    from ditron_inductor.runtime.all_reduce import (
+        READY_GEMM_TILE,
+        _ready_gemm_rows,
+        _ready_gemm_tile,
+    )
+
+    assert _ready_gemm_tile({"algo": "push", "chunks": 8}) == READY_GEMM_TILE
+    tile = _ready_gemm_tile({"gemm_block_n": 128, "gemm_stages": 4, "gemm_warps": 4})
+    assert (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_stages"], tile["num_warps"]) == \
+        (128, 128, 4, 4)
+    assert _ready_gemm_rows({"chunks": 16}, 2048) == 128  # 16 row-blocks, one a chunk
+    assert _ready_gemm_rows({"chunks": 8}, 2000) == 256
+    assert _ready_gemm_rows({"chunks": 64}, 16384) == 256  # at most MAX_CHUNKS chunks
