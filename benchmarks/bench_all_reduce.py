@@ -43,8 +43,9 @@ import torch.distributed as dist  # noqa: E402
 
 SUITE = [(m, k, 8192) for k in (3584, 1024) for m in (2048, 8192, 128, 32, 1)]
 EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for calibration
-    # (the push beside the GEMM's chunks, slower everywhere but at M=8192 in runs 6-9, is no
-    # longer timed; session 2's one-shot / two-shot kernels were removed)
+    # (session 2's one-shot / two-shot kernels were removed; session 3's push beside cuBLAS's
+    # row chunks, slower everywhere but at M=8192 in runs 6-9, gave way to the prefill plans
+    # at the end)
     "push_b256": (dict(algo="push", block=256), lambda m: 8 < m <= 128),
     "push_b512": (dict(algo="push", block=512), lambda m: 8 < m <= 256),
     "push_b1024": (dict(algo="push", block=1024), lambda m: 8 < m <= 2048),
@@ -59,20 +60,12 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "lamport_b4096": (dict(algo="lamport", block=4096, warps=8), lambda m: m >= 128),
     "push": (dict(algo="push"), lambda m: m <= 8),
     # prefill: push on few SMs alone, and beside the GEMM (cuBLAS row chunks, or the persistent
-    # Triton GEMM raising READY per chunk on the other SMs)
-    "push_p16": (dict(algo="push", progs=16), lambda m: m >= 1024),
+    # Triton GEMM raising READY per chunk on the other SMs). 8-warp programs (push_p32,
+    # tri_c8_p32; the others of run 15 were slower still): NVLink-latency-bound on few SMs
+    # (ar_h200x4_run15.md); 32 warps and blocks of 16384 (*_b16k) hold 4x the bytes in flight
     "push_p32": (dict(algo="push", progs=32), lambda m: m >= 1024),
-    "lap_c4_p32": (dict(algo="push", overlap=True, chunks=4, progs=32), lambda m: m >= 1024),
-    "tri_c4_p16": (dict(algo="push", overlap=True, gemm="triton", chunks=4, progs=16),
-                   lambda m: m >= 1024),
-    "tri_c8_p16": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=16),
-                   lambda m: m >= 512),
     "tri_c8_p32": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32),
                    lambda m: m >= 512),
-    "tri_c16_p24": (dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=24),
-                    lambda m: m >= 1024),
-    # the same with 4x the bytes in flight per program (32 warps, blocks of 16384): push on few
-    # SMs waits on NVLink latency (ar_h200x4_run15.md)
     "push_p16_b16k": (dict(algo="push", progs=16, block=16384, warps=32), lambda m: m >= 1024),
     "push_p32_b16k": (dict(algo="push", progs=32, block=16384, warps=32), lambda m: m >= 1024),
     "tri_c8_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=16,

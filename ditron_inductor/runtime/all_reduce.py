@@ -23,9 +23,10 @@ lamport and lamport_all have their own (_buffer_elements says why).
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
 push_all and the lamport kernels: epoch-parity regions): nothing on the host changes between
-calls, and a call captured in a CUDA graph replays correctly. The context must exist before capture (its
-setup is collective and synchronises): a call captured before any eager call of its size class
-takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
+calls, and a call captured in a CUDA graph replays correctly. The context must exist before
+capture (its setup is collective and synchronises): a call captured before any eager call of its
+size class takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which
+creates it.
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ READY_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_st
 
 
 def _ready_gemm_tile(params):
+    """READY_GEMM_TILE with the plan's overrides."""
     return dict(READY_GEMM_TILE, **{key: int(params[name]) for name, key in (
         ("gemm_block_n", "BLOCK_N"), ("gemm_stages", "num_stages"), ("gemm_warps", "num_warps"))
         if name in params})
@@ -305,9 +307,9 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
     per chunk of whole row-blocks; else cuBLAS in row chunks (carveout=True: told to leave the
-    push's SMs free, not yet measured). Its COPY and NORMALISE follow on
-    the main stream on every SM. push_scatter: the partials reach their owners by
-    stores into the second half of the buffer."""
+    push's SMs free, not yet measured). Its COPY and NORMALISE follow on the main stream on
+    every SM. push_scatter: the partials reach their owners by stores into the second half of
+    the buffer."""
     m, n = partial.shape
     overlap = bool(params.get("overlap", False))
     scatter = params["algo"] == "push_scatter"

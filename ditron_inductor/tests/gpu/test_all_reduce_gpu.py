@@ -1,8 +1,8 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) vs the reference on GPUs: 2, 4 and 8 ranks, bf16
 and fp16, random data, M from 1 to 8192, each plan forced (push after the GEMM or beside it:
 cuBLAS in row chunks or the persistent GEMM that raises READY per chunk; push_scatter, push_all,
-lamport, lamport_all, other block sizes) and the runtime's default, K per rank 1024 and 3584, N 8192 and a
-smaller N, residual and norm variants (both roundings), many calls in a row,
+lamport, lamport_all, other block sizes) and the runtime's default, K per rank 1024 and 3584,
+N 8192 and a smaller N, residual and norm variants (both roundings), many calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
 mode="reduce-overhead". Every case asserts that the fused path served it.
 
