@@ -313,8 +313,9 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     m, n = partial.shape
     overlap = bool(params.get("overlap", False))
     scatter = params["algo"] == "push_scatter"
-    b_trans = _tma_ok(a, b, partial) if params.get("gemm") == "triton" else None
-    if overlap and params.get("gemm") == "triton" and b_trans is None:
+    triton_gemm = params.get("gemm") == "triton"
+    b_trans = _tma_ok(a, b, partial) if triton_gemm else None
+    if overlap and triton_gemm and b_trans is None:
         # operands TMA cannot take: the default push after cuBLAS (beside cuBLAS's row chunks
         # on few SMs it is slower than NCCL, ar_h200x4_run16.md)
         overlap, params = False, dict(algo="push")

@@ -102,6 +102,22 @@ def ag_gemm_kernel(
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile A[row0:, :] @ B[:, col0:] through TMA descriptors (B^T [N, K] when
+    B_TRANS): the K loop of every TMA GEMM template."""
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for kk in range(k_tiles):
+        a = a_desc.load([row0, kk * BLOCK_K])
+        if B_TRANS:
+            b = b_desc.load([col0, kk * BLOCK_K]).T
+        else:
+            b = b_desc.load([kk * BLOCK_K, col0])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=_DYNAMIC)
 def ag_gemm_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, flag_ptr, err_ptr,
@@ -135,14 +151,8 @@ def ag_gemm_tma_kernel(
             if PROXY_FENCE:
                 tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
                                           [row0], dtype=tl.int32, is_pure=False, pack=1)
-        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-        for kk in range(k_tiles):
-            a = a_desc.load([row0, kk * BLOCK_K])
-            if B_TRANS:
-                b = b_desc.load([col0, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([kk * BLOCK_K, col0])
-            acc = tl.dot(a, b, acc)
+        acc = tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
         if HAS_BIAS:
             offs_n = col0 + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)

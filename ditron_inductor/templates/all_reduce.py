@@ -1,6 +1,6 @@
 """GEMM + all-reduce (+ residual + RMSNorm): what every all-reduce kernel shares (the kernels:
 all_reduce_push.py, all_reduce_lamport.py): the flag layout, the error codes, the waits, the
-compile-time world size and the norm of one row.
+compile-time world size, the norm of one row and lamport's empty mark.
 
 Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
 buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
@@ -45,6 +45,22 @@ K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
 K_ERR_READY, K_ERR_PUSHED = tl.constexpr(ERR_READY), tl.constexpr(ERR_PUSHED)
 K_ERR_LOCAL, K_ERR_STARTED = tl.constexpr(ERR_LOCAL), tl.constexpr(ERR_STARTED)
 K_ERR_SENT = tl.constexpr(ERR_SENT)
+
+
+# lamport's empty mark (all_reduce_lamport.py): -0.0, the int16 view of bfloat16 / float16 -0.0
+EMPTY_BITS = -32768
+K_EMPTY_BITS = tl.constexpr(EMPTY_BITS)  # the same for the kernels (constexpr globals only)
+
+
+@triton.jit
+def is_empty(x):
+    return x.to(tl.int16, bitcast=True) == K_EMPTY_BITS
+
+
+@triton.jit
+def sendable(x):
+    """x with -0.0 (the empty mark) sent as +0.0."""
+    return tl.where(is_empty(x), tl.zeros_like(x), x)
 
 
 def world_constants(world: int) -> dict:

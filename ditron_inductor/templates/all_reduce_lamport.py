@@ -32,24 +32,18 @@ The interpreter runs one rank at a time: each phase separately for every rank, a
 import triton
 import triton.language as tl
 
-from .all_reduce import K_ERR_SENT, gave_up_before
-from .all_reduce_push import end_of_call, store_h
+from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers with it
+    EMPTY_BITS,
+    K_EMPTY_BITS,
+    K_ERR_SENT,
+    gave_up_before,
+    is_empty,
+    sendable,
+)
+from .all_reduce_push import end_of_call, send_partial_to_all, store_h
 from .comm import peer_ptr
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
-EMPTY_BITS = -32768  # the empty mark: the int16 view of bfloat16 / float16 -0.0
-K_EMPTY_BITS = tl.constexpr(EMPTY_BITS)  # the same for the kernels (constexpr globals only)
-
-
-@triton.jit
-def is_empty(x):
-    return x.to(tl.int16, bitcast=True) == K_EMPTY_BITS
-
-
-@triton.jit
-def sendable(x):
-    """x with -0.0 (the empty mark) sent as +0.0."""
-    return tl.where(is_empty(x), tl.zeros_like(x), x)
 
 
 @triton.jit
@@ -148,12 +142,7 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
     mine = peer_ptr(data_table, rank, dtype, True)
     call_slots = stride + (epoch % 2) * WORLD * stride  # this call's W slots
     if SEND:
-        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
-            idx = b * BLOCK + offs
-            part = sendable(tl.load(mine + idx, mask=idx < numel, other=0.0))
-            for q in tl.static_range(WORLD):
-                tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
-                         part, mask=idx < numel)
+        send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, True, BLOCK, WORLD)
     if REDUCE:
         for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
             idx = b * BLOCK + offs

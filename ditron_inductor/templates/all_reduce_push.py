@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_READY, K_ERR_STARTED, K_LOCAL,
-                         K_MAX_PROGS, K_PUSHED, K_READY, K_STARTED, norm_row, wait_all,
+                         K_MAX_PROGS, K_PUSHED, K_READY, K_STARTED, norm_row, sendable, wait_all,
                          wait_peers)
 from .comm import peer_ptr
 
@@ -220,6 +220,24 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)
 
 
+@triton.jit
+def send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, MARKED: tl.constexpr,
+                        BLOCK: tl.constexpr, WORLD: tl.constexpr):
+    """The one-shots' SEND (push_all, lamport_all): blocks pid, pid + P, ... of my partial into
+    my slot of this call's slots on every rank, mine included. MARKED: -0.0 (lamport's empty
+    mark) is sent as +0.0."""
+    dtype = mine.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    for b in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
+        idx = b * BLOCK + offs
+        part = tl.load(mine + idx, mask=idx < numel, other=0.0)
+        if MARKED:
+            part = sendable(part)
+        for q in tl.static_range(WORLD):
+            tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
+                     part, mask=idx < numel)
+
+
 @triton.jit(do_not_specialize=_DYNAMIC)
 def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr,
                     h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, slots, stride, limit,
@@ -237,13 +255,9 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
     ranks = tl.arange(0, WORLD_P2)
     mine = peer_ptr(data_table, rank, dtype, True)
     call_slots = slots + (epoch % 2) * WORLD * stride  # this call's half of the slots
-    if SEND:  # my partial's blocks pid, pid + P, ... into my slot on every rank
-        for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
-            idx = b * BLOCK + offs
-            part = tl.load(mine + idx, mask=idx < numel, other=0.0)
-            for q in tl.static_range(WORLD):
-                tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
-                         part, mask=idx < numel)
+    if SEND:
+        send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, False, BLOCK,
+                            WORLD)
         tl.debug_barrier()  # every thread's stores, then the signal that releases them
         peer_flags = tl.load(flag_table + ranks, mask=ranks < WORLD, other=0).to(
             tl.pointer_type(tl.int32))

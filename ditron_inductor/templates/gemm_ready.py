@@ -22,7 +22,7 @@ barrier and the release above (a TMA store would complete asynchronously).
 import triton
 import triton.language as tl
 
-from .ag_gemm import tile_coords
+from .ag_gemm import tile_coords, tma_tile_product
 from .all_reduce import K_READY
 
 
@@ -40,14 +40,8 @@ def gemm_ready_kernel(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, counts_ptr, ep
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, 0, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
-        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-        for kk in range(k_tiles):
-            a = a_desc.load([row0, kk * BLOCK_K])
-            if B_TRANS:
-                b = b_desc.load([col0, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([kk * BLOCK_K, col0])
-            acc = tl.dot(a, b, acc)
+        acc = tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
