@@ -3,12 +3,12 @@ templates/all_reduce_push.py and all_reduce_lamport.py; what they share: all_red
 
 One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
 plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
-  push_all (M <= 8): every rank stores its whole partial into a slot on every rank, waits once,
-      sums its slots locally, adds its residual, normalises the rows.
+  push_all (M <= 8 on more than 4 ranks): every rank stores its whole partial into a slot on
+      every rank, waits once, sums its slots locally, adds its residual, normalises the rows.
   lamport (M 9-128 on up to 4 ranks): the partials are stored into their owners' slots, the
       owners' sums into every rank, with no flags: every receive word starts as -0.0, which no
-      sender sends, and a receiver polls the data itself. lamport_all: push_all with that mark
-      instead of flags (a plan, not yet measured).
+      sender sends, and a receiver polls the data itself. lamport_all (M <= 8 on up to 4
+      ranks): push_all with that mark instead of flags.
   push (the rest): each rank sums its blocks from every peer and pushes the sums to every peer,
       copies the sums out adding its residual, normalises the rows; with overlap=True the kernel
       runs on a few SMs beside the GEMM (side stream), waiting on each row chunk's READY:

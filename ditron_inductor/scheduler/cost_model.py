@@ -175,7 +175,9 @@ def default_params(task: Task) -> dict:
 # names no algorithm, DITRON_PLAN=fused):
 #   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
 #     wait, a local sum): 3-5 us less than push at M 1-8, slower from M=16 (its traffic is W - 1
-#     partials per rank) (ar_h200x8_run9.md, run10.md);
+#     partials per rank) (ar_h200x8_run9.md, run10.md); on up to LAMPORT_MAX_WORLD ranks
+#     lamport_all instead (push_all with lamport's empty mark for its flags): ~1 us less than
+#     push_all at M 1 and 8 on 4 H200 (ar_h200x4_run22.md), not yet measured on 8;
 #   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (templates/all_reduce_lamport.py:
 #     push_scatter's traffic, but the data carries its own arrival: no flags, no fences): on 4
 #     and 2 H200 (ar_h200x4_run13.md, ar_h200x2_run14.md) 2-7 us less than push at M=32, about
@@ -230,7 +232,7 @@ def overlap_params(task: Task) -> dict:
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
     if task.m_hint <= PUSH_ALL_MAX_M:
-        return dict(algo="push_all")
+        return dict(algo="lamport_all" if task.world_size <= LAMPORT_MAX_WORLD else "push_all")
     if task.m_hint <= LAMPORT_MAX_M and task.world_size <= LAMPORT_MAX_WORLD:
         return dict(algo="lamport")
     if task.m_hint > FUSED_MAX_M and task.world_size <= OVERLAP_MAX_WORLD:

@@ -100,6 +100,12 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
         d = decide(decode)
         assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "lamport"  # 4 ranks
         assert not decide(dataclasses.replace(decode, m=16384)).fuse
+        one_row = dataclasses.replace(decode, m=1)
+        assert decide(one_row).plan.param("algo") == "lamport_all"  # measured on 4 ranks
+        from ditron_inductor.scheduler.cost_model import all_reduce_params
+
+        # the group is of 4 ranks (decide checks it): the parameters alone for 8
+        assert all_reduce_params(dataclasses.replace(one_row, world_size=8))["algo"] == "push_all"
 
 
 def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
