@@ -146,6 +146,10 @@ def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_pl
     time of the cost model's choice."""
     ref = pick(ditron(None)(*inputs[0]))
     for name, params in candidates.items():
+        if (args.plans and name not in args.plans.split(",")
+                and name != (ditron_task_plan[0] or {}).get("label")):
+            continue
+
         def one(name=name, params=params):
             check_close(f"{tag} {name}", pick(ditron(params)(*inputs[0])), ref)
             return bench(ditron(params), inputs, args.iters, args.reps, label=name)
@@ -305,6 +309,9 @@ def main():
     ap.add_argument("--mlp-d", type=int, default=8192)
     ap.add_argument("--mlp-f", type=int, default=28672)
     ap.add_argument("--no-mlp", action="store_true")
+    ap.add_argument("--ops", default="", help="only these ops, e.g. matmul_reduce_scatter")
+    ap.add_argument("--plans", default="", help="only these candidate labels (and the cost "
+                    "model's choice), e.g. tri_pull_p16,tri_pull_p32")
     ap.add_argument("--machine", default=os.environ.get("MACHINE_KIND", "unknown"))
     ap.add_argument("--from-json", help="no GPU: re-select each row's ditron plan with the current "
                     "cost model from the candidates measured in that run, rewrite <out>.md/.json")
@@ -327,7 +334,7 @@ def main():
     t0 = time.time()
     for op, shapes, runner in (("all_gather_matmul", AG_SHAPES, run_ag),
                                ("matmul_reduce_scatter", RS_SHAPES, run_rs)):
-        for shape in shapes:
+        for shape in shapes if not args.ops or op in args.ops.split(",") else ():
             shape = (int(shape[0] * args.scale) // (8 * world) * 8 * world, shape[1], shape[2])
             choice = cost_model_choice(op, shape, dtype, group_name, world)
             HOST_MS.clear()

@@ -239,23 +239,26 @@ def _ready_gemm_rows(params, m):
     return group * READY_GEMM_TILE["BLOCK_M"]
 
 
-def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, rows, progs, tile):
+def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
+                parity_elems=0):
     """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
-    raises READY[j] itself when chunk j (`rows` rows) is stored. b_trans: _tma_ok's answer;
-    tile: _ready_gemm_tile's."""
+    raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: _tma_ok's
+    answer; tile: _ready_gemm_tile's. GEMM + reduce-scatter: `slices` (the world size) equal
+    slices of rows, each chunk holding row-blocks of every slice, and the partial written
+    parity_elems further on in calls of odd epoch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = partial.shape
     a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
     b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
               else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
-    tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
-    progs = max(1, min(progs, tiles))
+    row_blocks = triton.cdiv(m, tile["BLOCK_M"])
+    progs = max(1, min(progs, row_blocks * triton.cdiv(n, tile["BLOCK_N"])))
     gemm_ready_kernel[(progs,)](
         a_desc, b_desc, partial, partial if bias is None else bias,
         ctx.flags.local.view(torch.int32), dev.arrive[1:], dev.epoch, m, n, a.shape[1],
-        HAS_BIAS=bias is not None, B_TRANS=b_trans, GROUP_M=rows // tile["BLOCK_M"],
-        NUM_PROGS=progs, **tile)
+        row_blocks // slices, parity_elems, HAS_BIAS=bias is not None, B_TRANS=b_trans,
+        GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
 
 
 def _gemm_beside(dev, queue_gemm, side_kernel):
@@ -334,7 +337,8 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     if b_trans is not None:
         rows = _ready_gemm_rows(params, m)
         queue_gemm = lambda: _ready_gemm(  # noqa: E731
-            ctx, dev, a, b, bias, partial, b_trans, rows, sms - progs, _ready_gemm_tile(params))
+            ctx, dev, a, b, bias, partial, b_trans, rows // READY_GEMM_TILE["BLOCK_M"],
+            sms - progs, _ready_gemm_tile(params))
     else:
         rows = _row_chunks(ctx, params, m)[1]
         carveout = progs if params.get("carveout") else None

@@ -19,6 +19,9 @@ GEMM + reduce-scatter (chunk c of the output rows belongs to rank c):
                 free); copy-engine push of partial_p into p's receive slot r; READY[r] = e on p
   main stream   my own partial straight into my receive slot r; wait READY[q] >= e for every q;
                 out = sum of the W slots (x 1/W for avg); DONE[r] = e on every peer; join
+  (plan transfer="sm": SMs pull and sum my rows of every rank's partial beside one persistent
+  GEMM instead, runtime/reduce_scatter.py; it declines what it cannot serve, which this path
+  then runs)
 
 Signals are 4-byte copy-engine copies of a word holding the epoch (driver.py, context.py): every
 stream operation is a ctypes driver call (~50 per fused call at W=8) because a torch op or a
@@ -50,6 +53,8 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
 stats = {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
 _POLLS_PER_S = 1_000_000  # a poll of a flag takes about a microsecond
+# the copy-engine plan that serves what the SM-pull reduce-scatter declines
+RS_COPY_ENGINE_FALLBACK = dict(gemm="cublas", reduce="triton")
 
 
 def _why_not(msg: str):
@@ -378,8 +383,6 @@ def _all_gather_done(ctx: OpContext, main: int, a_shard, gathered, outs) -> list
 @register_fused("matmul_reduce_scatter")
 def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_shape, scatter_dim,
                                 reduce_op, group_name, world_size):
-    if torch.cuda.is_current_stream_capturing():
-        return _why_not("CUDA graph capture (epochs are host values)")
     if reduce_op not in ("sum", "avg"):
         return _why_not(f"reduce_op {reduce_op}")
     if scatter_dim != 0:
@@ -401,6 +404,17 @@ def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_sh
     if M % W or shape[0] % W or M * N == 0:
         return _why_not("rows do not divide by the world size")
     params = complete_params(task, plan)
+    out_shape_scattered = [shape[0] // W] + shape[1:]
+    if params.get("transfer") == "sm":  # the reduction pulled by SMs beside the GEMM
+        from .reduce_scatter import matmul_reduce_scatter_pull
+
+        out = matmul_reduce_scatter_pull(task, params, a, b, bias, reduce_op)
+        if out is not None:
+            stats["matmul_reduce_scatter"] += 1
+            return out.view(out_shape_scattered)
+        params = dict(RS_COPY_ENGINE_FALLBACK)
+    if torch.cuda.is_current_stream_capturing():
+        return _why_not("CUDA graph capture (epochs are host values)")
     rows = M // W
     esize = a.element_size()
     chunk_bytes = rows * N * esize
@@ -449,5 +463,4 @@ def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_sh
     driver.stream_wait(main, ctx.ev_end)
     _check_errors(ctx, "matmul_reduce_scatter")
     stats["matmul_reduce_scatter"] += 1
-    out_shape_scattered = [shape[0] // W] + shape[1:]
     return out.view(out_shape_scattered)

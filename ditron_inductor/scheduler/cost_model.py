@@ -13,7 +13,9 @@ Plans (params of a "fused" DevicePlan; runtime/fused.py reads them):
                  each pushed by the copy engine as soon as it is computed; reduce="triton" sums the
                  received partials with templates/reduce.py (else torch.sum);
   copy_streams:  copy-engine streams for the AG pulls; transfer="sm" + comm_sms: the AG pulls by a
-                 Triton kernel on comm_sms SMs instead (not yet run on GPUs: UNVALIDATED).
+                 Triton kernel on comm_sms SMs instead; for RS, the reduction pulled by comm_sms
+                 SMs beside one persistent Triton GEMM, in `chunks` chunks (UNVALIDATED: the
+                 model predicts them but does not choose them).
 
 The host-time floor (host_floor_ms) was measured at W=8 on the benchmark VM; it dominates small
 shapes there (see benchmarks/NOTES.md).
@@ -62,7 +64,8 @@ AG_CANDIDATES = {
 # Plans not yet run on GPUs (the SM-pull transfer: interpreter-tested only). The model predicts
 # them but never chooses them; a plan can still name them explicitly.
 UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr",
-                         "tri_sm16w32_128x256", "tri_sm32w32_128x256"})
+                         "tri_sm16w32_128x256", "tri_sm32w32_128x256", "tri_pull_p16",
+                         "tri_pull_p32", "tri_pull_p16_c16", "tri_pull_p32_c16"})
 
 # First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
 # host-blocked outlier on the first reduce-scatter shape of run v2; the Triton one did not.
@@ -70,6 +73,14 @@ RS_CANDIDATES = {
     "cublas_triton_reduce": dict(gemm="cublas", reduce="triton"),
     "cublas": dict(gemm="cublas"),
     "tri_tma_128x256": _TRITON_BIG,
+    # one persistent Triton GEMM on SMs - comm_sms, the reduction pulled by comm_sms SMs beside
+    # it, chunk by chunk (runtime/reduce_scatter.py). On 2 and 4 ranks slower than the copy-engine
+    # plan on every suite shape (h200x4_run23.md, run24: the GEMM on fewer SMs; 48 and 64 pulling
+    # SMs slower still); for 8 ranks, where the copy engine limits RS 8192x1024, not yet measured
+    "tri_pull_p16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8),
+    "tri_pull_p32": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=8),
+    "tri_pull_p16_c16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=16),
+    "tri_pull_p32_c16": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=16),
 }
 
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
@@ -85,8 +96,30 @@ CALIBRATION = dict(
     triton_overhead_ms=0.10,  # fused Triton AG: tail and setup beyond max(GEMM, transfer), 0-0.16
     host_floor_ms=0.75,  # host time of one fused call at W=8 (driver calls + launches), 0.72-0.78
     reduce_gbps=2500.0,  # the reduction of W partial slots, GB/s read
+    cublas_groups_factor=1.0,  # AG with cuBLAS on groups of chunks: measured / modelled time
     num_sms=132,
 )
+# 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (session 6, benchmarks/results/
+# h200x4_run23.md, checked against run 19): the copy engine moves more per GPU than on the
+# 8-GPU machine (RS 8192x1024, cuBLAS chunks and copy-engine pushes: 0.44 ms for 96 MB), a fused
+# call costs 0.20-0.28 ms of host time (0.39-0.78 there), NCCL's all-gather and reduce-scatter
+# alone move ~360 GB/s of the gathered / input bytes (8192x8192: 0.354 ms), and the AG plans with
+# cuBLAS on groups of chunks take ~1.3x their modelled time (1.08-1.43x). With these constants
+# the model picks the measured best validated plan on all 7 shapes of both runs (1.273x / 1.260x
+# geomean over NCCL + cuBLAS, offline re-selection: bench_fused.py --from-json); the 8-GPU
+# constants had left three shapes to NCCL + cuBLAS (1.147x / 1.121x).
+CALIBRATION_BY_WORLD = {
+    8: CALIBRATION,
+    4: dict(CALIBRATION, ce_gbps=250.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
+            nccl_rs_gbps=360.0, cublas_groups_factor=1.3),
+}
+
+
+def calibration(world: int) -> dict:
+    """The constants measured at the world size nearest to `world` (the larger on a tie)."""
+    return CALIBRATION_BY_WORLD[min(CALIBRATION_BY_WORLD, key=lambda w: (abs(w - world), -w))]
+
+
 MIN_GAIN = 1.03  # a fused plan must be predicted this much faster than NCCL + cuBLAS
 
 
@@ -105,8 +138,8 @@ def _gemm_ms(m: int, k: int, n: int, triton: bool = False) -> float:
 
 def predict(task: Task) -> dict[str, float]:
     """Predicted ms per call, by contender label ("nccl_cublas" and each candidate)."""
-    c = CALIBRATION
     w = task.world_size
+    c = calibration(w)
     m, k = task.m_hint, size_hint(task.k)
     n = task.n_total
     b = _itemsize(task)
@@ -135,6 +168,7 @@ def predict(task: Task) -> dict[str, float]:
                     last = min(arrived + size - 1, w)
                     t = max(t, (last - 1) * chunk_ms) + _gemm_ms((last - arrived + 1) * rows, k, n)
                     arrived = last + 1
+                t *= c["cublas_groups_factor"]
             out[label] = max(t, c["host_floor_ms"])
     elif task.op == MATMUL_REDUCE_SCATTER:
         full = m * n * b
@@ -142,6 +176,12 @@ def predict(task: Task) -> dict[str, float]:
         chunk_ms = full / w / (c["ce_gbps"] * 1e6)
         reduce_ms = full / (c["reduce_gbps"] * 1e6)  # W slots of one chunk = full bytes
         for label, p in RS_CANDIDATES.items():
+            if p.get("transfer") == "sm":  # the pull beside the GEMM; the last chunk's after it
+                nsm = p["comm_sms"]
+                g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
+                pull = full * (w - 1) / w / (c["sm_gbps"] * min(1.1, (nsm / 16) ** 0.5) * 1e6)
+                out[label] = max(g, pull) + min(g, pull) / p["chunks"] + c["triton_overhead_ms"]
+                continue
             g = _gemm_ms(rows, k, n)
             if p["gemm"] == "triton":  # one Triton launch per chunk: ~0.1 ms of host time each
                 g = max(g / 0.95, 0.1)

@@ -1,6 +1,6 @@
 """GEMM + all-reduce (+ residual + RMSNorm): what every all-reduce kernel shares (the kernels:
 all_reduce_push.py, all_reduce_lamport.py): the flag layout, the error codes, the waits, the
-compile-time world size, the norm of one row and lamport's empty mark.
+compile-time world size, the norm of one row, the end of a call and lamport's empty mark.
 
 Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
 buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
@@ -101,6 +101,16 @@ def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr
     mine = q < WORLD
     ptrs = tl.load(flag_table + q, mask=mine, other=0).to(tl.pointer_type(tl.int32)) + idx
     wait_all(ptrs, mine, epoch, limit, err_ptr, code)
+
+
+@triton.jit
+def finish_call(arrive_ptr, epoch_ptr, epoch):
+    """The last program through resets the arrival counter and advances the epoch."""
+    arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
+        tl.store(epoch_ptr, epoch)
+        tl.store(epoch_ptr + 1, epoch + 1)
 
 
 @triton.jit

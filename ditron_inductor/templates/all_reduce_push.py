@@ -65,8 +65,8 @@ import triton
 import triton.language as tl
 
 from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_READY, K_ERR_STARTED, K_LOCAL,
-                         K_MAX_PROGS, K_PUSHED, K_READY, K_STARTED, norm_row, sendable, wait_all,
-                         wait_peers)
+                         K_MAX_PROGS, K_PUSHED, K_READY, K_STARTED, finish_call, norm_row,
+                         sendable, wait_all, wait_peers)
 from .comm import peer_ptr
 
 _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
@@ -131,16 +131,6 @@ def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps
                                W_FP32, BLOCK_N)
     if (NORM and NORMALISE) or (not NORM and WROTE_H):
         finish_call(arrive_ptr, epoch_ptr, epoch)
-
-
-@triton.jit
-def finish_call(arrive_ptr, epoch_ptr, epoch):
-    """The last program through resets the arrival counter and advances the epoch."""
-    arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
-        tl.store(epoch_ptr, epoch)
-        tl.store(epoch_ptr + 1, epoch + 1)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)

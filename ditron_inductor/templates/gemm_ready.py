@@ -14,6 +14,13 @@ system scope: the peers' push programs poll it over NVLink, then read the chunk.
 stores reach that release through the counter (acquire-release at system scope, after a barrier
 over the program's threads).
 
+GEMM + reduce-scatter (templates/reduce_scatter.py) uses the same GEMM with SLICES = W: rank q
+reduces rows [q * M/W, (q + 1) * M/W) (its slice), so chunk c holds row-blocks [c * G,
+(c + 1) * G) of every slice (G = GROUP_M / SLICES, `slice_blocks` row-blocks a slice): every
+rank can reduce its part of chunk c once c is ready everywhere. With PARITY the partial goes to
+the half of my buffer of the call's epoch parity (`parity_elems` apart), so the GEMM of the
+next call never writes where a peer may still read this call's partial.
+
 A and B come in through TMA descriptors (A [M, K], B [K, N] or, B_TRANS, B^T [N, K]); C is stored
 through pointers (row stride N: the partial is contiguous), whose stores are ordered by the
 barrier and the release above (a TMA store would complete asynchronously).
@@ -26,19 +33,28 @@ from .ag_gemm import tile_coords, tma_tile_product
 from .all_reduce import K_READY
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "slice_blocks", "parity_elems"])
 def gemm_ready_kernel(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, counts_ptr, epoch_ptr,
-                      M, N, K, HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+                      M, N, K, slice_blocks, parity_elems, HAS_BIAS: tl.constexpr,
+                      B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      SLICES: tl.constexpr = 1, PARITY: tl.constexpr = False):
     pid = tl.program_id(0)
-    epoch = tl.load(epoch_ptr + 1)  # the current call's (advanced by the push at its end)
+    epoch = tl.load(epoch_ptr + 1)  # the current call's (advanced by the kernel beside it)
+    if PARITY:
+        c_ptr += (epoch % 2) * parity_elems
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     for tile in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, 0, GROUP_M)
-        row0 = pid_m * BLOCK_M
+        row_block = pid_m  # pid_m counts in chunk order; the row-block it stands for:
+        if SLICES > 1:  # the (pid_m % GROUP_M)-th of chunk c's row-blocks, slice by slice
+            per_slice: tl.constexpr = GROUP_M // SLICES
+            within = pid_m % GROUP_M
+            row_block = ((within // per_slice) * slice_blocks + (pid_m // GROUP_M) * per_slice
+                         + within % per_slice)
+        row0 = row_block * BLOCK_M
         col0 = pid_n * BLOCK_N
         acc = tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS, BLOCK_M, BLOCK_N,
                                BLOCK_K)

@@ -23,6 +23,7 @@ from ditron_inductor.templates import (  # noqa: E402
     comm,
     gemm_ready,
     reduce,
+    reduce_scatter,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -47,14 +48,23 @@ def variants():
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
             yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, push, 4
-    for b_trans in (False, True):  # the GEMM beside push: TMA loads, B as given or as B^T
+    # the GEMM beside push (TMA loads, B as given or as B^T), and beside the reduce-scatter's
+    # pull (8 slices, the halves of the buffer by epoch parity)
+    for b_trans, slices in ((False, 1), (True, 1), (False, 8)):
         yield (gemm_ready.gemm_ready_kernel,
                dict(a_desc="tensordesc<bf16[128,64]>",
                     b_desc=f"tensordesc<bf16[{'256,64' if b_trans else '64,256'}]>",
                     c_ptr="*bf16", bias_ptr="*bf16", flags_ptr="*i32", counts_ptr="*i32",
-                    epoch_ptr="*i32", M="i32", N="i32", K="i32"),
+                    epoch_ptr="*i32", M="i32", N="i32", K="i32", slice_blocks="i32",
+                    parity_elems="i32"),
                dict(HAS_BIAS=True, B_TRANS=b_trans, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                    GROUP_M=2, NUM_PROGS=100), 8)
+                    GROUP_M=2 * slices, NUM_PROGS=100, SLICES=slices, PARITY=slices > 1), 8)
+    for world, scale, block in ((4, True, 16384), (8, False, 8192)):  # reduce_scatter.pull_block
+        yield (reduce_scatter.pull_reduce_kernel,
+               dict(data_table="*i64", flag_table="*i64", epoch_ptr="*i32", arrive_ptr="*i32",
+                    err_ptr="*i32", out_ptr="*bf16", rows="i32", N="i32", rank="i32",
+                    chunk_rows="i32", parity_elems="i32", scale="fp32", limit="i32"),
+               dict(BLOCK=block, SCALE=scale, **all_reduce.world_constants(world)), 32)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)

@@ -300,7 +300,7 @@ def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
             gemm_ready_kernel[(3,)](
                 TensorDescriptor.from_tensor(a[r], [16, 16]), bd, partial,
                 partial if biases[r] is None else biases[r], ranks.flags[r], ranks.arrive[r][1:],
-                ranks.epoch[r], m, n, k, HAS_BIAS=bias, B_TRANS=b_trans, GROUP_M=group_m,
+                ranks.epoch[r], m, n, k, 1, 0, HAS_BIAS=bias, B_TRANS=b_trans, GROUP_M=group_m,
                 NUM_PROGS=3, **tile)
             ref = a[r].double() @ b[r].double() + (biases[r].double() if bias else 0)
             assert rel_err(partial, ref) < 2e-3
@@ -397,7 +397,7 @@ def test_plans_and_declines():
     assert by_m == {1: "push_all", 8: "push_all", 9: "push", 512: "push"}
     four = Task(**{**task.__dict__, "world_size": 4})  # lamport: measured on 4 GPUs
     assert {m: all_reduce_params(Task(**{**four.__dict__, "m": m}))["algo"]
-            for m in (8, 32, 128, 256)} == {8: "push_all", 32: "lamport", 128: "lamport",
+            for m in (8, 32, 128, 256)} == {8: "lamport_all", 32: "lamport", 128: "lamport",
                                             256: "push"}
     prefill = all_reduce_params(Task(**{**four.__dict__, "m": 2048}))  # measured on 4 GPUs
     assert prefill["overlap"] and prefill["gemm"] == "triton"

@@ -188,3 +188,32 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
     same_rows = dataclasses.replace(AG, dim=1, rank_chunks_contiguous=True)
     assert choose_device_plan(same_rows) == choose_device_plan(AG)
 
+
+
+def test_calibration_by_world_picks_what_was_measured_best():
+    """Each world size is planned with the constants measured nearest to it: on 4 ranks the
+    persistent Triton AG and the cuBLAS-chunk RS on every suite shape (the measured best validated
+    plans of h200x4_run19/run23), on 8 the plans of the 8-GPU live table (three shapes left to
+    NCCL + cuBLAS)."""
+    from ditron_inductor.scheduler.cost_model import (
+        CALIBRATION_BY_WORLD,
+        calibration,
+        choose_device_plan,
+        plan_label,
+    )
+
+    assert calibration(2) is calibration(4) is CALIBRATION_BY_WORLD[4]
+    assert calibration(6) is calibration(16) is CALIBRATION_BY_WORLD[8]
+    suite = [(AG, 8192, 8192, 7168), (AG, 8192, 8192, 1280), (AG, 4096, 8192, 4096),
+             (AG, 16384, 8192, 3584), (RS, 8192, 3584, 8192), (RS, 8192, 1024, 8192),
+             (RS, 16384, 3584, 8192)]
+
+    def picks(world):
+        plans = [choose_device_plan(dataclasses.replace(
+            task, world_size=world, m=m, k=k, ns=(n,), device_type="cuda"))[0]
+            for task, m, k, n in suite]
+        return [plan_label(p) if p else "nccl_cublas" for p in plans]
+
+    assert picks(4) == ["tri_tma_128x256"] * 4 + ["cublas_triton_reduce"] * 3
+    assert picks(8) == ["tri_tma_128x256", "nccl_cublas", "nccl_cublas", "tri_tma_128x256",
+                        "cublas_triton_reduce", "nccl_cublas", "cublas_triton_reduce"]

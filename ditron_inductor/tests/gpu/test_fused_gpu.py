@@ -46,7 +46,9 @@ AG_PLANS = [
     dict(gemm="cublas", groups=[1, 2]),
     dict(),  # empty params: the defaults
 ]
-RS_PLANS = [dict(gemm="cublas"), dict(gemm="triton", tma=True), dict()]
+RS_PULL = dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8)
+RS_PLANS = [dict(gemm="cublas"), dict(gemm="triton", tma=True), dict(), RS_PULL,
+            dict(RS_PULL, comm_sms=3, pull_block=1024, pull_warps=4)]  # many blocks a program
 
 
 def _rel(x, ref):
@@ -106,13 +108,19 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
 def _rs_cases(group_name, world, rank, dtype, gen, calls):
     from ditron_inductor.ops import matmul_reduce_scatter_reference
 
+    from ditron_inductor.runtime import reduce_scatter
+
     dev = torch.device("cuda")
-    for rows, k, n in ((37, 256, 384), (96, 512, 264), (16, 1024, 128)):
+    # slices of 128 and 256 rows: whole row-blocks, which the SM-pull plan serves (the others
+    # fall back to the copy-engine plan)
+    for rows, k, n in ((37, 256, 384), (96, 512, 264), (16, 1024, 128), (128, 256, 384),
+                       (256, 512, 264)):
         m = rows * world
         for plan_params in RS_PLANS:
             plan = _plan(**plan_params)
             for reduce_op in ("sum", "avg"):
                 for call in range(calls):
+                    pulled = reduce_scatter.stats["pulled"]
                     a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
                     b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
                     bias = torch.randn(n, generator=gen, device=dev, dtype=dtype) if call % 2 else None
@@ -120,8 +128,10 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
                                                                  group_name, world, plan)
                     ref = matmul_reduce_scatter_reference(a, b, bias, [], 0, reduce_op,
                                                           group_name, world)
-                    _check(f"RS rows={rows} k={k} n={n} {dtype} {reduce_op} plan={plan_params} "
-                           f"call={call}", out, ref)
+                    tag = f"RS rows={rows} k={k} n={n} {dtype} {reduce_op} plan={plan_params} "
+                    _check(tag + f"call={call}", out, ref)
+                    pull = plan_params.get("transfer") == "sm" and rows % 128 == 0
+                    assert (reduce_scatter.stats["pulled"] > pulled) == pull, tag + "served by"
     # 3-d output shape scattered along dim 0
     a = torch.randn(4 * world * 6, 64, generator=gen, device=dev, dtype=dtype)
     b = torch.randn(64, 32, generator=gen, device=dev, dtype=dtype)
@@ -144,6 +154,47 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
         assert (stats["matmul_reduce_scatter"] > served) == fused_expected, f"RS dim 1 B={batch}"
         assert out.shape == (batch, 4, 32)
         _check(f"RS dim 1 B={batch}", out, ref)
+
+
+def _rs_pull_graph_case(group_name, world, gen, replays=4):
+    """The SM-pull reduce-scatter captured in a CUDA graph and replayed on new inputs copied into
+    the captured tensors (its epochs are device words), with eager calls in between."""
+    from ditron_inductor import config
+    from ditron_inductor.ops import matmul_reduce_scatter_reference
+    from ditron_inductor.runtime import reduce_scatter
+
+    dev = torch.device("cuda")
+    m, k, n = 256 * world, 512, 384
+    plan = _plan(**RS_PULL)
+    a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, generator=gen, device=dev, dtype=torch.bfloat16) / k ** 0.5
+
+    def step():
+        return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum", group_name, world,
+                                                      plan)
+
+    saved, config.wait_timeout_s = config.wait_timeout_s, 0.0  # no host checks in a graph
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture: the context, the kernels
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pulled = reduce_scatter.stats["pulled"]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        assert reduce_scatter.stats["pulled"] == pulled + 1, "the captured call was not pulled"
+        for replay in range(replays):
+            a.copy_(torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16))
+            graph.replay()
+            ref = matmul_reduce_scatter_reference(a, b, None, [], 0, "sum", group_name, world)
+            _check(f"RS pull graph replay={replay}", out, ref)
+            if replay % 2:
+                _check(f"RS pull eager after replay={replay}", step(), ref)
+    finally:
+        config.wait_timeout_s = saved
 
 
 def _compiled_case(group_name, world, rank, gen):
@@ -217,6 +268,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
             _ag_cases(group_name, world, rank, dtype, gen, calls)
             _rs_cases(group_name, world, rank, dtype, gen, calls)
         assert stats["all_gather_matmul"] > 0 and stats["matmul_reduce_scatter"] > 0, stats
+        _rs_pull_graph_case(group_name, world, gen)
         # two process groups in one program: the halves of the world, used alternately with it
         if world >= 4:
             halves = [dist.new_group(list(range(0, world // 2))),

@@ -1,0 +1,99 @@
+"""Fused GEMM + reduce-scatter with the reduction beside the GEMM (plan transfer="sm"; kernels:
+templates/gemm_ready.py with SLICES = W, and templates/reduce_scatter.py).
+
+One call on rank r: the persistent Triton GEMM on SMs - P programs of the main stream writes
+a @ b (+ bias) into the half of my symmetric buffer of the call's epoch parity, chunk by chunk
+(each chunk holds row-blocks of every rank's slice), raising READY per chunk; beside it, on P
+programs of the side stream, pull_reduce_kernel sums my slice of every rank's partial as the
+chunks become ready: the transfer rides on SM loads over NVLink (about twice the copy engine's
+bandwidth, benchmarks/NOTES.md) and overlaps the GEMM. Epochs are device words, as for the
+all-reduce (runtime/all_reduce.py): nothing on the host changes between calls, so a call
+captured in a CUDA graph replays correctly once the context exists.
+
+The copy-engine plans (runtime/fused.py) serve what this one declines: operands TMA cannot take,
+slices that are not whole row-blocks of the GEMM's tile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..templates import all_reduce as kernels
+from ..templates.reduce_scatter import pull_reduce_kernel
+from .all_reduce import _WAIT_NAMES, _device_epoch, _gemm_beside, _ready_gemm, _ready_gemm_tile
+from .context import get_context, size_class
+from .fused import _check_errors, _limit, _num_sms, _tma_ok, _why_not
+
+CONTEXT = "matmul_reduce_scatter_pull"
+stats = {"pulled": 0}  # calls this path served (tests check that it, not the fallback, ran)
+PULL_DEFAULTS = dict(comm_sms=16, chunks=8, pull_warps=32)
+
+
+def pull_block(world: int, params: dict) -> int:
+    """Elements a pulling program loads from each rank per step: 32-warp programs with W blocks
+    of 16384 in flight (the all-reduce's lesson: bytes in flight per SM set the speed over
+    NVLink), 8192 from 8 ranks on (16384 spills registers there: ptxas, sm_90a)."""
+    return int(params.get("pull_block") or (16384 if world <= 4 else 8192))
+
+
+def chunk_blocks(slice_blocks: int, chunks: int) -> int:
+    """Row-blocks of each slice per chunk: the fewest that cut a slice of `slice_blocks` into
+    equal chunks, at most `chunks` of them (and MAX_CHUNKS)."""
+    most = max(1, min(chunks, kernels.MAX_CHUNKS))
+    return next(g for g in range(1, slice_blocks + 1)
+                if slice_blocks % g == 0 and slice_blocks // g <= most)
+
+
+def pull_declines(m: int, k: int, n: int, world: int, esize: int, params: dict) -> Optional[str]:
+    """Why this plan cannot serve the shape, or None."""
+    block_m = _ready_gemm_tile(params)["BLOCK_M"]
+    if k == 0:
+        return "K = 0"
+    if (m // world) % block_m:
+        return f"slices of {m // world} rows are not whole {block_m}-row blocks"
+    if world > kernels.MAX_WORLD:
+        return f"the flags serve up to {kernels.MAX_WORLD} ranks"
+    if size_class(2 * m * n * esize) // esize >= 2 ** 31:
+        return "more than 2**31 elements in the buffers (32-bit offsets)"
+    return None
+
+
+def matmul_reduce_scatter_pull(task, params: dict, a, b, bias, reduce_op: str):
+    """My slice [M / W, N] of the reduced a @ b (+ bias), or None (declined: the caller runs a
+    copy-engine plan)."""
+    params = {**PULL_DEFAULTS, **params}
+    (m, k), n, world = a.shape, b.shape[1], task.world_size
+    why = pull_declines(m, k, n, world, a.element_size(), params)
+    if why:
+        return _why_not(why)
+    capturing = torch.cuda.is_current_stream_capturing()
+    ctx = get_context(CONTEXT, task.group_name, 2 * m * n * a.element_size(),
+                      flag_words=kernels.FLAG_WORDS, create=not capturing)
+    if ctx is None:
+        return _why_not("CUDA graph capture before any eager call of this size class")
+    half = ctx.data.nbytes // a.element_size() // 2 // 16 * 16  # fixed per context
+    partial = ctx.data.view(-1, a.dtype, (m, n))
+    b_trans = _tma_ok(a, b, partial)
+    if b_trans is None:
+        return _why_not("operands TMA cannot take (alignment, strides)")
+    dev = _device_epoch(ctx)
+    tile = _ready_gemm_tile(params)
+    rows = m // world
+    per_chunk = chunk_blocks(rows // tile["BLOCK_M"], int(params["chunks"]))
+    sms = _num_sms(a.device)
+    progs = max(1, min(int(params["comm_sms"]), sms - 4))
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    _gemm_beside(
+        dev,
+        lambda: _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, world * per_chunk,
+                            sms - progs, tile, slices=world, parity_elems=half),
+        lambda: pull_reduce_kernel[(progs,)](
+            ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
+            n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, _limit(),
+            BLOCK=pull_block(world, params), SCALE=reduce_op == "avg",
+            num_warps=int(params["pull_warps"]), **kernels.world_constants(world)))
+    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
+    stats["pulled"] += 1
+    return out
