@@ -3,8 +3,9 @@
 All-gather + GEMM (one call, epoch e, this rank r of W, A chunk c = rank c's shard):
   main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
                 copy my shard into my symmetric buffer (parity e%2); READY[r] = e on every peer
-  copy streams  my shard into my rows of the gathered A, chunk_flags[r] = e; then for p = r+1,
-                r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into the gathered A;
+  main stream   my shard into my rows of the gathered A, chunk_flags[r] = e
+  copy streams  for p = r+1, r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into
+                the gathered A;
                 chunk_flags[p] = e (or an event, for the cuBLAS plan); finally DONE[r] = e on
                 every peer
   main stream   the GEMM: a persistent Triton kernel whose tiles wait on chunk_flags (plan gemm=
@@ -318,14 +319,16 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
             return _gemm_failed(ctx, main, exc)
         return _all_gather_done(ctx, main, a_shard, gathered, outs)
 
-    # 2. copy streams: my own rows first, then the peers' shards pulled in ring order (the i-th
-    #    on stream i % S), each followed by its chunk flag (Triton GEMM) or event (cuBLAS)
+    # 2. copy streams: the peers' shards pulled in ring order (the i-th on stream i % S), each
+    #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the main
+    #    stream: a local copy runs on SMs, not on the copy engine (benchmarks/bench_copy.py), so
+    #    on a copy stream, beside the GEMM, it held back every pull queued behind it
     sides = [s.cuda_stream for s in ctx.sides(int(params.get("copy_streams", 1)))]
     driver.record(ctx.ev_start, main)
     for sh in sides:
         driver.stream_wait(sh, ctx.ev_start)
     for i, c in enumerate([r] + peers):
-        sh = sides[i % len(sides)]
+        sh = main if c == r else sides[(i - 1) % len(sides)]
         if c != r:
             _wait_geq(ctx, sh, ctx.READY + c, e)
         driver.memcpy(g0 + c * shard_bytes, src if c == r else ctx.data_addrs[c] + off,

@@ -50,6 +50,8 @@ AG_CANDIDATES = {
     "tri_tma_128x256_s2": dict(_TRITON_BIG, copy_streams=2),
     "cublas_1_3_4_s2": dict(gemm="cublas", groups=[1, 3, 4], copy_streams=2),
     "cublas_1_1_2_4": dict(gemm="cublas", groups=[1, 1, 2, 4]),
+    # every chunk's GEMM as soon as it lands (the last GEMM after the last pull is one chunk's)
+    "cublas_each": dict(gemm="cublas", groups=[1] * 16),
     "tri_sm16_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=16),
     "tri_sm24_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=24),
     "tri_sm16_128x128": dict(_TRITON_MID, transfer="sm", comm_sms=16),
@@ -61,11 +63,20 @@ AG_CANDIDATES = {
     "tri_sm32w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=32, pull_block=32768,
                                 pull_warps=32),
 }
-# Plans not yet run on GPUs (the SM-pull transfer: interpreter-tested only). The model predicts
-# them but never chooses them; a plan can still name them explicitly.
+# Plans the model predicts but never chooses (a plan can still name them): the SM-pull transfers,
+# slower than the copy engine wherever measured (2 and 4 ranks; not measured on 8, where the
+# copy engine limits the AG and RS shapes with short GEMMs); and, on the world sizes planned with
+# the 8-GPU constants, the plans measured only on fewer ranks.
 UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr",
                          "tri_sm16w32_128x256", "tri_sm32w32_128x256", "tri_pull_p16",
                          "tri_pull_p32", "tri_pull_p16_c16", "tri_pull_p32_c16"})
+UNVALIDATED_AT = {8: frozenset({"cublas_each"})}  # by the calibration's world size
+
+
+def unvalidated(world: int) -> frozenset:
+    """The labels the model does not choose on this many ranks."""
+    return UNVALIDATED | UNVALIDATED_AT.get(_calibration_world(world), frozenset())
+
 
 # First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
 # host-blocked outlier on the first reduce-scatter shape of run v2; the Triton one did not.
@@ -100,24 +111,29 @@ CALIBRATION = dict(
     num_sms=132,
 )
 # 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (session 6, benchmarks/results/
-# h200x4_run23.md, checked against run 19): the copy engine moves more per GPU than on the
-# 8-GPU machine (RS 8192x1024, cuBLAS chunks and copy-engine pushes: 0.44 ms for 96 MB), a fused
+# h200x4_run28.md, with run 27): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
+# (benchmarks/bench_copy.py; ~150 measured through the plans on the 8-GPU machine), a fused
 # call costs 0.20-0.28 ms of host time (0.39-0.78 there), NCCL's all-gather and reduce-scatter
-# alone move ~360 GB/s of the gathered / input bytes (8192x8192: 0.354 ms), and the AG plans with
-# cuBLAS on groups of chunks take ~1.3x their modelled time (1.08-1.43x). With these constants
-# the model picks the measured best validated plan on all 7 shapes of both runs (1.273x / 1.260x
-# geomean over NCCL + cuBLAS, offline re-selection: bench_fused.py --from-json); the 8-GPU
-# constants had left three shapes to NCCL + cuBLAS (1.147x / 1.121x).
+# alone move ~360 GB/s of the gathered / input bytes (8192x8192: 0.354 ms), the persistent Triton
+# AG ends ~0.05 ms after max(GEMM, transfer), and the AG plans with cuBLAS on groups of chunks
+# take ~1.1x their modelled time (0.9-1.2x). With these constants the model picks the measured
+# best plan of runs 27-28 on every shape (offline re-selection: bench_fused.py --from-json);
+# the 8-GPU constants had left three shapes to NCCL + cuBLAS.
 CALIBRATION_BY_WORLD = {
     8: CALIBRATION,
-    4: dict(CALIBRATION, ce_gbps=250.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
-            nccl_rs_gbps=360.0, cublas_groups_factor=1.3),
+    4: dict(CALIBRATION, ce_gbps=300.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
+            nccl_rs_gbps=360.0, cublas_groups_factor=1.1, triton_overhead_ms=0.05),
 }
 
 
+def _calibration_world(world: int) -> int:
+    """The measured world size nearest to `world` (the larger on a tie)."""
+    return min(CALIBRATION_BY_WORLD, key=lambda w: (abs(w - world), -w))
+
+
 def calibration(world: int) -> dict:
-    """The constants measured at the world size nearest to `world` (the larger on a tie)."""
-    return CALIBRATION_BY_WORLD[min(CALIBRATION_BY_WORLD, key=lambda w: (abs(w - world), -w))]
+    """The constants measured at the world size nearest to `world`."""
+    return CALIBRATION_BY_WORLD[_calibration_world(world)]
 
 
 MIN_GAIN = 1.03  # a fused plan must be predicted this much faster than NCCL + cuBLAS
@@ -204,7 +220,8 @@ def plan_label(plan: DevicePlan) -> Optional[str]:
 
 def default_params(task: Task) -> dict:
     """Parameters for a fused plan given without any (DITRON_PLAN=fused): the best candidate."""
-    preds = {k: v for k, v in predict(task).items() if k not in UNVALIDATED}
+    skip = unvalidated(task.world_size)
+    preds = {k: v for k, v in predict(task).items() if k not in skip}
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
     best = min(cands, key=lambda label: preds.get(label, float("inf")))
     return dict(cands[best])
@@ -318,7 +335,8 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     if not task.rank_chunks_contiguous:
         return None, (f"the fused kernels take each rank's chunk as one block of rows; "
                       f"dim {task.dim} with a leading dim > 1 interleaves them")
-    preds = {k: v for k, v in predict(task).items() if k not in UNVALIDATED}
+    skip = unvalidated(task.world_size)
+    preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")
     best = min(preds, key=preds.get)
     summary = f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"

@@ -192,9 +192,9 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
 def test_calibration_by_world_picks_what_was_measured_best():
     """Each world size is planned with the constants measured nearest to it: on 4 ranks the
-    persistent Triton AG and the cuBLAS-chunk RS on every suite shape (the measured best validated
-    plans of h200x4_run19/run23), on 8 the plans of the 8-GPU live table (three shapes left to
-    NCCL + cuBLAS)."""
+    measured best plan of every suite shape (h200x4_run28.md: the persistent Triton AG for the
+    long GEMMs, cuBLAS on each chunk as it lands for the short ones, the cuBLAS-chunk RS), on 8
+    the plans of the 8-GPU live table (three shapes left to NCCL + cuBLAS)."""
     from ditron_inductor.scheduler.cost_model import (
         CALIBRATION_BY_WORLD,
         calibration,
@@ -214,6 +214,7 @@ def test_calibration_by_world_picks_what_was_measured_best():
             for task, m, k, n in suite]
         return [plan_label(p) if p else "nccl_cublas" for p in plans]
 
-    assert picks(4) == ["tri_tma_128x256"] * 4 + ["cublas_triton_reduce"] * 3
+    assert picks(4) == ["tri_tma_128x256", "cublas_each", "cublas_1_1_2_4", "tri_tma_128x256"] \
+        + ["cublas_triton_reduce"] * 3
     assert picks(8) == ["tri_tma_128x256", "nccl_cublas", "nccl_cublas", "tri_tma_128x256",
                         "cublas_triton_reduce", "nccl_cublas", "cublas_triton_reduce"]
