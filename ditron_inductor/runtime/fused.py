@@ -319,7 +319,7 @@ def all_gather_matmul_fused(task: Task, plan: DevicePlan, a_shard, weights, bias
             return _gemm_failed(ctx, main, exc)
         return _all_gather_done(ctx, main, a_shard, gathered, outs)
 
-    # 2. copy streams: the peers' shards pulled in ring order (the i-th on stream i % S), each
+    # 2. copy streams: the peers' shards pulled in ring order (the k-th on stream k % S), each
     #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the main
     #    stream: a local copy runs on SMs, not on the copy engine (benchmarks/bench_copy.py), so
     #    on a copy stream, beside the GEMM, it held back every pull queued behind it

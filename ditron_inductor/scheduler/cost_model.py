@@ -1,9 +1,10 @@
 """Device plans for fused ops on CUDA, chosen from the Task alone (shape, dtype, world size).
 
 The model predicts, per candidate plan, the time of one call from a few constants measured on the
-GPU machine (CALIBRATION below) and picks the fastest; when no fused plan is predicted to beat the
-plain collective + cuBLAS by MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes,
-dtype and world size enter, so every rank makes the same choice.
+GPU machines (CALIBRATION_BY_WORLD below: 8x and 4x H200; a world size takes the nearest) and
+picks the fastest; when no fused plan is predicted to beat the plain collective + cuBLAS by
+MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes, dtype and world size
+enter, so every rank makes the same choice.
 
 Plans (params of a "fused" DevicePlan; runtime/fused.py reads them):
   gemm="triton": one persistent Triton GEMM (TMA, block_m x block_n x block_k, stages, warps)
@@ -17,8 +18,8 @@ Plans (params of a "fused" DevicePlan; runtime/fused.py reads them):
                  SMs beside one persistent Triton GEMM, in `chunks` chunks (UNVALIDATED: the
                  model predicts them but does not choose them).
 
-The host-time floor (host_floor_ms) was measured at W=8 on the benchmark VM; it dominates small
-shapes there (see benchmarks/NOTES.md).
+The host-time floor (host_floor_ms: 0.75 ms at W=8, 0.23 at W=4) dominates small shapes on the
+8-GPU machine (see benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -107,7 +107,6 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
 
 def _rs_cases(group_name, world, rank, dtype, gen, calls):
     from ditron_inductor.ops import matmul_reduce_scatter_reference
-
     from ditron_inductor.runtime import reduce_scatter
 
     dev = torch.device("cuda")
