@@ -42,7 +42,7 @@ import triton
 from .. import config
 from ..log_names import LOGGER_NAME
 from ..ops import register_fused
-from ..scheduler.cost_model import complete_params
+from ..scheduler.cost_model import RS_CANDIDATES, complete_params
 from ..scheduler.plan import DevicePlan
 from ..scheduler.task import Task
 from . import driver
@@ -54,8 +54,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
 stats = {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
 _POLLS_PER_S = 1_000_000  # a poll of a flag takes about a microsecond
-# the copy-engine plan that serves what the SM-pull reduce-scatter declines
-RS_COPY_ENGINE_FALLBACK = dict(gemm="cublas", reduce="triton")
 
 
 def _why_not(msg: str):
@@ -415,7 +413,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: DevicePlan, a, b, bias, out_sh
         if out is not None:
             stats["matmul_reduce_scatter"] += 1
             return out.view(out_shape_scattered)
-        params = dict(RS_COPY_ENGINE_FALLBACK)
+        params = dict(RS_CANDIDATES["cublas_triton_reduce"])  # the copy-engine plan
     if torch.cuda.is_current_stream_capturing():
         return _why_not("CUDA graph capture (epochs are host values)")
     rows = M // W

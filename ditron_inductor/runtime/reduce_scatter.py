@@ -48,9 +48,8 @@ def chunk_blocks(slice_blocks: int, chunks: int) -> int:
                 if slice_blocks % g == 0 and slice_blocks // g <= most)
 
 
-def pull_declines(m: int, k: int, n: int, world: int, esize: int, params: dict) -> Optional[str]:
-    """Why this plan cannot serve the shape, or None."""
-    block_m = _ready_gemm_tile(params)["BLOCK_M"]
+def pull_declines(m: int, k: int, n: int, world: int, esize: int, block_m: int) -> Optional[str]:
+    """Why this plan cannot serve the shape (the GEMM's tile block_m rows high), or None."""
     if k == 0:
         return "K = 0"
     if (m // world) % block_m:
@@ -67,7 +66,8 @@ def matmul_reduce_scatter_pull(task, params: dict, a, b, bias, reduce_op: str):
     copy-engine plan)."""
     params = {**PULL_DEFAULTS, **params}
     (m, k), n, world = a.shape, b.shape[1], task.world_size
-    why = pull_declines(m, k, n, world, a.element_size(), params)
+    tile = _ready_gemm_tile(params)
+    why = pull_declines(m, k, n, world, a.element_size(), tile["BLOCK_M"])
     if why:
         return _why_not(why)
     capturing = torch.cuda.is_current_stream_capturing()
@@ -81,7 +81,6 @@ def matmul_reduce_scatter_pull(task, params: dict, a, b, bias, reduce_op: str):
     if b_trans is None:
         return _why_not("operands TMA cannot take (alignment, strides)")
     dev = _device_epoch(ctx)
-    tile = _ready_gemm_tile(params)
     rows = m // world
     per_chunk = chunk_blocks(rows // tile["BLOCK_M"], int(params["chunks"]))
     sms = _num_sms(a.device)

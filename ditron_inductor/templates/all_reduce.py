@@ -104,6 +104,19 @@ def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr
 
 
 @triton.jit
+def wait_chunks_through(flag_table, ready, last, N, rows_per_chunk, epoch, limit, err_ptr,
+                        WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
+    """Beside a GEMM that raises READY per chunk of rows_per_chunk rows: wait for READY on every
+    rank of each chunk up to the one holding element `last` (row last // N) not yet seen (chunks
+    [0, ready) were; the persistent GEMM finishes chunks only about in order). Returns the new
+    `ready`."""
+    need = (last // N) // rows_per_chunk
+    for c in range(ready, need + 1):  # none when chunk `need` was seen
+        wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY, WORLD, WORLD_P2)
+    return tl.maximum(ready, need + 1)
+
+
+@triton.jit
 def finish_call(arrive_ptr, epoch_ptr, epoch):
     """The last program through resets the arrival counter and advances the epoch."""
     arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu")

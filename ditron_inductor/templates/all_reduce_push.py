@@ -64,9 +64,9 @@ launches each phase separately for every rank (producers before consumers).
 import triton
 import triton.language as tl
 
-from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_READY, K_ERR_STARTED, K_LOCAL,
-                         K_MAX_PROGS, K_PUSHED, K_READY, K_STARTED, finish_call, norm_row,
-                         sendable, wait_all, wait_peers)
+from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS,
+                         K_PUSHED, K_STARTED, finish_call, norm_row, sendable, wait_all,
+                         wait_chunks_through)
 from .comm import peer_ptr
 
 _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
@@ -176,11 +176,9 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
             idx = start + offs
             mask = idx < numel
             if CHUNKED:
-                need = ((tl.minimum(start + BLOCK, numel) - 1) // N) // rows_per_chunk
-                for c in range(ready, need + 1):  # none when chunk `need` was seen
-                    wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY,
-                               WORLD, WORLD_P2)
-                ready = tl.maximum(ready, need + 1)
+                ready = wait_chunks_through(flag_table, ready, tl.minimum(start + BLOCK, numel) - 1,
+                                            N, rows_per_chunk, epoch, limit, err_ptr, WORLD,
+                                            WORLD_P2)
             acc = tl.zeros([BLOCK], tl.float32)
             for q in tl.static_range(WORLD):
                 if SCATTER:  # rank q's partial of block g, pushed into my slot for q

@@ -25,7 +25,7 @@ which a peer's GEMM raises only after its own reduction of this call has finishe
 import triton
 import triton.language as tl
 
-from .all_reduce import K_ERR_READY, K_READY, finish_call, wait_peers
+from .all_reduce import finish_call, wait_chunks_through
 from .comm import peer_ptr
 
 
@@ -44,11 +44,8 @@ def pull_reduce_kernel(data_table, flag_table, epoch_ptr, arrive_ptr, err_ptr, o
         start = blk * BLOCK
         idx = start + offs
         mask = idx < numel
-        need = ((tl.minimum(start + BLOCK, numel) - 1) // N) // chunk_rows
-        for c in range(ready, need + 1):  # none when chunk `need` was seen
-            wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY, WORLD,
-                       WORLD_P2)
-        ready = tl.maximum(ready, need + 1)
+        ready = wait_chunks_through(flag_table, ready, tl.minimum(start + BLOCK, numel) - 1, N,
+                                    chunk_rows, epoch, limit, err_ptr, WORLD, WORLD_P2)
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):
             part = tl.load(peer_ptr(data_table, q, dtype, True) + first + idx, mask=mask,

@@ -113,8 +113,8 @@ def test_chunks_and_declines():
     assert chunk_blocks(12, 8) == 2  # 6 equal chunks, not 8 unequal ones
     assert chunk_blocks(7, 4) == 7  # a prime number of blocks: one chunk
     assert chunk_blocks(256, 1000) == 4  # at most MAX_CHUNKS
-    assert pull_declines(8192, 1024, 8192, 8, 2, {}) is None
-    assert "row blocks" in pull_declines(8 * 100, 1024, 8192, 8, 2, {})
-    assert "ranks" in pull_declines(32 * 128, 64, 64, 32, 2, {})
-    assert "2**31" in pull_declines(65536, 1024, 16384, 8, 2, {})
-    assert "K = 0" in pull_declines(8192, 0, 8192, 8, 2, {})
+    assert pull_declines(8192, 1024, 8192, 8, 2, 128) is None
+    assert "row blocks" in pull_declines(8 * 100, 1024, 8192, 8, 2, 128)
+    assert "ranks" in pull_declines(32 * 128, 64, 64, 32, 2, 128)
+    assert "2**31" in pull_declines(65536, 1024, 16384, 8, 2, 128)
+    assert "K = 0" in pull_declines(8192, 0, 8192, 8, 2, 128)
