@@ -2,15 +2,15 @@
 templates/gemm_ready.py with SLICES = W, and templates/reduce_scatter.py).
 
 One call on rank r: the persistent Triton GEMM on SMs - P programs of the main stream writes
-a @ b (+ bias) into the half of my symmetric buffer of the call's epoch parity, chunk by chunk
-(each chunk holds row-blocks of every rank's slice), raising READY per chunk; beside it, on P
-programs of the side stream, pull_reduce_kernel sums my slice of every rank's partial as the
-chunks become ready: the transfer rides on SM loads over NVLink and overlaps the GEMM. It is for
+a @ b (+ bias) into the half of my symmetric buffer of the call's epoch parity, chunk by chunk (each
+chunk holds row-blocks of every rank's slice), raising READY per chunk; beside it, on P programs
+of the side stream, pull_reduce_kernel sums my slice of every rank's partial as the chunks
+become ready: the transfer rides on SM loads over NVLink and overlaps the GEMM. It is for
 machines where the copy engine is slow (~150 GB/s per GPU through the plans on the 8-GPU
 machine, SM loads 320-350: ARCHITECTURE.md); on 2 and 4 H200, where the copy engine pulls ~330,
-it is slower than the copy-engine plan (benchmarks/NOTES.md, session 6). Epochs are device words, as for the
-all-reduce (runtime/all_reduce.py): nothing on the host changes between calls, so a call
-captured in a CUDA graph replays correctly once the context exists.
+it is slower than the copy-engine plan (benchmarks/NOTES.md, session 6). Epochs are device
+words, as for the all-reduce (runtime/all_reduce.py): nothing on the host changes between calls,
+so a call captured in a CUDA graph replays correctly once the context exists.
 
 The copy-engine plans (runtime/fused.py) serve what this one declines: operands TMA cannot take,
 slices that are not whole row-blocks of the GEMM's tile.
