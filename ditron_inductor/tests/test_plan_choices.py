@@ -1,0 +1,101 @@
+"""Every suite shape's plan, pinned at world sizes 2, 4 and 8, as the runtime runs it: the
+scheduler's choice with every default resolved, unprompted and with the fused plan forced."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from ditron_inductor import config
+from ditron_inductor.scheduler.decide import decide
+from ditron_inductor.scheduler.task import (
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+    Task,
+)
+from ditron_inductor.tests.fx_helpers import fake_group
+
+WORLDS = (2, 4, 8)
+AG_RS_SUITE = [(ALL_GATHER_MATMUL, 8192, 8192, 7168), (ALL_GATHER_MATMUL, 8192, 8192, 1280),
+               (ALL_GATHER_MATMUL, 4096, 8192, 4096), (ALL_GATHER_MATMUL, 16384, 8192, 3584),
+               (MATMUL_REDUCE_SCATTER, 8192, 3584, 8192), (MATMUL_REDUCE_SCATTER, 8192, 1024, 8192),
+               (MATMUL_REDUCE_SCATTER, 16384, 3584, 8192)]
+AR_MS = (1, 8, 16, 32, 128, 256, 512, 1024, 2048, 8192, 16384)
+AR_KS = (3584, 1024)
+
+
+def _task(op, world, m, k, n) -> Task:
+    return Task(op=op, group_name="0", world_size=world, m=m, k=k, ns=(n,),
+                dtype=torch.bfloat16, device_type="cuda", dim_size=m, has_bias=(False,),
+                reduce_op=None if op == ALL_GATHER_MATMUL else "sum",
+                has_residual=op == MATMUL_ALL_REDUCE_RMSNORM)
+
+
+def resolved(task: Task, cuda_graphs: bool) -> str:
+    """The decision as one line: the plan the runtime runs, every default resolved."""
+    from torch._inductor import config as inductor_config
+
+    from ditron_inductor.scheduler.cost_model import complete_params, plan_label
+
+    with inductor_config.patch({"triton.cudagraphs": cuda_graphs}):
+        d = decide(task)
+    if not d.fuse:
+        return "nccl_cublas"
+    if d.plan.impl == "reference":
+        return "reference"
+    params = complete_params(task, d.plan)
+    if task.op in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
+        from ditron_inductor.scheduler.cost_model import DevicePlan
+
+        return plan_label(DevicePlan("fused", tuple(sorted(params.items()))))
+    w = task.world_size
+    overlap = bool(params.get("overlap", False))
+    triton = params.get("gemm") == "triton"
+    parts = [params["algo"]]
+    if overlap:
+        parts += ["overlap", "triton" if triton else "cublas",
+                  f"chunks={params.get('chunks', 8 if triton else 2 * w)}",
+                  f"progs={params.get('progs', 32)}"]
+    elif "progs" in params:
+        parts.append(f"progs={params['progs']}")
+    parts += [f"{key}={params[key]}" for key in ("block", "warps") if params.get(key)]
+    return " ".join(parts)
+
+
+def choices(forced: str = "") -> dict:
+    out = {}
+    for world in WORLDS:
+        with fake_group(world):
+            saved, config.force_plan = config.force_plan, forced
+            try:
+                for op, m, k, n in AG_RS_SUITE:
+                    out[f"{op} {m}x{k}x{n} w{world}"] = resolved(_task(op, world, m, k, n), False)
+                for op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+                    for k in AR_KS:
+                        for m in AR_MS:
+                            for graphs in (False, True):
+                                key = f"{op} {m}x{k}x8192 w{world} {'graphs' if graphs else 'eager'}"
+                                out[key] = resolved(_task(op, world, m, k, 8192), graphs)
+            finally:
+                config.force_plan = saved
+    return out
+
+
+PINNED = pathlib.Path(__file__).with_name("plan_choices.json")
+
+
+@pytest.mark.parametrize("kind,forced", [("chosen", ""), ("forced", "fused")])
+def test_plans_stay_as_pinned(kind, forced):
+    pinned = json.loads(PINNED.read_text())[kind]
+    now = choices(forced)
+    assert {key: now[key] for key in pinned if now[key] != pinned[key]} == {}
+    assert now.keys() == pinned.keys()
+
+
+if __name__ == "__main__":  # re-pin (only for a change meant to change the plans)
+    print(json.dumps({"chosen": choices(), "forced": choices("fused")}, indent=1))
