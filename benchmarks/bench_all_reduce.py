@@ -132,10 +132,11 @@ def run_shape(shape, dtype, group_name, world, args):
         return a @ b
 
     def gemm_triton_only(a, b):  # the persistent Triton GEMM on the SMs push beside it leaves
-        from ditron_inductor.runtime.fused import _num_sms, triton_gemm
+        from ditron_inductor.runtime.fused import num_sms, triton_gemm
+        from ditron_inductor.scheduler.plan import GemmTile
 
         out = torch.empty(M, N, device=dev, dtype=dtype)
-        return triton_gemm(a, b, None, out, {}, num_progs=_num_sms(a.device) - 32)
+        return triton_gemm(a, b, None, out, GemmTile(), num_progs=num_sms(a.device) - 32)
 
     def comm_only(a, b):
         return c10d.wait_tensor(c10d.all_reduce(full, "sum", group_name))
@@ -163,7 +164,7 @@ def run_shape(shape, dtype, group_name, world, args):
         return buf
 
     def ditron(params, norm):
-        text = plan_text(params)
+        text = plan_text("matmul_all_reduce_rmsnorm", world, shape, params)
         if norm:
             return lambda a, b: torch.ops.ditron.matmul_all_reduce_rmsnorm(
                 a, b, None, [], residual, weight, EPS, False, "sum", group_name, world, text)

@@ -37,6 +37,7 @@ AG_SHAPES = [(8192, 8192, 7168), (8192, 8192, 1280), (4096, 8192, 4096), (16384,
 RS_SHAPES = [(8192, 3584, 8192), (8192, 1024, 8192), (16384, 3584, 8192)]
 
 from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.plan import GemmTile  # noqa: E402
 
 
 def sync_all():
@@ -125,10 +126,16 @@ def bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, arg
     }
 
 
-def plan_text(params):
-    from ditron_inductor.scheduler.plan import FUSED, DevicePlan
+def plan_text(op, world, shape, params):
+    """The plan text a graph compiled for this op and shape carries, with these parameters (none:
+    the scheduler's default for the shape)."""
+    from ditron_inductor.scheduler.decide import plan_for
+    from ditron_inductor.scheduler.task import Task
 
-    return DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))).encode()
+    M, K, N = shape
+    task = Task(op=op, group_name="", world_size=world, m=M, k=K, ns=(N,), dtype=torch.bfloat16,
+                device_type="cuda")
+    return plan_for(task, **params).encode()
 
 
 def check_close(name, out, ref):
@@ -181,7 +188,9 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
         return c10d.wait_tensor(c10d.all_gather_into_tensor(a, world, group_name))
 
     def ditron(params):
-        text = plan_text(params) if params is not None else None
+        text = (plan_text("all_gather_matmul", world, shape, params) if params is not None
+                else None)
+
         def f(a, b):
             if text is None:
                 return nccl_cublas(a, b)
@@ -195,8 +204,7 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
     out = torch.empty(M, N, device=dev, dtype=dtype)
     plans = {}
     plans["triton_gemm_only"] = safe("triton gemm", bench,
-                                     lambda a, b: triton_gemm(full, b, None, out,
-                                                              AG_CANDIDATES["tri_tma_128x256"]),
+                                     lambda a, b: triton_gemm(full, b, None, out, GemmTile()),
                                      inputs, args.iters, args.reps)
     ms["ditron"] = bench_candidates(f"AG {shape}", AG_CANDIDATES, ditron, lambda out: out[1],
                                     inputs, args, ditron_task_plan, plans)
@@ -225,7 +233,8 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", world, group_name))
 
     def ditron(params):
-        text = plan_text(params) if params is not None else None
+        text = plan_text("matmul_reduce_scatter", world, shape, params) \
+            if params is not None else None
         def f(a, b):
             if text is None:
                 return nccl_cublas(a, b)

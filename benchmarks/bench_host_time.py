@@ -46,15 +46,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ditron_inductor.ops  # noqa: E402,F401 - registers torch.ops.ditron.*
 from ditron_inductor.log_names import LOGGER_NAME  # noqa: E402
-from ditron_inductor.scheduler.plan import FUSED, REFERENCE_PLAN, DevicePlan  # noqa: E402
+from ditron_inductor.scheduler.decide import plan_for  # noqa: E402
+from ditron_inductor.scheduler.plan import REFERENCE_PLAN  # noqa: E402
+from ditron_inductor.scheduler.task import Task  # noqa: E402
 
 c10d = torch.ops._c10d_functional
 ditron = torch.ops.ditron
 
 
-def plan_text(**params) -> str:
-    """The plan string a compiled graph carries for a fused plan with these parameters."""
-    return DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))).encode()
+def plan_text(op: str, world: int, m: int, k: int, n: int, **params) -> str:
+    """The plan string a graph compiled for this op and shape carries, with these parameters."""
+    task = Task(op=op, group_name="", world_size=world, m=m, k=k, ns=(n,), dtype=torch.bfloat16,
+                device_type="cuda")
+    return plan_for(task, **params).encode()
 
 
 REFERENCE_TEXT = REFERENCE_PLAN.encode()
@@ -111,7 +115,7 @@ def cases(world: int, group: str, dev):
                           ("tri_tma_128x256", dict(gemm="triton", tma=True, block_m=128,
                                                    block_n=256, block_k=64, group_m=8,
                                                    stages=3, warps=8))):
-        text = plan_text(**params)
+        text = plan_text("all_gather_matmul", world, rows, k, n, **params)
         ag[f"ditron/{label}"] = (lambda t: lambda: ditron.all_gather_matmul(
             a_shard, [w_ag], [None], 0, group, world, t))(text)
     yield "all_gather_matmul", f"M={rows} K={k} N={n}", ag
@@ -119,7 +123,8 @@ def cases(world: int, group: str, dev):
     # matmul + reduce-scatter
     a_rs = torch.randn(rows, k, **bf16)
     w_rs = torch.randn(k, n, **bf16) / k ** 0.5
-    rs_text = plan_text(gemm="cublas", reduce="triton")
+    rs_text = plan_text("matmul_reduce_scatter", world, rows, k, n, gemm="cublas",
+                        reduce="triton")
     rs = {
         "nccl_cublas": lambda: c10d.wait_tensor(
             c10d.reduce_scatter_tensor(torch.mm(a_rs, w_rs), "sum", world, group)),
@@ -140,7 +145,7 @@ def cases(world: int, group: str, dev):
         w_ar = torch.randn(k, n, **bf16) / k ** 0.5
         residual = torch.randn(m, n, **bf16)
         norm_w = torch.randn(n, **bf16)
-        text = plan_text(**algo_params)
+        text = plan_text("matmul_all_reduce", world, m, k, n, **algo_params)
         label = f"ditron/{algo_params['algo']}{'_overlap' if algo_params.get('overlap') else ''}"
 
         def nccl_norm(a=a_ar, w=w_ar, res=residual, nw=norm_w):
@@ -178,6 +183,9 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write the rows here")
     parser.add_argument("--label", default="", help="a name for this code version in the table")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_host_time.py times the fused CUDA ops: it needs CUDA GPUs "
+                 "(torchrun --nproc-per-node W benchmarks/bench_host_time.py)")
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

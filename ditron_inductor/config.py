@@ -47,5 +47,6 @@ def cache_key() -> str:
             sorted(str(d) for d in dtypes),
             force_plan,
             symm_mem_backend,
+            wait_timeout_s,
         )
     )

@@ -5,9 +5,9 @@ shapes see it as one opaque kernel, and a reference implementation from function
 matmuls that runs on any device (CPU with gloo included) and is the ground truth in tests.
 
 The fused CUDA implementations plug in at one place: `register_fused`. An op whose plan asks for a
-fused kernel calls it; the fused implementation returns None for an input it cannot serve (a layout
-or size its kernel does not handle, a group without symmetric memory), and the op then takes the
-reference path instead of failing.
+fused kernel calls it with the plan (decoded once per distinct text); the fused implementation
+returns None for an input its plan cannot serve (a layout or size its kernel does not handle), and
+the op then takes the reference path instead of failing, and says so at debug level.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .log_names import LOGGER_NAME
-from .scheduler.plan import REFERENCE, DevicePlan
+from .scheduler.plan import FUSED, decode
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -32,6 +32,8 @@ from .scheduler.task import (
 
 log = logging.getLogger(LOGGER_NAME)
 c10d = torch.ops._c10d_functional
+if torch.distributed.is_available():
+    from torch._C._distributed_c10d import _resolve_process_group
 
 # op name -> fused implementation: fn(task, plan, *op_args) -> outputs, or None to fall back.
 _fused_impls: dict[str, Callable] = {}
@@ -49,8 +51,6 @@ def register_fused(op_name: str) -> Callable[[Callable], Callable]:
 def check_group(group_name: str, world_size: int) -> None:
     """Fail with a message that names the problem when the graph's group does not match this
     process, instead of a hang or an opaque error inside a collective."""
-    from torch._C._distributed_c10d import _resolve_process_group
-
     try:
         group = _resolve_process_group(group_name)
     except Exception as e:  # noqa: BLE001 - torch raises several types here
@@ -66,9 +66,9 @@ def check_group(group_name: str, world_size: int) -> None:
 
 
 def _dispatch(task: Task, plan_text: str, reference: Callable, *args):
-    plan = DevicePlan.decode(plan_text)
+    plan = decode(plan_text)
     check_group(task.group_name, task.world_size)
-    if plan.impl != REFERENCE and task.device_type == "cuda":
+    if plan.impl == FUSED and task.device_type == "cuda":
         _load_fused_impls()
         fused = _fused_impls.get(task.op)
         out = fused(task, plan, *args) if fused is not None else None
@@ -77,8 +77,8 @@ def _dispatch(task: Task, plan_text: str, reference: Callable, *args):
         key = (task.op, plan_text)
         if key not in _fallbacks_logged:
             _fallbacks_logged.add(key)
-            log.info("%s: plan %s could not serve this call; ran the reference path",
-                     task.describe(), plan.describe())
+            log.debug("%s: plan %s could not serve this call; ran the reference path",
+                      task.describe(), plan.describe())
     return reference(*args)
 
 

@@ -31,7 +31,7 @@ class CandidateReport:
     task: str  # Task.describe()
     fused: bool
     reason: str
-    plan: Optional[str]  # DevicePlan.describe() when fused
+    plan: Optional[str]  # the plan's describe() when fused
 
 
 @dataclasses.dataclass(frozen=True)

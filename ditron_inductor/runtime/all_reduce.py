@@ -38,21 +38,20 @@ import torch
 import triton
 
 from ..ops import register_fused
-from ..scheduler.cost_model import complete_params
-from ..scheduler.plan import DevicePlan
+from ..scheduler.plan import TRITON, AllReducePlan, GemmTile
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
-from .context import OpContext, build_outside_graph_pools, get_context, size_class
-from .fused import _DTYPES, _check_errors, _limit, _mm, _num_sms, _tma_ok, _why_not
+from .context import OpContext, build_outside_graph_pools, get_context, size_class, wait_polls
+from .fused import DTYPES, check_errors, decline, matmul_into, num_sms, tma_ok
 from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
-_WAIT_NAMES = {kernels.ERR_READY: "READY (a chunk of a peer's GEMM)",
+WAIT_NAMES = {kernels.ERR_READY: "READY (a chunk of a peer's GEMM)",
                kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
                kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
                kernels.ERR_STARTED: "STARTED (a peer's partial)",
@@ -72,7 +71,7 @@ class DeviceEpoch:
 _epochs: "weakref.WeakKeyDictionary[OpContext, DeviceEpoch]" = weakref.WeakKeyDictionary()
 
 
-def _device_epoch(ctx: OpContext) -> DeviceEpoch:
+def device_epoch(ctx: OpContext) -> DeviceEpoch:
     state = _epochs.get(ctx)
     if state is None:
         state = _epochs[ctx] = build_outside_graph_pools(ctx.device, lambda: DeviceEpoch(
@@ -82,7 +81,6 @@ def _device_epoch(ctx: OpContext) -> DeviceEpoch:
     return state
 
 
-ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all")  # plan param "algo"
 _MAX_BLOCK = 4096  # push_grid's largest block
 
 
@@ -126,7 +124,7 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
     """Why the fused path cannot serve these inputs, or None."""
     if reduce_op != "sum":
         return f"reduce_op {reduce_op}"
-    if a.dtype not in _DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
+    if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
         return f"dtype {a.dtype} / operands not 2-d"
     m, n = a.shape[0], b.shape[1]
     if m == 0 or n == 0 or a.shape[1] == 0:
@@ -154,23 +152,23 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     shape = list(out_shape) if len(out_shape) else [m, n]
     why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape)
     if why:
-        return _why_not(why)
-    params = complete_params(task, plan)
-    algo = params["algo"]
-    if algo not in ALGOS:
-        raise ValueError(f"all-reduce plan algo={algo!r}: not one of {ALGOS}")
+        return decline(why)
+    algo = plan.algo
     if task.world_size > kernels.MAX_WORLD:
-        return _why_not(f"the all-reduce kernels' flags serve up to {kernels.MAX_WORLD} ranks")
+        return decline(f"the all-reduce kernels' flags serve up to {kernels.MAX_WORLD} ranks")
     context, elems = _buffer_elements(algo, m * n, task.world_size)
     if size_class(elems * a.element_size()) // a.element_size() >= 2 ** 31:
-        return _why_not("more than 2**31 elements in the buffers (32-bit offsets)")
+        return decline("more than 2**31 elements in the buffers (32-bit offsets)")
     capturing = torch.cuda.is_current_stream_capturing()
-    ctx = get_context(context, task.group_name, elems * a.element_size(),
+    ctx = get_context(context, task.group_name, plan.symm_mem_backend, elems * a.element_size(),
                       flag_words=kernels.FLAG_WORDS, create=not capturing)
     if ctx is None:
-        return _why_not("CUDA graph capture before any eager call of this size class")
-    dev = _device_epoch(ctx)
+        return decline("CUDA graph capture before any eager call of this size class")
+    dev = device_epoch(ctx)
     partial = ctx.data.view(-1, a.dtype, (m, n))
+    b_trans = tma_ok(a, b, partial) if plan.overlap and plan.gemm == TRITON else None
+    if plan.overlap and plan.gemm == TRITON and b_trans is None:
+        return decline("the Triton GEMM beside push: operands TMA cannot take")
     h = torch.empty((m, n), dtype=a.dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.local.view(torch.int32),
@@ -179,19 +177,19 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
     if algo == "push_all":
-        _push_all(ctx, params, a, b, bias, partial, common, consts, float(eps))
+        _push_all(ctx, plan, a, b, bias, partial, common, consts, float(eps))
     elif algo in ("lamport", "lamport_all"):
-        _lamport(ctx, params, a, b, bias, partial, common, consts, float(eps))
+        _lamport(ctx, plan, a, b, bias, partial, common, consts, float(eps))
     else:
-        _push(ctx, dev, params, a, b, bias, partial, common, consts, float(eps))
-    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
+        _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps))
+    check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
 
 
-def _row_chunks(ctx, params, m):
+def _row_chunks(plan: AllReducePlan, m):
     """(number of row chunks, rows per chunk) of the cuBLAS GEMM beside push (overlap=True)."""
-    chunks = max(1, min(int(params.get("chunks", 2 * ctx.world)), kernels.MAX_CHUNKS, m))
+    chunks = max(1, min(plan.chunks, kernels.MAX_CHUNKS, m))
     rows = triton.cdiv(m, chunks)
     return triton.cdiv(m, rows), rows
 
@@ -211,39 +209,33 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
     try:
         for j in range(triton.cdiv(m, rows)):
             lo, hi = j * rows, min((j + 1) * rows, m)
-            _mm(a[lo:hi], b, bias, partial[lo:hi], {})
+            matmul_into(a[lo:hi], b, bias, partial[lo:hi])
             driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
     finally:
         if carve:
             torch._C._set_sm_carveout_experimental(before)
 
 
-# The persistent GEMM beside push (gemm="triton"): its tile (the issue-3 GEMM's best on H200);
-# plan params gemm_block_n, gemm_stages, gemm_warps try others.
-READY_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+def tile_launch(tile: GemmTile) -> dict:
+    """The persistent GEMM's (templates/gemm_ready.py) compile-time tile arguments."""
+    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                num_warps=tile.warps, num_stages=tile.stages)
 
 
-def _ready_gemm_tile(params):
-    """READY_GEMM_TILE with the plan's overrides."""
-    return dict(READY_GEMM_TILE, **{key: int(params[name]) for name, key in (
-        ("gemm_block_n", "BLOCK_N"), ("gemm_stages", "num_stages"), ("gemm_warps", "num_warps"))
-        if name in params})
-
-
-def _ready_gemm_rows(params, m):
-    """Rows per chunk of the persistent GEMM beside push: whole row-blocks, about
-    params["chunks"] chunks (default 8), at most MAX_CHUNKS."""
-    blocks = triton.cdiv(m, READY_GEMM_TILE["BLOCK_M"])
-    chunks = max(1, min(int(params.get("chunks", 8)), kernels.MAX_CHUNKS))
+def _ready_gemm_rows(plan: AllReducePlan, m):
+    """Rows per chunk of the persistent GEMM beside push: whole row-blocks, about plan.chunks
+    chunks, at most MAX_CHUNKS."""
+    blocks = triton.cdiv(m, plan.tile.block_m)
+    chunks = max(1, min(plan.chunks, kernels.MAX_CHUNKS))
     group = max(triton.cdiv(blocks, chunks), triton.cdiv(blocks, kernels.MAX_CHUNKS))
-    return group * READY_GEMM_TILE["BLOCK_M"]
+    return group * plan.tile.block_m
 
 
-def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
+def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
                 parity_elems=0):
     """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
-    raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: _tma_ok's
-    answer; tile: _ready_gemm_tile's. GEMM + reduce-scatter: `slices` (the world size) equal
+    raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
+    answer; tile: tile_launch's. GEMM + reduce-scatter: `slices` (the world size) equal
     slices of rows, each chunk holding row-blocks of every slice, and the partial written
     parity_elems further on in calls of odd epoch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -261,7 +253,7 @@ def _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, sl
         GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
 
 
-def _gemm_beside(dev, queue_gemm, side_kernel):
+def gemm_beside(dev, queue_gemm, side_kernel):
     """queue_gemm() on the main stream, side_kernel() beside it on the side stream, then the
     main stream joins the side stream."""
     main = torch.cuda.current_stream()
@@ -276,20 +268,20 @@ def _gemm_beside(dev, queue_gemm, side_kernel):
     main.wait_stream(dev.side)
 
 
-def push_grid(world, numel, sms, params, norm=False):
+def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     """(programs, BLOCK, warps) of a push kernel (push_all: world=1, every rank handles every
     element): one 16-byte vector of 16-bit elements per thread and peer in a block (BLOCK = 256 x
     warps, at most 8 warps); blocks of 256 to 1024 elements with about 32 or more programs at
     work, 4096 from 64 blocks of 4096 per rank up (measured best at M=32 and M >= 2048,
     ar_h200x8_run6.md, and at M=256, run9.md); with a norm at least 1024 (its rows go to 4 warps,
     not 1: faster at M=1, ar_h200x8_run7.md); fewer programs than SMs (the kernel waits on its
-    own programs: all must be resident)."""
+    own programs: all must be resident). block, warps, progs: a plan's choice (0: by size)."""
     per_rank = triton.cdiv(numel, world)
     small = max(1024 if norm else 256,
                 min(1024, triton.next_power_of_2(per_rank // 32 + 1) // 2))
-    block = int(params.get("block", 0)) or (4096 if per_rank >= 64 * 4096 else small)
-    warps = int(params.get("warps", 0)) or max(1, min(8, block // 256))
-    cap = min(int(params.get("progs", kernels.MAX_PROGS)), kernels.MAX_PROGS, sms - 4)
+    block = block or (4096 if per_rank >= 64 * 4096 else small)
+    warps = warps or max(1, min(8, block // 256))
+    cap = min(progs or kernels.MAX_PROGS, kernels.MAX_PROGS, sms - 4)
     return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
 
 
@@ -305,7 +297,7 @@ def _region(ctx, partial, algo):
     return region_elements(ctx.data.nbytes // partial.element_size(), algo, ctx.world)
 
 
-def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
+def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps):
     """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
@@ -314,58 +306,50 @@ def _push(ctx, dev, params, a, b, bias, partial, common, consts, eps):
     every SM. push_scatter: the partials reach their owners by stores into the second half of
     the buffer."""
     m, n = partial.shape
-    overlap = bool(params.get("overlap", False))
-    scatter = params["algo"] == "push_scatter"
-    triton_gemm = params.get("gemm") == "triton"
-    b_trans = _tma_ok(a, b, partial) if triton_gemm else None
-    if overlap and triton_gemm and b_trans is None:
-        # operands TMA cannot take: the default push after cuBLAS (beside cuBLAS's row chunks
-        # on few SMs it is slower than NCCL, ar_h200x4_run16.md)
-        overlap, params = False, dict(algo="push")
-    if overlap:
-        if scatter:
-            raise ValueError("plan push_scatter runs after the whole GEMM: overlap=False")
-        params = {"progs": 32, **params}  # leave most SMs to the GEMM
-    sms = _num_sms(a.device)
-    progs, block, warps = push_grid(ctx.world, m * n, sms, params, norm=consts["NORM"])
+    scatter = plan.algo == "push_scatter"
+    sms = num_sms(a.device)
+    polls = wait_polls(plan)
+    progs, block, warps = push_grid(ctx.world, m * n, sms, plan.block, plan.warps, plan.progs,
+                                    norm=consts["NORM"])
     launch = dict(_launch(consts, n, block, warps), SCATTER=scatter)
-    slots = _region(ctx, partial, params["algo"])
-    if not overlap:
-        _mm(a, b, bias, partial, {})
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, progs, slots, _limit(), **launch)
+    slots = _region(ctx, partial, plan.algo)
+    if not plan.overlap:
+        matmul_into(a, b, bias, partial)
+        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, progs, slots, polls, **launch)
         return
-    if b_trans is not None:
-        rows = _ready_gemm_rows(params, m)
-        queue_gemm = lambda: _ready_gemm(  # noqa: E731
-            ctx, dev, a, b, bias, partial, b_trans, rows // READY_GEMM_TILE["BLOCK_M"],
-            sms - progs, _ready_gemm_tile(params))
+    if plan.gemm == TRITON:
+        rows = _ready_gemm_rows(plan, m)
+        queue_gemm = lambda: ready_gemm(  # noqa: E731
+            ctx, dev, a, b, bias, partial, b_trans, rows // plan.tile.block_m, sms - progs,
+            tile_launch(plan.tile))
     else:
-        rows = _row_chunks(ctx, params, m)[1]
-        carveout = progs if params.get("carveout") else None
+        rows = _row_chunks(plan, m)[1]
+        carveout = progs if plan.carveout else None
         queue_gemm = lambda: _cublas_chunks(  # noqa: E731
             ctx, dev, a, b, bias, partial, rows, carveout)
-    _gemm_beside(dev, queue_gemm, lambda: push_kernel[(progs,)](
-        *common, m, n, eps, ctx.rank, rows, progs, slots, _limit(), CHUNKED=True, COPY=False,
+    gemm_beside(dev, queue_gemm, lambda: push_kernel[(progs,)](
+        *common, m, n, eps, ctx.rank, rows, progs, slots, polls, CHUNKED=True, COPY=False,
         NORMALISE=False, **launch))
     # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
     # programs (the COPY phase's condition), as many as fit at once (the norm's barrier)
     copy_progs = progs * max(1, min(kernels.MAX_PROGS, sms - 4) // progs)
-    push_kernel[(copy_progs,)](*common, m, n, eps, ctx.rank, rows, progs, slots, _limit(),
+    push_kernel[(copy_progs,)](*common, m, n, eps, ctx.rank, rows, progs, slots, polls,
                                SEND=False, REDUCE=False, **launch)
 
 
-def _push_all(ctx, params, a, b, bias, partial, common, consts, eps):
+def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
     """The GEMM, then push_all_kernel: every rank's partial into a slot on every rank (the
     slots of this call's epoch parity), one wait, a local sum."""
     m, n = partial.shape
-    progs, block, warps = push_grid(1, m * n, _num_sms(a.device), params, norm=consts["NORM"])
+    progs, block, warps = push_grid(1, m * n, num_sms(a.device), plan.block, plan.warps,
+                                    plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, "push_all")
-    _mm(a, b, bias, partial, {})
-    push_all_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, stride, _limit(),
+    matmul_into(a, b, bias, partial)
+    push_all_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, stride, wait_polls(plan),
                               **_launch(consts, n, block, warps))
 
 
-def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
+def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
     """The GEMM, then lamport_kernel or (lamport_all, push_all's grid: every rank handles
     every element) lamport_all_kernel (templates/all_reduce_lamport.py) on its context, whose
     words all hold the empty mark before the first call."""
@@ -373,13 +357,13 @@ def _lamport(ctx, params, a, b, bias, partial, common, consts, eps):
     if ctx not in _marked_empty:
         build_outside_graph_pools(ctx.device, lambda: _mark_empty(ctx))
         _marked_empty.add(ctx)
-    one_shot = params["algo"] == "lamport_all"
-    progs, block, warps = push_grid(1 if one_shot else ctx.world, m * n, _num_sms(a.device),
-                                    params, norm=consts["NORM"])
-    stride = _region(ctx, partial, params["algo"])
-    _mm(a, b, bias, partial, {})
+    one_shot = plan.algo == "lamport_all"
+    progs, block, warps = push_grid(1 if one_shot else ctx.world, m * n, num_sms(a.device),
+                                    plan.block, plan.warps, plan.progs, norm=consts["NORM"])
+    stride = _region(ctx, partial, plan.algo)
+    matmul_into(a, b, bias, partial)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
-    kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, _limit(),
+    kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, wait_polls(plan),
                      **_launch(consts, n, block, warps))
 
 
@@ -393,14 +377,14 @@ def _mark_empty(ctx):
 
 
 @register_fused("matmul_all_reduce")
-def matmul_all_reduce_fused(task: Task, plan: DevicePlan, a, b, bias, out_shape, reduce_op,
+def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,
                             group_name, world_size):
     out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op)
     return None if out is None else out[0]
 
 
 @register_fused("matmul_all_reduce_rmsnorm")
-def matmul_all_reduce_rmsnorm_fused(task: Task, plan: DevicePlan, a, b, bias, out_shape,
+def matmul_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape,
                                     residual, norm_weight, eps, weight_in_fp32, reduce_op,
                                     group_name, world_size):
     return all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,

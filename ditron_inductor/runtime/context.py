@@ -22,7 +22,6 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from .. import config
 from . import driver
 from .symm import backend_for, choose_backend_name, group_barrier
 
@@ -143,16 +142,17 @@ _contexts: dict[tuple, OpContext] = {}
 _by_request: dict[tuple, OpContext] = {}
 
 
-def get_context(op: str, group_name: str, data_bytes: int, flag_words: int = 0,
-                create: bool = True) -> Optional[OpContext]:
-    """The op's context for this size class; with create=False (e.g. during CUDA-graph capture,
-    where the collective setup cannot run) None if it does not exist yet."""
+def get_context(op: str, group_name: str, symm_mem_backend: str, data_bytes: int,
+                flag_words: int = 0, create: bool = True) -> Optional[OpContext]:
+    """The op's context for this size class on the plan's symmetric-memory backend ("auto",
+    "nvshmem" or "torch"); with create=False (e.g. during CUDA-graph capture, where the
+    collective setup cannot run) None if it does not exist yet."""
     cls = size_class(data_bytes)
-    fast_key = (op, group_name, config.symm_mem_backend, cls)
+    fast_key = (op, group_name, symm_mem_backend, cls)
     ctx = _by_request.get(fast_key)
     if ctx is not None or not create:
         return ctx
-    backend_name = choose_backend_name(group_name)
+    backend_name = choose_backend_name(group_name, symm_mem_backend)
     key = (op, group_name, backend_name, cls)
     ctx = _contexts.get(key)
     if ctx is None:
@@ -163,8 +163,12 @@ def get_context(op: str, group_name: str, data_bytes: int, flag_words: int = 0,
     return ctx
 
 
-def debug_waits() -> bool:
-    return config.wait_timeout_s > 0
+POLLS_PER_S = 1_000_000  # a poll of a flag takes about a microsecond
+
+
+def wait_polls(plan) -> int:
+    """Polls after which a bounded wait gives up (0: unbounded), from the plan's timeout."""
+    return int(plan.wait_timeout_s * POLLS_PER_S)
 
 
 def clear_contexts() -> None:

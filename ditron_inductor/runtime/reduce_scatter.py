@@ -12,8 +12,8 @@ it is slower than the copy-engine plan (benchmarks/NOTES.md, session 6). Epochs 
 words, as for the all-reduce (runtime/all_reduce.py): nothing on the host changes between calls,
 so a call captured in a CUDA graph replays correctly once the context exists.
 
-The copy-engine plans (runtime/fused.py) serve what this one declines: operands TMA cannot take,
-slices that are not whole row-blocks of the GEMM's tile.
+What this plan declines (operands TMA cannot take, slices that are not whole row-blocks of the
+GEMM's tile) takes the op's reference path.
 """
 
 from __future__ import annotations
@@ -22,22 +22,15 @@ from typing import Optional
 
 import torch
 
+from ..scheduler.plan import ReduceScatterPlan
 from ..templates import all_reduce as kernels
 from ..templates.reduce_scatter import pull_reduce_kernel
-from .all_reduce import _WAIT_NAMES, _device_epoch, _gemm_beside, _ready_gemm, _ready_gemm_tile
-from .context import get_context, size_class
-from .fused import _check_errors, _limit, _num_sms, _tma_ok, _why_not
+from .all_reduce import WAIT_NAMES, device_epoch, gemm_beside, ready_gemm, tile_launch
+from .context import get_context, size_class, wait_polls
+from .fused import check_errors, decline, num_sms, tma_ok
 
 CONTEXT = "matmul_reduce_scatter_pull"
 stats = {"pulled": 0}  # calls this path served (tests check that it, not the fallback, ran)
-PULL_DEFAULTS = dict(comm_sms=16, chunks=8, pull_warps=32)
-
-
-def pull_block(world: int, params: dict) -> int:
-    """Elements a pulling program loads from each rank per step: 32-warp programs with W blocks
-    of 16384 in flight (the all-reduce's lesson: bytes in flight per SM set the speed over
-    NVLink), 8192 from 8 ranks on (16384 spills registers there: ptxas, sm_90a)."""
-    return int(params.get("pull_block") or (16384 if world <= 4 else 8192))
 
 
 def chunk_blocks(slice_blocks: int, chunks: int) -> int:
@@ -61,40 +54,39 @@ def pull_declines(m: int, k: int, n: int, world: int, esize: int, block_m: int) 
     return None
 
 
-def matmul_reduce_scatter_pull(task, params: dict, a, b, bias, reduce_op: str):
-    """My slice [M / W, N] of the reduced a @ b (+ bias), or None (declined: the caller runs a
-    copy-engine plan)."""
-    params = {**PULL_DEFAULTS, **params}
+def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce_op: str):
+    """My slice [M / W, N] of the reduced a @ b (+ bias), or None (declined: the op runs its
+    reference path)."""
     (m, k), n, world = a.shape, b.shape[1], task.world_size
-    tile = _ready_gemm_tile(params)
+    tile = tile_launch(plan.tile)
     why = pull_declines(m, k, n, world, a.element_size(), tile["BLOCK_M"])
     if why:
-        return _why_not(why)
+        return decline(why)
     capturing = torch.cuda.is_current_stream_capturing()
-    ctx = get_context(CONTEXT, task.group_name, 2 * m * n * a.element_size(),
+    ctx = get_context(CONTEXT, task.group_name, plan.symm_mem_backend, 2 * m * n * a.element_size(),
                       flag_words=kernels.FLAG_WORDS, create=not capturing)
     if ctx is None:
-        return _why_not("CUDA graph capture before any eager call of this size class")
+        return decline("CUDA graph capture before any eager call of this size class")
     half = ctx.data.nbytes // a.element_size() // 2 // 16 * 16  # fixed per context
     partial = ctx.data.view(-1, a.dtype, (m, n))
-    b_trans = _tma_ok(a, b, partial)
+    b_trans = tma_ok(a, b, partial)
     if b_trans is None:
-        return _why_not("operands TMA cannot take (alignment, strides)")
-    dev = _device_epoch(ctx)
+        return decline("operands TMA cannot take (alignment, strides)")
+    dev = device_epoch(ctx)
     rows = m // world
-    per_chunk = chunk_blocks(rows // tile["BLOCK_M"], int(params["chunks"]))
-    sms = _num_sms(a.device)
-    progs = max(1, min(int(params["comm_sms"]), sms - 4))
+    per_chunk = chunk_blocks(rows // tile["BLOCK_M"], plan.chunks)
+    sms = num_sms(a.device)
+    progs = max(1, min(plan.comm_sms, sms - 4))
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    _gemm_beside(
+    gemm_beside(
         dev,
-        lambda: _ready_gemm(ctx, dev, a, b, bias, partial, b_trans, world * per_chunk,
-                            sms - progs, tile, slices=world, parity_elems=half),
+        lambda: ready_gemm(ctx, dev, a, b, bias, partial, b_trans, world * per_chunk,
+                           sms - progs, tile, slices=world, parity_elems=half),
         lambda: pull_reduce_kernel[(progs,)](
             ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
-            n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, _limit(),
-            BLOCK=pull_block(world, params), SCALE=reduce_op == "avg",
-            num_warps=int(params["pull_warps"]), **kernels.world_constants(world)))
-    _check_errors(ctx, task.op, lambda code: _WAIT_NAMES.get(code, code))
+            n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, wait_polls(plan),
+            BLOCK=plan.pull_block, SCALE=reduce_op == "avg", num_warps=plan.pull_warps,
+            **kernels.world_constants(world)))
+    check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats["pulled"] += 1
     return out

@@ -10,9 +10,10 @@ addresses (what a Triton kernel indexes). Two backends make them:
   broadcasting a unique id with torch.distributed. NVSHMEM allocations are collective over *all*
   processes, so this backend serves only groups that span the whole world.
 
-`backend_for(group)` picks one: config.symm_mem_backend ("auto" | "nvshmem" | "torch",
-DITRON_SYMM_MEM_BACKEND); "auto" takes nvshmem where it imports and the group is the world, else
-torch. The choice depends only on the group and the installed packages, the same on every rank.
+`choose_backend_name(group, choice)` picks one for the plan's symm_mem_backend ("auto" |
+"nvshmem" | "torch": the option DITRON_SYMM_MEM_BACKEND, read at compile time); "auto" takes
+nvshmem where it imports and the group is the world, else torch. The choice depends only on the
+group and the installed packages, the same on every rank.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ import atexit
 import logging
 import os
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import config
 from ..log_names import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
@@ -174,8 +173,8 @@ def nvshmem_importable() -> bool:
     return True
 
 
-def choose_backend_name(group_name: str) -> str:
-    choice = config.symm_mem_backend
+def choose_backend_name(group_name: str, choice: str) -> str:
+    """The backend that serves the group for the option's value ("auto", "nvshmem", "torch")."""
     if choice == "torch":
         return choice
     whole_world = resolve_group(group_name).size() == dist.get_world_size()
@@ -193,8 +192,7 @@ def choose_backend_name(group_name: str) -> str:
 _backends: dict[tuple[str, str], object] = {}
 
 
-def backend_for(group_name: str, name: Optional[str] = None):
-    name = name or choose_backend_name(group_name)
+def backend_for(group_name: str, name: str):
     key = (group_name, name)
     if key not in _backends:
         if name == "nvshmem":

@@ -6,7 +6,7 @@ picks the fastest; when no fused plan is predicted to beat the plain collective 
 MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes, dtype and world size
 enter, so every rank makes the same choice.
 
-Plans (params of a "fused" DevicePlan; runtime/fused.py reads them):
+Candidates (parameters of the typed plans in scheduler/plan.py, which say what each means):
   gemm="triton": one persistent Triton GEMM (TMA, block_m x block_n x block_k, stages, warps)
                  whose tiles wait on per-chunk flags, chunks pulled by the copy engine;
   gemm="cublas": (AG) cuBLAS on groups of chunks in arrival order, `groups` chunks each, each
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .plan import FUSED, DevicePlan
+from .plan import AllGatherPlan, AllReducePlan, FusedPlan, ReduceScatterPlan, from_params
 from .task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -210,22 +210,45 @@ def predict(task: Task) -> dict[str, float]:
     return out
 
 
-def plan_label(plan: DevicePlan) -> Optional[str]:
-    params = dict(plan.params)
-    for table in (AG_CANDIDATES, RS_CANDIDATES):
-        for label, p in table.items():
-            if all(params.get(key) == value for key, value in p.items()) and len(params) == len(p):
-                return label
-    return None
+def plan_label(plan: Optional[FusedPlan]) -> Optional[str]:
+    return plan.label if plan is not None else None
 
 
-def default_params(task: Task) -> dict:
-    """Parameters for a fused plan given without any (DITRON_PLAN=fused): the best candidate."""
+def _best_label(task: Task) -> str:
+    """The candidate predicted fastest among those validated on this many ranks."""
     skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
-    best = min(cands, key=lambda label: preds.get(label, float("inf")))
-    return dict(cands[best])
+    return min(cands, key=lambda label: preds.get(label, float("inf")))
+
+
+def candidate_plan(task: Task, label: str, **fields) -> FusedPlan:
+    """The AG or RS candidate `label` as a plan resolved for the task's world size."""
+    if task.op == ALL_GATHER_MATMUL:
+        return from_params(AllGatherPlan, AG_CANDIDATES[label], label=label,
+                           **fields).for_world(task.world_size)
+    return from_params(ReduceScatterPlan, RS_CANDIDATES[label], label=label,
+                       **fields).for_world(task.world_size)
+
+
+def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
+    """The fused plan for the task given the parameters a user or a test names: with none, or
+    none that names the kind (gemm for AG/RS, algo for the all-reduce), the task's default (the
+    best validated candidate, or the all-reduce plan by M) with them on top; else those alone."""
+    params = dict(params or {})
+    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+        cls, selector, label = AllReducePlan, "algo", ""
+        base = {} if selector in params else all_reduce_params(task)
+    else:
+        cls = AllGatherPlan if task.op == ALL_GATHER_MATMUL else ReduceScatterPlan
+        selector = "gemm"
+        label = "" if selector in params else _best_label(task)
+        cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+        base = {} if selector in params else cands[label]
+    merged = {**base, **params}
+    if cls is AllReducePlan:
+        label = merged["algo"]
+    return from_params(cls, merged, label=label).for_world(task.world_size)
 
 
 # GEMM + all-reduce (runtime/all_reduce.py; kernels in templates/all_reduce_push.py and
@@ -298,7 +321,7 @@ def all_reduce_params(task: Task) -> dict:
     return dict(algo="push")
 
 
-def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan], str]:
+def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePlan], str]:
     """(plan, why) for the GEMM + all-reduce ops, from the measurements above."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
     m, world = task.m_hint, task.world_size
@@ -309,22 +332,12 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[DevicePlan]
     if not cuda_graphs and not (overlap and m >= OVERLAP_EAGER_MIN_M):
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
-    params = all_reduce_params(task)
+    plan = fused_plan(task)
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
-    return (DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))),
-            f"fused plan {params['algo']}{' beside the GEMM' if overlap else ''} (M={m}, {how})")
+    return plan, f"fused plan {plan.algo}{' beside the GEMM' if overlap else ''} (M={m}, {how})"
 
 
-def complete_params(task: Task, plan: DevicePlan) -> dict:
-    """A fused plan's parameters, with the defaults filled in when the plan does not name its
-    algorithm (DITRON_PLAN=fused gives a plan with no parameters)."""
-    params = dict(plan.params)
-    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
-        return params if "algo" in params else {**all_reduce_params(task), **params}
-    return params if "gemm" in params else {**default_params(task), **params}
-
-
-def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[DevicePlan], str]:
+def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
     cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
@@ -343,7 +356,5 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     summary = f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
     if preds[best] * MIN_GAIN > base:
         return None, f"no predicted gain: {summary}"
-    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
-    plan = DevicePlan(impl=FUSED, params=tuple(sorted(cands[best].items())),
-                      predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
+    plan = candidate_plan(task, best, predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
     return plan, f"fused plan {best}: {summary}"

@@ -13,8 +13,8 @@ from typing import Optional
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import config
-from .cost_model import choose_device_plan
-from .plan import FUSED, REFERENCE, REFERENCE_PLAN, DevicePlan
+from .cost_model import choose_device_plan, fused_plan
+from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
 from .task import MATMUL_REDUCE_SCATTER, Task
 
 
@@ -22,7 +22,7 @@ from .task import MATMUL_REDUCE_SCATTER, Task
 class Decision:
     fuse: bool
     reason: str
-    plan: Optional[DevicePlan] = None
+    plan: Optional[Plan] = None
 
 
 def reject(reason: str) -> Decision:
@@ -77,8 +77,20 @@ def decide(task: Task) -> Decision:
     if config.force_plan == REFERENCE or task.device_type != "cuda":
         return Decision(True, "reference plan (decomposed collective + matmul)", REFERENCE_PLAN)
     plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
-    if config.force_plan == FUSED and (plan is None or plan.impl == REFERENCE):
-        plan, why = DevicePlan(impl=FUSED), "fused plan forced by DITRON_PLAN=fused"
+    if config.force_plan == FUSED and plan is None:
+        plan, why = fused_plan(task), "fused plan forced by DITRON_PLAN=fused"
     if plan is None:
         return reject(why)
-    return Decision(True, why, plan)
+    return Decision(True, why, with_options(plan))
+
+
+def with_options(plan: FusedPlan) -> FusedPlan:
+    """The plan with the options the runtime needs, read here once at compile time."""
+    return dataclasses.replace(plan, symm_mem_backend=config.symm_mem_backend,
+                               wait_timeout_s=config.wait_timeout_s)
+
+
+def plan_for(task: Task, **params) -> FusedPlan:
+    """A fused plan for the task as a test or a benchmark names it (`fused_plan`), with the
+    options: what a graph compiled for it would carry."""
+    return with_options(fused_plan(task, params))

@@ -1,47 +1,248 @@
-"""Device level: how one GPU runs a Task.
+"""Device level: how one GPU runs a Task, as one typed plan per op family.
 
-A `DevicePlan` is chosen at compile time by the scheduler, identically on every rank, and travels
-into the graph as a string argument of the ditron op, so the compiled code (and Inductor's cache)
-carries the decision and nothing is re-decided per call.
+A plan is decided completely at compile time by the scheduler, identically on every rank: every
+field below holds the value the runtime runs, the defaults stated here once. It travels into the
+graph as the op's string argument (`encode`), so the compiled code (and Inductor's cache) carries
+the decision, and the runtime decodes each distinct text once (`decode`, cached).
+
+Families: `AllGatherPlan` (all-gather + GEMM), `ReduceScatterPlan` (GEMM + reduce-scatter),
+`AllReducePlan` (GEMM + all-reduce, with or without the RMSNorm); `ReferencePlan` for the
+decomposed collective + matmul.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Any
+from typing import Any, ClassVar, Union
 
 REFERENCE = "reference"  # decomposed collective + matmul: runs anywhere, the ground truth
-FUSED = "fused"  # a fused kernel from templates/, CUDA only
+FUSED = "fused"  # a fused kernel, CUDA only
+
+COPY_ENGINE, SM = "copy_engine", "sm"  # what moves the data: the copy engine or Triton programs
+TRITON, CUBLAS, TORCH = "triton", "cublas", "torch"
+ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all")
 
 
 @dataclasses.dataclass(frozen=True)
-class DevicePlan:
-    impl: str = REFERENCE
-    # Kernel parameters of a fused plan (transfer engine, block shapes, ...), by name.
-    params: tuple[tuple[str, Any], ...] = ()
-    # What the cost model predicted, in ms, by contender; for the logs only.
-    predicted_ms: tuple[tuple[str, float], ...] = ()
+class GemmTile:
+    """The persistent Triton GEMM's tile program (TMA where the operands allow it)."""
 
-    def param(self, name: str, default: Any = None) -> Any:
-        return dict(self.params).get(name, default)
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8  # swizzle: row-blocks per group of consecutive tiles
+    stages: int = 3
+    warps: int = 8
+    tma: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferencePlan:
+    impl: ClassVar[str] = REFERENCE
+    kind: ClassVar[str] = REFERENCE
 
     def encode(self) -> str:
-        return json.dumps({"impl": self.impl, **dict(self.params)}, sort_keys=True)
-
-    @classmethod
-    def decode(cls, text: str) -> "DevicePlan":
-        fields = json.loads(text)
-        impl = fields.pop("impl")
-        return cls(impl=impl, params=tuple(sorted(fields.items())))
+        return _encode(self)
 
     def describe(self) -> str:
-        parts = [self.impl] + [f"{k}={v}" for k, v in self.params]
+        return REFERENCE
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+    """What every fused plan carries: its candidate's name (logs, tests), the options the runtime
+    needs (read once at compile time) and, for the logs only, what the cost model predicted."""
+
+    impl: ClassVar[str] = FUSED
+    kind: ClassVar[str] = ""
+
+    label: str = ""
+    symm_mem_backend: str = "auto"  # "auto" | "nvshmem" | "torch"
+    wait_timeout_s: float = 0.0  # bound of each flag wait (0: unbounded)
+    predicted_ms: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def debug_waits(self) -> bool:
+        """Waits are bounded kernels that name a flag that never arrives."""
+        return self.wait_timeout_s > 0
+
+    def encode(self) -> str:
+        return _encode(self)
+
+    def describe(self) -> str:
+        defaults = type(self)()
+        parts = [FUSED, self.label or self.kind]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("label", "predicted_ms") and value != getattr(defaults, f.name):
+                parts.append(f"{f.name}={_text(value)}")
         if self.predicted_ms:
-            parts.append(
-                "predicted " + ", ".join(f"{k} {v:.3f} ms" for k, v in self.predicted_ms)
-            )
+            parts.append("predicted " + ", ".join(f"{k} {v:.3f} ms" for k, v in self.predicted_ms))
         return " ".join(parts)
 
 
-REFERENCE_PLAN = DevicePlan()
+@dataclasses.dataclass(frozen=True)
+class AllGatherPlan(FusedPlan):
+    """gemm="triton": one persistent Triton GEMM whose tiles wait on per-chunk flags;
+    gemm="cublas": cuBLAS on groups of chunks in arrival order (`groups` chunks each, own chunk
+    first), each group after its last chunk landed. The peers' chunks are pulled by the copy
+    engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a Triton kernel on
+    `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a step."""
+
+    kind: ClassVar[str] = "all_gather"
+
+    gemm: str = TRITON
+    tile: GemmTile = GemmTile()
+    groups: tuple[int, ...] = ()  # () until resolved for a world size: default_groups
+    copy_streams: int = 1
+    transfer: str = COPY_ENGINE
+    comm_sms: int = 16
+    pull_block: int = 8192
+    pull_warps: int = 8
+
+    def for_world(self, world: int) -> "AllGatherPlan":
+        return dataclasses.replace(self, groups=self.groups or default_groups(world))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterPlan(FusedPlan):
+    """transfer="copy_engine": the GEMM per destination chunk (rank+1 first; gemm="cublas" or a
+    Triton launch of `tile`), each chunk pushed by the copy engine as soon as it is computed, the
+    received partials summed by torch (reduce="torch") or a Triton kernel (reduce="triton").
+    transfer="sm": one persistent Triton GEMM (`tile`) on the SMs but `comm_sms`, which pull and
+    sum my rows of every rank's partial beside it, chunk by chunk (`chunks`), with
+    `pull_warps`-warp programs loading `pull_block` elements per rank a step."""
+
+    kind: ClassVar[str] = "reduce_scatter"
+
+    gemm: str = CUBLAS
+    reduce: str = TORCH
+    tile: GemmTile = GemmTile()
+    transfer: str = COPY_ENGINE
+    comm_sms: int = 16
+    chunks: int = 8
+    pull_block: int = 0  # 0 until resolved for a world size
+    pull_warps: int = 32
+
+    def for_world(self, world: int) -> "ReduceScatterPlan":
+        # 32-warp programs with W blocks of 16384 in flight (bytes in flight per SM set the speed
+        # over NVLink); 8192 from 8 ranks on, where 16384 spills registers (ptxas, sm_90a)
+        return dataclasses.replace(
+            self, pull_block=self.pull_block or (16384 if world <= 4 else 8192))
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReducePlan(FusedPlan):
+    """cuBLAS writes the partial into symmetric memory, then one kernel, `algo`: push (each rank
+    sums its blocks over the ranks and stores the sums on every rank), push_scatter (push with
+    the partials stored to their owners), push_all (every rank stores its whole partial on every
+    rank, one wait, a local sum), lamport / lamport_all (push_scatter / push_all with the data
+    carrying its own arrival). overlap=True (push only): push's reduction on `progs` programs
+    beside the GEMM in `chunks` row chunks: gemm="triton", a persistent Triton GEMM (`tile`) on
+    the other SMs, else cuBLAS (told to leave the push's SMs free with `carveout`). block, warps
+    and progs of the push kernels: 0 = chosen by the size of the call (runtime push_grid)."""
+
+    kind: ClassVar[str] = "all_reduce"
+
+    algo: str = "push"
+    overlap: bool = False
+    gemm: str = CUBLAS
+    tile: GemmTile = GemmTile()
+    chunks: int = 0  # overlap: 0 until resolved for a world size
+    progs: int = 0
+    block: int = 0
+    warps: int = 0
+    carveout: bool = False
+
+    def __post_init__(self):
+        if self.algo not in ALL_REDUCE_ALGOS:
+            raise ValueError(f"all-reduce plan algo={self.algo!r}: not one of {ALL_REDUCE_ALGOS}")
+        if self.overlap and self.algo != "push":
+            raise ValueError(f"all-reduce plan algo={self.algo!r} runs after the whole GEMM: "
+                             "overlap=True is for algo='push'")
+
+    def for_world(self, world: int) -> "AllReducePlan":
+        if not self.overlap:
+            return self
+        # the GEMM beside the push: 8 chunks of the Triton GEMM, 2W of cuBLAS; most SMs to it
+        return dataclasses.replace(self, chunks=self.chunks or (8 if self.gemm == TRITON
+                                                                else 2 * world),
+                                   progs=self.progs or 32)
+
+
+Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan]
+REFERENCE_PLAN = ReferencePlan()
+PLAN_TYPES = {cls.kind: cls for cls in (AllGatherPlan, ReduceScatterPlan, AllReducePlan)}
+
+
+def default_groups(world: int) -> tuple[int, ...]:
+    """Own chunk first (computed while the first peers' chunks arrive), then growing groups."""
+    sizes, left, s = [1], world - 1, 1
+    while left > 0:
+        s = min(left, max(1, s * 2 if len(sizes) > 1 else s + 1))
+        sizes.append(s)
+        left -= s
+    return tuple(sizes)
+
+
+# Parameter names (as the candidate tables and the benchmarks write them) of the GEMM tile, by
+# family: the all-reduce's own block/warps are the push kernel's, its GEMM's are gemm_*.
+_TILE_KEYS = {
+    AllGatherPlan: {k: k for k in ("block_m", "block_n", "block_k", "group_m", "stages", "warps",
+                                   "tma")},
+    AllReducePlan: {"gemm_block_n": "block_n", "gemm_stages": "stages", "gemm_warps": "warps"},
+}
+_TILE_KEYS[ReduceScatterPlan] = _TILE_KEYS[AllGatherPlan]
+
+
+def from_params(cls, params: dict[str, Any], **fields) -> FusedPlan:
+    """A plan of family `cls` from parameters by name (a candidate table's entry), every
+    parameter it does not name at its default; an unknown name is an error."""
+    tile_keys = _TILE_KEYS.get(cls, {})
+    tile = {tile_keys[k]: v for k, v in params.items() if k in tile_keys}
+    rest = {k: v for k, v in params.items() if k not in tile_keys}
+    names = {f.name for f in dataclasses.fields(cls)} - {"tile"}
+    unknown = sorted(set(rest) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown parameter(s) {unknown}; allowed: "
+                         f"{sorted(names | set(tile_keys))}")
+    if "groups" in rest:
+        rest["groups"] = tuple(rest["groups"])
+    if tile:
+        rest["tile"] = GemmTile(**tile)
+    return cls(**{**rest, **fields})
+
+
+def _text(value) -> str:
+    if isinstance(value, GemmTile):
+        return "x".join(str(v) for v in (value.block_m, value.block_n, value.block_k)) + (
+            f"/g{value.group_m}s{value.stages}w{value.warps}{'' if value.tma else '/no-tma'}")
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _encode(plan) -> str:
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
+              if f.name != "predicted_ms"}
+    if "tile" in fields:
+        fields["tile"] = dataclasses.asdict(fields["tile"])
+    if plan.impl == REFERENCE:
+        return json.dumps({"impl": REFERENCE})
+    return json.dumps({"impl": FUSED, "plan": plan.kind, **fields}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def decode(text: str) -> Plan:
+    """The plan a graph carries (once per distinct text: the runtime calls this per call)."""
+    fields = json.loads(text)
+    if fields.pop("impl") == REFERENCE:
+        return REFERENCE_PLAN
+    cls = PLAN_TYPES[fields.pop("plan")]
+    if "tile" in fields:
+        fields["tile"] = GemmTile(**fields["tile"])
+    if "groups" in fields:
+        fields["groups"] = tuple(fields["groups"])
+    return cls(**fields)

@@ -386,14 +386,14 @@ def test_plans_and_declines():
                 ns=(8192,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum")
     # fused where it measured a gain: decode sizes replayed in CUDA graphs
     plan, why = choose_device_plan(task, cuda_graphs=True)
-    assert plan.impl == "fused" and dict(plan.params) == all_reduce_params(task), why
+    assert plan.impl == "fused" and plan.algo == all_reduce_params(task)["algo"], why
     plan, why = choose_device_plan(task, cuda_graphs=False)
     assert plan is None and "eagerly" in why
     plan, why = choose_device_plan(Task(**{**task.__dict__, "m": 2048}), cuda_graphs=True)
     assert plan is None and "no fused kernel measured a gain" in why  # 8 ranks
     assert choose_device_plan(Task(**{**task.__dict__, "m": 1024}), cuda_graphs=True)[0] is None
-    by_m = {m: dict(choose_device_plan(Task(**{**task.__dict__, "m": m}), cuda_graphs=True)[0]
-                    .params)["algo"] for m in (1, 8, 9, 512)}
+    by_m = {m: choose_device_plan(Task(**{**task.__dict__, "m": m}), cuda_graphs=True)[0].algo
+            for m in (1, 8, 9, 512)}
     assert by_m == {1: "push_all", 8: "push_all", 9: "push", 512: "push"}
     four = Task(**{**task.__dict__, "world_size": 4})  # lamport: measured on 4 GPUs
     assert {m: all_reduce_params(Task(**{**four.__dict__, "m": m}))["algo"]
@@ -414,12 +414,12 @@ def test_plans_and_declines():
     assert "reduce_op" in _declines(a, b, None, None, None, False, "avg", [4, 16])
     assert "dtype" in _declines(a.float(), b.float(), None, None, None, False, "sum", [4, 16])
     # a plan naming a kernel that does not exist is an error, not a silent fallback
-    from ditron_inductor.runtime.all_reduce import all_reduce_fused
-    from ditron_inductor.scheduler.plan import DevicePlan
+    from ditron_inductor.scheduler.plan import AllReducePlan
 
     with pytest.raises(ValueError, match="one_shot"):
-        all_reduce_fused(task, DevicePlan(impl="fused", params=(("algo", "one_shot"),)), a, b,
-                         None, [], None, None, 1e-6, False, "sum")
+        AllReducePlan(algo="one_shot")
+    with pytest.raises(ValueError, match="overlap=True is for algo='push'"):
+        AllReducePlan(algo="push_scatter", overlap=True)
 
 
 def test_push_grid():
@@ -427,16 +427,16 @@ def test_push_grid():
     never more programs than MAX_PROGS or than the SMs leave (all must be resident)."""
     from ditron_inductor.runtime.all_reduce import push_grid
 
-    assert push_grid(8, 1 * 8192, 132, {}) == (4, 256, 1)  # decode: 1024 elements per rank
-    assert push_grid(8, 32 * 8192, 132, {}) == (32, 1024, 4)
-    assert push_grid(8, 128 * 8192, 132, {}) == (128, 1024, 4)
-    assert push_grid(8, 2048 * 8192, 132, {}) == (128, 4096, 8)
-    assert push_grid(8, 256 * 8192, 132, {}) == (64, 4096, 8)  # 4096 from 64 blocks up
-    assert push_grid(8, 2048 * 8192, 100, {}) == (96, 4096, 8)
-    assert push_grid(2, 40, 132, {}) == (1, 256, 1)
-    assert push_grid(8, 128 * 8192, 132, {"block": 512, "progs": 7}) == (7, 512, 2)
-    assert push_grid(8, 1 * 8192, 132, {}, norm=True) == (1, 1024, 4)  # the norm's 4 warps
-    assert push_grid(1, 1 * 8192, 132, {}) == (32, 256, 1)  # push_all: every element
+    assert push_grid(8, 1 * 8192, 132) == (4, 256, 1)  # decode: 1024 elements per rank
+    assert push_grid(8, 32 * 8192, 132) == (32, 1024, 4)
+    assert push_grid(8, 128 * 8192, 132) == (128, 1024, 4)
+    assert push_grid(8, 2048 * 8192, 132) == (128, 4096, 8)
+    assert push_grid(8, 256 * 8192, 132) == (64, 4096, 8)  # 4096 from 64 blocks up
+    assert push_grid(8, 2048 * 8192, 100) == (96, 4096, 8)
+    assert push_grid(2, 40, 132) == (1, 256, 1)
+    assert push_grid(8, 128 * 8192, 132, block=512, progs=7) == (7, 512, 2)
+    assert push_grid(8, 1 * 8192, 132, norm=True) == (1, 1024, 4)  # the norm's 4 warps
+    assert push_grid(1, 1 * 8192, 132) == (32, 256, 1)  # push_all: every element
 
 
 def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
@@ -448,7 +448,7 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
     from ditron_inductor.runtime import all_reduce as runtime
 
     seen, flags = [], []
-    monkeypatch.setattr(runtime, "_mm", lambda a, b, bias, out, p: seen.append(
+    monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out: seen.append(
         (out.shape[0], torch._C._get_sm_carveout_experimental())))
     monkeypatch.setattr(runtime.driver, "memcpy", lambda dst, src, n, stream: flags.append(dst))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
@@ -462,7 +462,7 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
     seen.clear()
     runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4)  # no carve-out asked: none set
     assert [c for _, c in seen] == [None, None, None]
-    monkeypatch.setattr(runtime, "_mm", lambda *args: 1 / 0)
+    monkeypatch.setattr(runtime, "matmul_into", lambda *args: 1 / 0)
     torch._C._set_sm_carveout_experimental(8)
     with pytest.raises(ZeroDivisionError):
         runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
@@ -473,16 +473,19 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
 def test_ready_gemm_tile_from_the_plan():
     """The GEMM beside push takes its tile from the plan where it names one (gemm_block_n,
     gemm_stages, gemm_warps), the default tile elsewhere; chunks are whole row-blocks."""
-    from ditron_inductor.runtime.all_reduce import (
-        READY_GEMM_TILE,
-        _ready_gemm_rows,
-        _ready_gemm_tile,
-    )
+    from ditron_inductor.runtime.all_reduce import _ready_gemm_rows, tile_launch
+    from ditron_inductor.scheduler.plan import AllReducePlan, from_params
 
-    assert _ready_gemm_tile({"algo": "push", "chunks": 8}) == READY_GEMM_TILE
-    tile = _ready_gemm_tile({"gemm_block_n": 128, "gemm_stages": 4, "gemm_warps": 4})
+    def plan(**params):
+        return from_params(AllReducePlan, {"overlap": True, "gemm": "triton", **params})
+
+    assert tile_launch(plan(chunks=8).tile) == dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                    num_warps=8, num_stages=3)
+    tile = tile_launch(plan(gemm_block_n=128, gemm_stages=4, gemm_warps=4).tile)
     assert (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_stages"], tile["num_warps"]) == \
         (128, 128, 4, 4)
-    assert _ready_gemm_rows({"chunks": 16}, 2048) == 128  # 16 row-blocks, one a chunk
-    assert _ready_gemm_rows({"chunks": 8}, 2000) == 256
-    assert _ready_gemm_rows({"chunks": 64}, 16384) == 256  # at most MAX_CHUNKS chunks
+    assert plan().for_world(4).chunks == 8 and plan(gemm="cublas").for_world(4).chunks == 8
+    assert plan(gemm="cublas").for_world(8).chunks == 16  # 2W row chunks of cuBLAS
+    assert _ready_gemm_rows(plan(chunks=16), 2048) == 128  # 16 row-blocks, one a chunk
+    assert _ready_gemm_rows(plan(chunks=8), 2000) == 256
+    assert _ready_gemm_rows(plan(chunks=64), 16384) == 256  # at most MAX_CHUNKS chunks

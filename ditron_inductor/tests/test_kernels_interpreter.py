@@ -215,7 +215,8 @@ def test_wait_gives_up_and_names_the_flag():
 
 
 def test_chunk_groups_follow_the_ring():
-    from ditron_inductor.runtime.fused import _runs, chunk_groups, default_groups
+    from ditron_inductor.runtime.fused import _runs, chunk_groups
+    from ditron_inductor.scheduler.plan import default_groups
 
     assert sum(default_groups(8)) == 8 and default_groups(8)[0] == 1
     groups = chunk_groups(8, 6, [1, 3, 4])

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ditron_inductor import ops
-from ditron_inductor.scheduler.plan import FUSED, DevicePlan
+from ditron_inductor.scheduler.plan import REFERENCE_PLAN, AllReducePlan
 from ditron_inductor.tests.fx_helpers import fake_group
 
-FUSED_PLAN = DevicePlan(FUSED).encode()
+FUSED_PLAN = AllReducePlan().encode()
 
 
 def cuda_task(world_size=2):
@@ -37,7 +37,7 @@ def test_fused_impl_that_cannot_serve_falls_back_to_reference(monkeypatch, caplo
     monkeypatch.setattr(ops, "_fallbacks_logged", set())
     # Under TORCH_LOGS torch stops this logger from propagating to the root, where caplog listens.
     monkeypatch.setattr(ops.log, "propagate", True)
-    with fake_group(2), caplog.at_level(logging.INFO, logger="ditron"):
+    with fake_group(2), caplog.at_level(logging.DEBUG, logger="ditron"):
         for _ in range(2):
             out = ops._dispatch(cuda_task(), FUSED_PLAN, lambda x: x * 10, torch.ones(2))
     assert out.tolist() == [10, 10] and len(seen) == 2
@@ -55,7 +55,7 @@ def test_unknown_group_is_named():
     with fake_group(2), pytest.raises(RuntimeError, match="'missing' of a compiled graph is not "
                                                           "known in this process"):
         torch.ops.ditron.matmul_all_reduce(torch.randn(2, 2), torch.randn(2, 2), None, [],
-                                           "sum", "missing", 2, DevicePlan().encode())
+                                           "sum", "missing", 2, REFERENCE_PLAN.encode())
 
 
 def test_fake_shapes_follow_the_collectives():

@@ -3,6 +3,7 @@ scheduler's choice with every default resolved, unprompted and with the fused pl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from ditron_inductor import config
-from ditron_inductor.scheduler.decide import decide
+from ditron_inductor.scheduler.cost_model import candidate_plan
+from ditron_inductor.scheduler.decide import decide, with_options
 from ditron_inductor.scheduler.task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -40,30 +42,24 @@ def resolved(task: Task, cuda_graphs: bool) -> str:
     """The decision as one line: the plan the runtime runs, every default resolved."""
     from torch._inductor import config as inductor_config
 
-    from ditron_inductor.scheduler.cost_model import complete_params, plan_label
-
     with inductor_config.patch({"triton.cudagraphs": cuda_graphs}):
         d = decide(task)
     if not d.fuse:
         return "nccl_cublas"
-    if d.plan.impl == "reference":
+    plan = d.plan
+    if plan.impl == "reference":
         return "reference"
-    params = complete_params(task, d.plan)
     if task.op in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
-        from ditron_inductor.scheduler.cost_model import DevicePlan
-
-        return plan_label(DevicePlan("fused", tuple(sorted(params.items()))))
-    w = task.world_size
-    overlap = bool(params.get("overlap", False))
-    triton = params.get("gemm") == "triton"
-    parts = [params["algo"]]
-    if overlap:
-        parts += ["overlap", "triton" if triton else "cublas",
-                  f"chunks={params.get('chunks', 8 if triton else 2 * w)}",
-                  f"progs={params.get('progs', 32)}"]
-    elif "progs" in params:
-        parts.append(f"progs={params['progs']}")
-    parts += [f"{key}={params[key]}" for key in ("block", "warps") if params.get(key)]
+        # the label names the candidate; the plan is that candidate, every default resolved
+        assert dataclasses.replace(plan, predicted_ms=()) == with_options(
+            candidate_plan(task, plan.label)), plan
+        return plan.label
+    parts = [plan.algo]
+    if plan.overlap:
+        parts += ["overlap", plan.gemm, f"chunks={plan.chunks}", f"progs={plan.progs}"]
+    elif plan.progs:
+        parts.append(f"progs={plan.progs}")
+    parts += [f"{key}={getattr(plan, key)}" for key in ("block", "warps") if getattr(plan, key)]
     return " ".join(parts)
 
 
@@ -79,7 +75,8 @@ def choices(forced: str = "") -> dict:
                     for k in AR_KS:
                         for m in AR_MS:
                             for graphs in (False, True):
-                                key = f"{op} {m}x{k}x8192 w{world} {'graphs' if graphs else 'eager'}"
+                                mode = "graphs" if graphs else "eager"
+                                key = f"{op} {m}x{k}x8192 w{world} {mode}"
                                 out[key] = resolved(_task(op, world, m, k, 8192), graphs)
             finally:
                 config.force_plan = saved

@@ -10,7 +10,7 @@ import torch
 from ditron_inductor import config
 from ditron_inductor.scheduler import decide as decide_module
 from ditron_inductor.scheduler.decide import decide
-from ditron_inductor.scheduler.plan import FUSED, REFERENCE, DevicePlan
+from ditron_inductor.scheduler.plan import FUSED, REFERENCE, AllGatherPlan, decode
 from ditron_inductor.scheduler.task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -74,10 +74,11 @@ def test_cpu_tasks_get_the_reference_plan(group4):
 
 
 def test_cuda_plan_comes_from_the_cost_model(group4, monkeypatch):
-    plan = DevicePlan(FUSED, params=(("block_m", 128),))
+    plan = AllGatherPlan(label="tri", copy_streams=2)
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (plan, "predicted win"))
     d = decide(AG)
-    assert d.fuse and d.plan == plan and d.reason == "predicted win"
+    assert d.fuse and d.reason == "predicted win"
+    assert d.plan == decide_module.with_options(plan) and d.plan.copy_streams == 2
 
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
     d = decide(AG)
@@ -98,10 +99,10 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
     assert not d.fuse and "eagerly" in d.reason
     with inductor_config.patch({"triton.cudagraphs": True}):
         d = decide(decode)
-        assert d.fuse and d.plan.impl == FUSED and d.plan.param("algo") == "lamport"  # 4 ranks
+        assert d.fuse and d.plan.impl == FUSED and d.plan.algo == "lamport"  # 4 ranks
         assert not decide(dataclasses.replace(decode, m=16384)).fuse
         one_row = dataclasses.replace(decode, m=1)
-        assert decide(one_row).plan.param("algo") == "lamport_all"  # measured on 4 ranks
+        assert decide(one_row).plan.algo == "lamport_all"  # measured on 4 ranks
         from ditron_inductor.scheduler.cost_model import all_reduce_params
 
         # the group is of 4 ranks (decide checks it): the parameters alone for 8
@@ -121,24 +122,34 @@ def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
     with inductor_config.patch({"triton.cudagraphs": True}):
         d = decide(prefill)
         assert d.fuse and "beside the GEMM" in d.reason
-        assert (d.plan.param("overlap"), d.plan.param("gemm"), d.plan.param("progs")) == \
-            (True, "triton", 16)
-        assert decide(dataclasses.replace(prefill, k=1024)).plan.param("progs") == 32
-        assert decide(dataclasses.replace(prefill, m=512)).plan.param("algo") == "push"
+        assert (d.plan.overlap, d.plan.gemm, d.plan.progs) == (True, "triton", 16)
+        assert decide(dataclasses.replace(prefill, k=1024)).plan.progs == 32
+        assert decide(dataclasses.replace(prefill, m=512)).plan.algo == "push"
         assert not decide(dataclasses.replace(prefill, m=16384)).fuse
         assert not decide(dataclasses.replace(prefill, world_size=8)).fuse
     with inductor_config.patch({"triton.cudagraphs": False}):
         assert not decide(prefill).fuse
         d = decide(dataclasses.replace(prefill, m=8192))
-        assert d.fuse and "eager" in d.reason and d.plan.param("overlap")
+        assert d.fuse and "eager" in d.reason and d.plan.overlap
 
 
 def test_forced_plans(group4, monkeypatch):
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
     monkeypatch.setattr(config, "force_plan", "fused")
-    assert decide(AG).plan.impl == FUSED
+    forced = decide(AG).plan
+    # the forced plan is complete at compile time: the task's best validated candidate
+    assert forced.impl == FUSED and forced.label == "tri_tma_128x256"
     monkeypatch.setattr(config, "force_plan", "reference")
     assert decide(AG).plan.impl == REFERENCE
+
+
+def test_plans_carry_the_runtime_options(group4, monkeypatch):
+    """The options the runtime needs are read once, at compile time, into the plan."""
+    monkeypatch.setattr(config, "force_plan", "fused")
+    monkeypatch.setattr(config, "wait_timeout_s", 2.5)
+    monkeypatch.setattr(config, "symm_mem_backend", "torch")
+    plan = decide(AG).plan
+    assert (plan.wait_timeout_s, plan.symm_mem_backend, plan.debug_waits) == (2.5, "torch", True)
 
 
 def test_every_rank_decides_the_same():
@@ -152,9 +163,30 @@ def test_every_rank_decides_the_same():
 
 
 def test_plan_survives_the_graph_as_text():
-    plan = DevicePlan(FUSED, params=(("block_m", 128), ("transfer", "copy_engine")))
-    assert DevicePlan.decode(plan.encode()) == plan
-    assert DevicePlan.decode(DevicePlan().encode()).impl == REFERENCE
+    from ditron_inductor.scheduler.plan import (
+        REFERENCE_PLAN,
+        AllReducePlan,
+        ReduceScatterPlan,
+        from_params,
+    )
+
+    plans = [from_params(AllGatherPlan, {"gemm": "cublas", "groups": [1, 3, 4], "block_m": 64},
+                         label="x", wait_timeout_s=1.0, predicted_ms=(("fused", 1.0),)),
+             ReduceScatterPlan(transfer="sm").for_world(8),
+             AllReducePlan(algo="push", overlap=True).for_world(4), REFERENCE_PLAN]
+    for plan in plans:
+        assert decode(plan.encode()) == plan
+    assert decode(plans[0].encode()) is decode(plans[0].encode())  # decoded once per text
+    assert plans[0].tile.block_m == 64 and plans[0].groups == (1, 3, 4)
+    assert decode(REFERENCE_PLAN.encode()).impl == REFERENCE
+    assert "groups=1,3,4" in plans[0].describe() and "predicted" in plans[0].describe()
+
+
+def test_unknown_plan_parameter_is_named():
+    from ditron_inductor.scheduler.plan import ReduceScatterPlan, from_params
+
+    with pytest.raises(ValueError, match=r"ReduceScatterPlan: unknown parameter\(s\) \['algo'\]"):
+        from_params(ReduceScatterPlan, {"algo": "push"})
 
 
 def test_task_description_names_shapes_and_group():

@@ -24,6 +24,8 @@ import torch
 from .ranks import report_and_close
 from .test_fused_gpu import _check, _free_port, _plan
 
+AR = "matmul_all_reduce_rmsnorm"
+
 pytestmark = pytest.mark.gpu
 
 QUICK = os.environ.get("DITRON_AR_QUICK", "0") == "1"
@@ -87,7 +89,7 @@ def _eager_cases(group_name, world, dtype, gen, calls):
                 if torch.distributed.get_rank() == 0:  # where a run that timed out had got to
                     print(f"  {time.time() - START:.0f} s: {dtype} k={k} n={n} m={m} "
                           f"plan={plan_params}", flush=True)
-                plan = _plan(**plan_params)
+                plan = _plan(AR, world, m, k, n, **plan_params)
                 for vi, (residual, weight, w_fp32) in enumerate(_variants(n, dtype, dev, gen, m)):
                     for call in range(calls):
                         a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
@@ -109,7 +111,7 @@ def _graph_case(group_name, world, dtype, gen, m, plan_params, replays=5):
 
     dev = torch.device("cuda")
     k, n = 1024, 8192
-    plan = _plan(**plan_params)
+    plan = _plan(AR, world, m, k, n, **plan_params)
     a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
     b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
     residual = torch.randn(m, n, generator=gen, device=dev, dtype=dtype)

@@ -30,10 +30,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _plan(**params) -> str:
-    from ditron_inductor.scheduler.plan import FUSED, DevicePlan
+def _plan(op: str, world: int, m: int, k: int, n: int, **params) -> str:
+    """The plan a graph compiled for this op and shape would carry, with the parameters named
+    (none: the scheduler's default for the shape), the options as `config` holds them now."""
+    from ditron_inductor.scheduler.decide import plan_for
+    from ditron_inductor.scheduler.task import Task
 
-    return DevicePlan(impl=FUSED, params=tuple(sorted(params.items()))).encode()
+    task = Task(op=op, group_name="", world_size=world, m=m, k=k, ns=(n,), dtype=torch.bfloat16,
+                device_type="cuda")
+    return plan_for(task, **params).encode()
+
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 
 
 AG_PLANS = [
@@ -68,7 +76,7 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
     dev = torch.device("cuda")
     for rows, k, ns in ((37, 256, (384,)), (130, 512, (256, 200)), (64, 128, (512,))):
         for plan_params in AG_PLANS:
-            plan = _plan(**plan_params)
+            plan = _plan(AG, world, rows * world, k, ns[0], **plan_params)
             for call in range(calls):
                 a = torch.randn(rows, k, generator=gen, device=dev, dtype=dtype)
                 ws, bs = [], []
@@ -87,7 +95,8 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
     # a 3-d activation gathered along dim 0 (sequence parallel layout)
     a = torch.randn(5, 3, 64, generator=gen, device=dev, dtype=dtype)
     w = torch.randn(64, 96, generator=gen, device=dev, dtype=dtype)
-    out = torch.ops.ditron.all_gather_matmul(a, [w], [None], 0, group_name, world, _plan())
+    out = torch.ops.ditron.all_gather_matmul(a, [w], [None], 0, group_name, world,
+                                             _plan(AG, world, 15 * world, 64, 96))
     ref = all_gather_matmul_reference(a, [w], [None], 0, group_name, world)
     assert torch.equal(out[0], ref[0]) and out[0].shape == (5 * world, 3, 64)
     _check("AG 3-d", out[1], ref[1])
@@ -98,7 +107,8 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
     for batch, fused_expected in ((1, True), (2, False)):
         a = torch.randn(batch, 5, 64, generator=gen, device=dev, dtype=dtype)
         served = stats["all_gather_matmul"]
-        out = torch.ops.ditron.all_gather_matmul(a, [w], [None], 1, group_name, world, _plan())
+        out = torch.ops.ditron.all_gather_matmul(a, [w], [None], 1, group_name, world,
+                                                 _plan(AG, world, 5 * batch * world, 64, 96))
         ref = all_gather_matmul_reference(a, [w], [None], 1, group_name, world)
         assert (stats["all_gather_matmul"] > served) == fused_expected, f"AG dim 1 B={batch}"
         assert torch.equal(out[0], ref[0]) and out[0].shape == (batch, 5 * world, 64)
@@ -111,12 +121,12 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
 
     dev = torch.device("cuda")
     # slices of 128 and 256 rows: whole row-blocks, which the SM-pull plan serves (the others
-    # fall back to the copy-engine plan)
+    # take the reference path)
     for rows, k, n in ((37, 256, 384), (96, 512, 264), (16, 1024, 128), (128, 256, 384),
                        (256, 512, 264)):
         m = rows * world
         for plan_params in RS_PLANS:
-            plan = _plan(**plan_params)
+            plan = _plan(RS, world, m, k, n, **plan_params)
             for reduce_op in ("sum", "avg"):
                 for call in range(calls):
                     pulled = reduce_scatter.stats["pulled"]
@@ -136,7 +146,7 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
     b = torch.randn(64, 32, generator=gen, device=dev, dtype=dtype)
     shape = [4 * world, 6, 32]
     out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, shape, 0, "sum", group_name, world,
-                                                 _plan())
+                                                 _plan(RS, world, 24 * world, 64, 32))
     ref = matmul_reduce_scatter_reference(a, b, None, shape, 0, "sum", group_name, world)
     assert out.shape == (4, 6, 32)
     _check("RS 3-d", out, ref)
@@ -148,7 +158,8 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
         shape = [batch, 4 * world, 32]
         served = stats["matmul_reduce_scatter"]
         out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, shape, 1, "sum", group_name,
-                                                     world, _plan())
+                                                     world,
+                                                     _plan(RS, world, 4 * batch * world, 64, 32))
         ref = matmul_reduce_scatter_reference(a, b, None, shape, 1, "sum", group_name, world)
         assert (stats["matmul_reduce_scatter"] > served) == fused_expected, f"RS dim 1 B={batch}"
         assert out.shape == (batch, 4, 32)
@@ -164,7 +175,6 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
 
     dev = torch.device("cuda")
     m, k, n = 256 * world, 512, 384
-    plan = _plan(**RS_PULL)
     a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
     b = torch.randn(k, n, generator=gen, device=dev, dtype=torch.bfloat16) / k ** 0.5
 
@@ -173,6 +183,7 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
                                                       plan)
 
     saved, config.wait_timeout_s = config.wait_timeout_s, 0.0  # no host checks in a graph
+    plan = _plan(RS, world, m, k, n, **RS_PULL)
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
