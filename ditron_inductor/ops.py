@@ -1,18 +1,22 @@
 """The ditron ops: one op per fused collective + matmul.
 
-Each op is a `torch.library.custom_op` with a fake (meta) implementation, so Inductor and symbolic
-shapes see it as one opaque kernel, and a reference implementation from functional collectives and
-matmuls that runs on any device (CPU with gloo included) and is the ground truth in tests.
+Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
+(meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
+implementation, from functional collectives and matmuls, runs on any device (CPU with gloo
+included) and is the ground truth in tests. The ops are registered with `Library.define/impl`
+rather than `torch.library.custom_op`, whose per-call Python wrapping (dynamo guard, alias checks
+of the outputs) cost more host time than the rest of a call; the ops have no autograd formula:
+they live in post-grad graphs.
 
 The fused CUDA implementations plug in at one place: `register_fused`. An op whose plan asks for a
-fused kernel calls it with the plan (decoded once per distinct text); the fused implementation
-returns None for an input its plan cannot serve (a layout or size its kernel does not handle), and
-the op then takes the reference path instead of failing, and says so at debug level.
+fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
+then); the fused implementation returns None for an input its plan cannot serve (a layout or size
+its kernel does not handle), and the op then takes the reference path instead of failing, and
+says so at debug level.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable, Optional, Sequence
 
@@ -26,14 +30,16 @@ from .scheduler.task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
-    Task,
-    chunks_contiguous,
+    all_gather_matmul_task,
+    matmul_collective_task,
 )
+
+if torch.distributed.is_available():
+    from torch._C._distributed_c10d import _resolve_process_group
 
 log = logging.getLogger(LOGGER_NAME)
 c10d = torch.ops._c10d_functional
-if torch.distributed.is_available():
-    from torch._C._distributed_c10d import _resolve_process_group
+_lib = torch.library.Library("ditron", "DEF")
 
 # op name -> fused implementation: fn(task, plan, *op_args) -> outputs, or None to fall back.
 _fused_impls: dict[str, Callable] = {}
@@ -65,16 +71,19 @@ def check_group(group_name: str, world_size: int) -> None:
         )
 
 
-def _dispatch(task: Task, plan_text: str, reference: Callable, *args):
+def _dispatch(op: str, plan_text: str, on_cuda: bool, task_of: Callable, reference: Callable,
+              *args):
+    """The fused implementation of `op` where the plan asks for it and serves the call, else the
+    reference. args end in (group_name, world_size), as every op's arguments do."""
+    check_group(args[-2], args[-1])
     plan = decode(plan_text)
-    check_group(task.group_name, task.world_size)
-    if plan.impl == FUSED and task.device_type == "cuda":
-        _load_fused_impls()
-        fused = _fused_impls.get(task.op)
+    if plan.impl == FUSED and on_cuda:
+        fused = _fused_impls.get(op) or _load_fused_impl(op)
+        task = task_of(*args)
         out = fused(task, plan, *args) if fused is not None else None
         if out is not None:
             return out
-        key = (task.op, plan_text)
+        key = (op, plan_text)
         if key not in _fallbacks_logged:
             _fallbacks_logged.add(key)
             log.debug("%s: plan %s could not serve this call; ran the reference path",
@@ -82,13 +91,21 @@ def _dispatch(task: Task, plan_text: str, reference: Callable, *args):
     return reference(*args)
 
 
-def _load_fused_impls() -> None:
-    # Importing the runtime registers the CUDA implementations (templates + symmetric memory).
-    if not _fused_impls:
-        try:
-            from . import runtime  # noqa: F401
-        except ImportError as e:
-            log.debug("fused implementations unavailable: %s", e)
+def _load_fused_impl(op: str) -> Optional[Callable]:
+    # Importing the runtime registers the CUDA implementations (kernels + symmetric memory).
+    try:
+        from . import runtime  # noqa: F401
+    except ImportError as e:
+        log.debug("fused implementations unavailable: %s", e)
+    return _fused_impls.get(op)
+
+
+def _define(schema: str, impl: Callable, fake: Callable) -> None:
+    """torch.ops.ditron.<name>: `impl` for every backend, `fake` for fake tensors and meta."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ditron::{name}", fake, lib=_lib)
 
 
 def _all_gather(x: Tensor, gather_dim: int, group_name: str, world_size: int) -> Tensor:
@@ -106,28 +123,11 @@ def _as_nd(out: Tensor, out_shape: Sequence[int]) -> Tensor:
     return out.view(list(out_shape)) if len(out_shape) else out
 
 
-def _scattered_shape(shape: Sequence, scatter_dim: int, world_size: int) -> list:
-    shape = list(shape)
-    shape[scatter_dim] = shape[scatter_dim] // world_size
-    return shape
+def _full_shape(a: Tensor, b: Tensor, out_shape: Sequence) -> list:
+    return list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
 
 
 # ---------------------------------------------------------------------------- all-gather -> matmul
-
-
-def all_gather_matmul_task(a_shard: Tensor, weights: Sequence[Tensor], biases, gather_dim: int,
-                           group_name: str, world_size: int) -> Task:
-    gathered_rows = 1
-    for i, s in enumerate(a_shard.shape[:-1]):
-        gathered_rows = gathered_rows * (s * world_size if i == gather_dim else s)
-    return Task(
-        op=ALL_GATHER_MATMUL, group_name=group_name, world_size=world_size, m=gathered_rows,
-        k=a_shard.shape[-1], ns=tuple(w.shape[1] for w in weights), dtype=a_shard.dtype,
-        device_type=a_shard.device.type, dim=gather_dim,
-        dim_size=a_shard.shape[gather_dim] * world_size,
-        has_bias=tuple(b is not None for b in biases),
-        rank_chunks_contiguous=chunks_contiguous(a_shard.shape, gather_dim),
-    )
 
 
 def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name, world_size):
@@ -136,29 +136,21 @@ def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name
     return [gathered] + [_matmul(a, w, b) for w, b in zip(weights, biases)]
 
 
-@torch.library.custom_op("ditron::all_gather_matmul", mutates_args=())
-def all_gather_matmul(
-    a_shard: Tensor,
-    weights: list[Tensor],
-    biases: list[Optional[Tensor]],
-    gather_dim: int,
-    group_name: str,
-    world_size: int,
-    plan: str,
-) -> list[Tensor]:
+def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]],
+                      gather_dim: int, group_name: str, world_size: int,
+                      plan: str) -> list[Tensor]:
     """All-gather `a_shard` along `gather_dim` over the group, then multiply the gathered
     activation, flattened to [M, K], by each weight [K, N_i] (plus its bias).
 
     Returns [gathered activation (N-d, as the collective produces it), A @ W_0, A @ W_1, ...];
     the data crosses the wire once however many weights share it.
     """
-    task = all_gather_matmul_task(a_shard, weights, biases, gather_dim, group_name, world_size)
-    return _dispatch(task, plan, all_gather_matmul_reference,
-                     a_shard, weights, biases, gather_dim, group_name, world_size)
+    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, all_gather_matmul_task,
+                     all_gather_matmul_reference, a_shard, weights, biases, gather_dim,
+                     group_name, world_size)
 
 
-@all_gather_matmul.register_fake
-def _(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
+def _all_gather_matmul_fake(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
     shape = list(a_shard.shape)
     shape[gather_dim] = shape[gather_dim] * world_size
     gathered = a_shard.new_empty(shape)
@@ -166,19 +158,12 @@ def _(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
     return [gathered] + [a_shard.new_empty([rows, w.shape[1]]) for w in weights]
 
 
+_define("all_gather_matmul(Tensor a_shard, Tensor[] weights, Tensor?[] biases, SymInt gather_dim, "
+        "str group_name, SymInt world_size, str plan) -> Tensor[]",
+        all_gather_matmul, _all_gather_matmul_fake)
+
+
 # ------------------------------------------------------------------------ matmul -> reduce-scatter
-
-
-def matmul_collective_task(op: str, a: Tensor, b: Tensor, bias, out_shape, dim: int,
-                           reduce_op: str, group_name: str, world_size: int) -> Task:
-    shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
-    return Task(
-        op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],
-        ns=(b.shape[1],), dtype=a.dtype, device_type=a.device.type, dim=dim,
-        dim_size=shape[dim] if op == MATMUL_REDUCE_SCATTER else None,
-        reduce_op=reduce_op, has_bias=(bias is not None,),
-        rank_chunks_contiguous=chunks_contiguous(shape, dim),
-    )
 
 
 def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
@@ -190,30 +175,31 @@ def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_o
                                                        group_name))
 
 
-@torch.library.custom_op("ditron::matmul_reduce_scatter", mutates_args=())
-def matmul_reduce_scatter(
-    a: Tensor,
-    b: Tensor,
-    bias: Optional[Tensor],
-    out_shape: Sequence[int],
-    scatter_dim: int,
-    reduce_op: str,
-    group_name: str,
-    world_size: int,
-    plan: str,
-) -> Tensor:
+def _reduce_scatter_task(a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size):
+    return matmul_collective_task(MATMUL_REDUCE_SCATTER, a, b, bias, out_shape, scatter_dim,
+                                  reduce_op, group_name, world_size)
+
+
+def matmul_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
+                          scatter_dim: int, reduce_op: str, group_name: str, world_size: int,
+                          plan: str) -> Tensor:
     """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), reduce-scattered over the
     group along `scatter_dim` with `reduce_op` ("sum" or "avg")."""
-    task = matmul_collective_task(MATMUL_REDUCE_SCATTER, a, b, bias, out_shape, scatter_dim,
-                                  reduce_op, group_name, world_size)
-    return _dispatch(task, plan, matmul_reduce_scatter_reference,
-                     a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size)
+    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a.is_cuda, _reduce_scatter_task,
+                     matmul_reduce_scatter_reference, a, b, bias, out_shape, scatter_dim,
+                     reduce_op, group_name, world_size)
 
 
-@matmul_reduce_scatter.register_fake
-def _(a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size, plan):
-    shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
-    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size))
+def _matmul_reduce_scatter_fake(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
+                                world_size, plan):
+    shape = _full_shape(a, b, out_shape)
+    shape[scatter_dim] = shape[scatter_dim] // world_size
+    return a.new_empty(shape)
+
+
+_define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
+        "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
+        matmul_reduce_scatter, _matmul_reduce_scatter_fake)
 
 
 # ---------------------------------------------------------------------------- matmul -> all-reduce
@@ -224,28 +210,27 @@ def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, wo
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-@torch.library.custom_op("ditron::matmul_all_reduce", mutates_args=())
-def matmul_all_reduce(
-    a: Tensor,
-    b: Tensor,
-    bias: Optional[Tensor],
-    out_shape: Sequence[int],
-    reduce_op: str,
-    group_name: str,
-    world_size: int,
-    plan: str,
-) -> Tensor:
+def _all_reduce_task(a, b, bias, out_shape, reduce_op, group_name, world_size):
+    return matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
+                                  group_name, world_size)
+
+
+def matmul_all_reduce(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
+                      reduce_op: str, group_name: str, world_size: int, plan: str) -> Tensor:
     """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), all-reduced over the group
     with `reduce_op`."""
-    task = matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
-                                  group_name, world_size)
-    return _dispatch(task, plan, matmul_all_reduce_reference,
-                     a, b, bias, out_shape, reduce_op, group_name, world_size)
+    return _dispatch(MATMUL_ALL_REDUCE, plan, a.is_cuda, _all_reduce_task,
+                     matmul_all_reduce_reference, a, b, bias, out_shape, reduce_op, group_name,
+                     world_size)
 
 
-@matmul_all_reduce.register_fake
-def _(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
-    return a.new_empty(list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]])
+def _matmul_all_reduce_fake(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
+    return a.new_empty(_full_shape(a, b, out_shape))
+
+
+_define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, str reduce_op, "
+        "str group_name, SymInt world_size, str plan) -> Tensor",
+        matmul_all_reduce, _matmul_all_reduce_fake)
 
 
 # ------------------------------------------------- matmul -> all-reduce (+ residual) -> RMSNorm
@@ -269,41 +254,32 @@ def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_we
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 
 
-def matmul_all_reduce_rmsnorm_task(a, b, bias, out_shape, has_residual: bool, reduce_op: str,
-                                   group_name: str, world_size: int) -> Task:
-    task = matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
-                                  group_name, world_size)
-    return dataclasses.replace(task, op=MATMUL_ALL_REDUCE_RMSNORM, has_residual=has_residual)
+def _all_reduce_rmsnorm_task(a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32,
+                             reduce_op, group_name, world_size):
+    return matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
+                                  group_name, world_size, has_residual=residual is not None)
 
 
-@torch.library.custom_op("ditron::matmul_all_reduce_rmsnorm", mutates_args=())
-def matmul_all_reduce_rmsnorm(
-    a: Tensor,
-    b: Tensor,
-    bias: Optional[Tensor],
-    out_shape: Sequence[int],
-    residual: Optional[Tensor],
-    norm_weight: Tensor,
-    eps: float,
-    weight_in_fp32: bool,
-    reduce_op: str,
-    group_name: str,
-    world_size: int,
-    plan: str,
-) -> tuple[Tensor, Tensor]:
+def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],
+                              out_shape: Sequence[int], residual: Optional[Tensor],
+                              norm_weight: Tensor, eps: float, weight_in_fp32: bool,
+                              reduce_op: str, group_name: str, world_size: int,
+                              plan: str) -> tuple[Tensor, Tensor]:
     """The row-parallel layer of tensor-parallel inference in one op:
     h = all_reduce(a @ b + bias) (viewed as `out_shape`) + residual, y = RMSNorm(h) * norm_weight
     (see `rms_norm_reference` for the two roundings). Returns (h, y): h is the next residual."""
-    task = matmul_all_reduce_rmsnorm_task(a, b, bias, out_shape, residual is not None, reduce_op,
-                                          group_name, world_size)
-    return _dispatch(task, plan, matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape,
-                     residual, norm_weight, eps, weight_in_fp32, reduce_op, group_name,
-                     world_size)
+    return _dispatch(MATMUL_ALL_REDUCE_RMSNORM, plan, a.is_cuda, _all_reduce_rmsnorm_task,
+                     matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape, residual,
+                     norm_weight, eps, weight_in_fp32, reduce_op, group_name, world_size)
 
 
-@matmul_all_reduce_rmsnorm.register_fake
-def _(a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op, group_name,
-      world_size, plan):
-    shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
+def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, residual, norm_weight, eps,
+                                    weight_in_fp32, reduce_op, group_name, world_size, plan):
+    shape = _full_shape(a, b, out_shape)
     return a.new_empty(shape), a.new_empty(shape)
 
+
+_define("matmul_all_reduce_rmsnorm(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
+        "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
+        "str group_name, SymInt world_size, str plan) -> (Tensor, Tensor)",
+        matmul_all_reduce_rmsnorm, _matmul_all_reduce_rmsnorm_fake)

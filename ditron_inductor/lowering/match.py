@@ -21,12 +21,14 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import Graph, Node
 
-from .. import config, ops
+from .. import config
 from ..scheduler.task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
     Task,
+    all_gather_matmul_task,
+    matmul_collective_task,
 )
 from .norm import RmsNormTail, find_rmsnorm_tail
 
@@ -169,7 +171,7 @@ class AllGatherMatmulMatch:
         return self.gather.args[0]
 
     def task(self) -> Task:
-        return ops.all_gather_matmul_task(
+        return all_gather_matmul_task(
             fake(self.a_shard), [fake(m.weight) for m in self.matmuls],
             [None if m.bias is None else fake(m.bias) for m in self.matmuls],
             self.gather_dim, self.group_name, self.world_size,
@@ -255,10 +257,11 @@ class MatmulCollectiveMatch:
         shape = fake(self.reshape).shape if self.reshape is not None else []
         bias = None if mm.bias is None else fake(mm.bias)
         if self.norm:
-            return ops.matmul_all_reduce_rmsnorm_task(
-                fake(mm.a), fake(mm.weight), bias, shape, self.norm.residual is not None,
-                self.reduce_op, self.group_name, self.world_size)
-        return ops.matmul_collective_task(
+            return matmul_collective_task(
+                MATMUL_ALL_REDUCE_RMSNORM, fake(mm.a), fake(mm.weight), bias, shape, 0,
+                self.reduce_op, self.group_name, self.world_size,
+                has_residual=self.norm.residual is not None)
+        return matmul_collective_task(
             self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
             self.group_name, self.world_size,
         )

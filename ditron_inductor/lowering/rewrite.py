@@ -17,6 +17,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
+from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
 from ..scheduler.task import MATMUL_REDUCE_SCATTER
 

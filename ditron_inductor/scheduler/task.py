@@ -3,7 +3,7 @@
 A `Task` is pure data derived from shapes, dtypes and the process group, never from timing, so
 every rank that compiles the same graph builds the same Task and makes the same decision. The
 matcher builds one per candidate at compile time; the ops build the same one from their inputs at
-run time. Everything downstream (scheduler, plans, kernels, logs) reads shapes from here.
+run time, on the fused path (the builders at the end of this module serve both). Everything downstream (scheduler, plans, kernels, logs) reads shapes from here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 SymOrInt = Union[int, torch.SymInt]
 
@@ -87,6 +88,37 @@ def numel(shape) -> SymOrInt:
 def chunks_contiguous(shape, dim: int) -> bool:
     """Whether cutting `shape` into equal pieces along `dim` leaves each piece one block of
     consecutive rows of the flattened [rows, last] matrix (a symbolic size counts as > 1)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return dim == 0 or statically_known_true(numel(shape[:dim]) == 1)
+
+
+# ----------------------------------------------------------------- Tasks from an op's arguments
+# The same functions serve the matcher (fake tensors, at compile time) and the ops (the fused path).
+
+
+def all_gather_matmul_task(a_shard, weights, biases, gather_dim: int, group_name: str,
+                           world_size: int) -> Task:
+    gathered_rows = 1
+    for i, s in enumerate(a_shard.shape[:-1]):
+        gathered_rows = gathered_rows * (s * world_size if i == gather_dim else s)
+    return Task(
+        op=ALL_GATHER_MATMUL, group_name=group_name, world_size=world_size, m=gathered_rows,
+        k=a_shard.shape[-1], ns=tuple(w.shape[1] for w in weights), dtype=a_shard.dtype,
+        device_type=a_shard.device.type, dim=gather_dim,
+        dim_size=a_shard.shape[gather_dim] * world_size,
+        has_bias=tuple(b is not None for b in biases),
+        rank_chunks_contiguous=chunks_contiguous(a_shard.shape, gather_dim),
+    )
+
+
+def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: str,
+                           group_name: str, world_size: int, has_residual: bool = False) -> Task:
+    """The Task of a matmul followed by a reduce-scatter (along `dim` of `out_shape`) or an
+    all-reduce (+ residual + RMSNorm); out_shape empty: the 2-d product."""
+    shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
+    return Task(
+        op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],
+        ns=(b.shape[1],), dtype=a.dtype, device_type=a.device.type, dim=dim,
+        dim_size=shape[dim] if op == MATMUL_REDUCE_SCATTER else None,
+        reduce_op=reduce_op, has_bias=(bias is not None,),
+        rank_chunks_contiguous=chunks_contiguous(shape, dim), has_residual=has_residual,
+    )

@@ -11,6 +11,7 @@ import torch
 
 from ditron_inductor import ops
 from ditron_inductor.scheduler.plan import REFERENCE_PLAN, AllReducePlan
+from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE, matmul_collective_task
 from ditron_inductor.tests.fx_helpers import fake_group
 
 FUSED_PLAN = AllReducePlan().encode()
@@ -18,28 +19,34 @@ FUSED_PLAN = AllReducePlan().encode()
 
 def cuda_task(world_size=2):
     a, b = torch.randn(4, 8), torch.randn(8, 3)
-    task = ops.matmul_collective_task(ops.MATMUL_ALL_REDUCE, a, b, None, [], 0, "sum", "0",
-                                      world_size)
+    task = matmul_collective_task(MATMUL_ALL_REDUCE, a, b, None, [], 0, "sum", "0", world_size)
     return dataclasses.replace(task, device_type="cuda")
 
 
 def test_fused_impl_serves_when_it_can(monkeypatch):
-    monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE, lambda task, plan, x: x + 1)
+    monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE,
+                        lambda task, plan, x, group, world: x + 1)
     with fake_group(2):
-        out = ops._dispatch(cuda_task(), FUSED_PLAN, lambda x: x * 10, torch.ones(2))
-    assert out.tolist() == [2, 2]
+        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True, lambda *args: cuda_task(),
+                            lambda x, group, world: x * 10, torch.ones(2), "0", 2)
+        assert out.tolist() == [2, 2]
+        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, False, lambda *args: cuda_task(),
+                            lambda x, group, world: x * 10, torch.ones(2), "0", 2)
+        assert out.tolist() == [10, 10]  # not on CUDA: the reference
 
 
 def test_fused_impl_that_cannot_serve_falls_back_to_reference(monkeypatch, caplog):
     seen = []
     monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE,
-                        lambda task, plan, x: seen.append(plan) or None)
+                        lambda task, plan, x, group, world: seen.append(plan) or None)
     monkeypatch.setattr(ops, "_fallbacks_logged", set())
     # Under TORCH_LOGS torch stops this logger from propagating to the root, where caplog listens.
     monkeypatch.setattr(ops.log, "propagate", True)
     with fake_group(2), caplog.at_level(logging.DEBUG, logger="ditron"):
         for _ in range(2):
-            out = ops._dispatch(cuda_task(), FUSED_PLAN, lambda x: x * 10, torch.ones(2))
+            out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True,
+                                lambda *args: cuda_task(), lambda x, group, world: x * 10,
+                                torch.ones(2), "0", 2)
     assert out.tolist() == [10, 10] and len(seen) == 2
     fallbacks = [r for r in caplog.records if "ran the reference path" in r.getMessage()]
     assert len(fallbacks) == 1  # said once, not per call

@@ -194,17 +194,17 @@ def test_task_description_names_shapes_and_group():
 
 
 def test_rank_chunks_contiguous_follows_the_layout():
-    from ditron_inductor import ops
+    from ditron_inductor.scheduler import task as tasks
 
     w = torch.empty(64, 32)
-    task = ops.all_gather_matmul_task
+    task = tasks.all_gather_matmul_task
     assert task(torch.empty(4, 64), [w], [None], 0, "0", 8).rank_chunks_contiguous
     assert task(torch.empty(1, 4, 64), [w], [None], 1, "0", 8).rank_chunks_contiguous
     assert not task(torch.empty(2, 4, 64), [w], [None], 1, "0", 8).rank_chunks_contiguous
-    rs = ops.matmul_collective_task
-    assert rs(ops.MATMUL_REDUCE_SCATTER, torch.empty(16, 64), w, None, [1, 16, 32], 1, "sum", "0",
+    rs = tasks.matmul_collective_task
+    assert rs(MATMUL_REDUCE_SCATTER, torch.empty(16, 64), w, None, [1, 16, 32], 1, "sum", "0",
               8).rank_chunks_contiguous
-    assert not rs(ops.MATMUL_REDUCE_SCATTER, torch.empty(32, 64), w, None, [2, 16, 32], 1, "sum",
+    assert not rs(MATMUL_REDUCE_SCATTER, torch.empty(32, 64), w, None, [2, 16, 32], 1, "sum",
                   "0", 8).rank_chunks_contiguous
 
 
