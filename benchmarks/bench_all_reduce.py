@@ -132,7 +132,7 @@ def run_shape(shape, dtype, group_name, world, args):
         return a @ b
 
     def gemm_triton_only(a, b):  # the persistent Triton GEMM on the SMs push beside it leaves
-        from ditron_inductor.runtime.fused import num_sms, triton_gemm
+        from ditron_inductor.runtime.launch import num_sms, triton_gemm
         from ditron_inductor.scheduler.plan import GemmTile
 
         out = torch.empty(M, N, device=dev, dtype=dtype)

@@ -198,7 +198,7 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
         return f
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
-    from ditron_inductor.runtime.fused import triton_gemm
+    from ditron_inductor.runtime.launch import triton_gemm
 
     full = torch.randn(M, K, device=dev, dtype=dtype)
     out = torch.empty(M, N, device=dev, dtype=dtype)

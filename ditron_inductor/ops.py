@@ -8,8 +8,8 @@ rather than `torch.library.custom_op`, whose per-call Python wrapping (dynamo gu
 of the outputs) cost more host time than the rest of a call; the ops have no autograd formula:
 they live in post-grad graphs.
 
-The fused CUDA implementations plug in at one place: `register_fused`. An op whose plan asks for a
-fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
+The fused CUDA implementations come from one place, `runtime.FUSED_IMPLS`. An op whose plan asks
+for a fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
 then); the fused implementation returns None for an input its plan cannot serve (a layout or size
 its kernel does not handle), and the op then takes the reference path instead of failing, and
 says so at debug level.
@@ -41,17 +41,10 @@ log = logging.getLogger(LOGGER_NAME)
 c10d = torch.ops._c10d_functional
 _lib = torch.library.Library("ditron", "DEF")
 
-# op name -> fused implementation: fn(task, plan, *op_args) -> outputs, or None to fall back.
+# op name -> fused implementation (runtime.FUSED_IMPLS, loaded at the first fused call):
+# fn(task, plan, *op_args) -> outputs, or None to fall back.
 _fused_impls: dict[str, Callable] = {}
 _fallbacks_logged: set[tuple[str, str]] = set()
-
-
-def register_fused(op_name: str) -> Callable[[Callable], Callable]:
-    def wrap(fn: Callable) -> Callable:
-        _fused_impls[op_name] = fn
-        return fn
-
-    return wrap
 
 
 def check_group(group_name: str, world_size: int) -> None:
@@ -92,11 +85,15 @@ def _dispatch(op: str, plan_text: str, on_cuda: bool, task_of: Callable, referen
 
 
 def _load_fused_impl(op: str) -> Optional[Callable]:
-    # Importing the runtime registers the CUDA implementations (kernels + symmetric memory).
+    """The runtime's implementation of `op` (it imports triton and the kernels: only when a fused
+    plan first runs)."""
     try:
-        from . import runtime  # noqa: F401
+        from .runtime import FUSED_IMPLS
     except ImportError as e:
         log.debug("fused implementations unavailable: %s", e)
+        return None
+    for name, fn in FUSED_IMPLS.items():
+        _fused_impls.setdefault(name, fn)
     return _fused_impls.get(op)
 
 

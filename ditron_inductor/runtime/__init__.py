@@ -1,12 +1,23 @@
-"""Runtime of the fused ops: symmetric memory per process group, per-op contexts, and the fused
-CUDA implementations, which importing this package registers with `ops.register_fused`.
+"""Runtime of the fused ops: symmetric memory per process group (symm.py), per-op contexts
+(context.py), the CUDA driver calls of the hot path (driver.py), what the ops share (launch.py),
+and one module per op: all_gather.py, reduce_scatter.py, all_reduce.py.
 
-Imported lazily by `ops._load_fused_impls` on the first CUDA call with a fused plan (it imports
-triton, and nvshmem where that backend is chosen).
+Imported lazily by `ops` on the first CUDA call with a fused plan (it imports triton, and nvshmem
+where that backend is chosen), which takes FUSED_IMPLS from here; nothing here imports `ops`.
 """
 
-from . import all_reduce, fused  # noqa: F401  (registers the implementations)
+from .all_gather import all_gather_matmul_fused
+from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
+from .reduce_scatter import matmul_reduce_scatter_fused
+
+# op name -> fn(task, plan, *op_args) -> outputs, or None where the plan cannot serve the input
+FUSED_IMPLS = {
+    "all_gather_matmul": all_gather_matmul_fused,
+    "matmul_reduce_scatter": matmul_reduce_scatter_fused,
+    "matmul_all_reduce": matmul_all_reduce_fused,
+    "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
+}
 
 
 def shutdown() -> None:

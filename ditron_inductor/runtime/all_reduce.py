@@ -31,54 +31,47 @@ creates it.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 import triton
 
-from ..ops import register_fused
-from ..scheduler.plan import TRITON, AllReducePlan, GemmTile
+from ..scheduler.plan import TRITON, AllReducePlan
 from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
-from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
-from .context import OpContext, build_outside_graph_pools, get_context, size_class, wait_polls
-from .fused import DTYPES, check_errors, decline, matmul_into, num_sms, tma_ok
+from .context import (
+    OpContext,
+    build_outside_graph_pools,
+    device_epoch,
+    get_context,
+    size_class,
+    wait_polls,
+)
+from .launch import (
+    DTYPES,
+    WAIT_NAMES,
+    check_errors,
+    decline,
+    gemm_beside,
+    matmul_into,
+    num_sms,
+    ready_gemm,
+    tile_launch,
+    tma_ok,
+)
 from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
-WAIT_NAMES = {kernels.ERR_READY: "READY (a chunk of a peer's GEMM)",
-               kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
-               kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
-               kernels.ERR_STARTED: "STARTED (a peer's partial)",
-               kernels.ERR_SENT: "lamport data (a peer's partial or sums)"}
 
 
-@dataclasses.dataclass
-class DeviceEpoch:
-    """The device words of one context's all-reduce protocol (local, not symmetric)."""
-
-    epoch: torch.Tensor  # [last finished epoch, current epoch]
-    arrive: torch.Tensor  # arrival counters: [kernel, chunk 0, chunk 1, ...]
-    side: torch.cuda.Stream  # push with overlap runs here, next to the GEMM chunks
 
 
-# per context, dropped with it (a new context starts from zeroed flags and epoch 1 on every rank)
-_epochs: "weakref.WeakKeyDictionary[OpContext, DeviceEpoch]" = weakref.WeakKeyDictionary()
 
 
-def device_epoch(ctx: OpContext) -> DeviceEpoch:
-    state = _epochs.get(ctx)
-    if state is None:
-        state = _epochs[ctx] = build_outside_graph_pools(ctx.device, lambda: DeviceEpoch(
-            epoch=torch.tensor([0, 1], dtype=torch.int32, device=ctx.device),
-            arrive=torch.zeros(1 + kernels.MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
-            side=torch.cuda.Stream(device=ctx.device, priority=-1)))
-    return state
 
 
 _MAX_BLOCK = 4096  # push_grid's largest block
@@ -216,10 +209,6 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
             torch._C._set_sm_carveout_experimental(before)
 
 
-def tile_launch(tile: GemmTile) -> dict:
-    """The persistent GEMM's (templates/gemm_ready.py) compile-time tile arguments."""
-    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                num_warps=tile.warps, num_stages=tile.stages)
 
 
 def _ready_gemm_rows(plan: AllReducePlan, m):
@@ -231,41 +220,8 @@ def _ready_gemm_rows(plan: AllReducePlan, m):
     return group * plan.tile.block_m
 
 
-def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
-                parity_elems=0):
-    """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
-    raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
-    answer; tile: tile_launch's. GEMM + reduce-scatter: `slices` (the world size) equal
-    slices of rows, each chunk holding row-blocks of every slice, and the partial written
-    parity_elems further on in calls of odd epoch."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    m, n = partial.shape
-    a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
-    b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
-              else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
-    row_blocks = triton.cdiv(m, tile["BLOCK_M"])
-    progs = max(1, min(progs, row_blocks * triton.cdiv(n, tile["BLOCK_N"])))
-    gemm_ready_kernel[(progs,)](
-        a_desc, b_desc, partial, partial if bias is None else bias,
-        ctx.flags.local.view(torch.int32), dev.arrive[1:], dev.epoch, m, n, a.shape[1],
-        row_blocks // slices, parity_elems, HAS_BIAS=bias is not None, B_TRANS=b_trans,
-        GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
 
 
-def gemm_beside(dev, queue_gemm, side_kernel):
-    """queue_gemm() on the main stream, side_kernel() beside it on the side stream, then the
-    main stream joins the side stream."""
-    main = torch.cuda.current_stream()
-    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
-    queue_gemm()
-    # Launched after the GEMM is queued, though it starts with it: a host call that synchronises
-    # the device while the chunks are being queued (cuBLAS or the caching allocator reaching
-    # cudaMalloc) would otherwise wait for this spinning kernel, which waits for chunks not yet
-    # queued (seen on 8x H200: REDUCED waits that never finished).
-    with torch.cuda.stream(dev.side):
-        side_kernel()
-    main.wait_stream(dev.side)
 
 
 def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
@@ -376,14 +332,12 @@ def _mark_empty(ctx):
     group_barrier(ctx.backend.group)
 
 
-@register_fused("matmul_all_reduce")
 def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,
                             group_name, world_size):
     out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op)
     return None if out is None else out[0]
 
 
-@register_fused("matmul_all_reduce_rmsnorm")
 def matmul_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape,
                                     residual, norm_weight, eps, weight_in_fp32, reduce_op,
                                     group_name, world_size):

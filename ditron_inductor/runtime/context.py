@@ -17,11 +17,14 @@ before the copy that reads it has run).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import weakref
 from typing import Callable, Optional, TypeVar
 
 import torch
 
+from ..templates.all_reduce import MAX_CHUNKS
 from . import driver
 from .symm import backend_for, choose_backend_name, group_barrier
 
@@ -177,3 +180,27 @@ def clear_contexts() -> None:
             driver.destroy_event(ev)
     _contexts.clear()
     _by_request.clear()
+
+
+@dataclasses.dataclass
+class DeviceEpoch:
+    """The device words of a context whose epochs live on the device (the all-reduce and the
+    reduce-scatter pull): local, not symmetric."""
+
+    epoch: torch.Tensor  # [last finished epoch, current epoch]
+    arrive: torch.Tensor  # arrival counters: [kernel, chunk 0, chunk 1, ...]
+    side: torch.cuda.Stream  # the kernel beside the GEMM runs here
+
+
+# per context, dropped with it (a new context starts from zeroed flags and epoch 1 on every rank)
+_epochs: "weakref.WeakKeyDictionary[OpContext, DeviceEpoch]" = weakref.WeakKeyDictionary()
+
+
+def device_epoch(ctx: OpContext) -> DeviceEpoch:
+    state = _epochs.get(ctx)
+    if state is None:
+        state = _epochs[ctx] = build_outside_graph_pools(ctx.device, lambda: DeviceEpoch(
+            epoch=torch.tensor([0, 1], dtype=torch.int32, device=ctx.device),
+            arrive=torch.zeros(1 + MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
+            side=torch.cuda.Stream(device=ctx.device, priority=-1)))
+    return state

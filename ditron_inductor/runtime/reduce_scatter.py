@@ -1,16 +1,24 @@
-"""Fused GEMM + reduce-scatter with the reduction beside the GEMM (plan transfer="sm"; kernels:
-templates/gemm_ready.py with SLICES = W, and templates/reduce_scatter.py).
+"""Fused GEMM + reduce-scatter on symmetric memory, two plans (chunk c of the output rows
+belongs to rank c).
 
-One call on rank r: the persistent Triton GEMM on SMs - P programs of the main stream writes
-a @ b (+ bias) into the half of my symmetric buffer of the call's epoch parity, chunk by chunk (each
-chunk holds row-blocks of every rank's slice), raising READY per chunk; beside it, on P programs
-of the side stream, pull_reduce_kernel sums my slice of every rank's partial as the chunks
-become ready: the transfer rides on SM loads over NVLink and overlaps the GEMM. It is for
-machines where the copy engine is slow (~150 GB/s per GPU through the plans on the 8-GPU
-machine, SM loads 320-350: ARCHITECTURE.md); on 2 and 4 H200, where the copy engine pulls ~330,
-it is slower than the copy-engine plan (benchmarks/NOTES.md, session 6). Epochs are device
-words, as for the all-reduce (runtime/all_reduce.py): nothing on the host changes between calls,
-so a call captured in a CUDA graph replays correctly once the context exists.
+Copy engine (transfer="copy_engine"; templates/reduce.py sums the slots for reduce="triton"):
+  main stream   for p = r+1, r+2, ..., r-1: partial_p = A[rows of p] @ B (+bias), then an event
+  side stream   after each event: wait DONE[p] >= e-1 (p has reduced the last call, its slot is
+                free); copy-engine push of partial_p into p's receive slot r; READY[r] = e on p
+  main stream   my own partial straight into my receive slot r; wait READY[q] >= e for every q;
+                out = sum of the W slots (x 1/W for avg); DONE[r] = e on every peer; join
+
+SM pull (transfer="sm"; kernels: templates/gemm_ready.py with SLICES = W, and
+templates/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
+of the main stream writes a @ b (+ bias) into the half of my symmetric buffer of the call's epoch
+parity, chunk by chunk (each chunk holds row-blocks of every rank's slice), raising READY per
+chunk; beside it, on P programs of the side stream, pull_reduce_kernel sums my slice of every
+rank's partial as the chunks become ready: the transfer rides on SM loads over NVLink and
+overlaps the GEMM. It is for machines where the copy engine is slow (~150 GB/s per GPU through
+the plans on the 8-GPU machine, SM loads 320-350: ARCHITECTURE.md); on 2 and 4 H200, where the
+copy engine pulls ~330, it is slower than the copy-engine plan. Epochs are device words, as for
+the all-reduce (runtime/all_reduce.py): nothing on the host changes between calls, so a call
+captured in a CUDA graph replays correctly once the context exists.
 
 What this plan declines (operands TMA cannot take, slices that are not whole row-blocks of the
 GEMM's tile) takes the op's reference path.
@@ -21,16 +29,119 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
 
-from ..scheduler.plan import ReduceScatterPlan
+from ..scheduler.plan import SM, TRITON, ReduceScatterPlan
+from ..scheduler.task import Task
 from ..templates import all_reduce as kernels
 from ..templates.reduce_scatter import pull_reduce_kernel
-from .all_reduce import WAIT_NAMES, device_epoch, gemm_beside, ready_gemm, tile_launch
-from .context import get_context, size_class, wait_polls
-from .fused import check_errors, decline, num_sms, tma_ok
+from . import driver
+from .context import device_epoch, get_context, size_class, wait_polls
+from .launch import (
+    DTYPES,
+    WAIT_NAMES,
+    check_errors,
+    decline,
+    gemm_beside,
+    matmul_into,
+    num_sms,
+    ready_gemm,
+    tile_launch,
+    tma_ok,
+    wait_geq,
+)
 
 CONTEXT = "matmul_reduce_scatter_pull"
-stats = {"pulled": 0}  # calls this path served (tests check that it, not the fallback, ran)
+# calls served by the fused path, and those of them the SM pull served (tests check which ran)
+stats = {"matmul_reduce_scatter": 0, "pulled": 0}
+
+
+def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, scatter_dim,
+                                reduce_op, group_name, world_size):
+    if reduce_op not in ("sum", "avg"):
+        return decline(f"reduce_op {reduce_op}")
+    if scatter_dim != 0:
+        if not task.rank_chunks_contiguous:
+            return decline(f"scatter_dim {scatter_dim} interleaves the ranks' rows")
+        # every dim before scatter_dim has size 1: the same rows as a scatter on dim 0
+        lead = list(out_shape[:scatter_dim])
+        out = matmul_reduce_scatter_fused(task, plan, a, b, bias, list(out_shape[scatter_dim:]),
+                                          0, reduce_op, group_name, world_size)
+        return None if out is None else out.view(lead + list(out.shape))
+    if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
+        return decline("dtype or rank")
+    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != b.shape[1]):
+        return decline("bias")
+    M, K = a.shape
+    N = b.shape[1]
+    W = world_size
+    shape = list(out_shape) if len(out_shape) else [M, N]
+    if M % W or shape[0] % W or M * N == 0:
+        return decline("rows do not divide by the world size")
+    out_shape_scattered = [shape[0] // W] + shape[1:]
+    if plan.transfer == SM:  # the reduction pulled by SMs beside the GEMM
+        from .reduce_scatter import matmul_reduce_scatter_pull
+
+
+        out = matmul_reduce_scatter_pull(task, plan, a, b, bias, reduce_op)
+        if out is None:
+            return None
+        stats["matmul_reduce_scatter"] += 1
+        return out.view(out_shape_scattered)
+    if torch.cuda.is_current_stream_capturing():
+        return decline("CUDA graph capture (epochs are host values)")
+    rows = M // W
+    esize = a.element_size()
+    chunk_bytes = rows * N * esize
+    ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
+    r = ctx.rank
+    e = ctx.next_epoch()
+    main = torch.cuda.current_stream().cuda_stream
+    side = ctx.side.cuda_stream
+    tile = plan.tile if plan.gemm == TRITON else None
+
+
+    driver.record(ctx.ev_start, main)
+    driver.stream_wait(side, ctx.ev_start)
+    tape = ctx.tape_addr(1, e)
+    driver.write(side, tape, e)
+    staging = torch.empty((W - 1, rows, N), dtype=a.dtype, device=a.device)
+    st0 = staging.data_ptr()
+    for i in range(1, W):
+        p = (r + i) % W  # the chunk for rank+1 first
+        matmul_into(a[p * rows:(p + 1) * rows], b, bias, staging[i - 1], tile)
+        driver.record(ctx.ev_chunks[p], main)
+        driver.stream_wait(side, ctx.ev_chunks[p])
+        # p has reduced the last call: slot r is free
+        wait_geq(ctx, plan, side, ctx.DONE + p, e - 1)
+        driver.memcpy(ctx.data_addrs[p] + r * chunk_bytes, st0 + (i - 1) * chunk_bytes,
+                      chunk_bytes, side)
+        driver.memcpy(ctx.peer_flag_addr(p, ctx.READY + r), tape, 4, side)  # READY[r] = e on p
+    mine = ctx.data.view(-1, a.dtype, (W, rows, N))
+    matmul_into(a[r * rows:(r + 1) * rows], b, bias, mine[r], tile)
+    for q in range(W):
+        if q != r:
+            wait_geq(ctx, plan, main, ctx.READY + q, e)
+    if plan.reduce == TRITON:
+        from ..templates.reduce import reduce_slots_kernel
+
+
+        out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
+        n = rows * N
+        reduce_slots_kernel[(triton.cdiv(n, 4096),)](
+            mine, out, n, n, W, (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096,
+            num_warps=8)
+    elif reduce_op == "avg":
+        out = torch.mean(mine, dim=0)
+    else:
+        out = torch.sum(mine, dim=0)
+    # my slots are free again (DONE[r] = e on every peer)
+    ctx.signal(main, 0, e, [ctx.peer_flag_addr(q, ctx.DONE + r) for q in range(W) if q != r])
+    driver.record(ctx.ev_end, side)
+    driver.stream_wait(main, ctx.ev_end)
+    check_errors(ctx, plan, "matmul_reduce_scatter")
+    stats["matmul_reduce_scatter"] += 1
+    return out.view(out_shape_scattered)
 
 
 def chunk_blocks(slice_blocks: int, chunks: int) -> int:

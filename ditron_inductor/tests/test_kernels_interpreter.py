@@ -215,11 +215,11 @@ def test_wait_gives_up_and_names_the_flag():
 
 
 def test_chunk_groups_follow_the_ring():
-    from ditron_inductor.runtime.fused import _runs, chunk_groups
+    from ditron_inductor.runtime.all_gather import chunk_groups, chunk_runs
     from ditron_inductor.scheduler.plan import default_groups
 
     assert sum(default_groups(8)) == 8 and default_groups(8)[0] == 1
     groups = chunk_groups(8, 6, [1, 3, 4])
     assert groups == [[6], [7, 0, 1], [2, 3, 4, 5]]
-    assert _runs([7, 0, 1]) == [(7, 7), (0, 1)]
+    assert chunk_runs([7, 0, 1]) == [(7, 7), (0, 1)]
     assert [c for g in chunk_groups(4, 1, default_groups(4)) for c in g] == [1, 2, 3, 0]

@@ -59,6 +59,13 @@ RS_PLANS = [dict(gemm="cublas"), dict(gemm="triton", tma=True), dict(), RS_PULL,
             dict(RS_PULL, comm_sms=3, pull_block=1024, pull_warps=4)]  # many blocks a program
 
 
+def _served() -> dict:
+    """Calls served by the fused paths so far, by op (and the SM pull's share of the RS)."""
+    from ditron_inductor.runtime import all_gather, reduce_scatter
+
+    return {**all_gather.stats, **reduce_scatter.stats}
+
+
 def _rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
@@ -102,7 +109,7 @@ def _ag_cases(group_name, world, rank, dtype, gen, calls):
     _check("AG 3-d", out[1], ref[1])
     # gathered along dim 1: fused where the leading dim is 1 ([1, S, H]: the rows of a dim-0
     # gather), the reference path where it interleaves the ranks' rows ([2, S, H])
-    from ditron_inductor.runtime.fused import stats
+    from ditron_inductor.runtime.all_gather import stats
 
     for batch, fused_expected in ((1, True), (2, False)):
         a = torch.randn(batch, 5, 64, generator=gen, device=dev, dtype=dtype)
@@ -151,7 +158,7 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
     assert out.shape == (4, 6, 32)
     _check("RS 3-d", out, ref)
     # scattered along dim 1 of [B, S, N]: fused for B = 1, the reference path for B = 2
-    from ditron_inductor.runtime.fused import stats
+    from ditron_inductor.runtime.reduce_scatter import stats
 
     for batch, fused_expected in ((1, True), (2, False)):
         a = torch.randn(batch * 4 * world, 64, generator=gen, device=dev, dtype=dtype)
@@ -225,11 +232,9 @@ def _compiled_case(group_name, world, rank, gen):
         h = torch.nn.functional.gelu(h @ w1)
         return funcol.reduce_scatter_tensor(h @ w2, "sum", 0, group_name)
 
-    from ditron_inductor.runtime.fused import stats
-
     from ditron_inductor import config
 
-    before = dict(stats)
+    before = _served()
     # These shapes are too small for the cost model to fuse: force the fused plan so that the
     # compiled graph runs the fused kernels. The backend is passed as the function itself: the
     # name "ditron" resolves through the package's entry point, absent where the package is used
@@ -243,7 +248,8 @@ def _compiled_case(group_name, world, rank, gen):
             _check("compiled SP MLP", compiled(x), mlp(x), tol=3e-2)
     finally:
         config.force_plan = saved
-    return {k: stats[k] - before[k] for k in stats}
+    after = _served()
+    return {k: after[k] - before[k] for k in after}
 
 
 def _compiled_case_reported(group_name, world, rank, gen):
@@ -269,15 +275,14 @@ def _worker(rank, world, port, backend, calls, result_dir):
                             world_size=world, device_id=torch.device("cuda", rank))
     status = "ok"
     try:
-        from ditron_inductor.runtime.fused import stats
-
         group_name = dist.group.WORLD.group_name
         gen = torch.Generator(device="cuda")
         gen.manual_seed(1234 + rank)
         for dtype in (torch.bfloat16, torch.float16):
             _ag_cases(group_name, world, rank, dtype, gen, calls)
             _rs_cases(group_name, world, rank, dtype, gen, calls)
-        assert stats["all_gather_matmul"] > 0 and stats["matmul_reduce_scatter"] > 0, stats
+        served = _served()
+        assert served["all_gather_matmul"] > 0 and served["matmul_reduce_scatter"] > 0, served
         _rs_pull_graph_case(group_name, world, gen)
         # two process groups in one program: the halves of the world, used alternately with it
         if world >= 4:
@@ -288,7 +293,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
                 _ag_cases(mine.group_name, world // 2, rank % (world // 2), torch.bfloat16, gen, 1)
                 _rs_cases(group_name, world, rank, torch.bfloat16, gen, 1)
         compiled = _compiled_case_reported(group_name, world, rank, gen)
-        status = f"ok stats={dict(stats)} compiled={compiled}"
+        status = f"ok stats={_served()} compiled={compiled}"
         from ditron_inductor import runtime
 
         runtime.shutdown()

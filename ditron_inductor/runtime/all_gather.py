@@ -1,0 +1,225 @@
+"""Fused all-gather + GEMM on symmetric memory (kernels: templates/ag_gemm.py, transfer.py).
+
+One call (epoch e, this rank r of W, A chunk c = rank c's shard):
+  main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
+                copy my shard into my symmetric buffer (parity e%2); READY[r] = e on every peer
+  main stream   my shard into my rows of the gathered A, chunk_flags[r] = e
+  copy streams  for p = r+1, r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into
+                the gathered A;
+                chunk_flags[p] = e (or an event, for the cuBLAS plan); finally DONE[r] = e on
+                every peer
+  main stream   the GEMM: a persistent Triton kernel whose tiles wait on chunk_flags (plan gemm=
+                "triton"), or cuBLAS on groups of chunks in arrival order, each group after the
+                events of its chunks (plan gemm="cublas"); then join the copy streams
+  (plan transfer="sm", opt-in: one Triton kernel on a few SMs pulls every chunk instead of the
+  copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
+
+Signals are 4-byte copy-engine copies of a word holding the epoch (driver.py, context.py): every
+stream operation is a ctypes driver call (~50 per fused call at W=8) because a torch op or a
+Triton launch costs 10-100x more host time on the benchmark machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..scheduler.plan import SM, TRITON, AllGatherPlan
+from ..scheduler.task import Task
+from . import driver
+from .context import OpContext, get_context, wait_polls
+from .launch import (
+    DTYPES,
+    check_errors,
+    decline,
+    gemm_failed,
+    matmul_into,
+    num_sms,
+    triton_gemm,
+    wait_geq,
+)
+
+# calls served by the fused path (tests check that the fused path, not the fallback, ran)
+stats = {"all_gather_matmul": 0}
+
+
+def chunk_runs(chunks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive chunk ids -> [first, last] runs (the ring order wraps from W-1 to 0)."""
+    runs = []
+    for c in chunks:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return runs
+
+
+def chunk_groups(world: int, rank: int, sizes) -> list[list[int]]:
+    """Arrival order (own chunk, then rank+1, rank+2, ...) cut into groups of the given sizes."""
+    order = [(rank + i) % world for i in range(world)]
+    groups, i = [], 0
+    for s in sizes:
+        if i >= world:
+            break
+        groups.append(order[i:i + s])
+        i += s
+    if i < world:
+        groups.append(order[i:])
+    return [g for g in groups if g]
+
+
+def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, biases, gather_dim,
+                            group_name, world_size):
+    if torch.cuda.is_current_stream_capturing():
+        return decline("CUDA graph capture (epochs are host values)")
+    if gather_dim != 0:
+        if not task.rank_chunks_contiguous:
+            return decline(f"gather_dim {gather_dim} interleaves the ranks' rows")
+        # every dim before gather_dim has size 1: the same rows as a gather on dim 0
+        lead = list(a_shard.shape[:gather_dim])
+        outs = all_gather_matmul_fused(task, plan, a_shard.reshape(a_shard.shape[gather_dim:]),
+                                       weights, biases, 0, group_name, world_size)
+        if outs is not None:
+            outs[0] = outs[0].view(lead + list(outs[0].shape))
+        return outs
+    if a_shard.dtype not in DTYPES or a_shard.dim() < 2:
+        return decline(f"dtype {a_shard.dtype} / rank {a_shard.dim()}")
+    k = a_shard.shape[-1]
+    for w, b in zip(weights, biases):
+        if w.dim() != 2 or w.shape[0] != k or w.dtype != a_shard.dtype or not w.is_cuda:
+            return decline("weight shape/dtype")
+        if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != w.dtype
+                              or b.stride(0) != 1):
+            return decline("bias shape/dtype")
+    rows = a_shard.numel() // k
+    if rows == 0 or k == 0:
+        return decline("empty input")
+    esize = a_shard.element_size()
+    shard_bytes = rows * k * esize
+    half = max(shard_bytes, 1)
+    ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * half)
+    half = ctx.data.nbytes // 2
+    W, r = ctx.world, ctx.rank
+    e = ctx.next_epoch()
+    parity = e % 2
+    M = rows * W
+
+
+    main = torch.cuda.current_stream().cuda_stream
+    a2d = a_shard.reshape(rows, k)
+    if not a2d.is_contiguous():
+        a2d = a2d.contiguous()
+    src = a2d.data_ptr()
+    peers = [(r + i) % W for i in range(1, W)]  # ring order: the chunk of rank+1 first
+
+
+    # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
+    #    fill it and tell the peers (READY[r] = e on each)
+    for p in peers:
+        wait_geq(ctx, plan, main, ctx.DONE + p, e - 2)
+    off = parity * half
+    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, main)
+    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+
+
+    use_triton = plan.gemm == TRITON
+    gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
+    g0 = gathered.data_ptr()
+    flags0 = ctx.chunk_flags.data_ptr()
+
+
+    if plan.transfer == SM and not (use_triton and shard_bytes % 4 == 0 and not plan.debug_waits):
+        return decline("the SM pull takes a Triton GEMM, whole 4-byte words and unbounded waits")
+    polls = wait_polls(plan)
+    if plan.transfer == SM:
+        # 2'. a few SMs pull every chunk (templates/transfer.py); the GEMM leaves them free and
+        #     waits on the chunks' arrival counters
+        nprog = plan.comm_sms
+        counts, expect = ctx.counters(nprog)
+        driver.record(ctx.ev_start, main)
+        driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
+        from ..templates.transfer import ag_pull_kernel
+
+
+        with torch.cuda.stream(ctx.side):
+            ag_pull_kernel[(nprog,)](
+                ctx.data.ptr_table, off // 4, gathered.view(-1).view(torch.int32),
+                ctx.flags.local.view(torch.int32), counts, ctx.err, r, W, shard_bytes // 4,
+                e, polls, BLOCK=plan.pull_block, num_warps=plan.pull_warps)
+        # I have read every peer's buffer of this parity (DONE[r] = e on each)
+        ctx.signal(ctx.side.cuda_stream, 1, e,
+                   [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
+        driver.record(ctx.ev_end, ctx.side.cuda_stream)
+        outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+                for w in weights]
+        try:
+            for w, b, out in zip(weights, biases, outs):
+                triton_gemm(gathered, w, b, out, plan.tile, flags=counts, err=ctx.err,
+                            rows_per_chunk=rows, first_row=r * rows, epoch=expect,
+                            num_progs=num_sms(a_shard.device) - nprog, proxy_fence=True,
+                            polls=polls)
+        except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
+            return gemm_failed(ctx, main, exc)
+        return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
+
+
+    # 2. copy streams: the peers' shards pulled in ring order (the k-th on stream k % S), each
+    #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the main
+    #    stream: a local copy runs on SMs, not on the copy engine (benchmarks/bench_copy.py), so
+    #    on a copy stream, beside the GEMM, it held back every pull queued behind it
+    sides = [s.cuda_stream for s in ctx.sides(plan.copy_streams)]
+    driver.record(ctx.ev_start, main)
+    for sh in sides:
+        driver.stream_wait(sh, ctx.ev_start)
+    for i, c in enumerate([r] + peers):
+        sh = main if c == r else sides[(i - 1) % len(sides)]
+        if c != r:
+            wait_geq(ctx, plan, sh, ctx.READY + c, e)
+        driver.memcpy(g0 + c * shard_bytes, src if c == r else ctx.data_addrs[c] + off,
+                      shard_bytes, sh)
+        if use_triton:
+            driver.write(sh, flags0 + 4 * c, e)
+        else:
+            driver.record(ctx.ev_chunks[c], sh)
+    for sh, ev in zip(sides[1:], ctx.ev_sides):
+        driver.record(ev, sh)
+        driver.stream_wait(sides[0], ev)
+    # I have read every peer's buffer of this parity (DONE[r] = e on each)
+    ctx.signal(sides[0], 1, e, [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
+    driver.record(ctx.ev_end, sides[0])
+
+
+    # 3. the GEMM(s), overlapping the transfers
+    outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+            for w in weights]
+    if use_triton:
+        try:
+            for w, b, out in zip(weights, biases, outs):
+                triton_gemm(gathered, w, b, out, plan.tile, flags=ctx.chunk_flags, err=ctx.err,
+                            rows_per_chunk=rows, first_row=r * rows, epoch=e, polls=polls)
+        except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
+            return gemm_failed(ctx, main, exc)
+    else:
+        groups = chunk_groups(W, r, plan.groups)
+        for g in groups:
+            for c0, c1 in chunk_runs(g):
+                lo, hi = c0 * rows, (c1 + 1) * rows
+                if (c0, c1) == (r, r):
+                    a_rows = a2d  # my own rows alone: straight from the input, no wait at all
+                else:
+                    for c in range(c0, c1 + 1):
+                        driver.stream_wait(main, ctx.ev_chunks[c])
+                    a_rows = gathered[lo:hi]
+                for w, b, out in zip(weights, biases, outs):
+                    matmul_into(a_rows, w, b, out[lo:hi])
+    return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
+
+
+def _all_gather_done(ctx: OpContext, plan: AllGatherPlan, main: int, a_shard, gathered,
+                     outs) -> list:
+    """Join the transfer streams, surface kernel-side errors, and shape the op's outputs."""
+    driver.stream_wait(main, ctx.ev_end)
+    check_errors(ctx, plan, "all_gather_matmul")
+    stats["all_gather_matmul"] += 1
+    shape = list(a_shard.shape)
+    shape[0] *= ctx.world
+    return [gathered.view(shape)] + outs

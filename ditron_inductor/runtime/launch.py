@@ -1,0 +1,207 @@
+"""What the fused implementations share: declining an input, flag waits on a stream, errors of
+bounded waits, and the GEMM launchers (the persistent Triton tile programs, cuBLAS).
+
+Each fused implementation returns None (the op runs its reference path) for inputs it does not
+serve; `decline` says why at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import triton
+
+from ..log_names import LOGGER_NAME
+from ..scheduler.plan import FusedPlan, GemmTile
+from ..templates import all_reduce as kernels
+from ..templates.gemm_ready import gemm_ready_kernel
+from . import driver
+from .context import OpContext, wait_polls
+
+log = logging.getLogger(LOGGER_NAME)
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def decline(msg: str):
+    log.debug("fused path declined: %s", msg)
+    return None
+
+
+# ---------------------------------------------------------------------------- stream-side flags
+
+
+def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int) -> None:
+    """The stream (a CUstream handle) waits until my symmetric flag word idx >= value."""
+    if value <= 0:
+        return
+    if plan.debug_waits:  # bounded: a kernel that gives up and names the flag
+        from ..templates.comm import wait_flags_kernel
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            wait_flags_kernel[(1,)](ctx.flags.local.view(torch.int32), idx, 1, value,
+                                    wait_polls(plan), ctx.err)
+    else:
+        driver.wait_geq(stream, ctx.flag_addr(idx), value)
+
+def check_errors(ctx: OpContext, plan: FusedPlan, what: str, flag_name=None) -> None:
+    """In debug mode, raise if a bounded wait of the last call gave up, naming its flag
+    (`flag_name(code)`; by default the flag word and epoch)."""
+    if not plan.debug_waits or torch.cuda.is_current_stream_capturing():
+        return
+    torch.cuda.synchronize()
+    code = int(ctx.err.item())
+    if code:
+        ctx.err.zero_()
+        flag = flag_name(code) if flag_name else f"flag {code - 1} (epoch {ctx.epoch})"
+        raise RuntimeError(
+            f"ditron: {what} on rank {ctx.rank}: a wait on {flag} gave up after "
+            f"{plan.wait_timeout_s} s; a peer never signalled it (ranks running different "
+            "programs?)")
+
+
+WAIT_NAMES = {kernels.ERR_READY: "READY (a chunk of a peer's GEMM)",
+               kernels.ERR_PUSHED: "PUSHED (a peer's pushed sums)",
+               kernels.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
+               kernels.ERR_STARTED: "STARTED (a peer's partial)",
+               kernels.ERR_SENT: "lamport data (a peer's partial or sums)"}
+
+
+def gemm_failed(ctx: OpContext, main: int, exc: Exception):
+    """The GEMM could not be launched (every rank fails alike: same config, same compiler). The
+    transfers already queued complete (the peers signalled), the main stream joins them so the
+    protocol's invariants hold, and the op takes its reference path."""
+    driver.stream_wait(main, ctx.ev_end)
+    log.warning("ditron: fused GEMM failed (%s: %s); running the reference path",
+                type(exc).__name__, str(exc)[:300])
+    return None
+
+
+# ---------------------------------------------------------------------------- GEMM launchers
+
+
+def num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool]:
+    """None if TMA cannot take these operands, else whether B is given transposed ([N, K] rows)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return None
+    k, n = b.shape
+    if k % 8 or n % 8 or a.stride(1) != 1 or out.stride(1) != 1:
+        return None
+    if a.stride(0) % 8 or out.stride(0) % 8:
+        return None
+    for t in (a, b, out):
+        if t.data_ptr() % 16:
+            return None
+    if b.stride(1) == 1 and b.stride(0) % 8 == 0:
+        return False
+    if b.stride(0) == 1 and b.stride(1) % 8 == 0:
+        return True
+    return None
+
+
+def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
+                first_row=0, epoch=0, num_progs=None, proxy_fence=False, polls=0):
+    """out = a @ b (+ bias) with the persistent tile program; with flags, tiles wait on them
+    (polls > 0: each wait gives up after that many polls, in debug mode)."""
+    from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
+
+
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk, group_m = tile.block_m, tile.block_n, tile.block_k, tile.group_m
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = num_progs or num_sms(a.device)
+    if polls and flags is not None:
+        sms = max(1, sms - 2)  # debug waits run as kernels on the side stream: leave them SMs
+    progs = max(1, min(sms, tiles))
+    wait = flags is not None
+    if flags is None:
+        flags = out  # unused
+    if err is None:
+        err = out
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    launch = dict(num_warps=tile.warps, num_stages=tile.stages)
+    b_trans = tma_ok(a, b, out) if tile.tma else None
+    if b_trans is not None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
+                  else TensorDescriptor.from_tensor(b, [bk, bn]))
+        c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+        ag_gemm_tma_kernel[(progs,)](
+            a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
+            rows_per_chunk, first_row, epoch, polls,
+            HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **launch)
+    else:
+        ag_gemm_kernel[(progs,)](
+            a, b, out, bias_arg, flags, err, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            rows_per_chunk, first_row, epoch, polls,
+            HAS_BIAS=has_bias, WAIT=wait, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=group_m, NUM_PROGS=progs, **launch)
+    return out
+
+
+def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None):
+    """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given."""
+    if tile is not None:
+        return triton_gemm(a, b, bias, out, tile)
+    if bias is None:
+        return torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b, out=out)
+
+
+def tile_launch(tile: GemmTile) -> dict:
+    """The persistent GEMM's (templates/gemm_ready.py) compile-time tile arguments."""
+    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                num_warps=tile.warps, num_stages=tile.stages)
+
+
+def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
+                parity_elems=0):
+    """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
+    raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
+    answer; tile: tile_launch's. GEMM + reduce-scatter: `slices` (the world size) equal
+    slices of rows, each chunk holding row-blocks of every slice, and the partial written
+    parity_elems further on in calls of odd epoch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+    m, n = partial.shape
+    a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
+    b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
+              else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
+    row_blocks = triton.cdiv(m, tile["BLOCK_M"])
+    progs = max(1, min(progs, row_blocks * triton.cdiv(n, tile["BLOCK_N"])))
+    gemm_ready_kernel[(progs,)](
+        a_desc, b_desc, partial, partial if bias is None else bias,
+        ctx.flags.local.view(torch.int32), dev.arrive[1:], dev.epoch, m, n, a.shape[1],
+        row_blocks // slices, parity_elems, HAS_BIAS=bias is not None, B_TRANS=b_trans,
+        GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
+
+
+def gemm_beside(dev, queue_gemm, side_kernel):
+    """queue_gemm() on the main stream, side_kernel() beside it on the side stream, then the
+    main stream joins the side stream."""
+    main = torch.cuda.current_stream()
+    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
+    queue_gemm()
+    # Launched after the GEMM is queued, though it starts with it: a host call that synchronises
+    # the device while the chunks are being queued (cuBLAS or the caching allocator reaching
+    # cudaMalloc) would otherwise wait for this spinning kernel, which waits for chunks not yet
+    # queued (seen on 8x H200: REDUCED waits that never finished).
+    with torch.cuda.stream(dev.side):
+        side_kernel()
+    main.wait_stream(dev.side)

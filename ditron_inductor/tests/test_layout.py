@@ -1,0 +1,59 @@
+"""The layering holds: each runtime and scheduler module imports alone in a fresh interpreter,
+the runtime never imports the ops nor the cost model, and lowering takes Tasks from the scheduler."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1]
+MODULES = sorted(f"ditron_inductor.{p.parent.name}.{p.stem}"
+                 for layer in ("runtime", "scheduler") for p in (PACKAGE / layer).glob("*.py")
+                 if p.stem != "__init__")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The package modules a file imports (relative imports resolved), at any depth."""
+    here = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = list(here[:len(here) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("ditron_inductor")}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_module_imports_alone(module):
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_runtime_needs_neither_ops_nor_cost_model():
+    for path in (PACKAGE / "runtime").glob("*.py"):
+        imported = _imports(path)
+        assert "ditron_inductor.ops" not in imported, path.name
+        assert "ditron_inductor.scheduler.cost_model" not in imported, path.name
+
+
+def test_lowering_builds_tasks_through_the_scheduler():
+    for path in (PACKAGE / "lowering").glob("*.py"):
+        text = path.read_text()
+        assert "ops.all_gather_matmul_task" not in text and "ops.matmul_collective_task" not in text
+
+
+def test_modules_share_public_names_only():
+    for layer in ("runtime", "scheduler", "lowering"):
+        for path in (PACKAGE / layer).glob("*.py"):
+            private = [m for m in _imports(path) if m.rsplit(".", 1)[-1].startswith("_")
+                       and not m.endswith("__init__")]
+            assert private == [], (path.name, private)
