@@ -1,5 +1,5 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (kernels:
-templates/all_reduce_push.py and all_reduce_lamport.py; what they share: all_reduce.py).
+kernels/all_reduce_push.py and all_reduce_lamport.py; what they share: all_reduce.py).
 
 One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
 plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
@@ -13,7 +13,7 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       copies the sums out adding its residual, normalises the rows; with overlap=True the kernel
       runs on a few SMs beside the GEMM (side stream), waiting on each row chunk's READY:
       gemm="triton", a persistent Triton GEMM on the other SMs that raises READY per finished
-      chunk (templates/gemm_ready.py); else cuBLAS in row chunks, each followed by a 4-byte copy
+      chunk (kernels/gemm_ready.py); else cuBLAS in row chunks, each followed by a 4-byte copy
       from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
@@ -38,9 +38,9 @@ import triton
 
 from ..scheduler.plan import TRITON, AllReducePlan
 from ..scheduler.task import Task
-from ..templates import all_reduce as kernels
-from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
-from ..templates.all_reduce_push import push_all_kernel, push_kernel
+from ..kernels import flags
+from ..kernels.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
+from ..kernels.all_reduce_push import push_all_kernel, push_kernel
 from . import driver
 from .context import (
     OpContext,
@@ -81,10 +81,10 @@ def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
     """(context name, elements of its symmetric buffer) for a call of `numel` elements: room for
     every region (_regions) of the algorithm's layout. push_all has a context of its own: its
     slots are safe to overwrite only after calls of its own kind (module doc of
-    templates/all_reduce_push.py); so have lamport and lamport_all: their receive words must
+    kernels/all_reduce_push.py); so have lamport and lamport_all: their receive words must
     hold the empty mark between calls, which no other kernel keeps. push and push_scatter share
     one. The slack: room for the scatter's (and lamport's) last, partial, block row."""
-    slack = kernels.MAX_WORLD * _MAX_BLOCK
+    slack = flags.MAX_WORLD * _MAX_BLOCK
     if algo in ("push_all", "lamport_all"):
         return f"{_CONTEXT}_{algo}", _regions(algo, world) * _slot_stride(numel)
     if algo == "lamport":
@@ -147,14 +147,14 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     if why:
         return decline(why)
     algo = plan.algo
-    if task.world_size > kernels.MAX_WORLD:
-        return decline(f"the all-reduce kernels' flags serve up to {kernels.MAX_WORLD} ranks")
+    if task.world_size > flags.MAX_WORLD:
+        return decline(f"the all-reduce kernels' flags serve up to {flags.MAX_WORLD} ranks")
     context, elems = _buffer_elements(algo, m * n, task.world_size)
     if size_class(elems * a.element_size()) // a.element_size() >= 2 ** 31:
         return decline("more than 2**31 elements in the buffers (32-bit offsets)")
     capturing = torch.cuda.is_current_stream_capturing()
     ctx = get_context(context, task.group_name, plan.symm_mem_backend, elems * a.element_size(),
-                      flag_words=kernels.FLAG_WORDS, create=not capturing)
+                      flag_words=flags.FLAG_WORDS, create=not capturing)
     if ctx is None:
         return decline("CUDA graph capture before any eager call of this size class")
     dev = device_epoch(ctx)
@@ -168,7 +168,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
-                  W_FP32=bool(weight_in_fp32), **kernels.world_constants(ctx.world))
+                  W_FP32=bool(weight_in_fp32), **flags.world_constants(ctx.world))
     if algo == "push_all":
         _push_all(ctx, plan, a, b, bias, partial, common, consts, float(eps))
     elif algo in ("lamport", "lamport_all"):
@@ -182,7 +182,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
 
 def _row_chunks(plan: AllReducePlan, m):
     """(number of row chunks, rows per chunk) of the cuBLAS GEMM beside push (overlap=True)."""
-    chunks = max(1, min(plan.chunks, kernels.MAX_CHUNKS, m))
+    chunks = max(1, min(plan.chunks, flags.MAX_CHUNKS, m))
     rows = triton.cdiv(m, chunks)
     return triton.cdiv(m, rows), rows
 
@@ -203,7 +203,7 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
         for j in range(triton.cdiv(m, rows)):
             lo, hi = j * rows, min((j + 1) * rows, m)
             matmul_into(a[lo:hi], b, bias, partial[lo:hi])
-            driver.memcpy(ctx.flag_addr(kernels.READY + j), current_epoch, 4, main.cuda_stream)
+            driver.memcpy(ctx.flag_addr(flags.READY + j), current_epoch, 4, main.cuda_stream)
     finally:
         if carve:
             torch._C._set_sm_carveout_experimental(before)
@@ -215,8 +215,8 @@ def _ready_gemm_rows(plan: AllReducePlan, m):
     """Rows per chunk of the persistent GEMM beside push: whole row-blocks, about plan.chunks
     chunks, at most MAX_CHUNKS."""
     blocks = triton.cdiv(m, plan.tile.block_m)
-    chunks = max(1, min(plan.chunks, kernels.MAX_CHUNKS))
-    group = max(triton.cdiv(blocks, chunks), triton.cdiv(blocks, kernels.MAX_CHUNKS))
+    chunks = max(1, min(plan.chunks, flags.MAX_CHUNKS))
+    group = max(triton.cdiv(blocks, chunks), triton.cdiv(blocks, flags.MAX_CHUNKS))
     return group * plan.tile.block_m
 
 
@@ -237,7 +237,7 @@ def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
                 min(1024, triton.next_power_of_2(per_rank // 32 + 1) // 2))
     block = block or (4096 if per_rank >= 64 * 4096 else small)
     warps = warps or max(1, min(8, block // 256))
-    cap = min(progs or kernels.MAX_PROGS, kernels.MAX_PROGS, sms - 4)
+    cap = min(progs or flags.MAX_PROGS, flags.MAX_PROGS, sms - 4)
     return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
 
 
@@ -254,7 +254,7 @@ def _region(ctx, partial, algo):
 
 
 def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps):
-    """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
+    """The GEMM, then the push kernel (kernels/all_reduce_push.py) on the same stream. With
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
     per chunk of whole row-blocks; else cuBLAS in row chunks (carveout=True: told to leave the
@@ -288,7 +288,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
         NORMALISE=False, **launch))
     # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
     # programs (the COPY phase's condition), as many as fit at once (the norm's barrier)
-    copy_progs = progs * max(1, min(kernels.MAX_PROGS, sms - 4) // progs)
+    copy_progs = progs * max(1, min(flags.MAX_PROGS, sms - 4) // progs)
     push_kernel[(copy_progs,)](*common, m, n, eps, ctx.rank, rows, progs, slots, polls,
                                SEND=False, REDUCE=False, **launch)
 
@@ -307,7 +307,7 @@ def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps
 
 def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
     """The GEMM, then lamport_kernel or (lamport_all, push_all's grid: every rank handles
-    every element) lamport_all_kernel (templates/all_reduce_lamport.py) on its context, whose
+    every element) lamport_all_kernel (kernels/all_reduce_lamport.py) on its context, whose
     words all hold the empty mark before the first call."""
     m, n = partial.shape
     if ctx not in _marked_empty:

@@ -1,15 +1,15 @@
 """Fused GEMM + reduce-scatter on symmetric memory, two plans (chunk c of the output rows
 belongs to rank c).
 
-Copy engine (transfer="copy_engine"; templates/reduce.py sums the slots for reduce="triton"):
+Copy engine (transfer="copy_engine"; kernels/reduce.py sums the slots for reduce="triton"):
   main stream   for p = r+1, r+2, ..., r-1: partial_p = A[rows of p] @ B (+bias), then an event
   side stream   after each event: wait DONE[p] >= e-1 (p has reduced the last call, its slot is
                 free); copy-engine push of partial_p into p's receive slot r; READY[r] = e on p
   main stream   my own partial straight into my receive slot r; wait READY[q] >= e for every q;
                 out = sum of the W slots (x 1/W for avg); DONE[r] = e on every peer; join
 
-SM pull (transfer="sm"; kernels: templates/gemm_ready.py with SLICES = W, and
-templates/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
+SM pull (transfer="sm"; kernels: kernels/gemm_ready.py with SLICES = W, and
+kernels/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
 of the main stream writes a @ b (+ bias) into the half of my symmetric buffer of the call's epoch
 parity, chunk by chunk (each chunk holds row-blocks of every rank's slice), raising READY per
 chunk; beside it, on P programs of the side stream, pull_reduce_kernel sums my slice of every
@@ -33,8 +33,8 @@ import triton
 
 from ..scheduler.plan import SM, TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
-from ..templates import all_reduce as kernels
-from ..templates.reduce_scatter import pull_reduce_kernel
+from ..kernels import flags
+from ..kernels.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_polls
 from .launch import (
@@ -123,7 +123,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         if q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     if plan.reduce == TRITON:
-        from ..templates.reduce import reduce_slots_kernel
+        from ..kernels.reduce import reduce_slots_kernel
 
 
         out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
@@ -147,7 +147,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
 def chunk_blocks(slice_blocks: int, chunks: int) -> int:
     """Row-blocks of each slice per chunk: the fewest that cut a slice of `slice_blocks` into
     equal chunks, at most `chunks` of them (and MAX_CHUNKS)."""
-    most = max(1, min(chunks, kernels.MAX_CHUNKS))
+    most = max(1, min(chunks, flags.MAX_CHUNKS))
     return next(g for g in range(1, slice_blocks + 1)
                 if slice_blocks % g == 0 and slice_blocks // g <= most)
 
@@ -158,8 +158,8 @@ def pull_declines(m: int, k: int, n: int, world: int, esize: int, block_m: int) 
         return "K = 0"
     if (m // world) % block_m:
         return f"slices of {m // world} rows are not whole {block_m}-row blocks"
-    if world > kernels.MAX_WORLD:
-        return f"the flags serve up to {kernels.MAX_WORLD} ranks"
+    if world > flags.MAX_WORLD:
+        return f"the flags serve up to {flags.MAX_WORLD} ranks"
     if size_class(2 * m * n * esize) // esize >= 2 ** 31:
         return "more than 2**31 elements in the buffers (32-bit offsets)"
     return None
@@ -175,7 +175,7 @@ def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce
         return decline(why)
     capturing = torch.cuda.is_current_stream_capturing()
     ctx = get_context(CONTEXT, task.group_name, plan.symm_mem_backend, 2 * m * n * a.element_size(),
-                      flag_words=kernels.FLAG_WORDS, create=not capturing)
+                      flag_words=flags.FLAG_WORDS, create=not capturing)
     if ctx is None:
         return decline("CUDA graph capture before any eager call of this size class")
     half = ctx.data.nbytes // a.element_size() // 2 // 16 * 16  # fixed per context
@@ -197,7 +197,7 @@ def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce
             ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
             n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, wait_polls(plan),
             BLOCK=plan.pull_block, SCALE=reduce_op == "avg", num_warps=plan.pull_warps,
-            **kernels.world_constants(world)))
+            **flags.world_constants(world)))
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats["pulled"] += 1
     return out

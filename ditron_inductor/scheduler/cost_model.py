@@ -12,7 +12,7 @@ Candidates (parameters of the typed plans in scheduler/plan.py, which say what e
   gemm="cublas": (AG) cuBLAS on groups of chunks in arrival order, `groups` chunks each, each
                  group after its last chunk landed; (RS) cuBLAS per destination chunk, rank+1 first,
                  each pushed by the copy engine as soon as it is computed; reduce="triton" sums the
-                 received partials with templates/reduce.py (else torch.sum);
+                 received partials with kernels/reduce.py (else torch.sum);
   copy_streams:  copy-engine streams for the AG pulls; transfer="sm" + comm_sms: the AG pulls by a
                  Triton kernel on comm_sms SMs instead; for RS, the reduction pulled by comm_sms
                  SMs beside one persistent Triton GEMM, in `chunks` chunks (UNVALIDATED: the
@@ -251,7 +251,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     return from_params(cls, merged, label=label).for_world(task.world_size)
 
 
-# GEMM + all-reduce (runtime/all_reduce.py; kernels in templates/all_reduce_push.py and
+# GEMM + all-reduce (runtime/all_reduce.py; kernels in kernels/all_reduce_push.py and
 # all_reduce_lamport.py), the plan by M (these are also the runtime's defaults when a fused plan
 # names no algorithm, DITRON_PLAN=fused):
 #   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
@@ -259,7 +259,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 #     partials per rank) (ar_h200x8_run9.md, run10.md); on up to LAMPORT_MAX_WORLD ranks
 #     lamport_all instead (push_all with lamport's empty mark for its flags): ~1 us less than
 #     push_all at M 1 and 8 on 4 H200 (ar_h200x4_run22.md), not yet measured on 8;
-#   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (templates/all_reduce_lamport.py:
+#   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (kernels/all_reduce_lamport.py:
 #     push_scatter's traffic, but the data carries its own arrival: no flags, no fences): on 4
 #     and 2 H200 (ar_h200x4_run13.md, ar_h200x2_run14.md) 2-7 us less than push at M=32, about
 #     2 us at M=128, level at 256-512 (4 ranks). Not yet measured on 8 GPUs (the 8-GPU machine
@@ -285,7 +285,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 # ~0.15-0.3 ms a call on that machine, more than the gain at the sizes where the all-reduce wins).
 #
 # Prefill, FUSED_MAX_M < M <= OVERLAP_MAX_M on up to OVERLAP_MAX_WORLD ranks (overlap_params):
-# push's REDUCE on 16-32 SMs beside the persistent Triton GEMM on the others (templates/
+# push's REDUCE on 16-32 SMs beside the persistent Triton GEMM on the others (kernels/
 # gemm_ready.py: READY per finished row chunk), then the copy-out and the norm on every SM.
 # Measured on 4 H200 only (the defaults: ar_h200x4_run18.md, CUDA-graph replays, over NCCL +
 # cuBLAS, K 3584 / 1024): M=1024 1.12x / 1.13x, M=2048 1.28x / 1.14x, M=8192 1.36x / 1.08x; with

@@ -1,4 +1,4 @@
-"""Compile the Triton templates for Hopper (sm_90) without a GPU: the front end's checks
+"""Compile the Triton kernels for Hopper (sm_90) without a GPU: the front end's checks
 (constexpr globals, types, shapes) and the back end down to a cubin, as the GPU machine would.
 Run in its own process (test_kernels_compile.py): the interpreter tests switch Triton's JIT to
 interpretation for the whole process.
@@ -16,11 +16,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ditron_inductor.templates import (  # noqa: E402
-    all_reduce,
+from ditron_inductor.kernels import (  # noqa: E402
     all_reduce_lamport,
     all_reduce_push,
-    comm,
+    flags,
     gemm_ready,
     reduce,
     reduce_scatter,
@@ -41,7 +40,7 @@ def variants():
         for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
             push = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
                         SEND=True, REDUCE=True, NORMALISE=True,
-                        **all_reduce.world_constants(world))
+                        **flags.world_constants(world))
             for chunked, scatter in ((False, False), (True, False), (False, True)):
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
                        dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
@@ -64,14 +63,14 @@ def variants():
                dict(data_table="*i64", flag_table="*i64", epoch_ptr="*i32", arrive_ptr="*i32",
                     err_ptr="*i32", out_ptr="*bf16", rows="i32", N="i32", rank="i32",
                     chunk_rows="i32", parity_elems="i32", scale="fp32", limit="i32"),
-               dict(BLOCK=block, SCALE=scale, **all_reduce.world_constants(world)), 32)
+               dict(BLOCK=block, SCALE=scale, **flags.world_constants(world)), 32)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
-    yield (comm.wait_flags_kernel,
+    yield (flags.wait_flags_kernel,
            dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit="i32",
                 err_ptr="*i32"), {}, 1)
-    yield (comm.notify_peers_kernel,
+    yield (flags.notify_peers_kernel,
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
 
 

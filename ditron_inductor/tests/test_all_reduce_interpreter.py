@@ -10,7 +10,7 @@ REDUCE, COPY, NORMALISE) on every rank before the next phase on any.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the templates
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
 
 import pytest
 import torch
@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("triton")
 
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
-from ditron_inductor.templates import all_reduce as ar  # noqa: E402
-from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
+from ditron_inductor.kernels import flags  # noqa: E402
+from ditron_inductor.kernels import all_reduce_lamport, all_reduce_push  # noqa: E402
 from ditron_inductor.runtime.all_reduce import _buffer_elements, region_elements  # noqa: E402
-from ditron_inductor.templates.all_reduce_lamport import EMPTY_BITS  # noqa: E402
+from ditron_inductor.kernels.all_reduce_lamport import EMPTY_BITS  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
 
@@ -38,9 +38,9 @@ class Ranks:
         self.data_numel = data_numel or 2 * m * n
         self.data = [torch.full((self.data_numel,), float("nan"), dtype=dtype)
                      for _ in range(world)]
-        self.flags = [torch.zeros(ar.FLAG_WORDS, dtype=torch.int32) for _ in range(world)]
+        self.flags = [torch.zeros(flags.FLAG_WORDS, dtype=torch.int32) for _ in range(world)]
         self.epoch = [torch.tensor([0, 1], dtype=torch.int32) for _ in range(world)]
-        self.arrive = [torch.zeros(1 + ar.MAX_CHUNKS, dtype=torch.int32) for _ in range(world)]
+        self.arrive = [torch.zeros(1 + flags.MAX_CHUNKS, dtype=torch.int32) for _ in range(world)]
         self.err = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
         self.data_table, self.flag_table = table(self.data), table(self.flags)
 
@@ -72,7 +72,7 @@ def new_outs(ranks, weight):
 
 def started(ranks, r, progs):
     """Rank r's STARTED words: [program, rank that raised it]."""
-    return ranks.flags[r][ar.STARTED: ar.STARTED + progs * ranks.world].view(progs, ranks.world)
+    return ranks.flags[r][flags.STARTED: flags.STARTED + progs * ranks.world].view(progs, ranks.world)
 
 
 def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
@@ -92,7 +92,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
             gemm(r)
             continue
         for j in range(-(-m // rows) if chunks else 0):
-            ranks.flags[r][ar.READY + j] = ranks.epoch[r][1]
+            ranks.flags[r][flags.READY + j] = ranks.epoch[r][1]
     outs = outs or new_outs(ranks, weight)
     phases = ["SEND", "REDUCE"] + ([] if algo == "push_all" else ["COPY"]) \
         + (["NORMALISE"] if weight is not None else [])
@@ -104,7 +104,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
             consts = dict(HAS_RES=residuals is not None, NORM=weight is not None,
                           W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
                           REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
-                          **ar.world_constants(world))
+                          **flags.world_constants(world))
             if algo == "push_all":
                 stride = region(ranks, algo)
                 all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT, **consts)
@@ -118,7 +118,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
         if not chunked:  # every program of every rank raised STARTED on every rank
             assert started(ranks, r, progs).eq(epoch).all()
         if algo != "push_all":
-            pushed = ranks.flags[r][ar.PUSHED: ar.PUSHED + progs * world]
+            pushed = ranks.flags[r][flags.PUSHED: flags.PUSHED + progs * world]
             assert pushed.tolist() == [epoch] * (progs * world), "a program did not push"
     return outs
 
@@ -158,7 +158,7 @@ def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, algo
             consts = dict(HAS_RES=residuals is not None, NORM=weight is not None,
                           W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
                           REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
-                          **ar.world_constants(world))
+                          **flags.world_constants(world))
             if algo == "lamport":
                 consts["COPY"] = phase == "COPY"
             kernel = (all_reduce_lamport.lamport_kernel if algo == "lamport"
@@ -272,13 +272,13 @@ def test_replay_same_launch_arguments(path):
     (2, 64, 40, 32, torch.float32, 2, True, False),  # a partial column block; B given as B^T
 ])
 def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
-    """The persistent GEMM of templates/gemm_ready.py writes each rank's partial into its
+    """The persistent GEMM of kernels/gemm_ready.py writes each rank's partial into its
     buffer and raises READY per chunk of GROUP_M row-blocks (counters reset after); the push
     kernel beside it (CHUNKED) waits on those flags; its COPY and NORMALISE run as a second
     launch on twice the programs. Two calls in a row (the epoch advances)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ditron_inductor.templates.gemm_ready import gemm_ready_kernel
+    from ditron_inductor.kernels.gemm_ready import gemm_ready_kernel
 
     gen = torch.Generator().manual_seed(m + n)
     ranks = Ranks(world, m, n, dtype)
@@ -304,7 +304,7 @@ def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
                 NUM_PROGS=3, **tile)
             ref = a[r].double() @ b[r].double() + (biases[r].double() if bias else 0)
             assert rel_err(partial, ref) < 2e-3
-            ready = ranks.flags[r][ar.READY: ar.READY + ar.MAX_CHUNKS]
+            ready = ranks.flags[r][flags.READY: flags.READY + flags.MAX_CHUNKS]
             assert ready[:chunks].eq(call + 1).all() and ready[chunks:].eq(0).all()
             assert int(ranks.arrive[r].abs().sum()) == 0, "a chunk counter was not reset"
             partials.append(partial.clone())
@@ -325,8 +325,8 @@ def test_chunk_never_ready_is_reported_not_a_hang():
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
                                       1, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, CHUNKED=True,
-                                      **ar.world_constants(world))
-    assert int(ranks.err[0]) == ar.ERR_READY
+                                      **flags.world_constants(world))
+    assert int(ranks.err[0]) == flags.ERR_READY
 
 
 def test_push_missing_peer_is_reported_not_a_hang():
@@ -338,8 +338,8 @@ def test_push_missing_peer_is_reported_not_a_hang():
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
                                       m, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
-                                      **ar.world_constants(world))
-    assert int(ranks.err[0]) == ar.ERR_STARTED
+                                      **flags.world_constants(world))
+    assert int(ranks.err[0]) == flags.ERR_STARTED
     assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
 
 
@@ -369,12 +369,12 @@ def test_lamport_missing_peer_is_reported_not_a_hang(algo):
     args = (*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0, region(ranks, algo),
             LIMIT)
     consts = dict(HAS_RES=False, NORM=False, W_FP32=False, BLOCK=16, BLOCK_N=16,
-                  **ar.world_constants(world))
+                  **flags.world_constants(world))
     if algo == "lamport":
         all_reduce_lamport.lamport_kernel[(1,)](*args, COPY=False, **consts)  # rank 1 never sends
     else:
         all_reduce_lamport.lamport_all_kernel[(1,)](*args, **consts)
-    assert int(ranks.err[0]) == ar.ERR_SENT
+    assert int(ranks.err[0]) == flags.ERR_SENT
 
 
 def test_plans_and_declines():

@@ -1,4 +1,4 @@
-"""The Triton templates compile for Hopper on a machine without a GPU (sm90_compile.py, in a
+"""The Triton kernels compile for Hopper on a machine without a GPU (sm90_compile.py, in a
 separate process): errors that the interpreter does not raise, such as a non-constexpr global
 read inside a kernel, fail here instead of on the GPU machine."""
 
@@ -18,7 +18,7 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="no ptxas for the sm_90 back end")
-def test_templates_compile_for_hopper():
+def test_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "ditron_inductor.tests.sm90_compile"],
                           capture_output=True, text=True, timeout=600, env=env)

@@ -9,14 +9,14 @@ must report its flag instead of hanging.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the templates
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from ditron_inductor.templates import ag_gemm, comm, reduce, transfer  # noqa: E402
+from ditron_inductor.kernels import ag_gemm, flags, reduce, transfer  # noqa: E402
 
 BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
@@ -86,7 +86,7 @@ def test_all_gather_matmul_protocol(dtype, tma):
         shards = [torch.randn(rows, k, dtype=dtype) for _ in range(world)]
         symm = [s.clone() for s in shards]  # each rank's symmetric buffer, after its local copy
         for r in range(world):  # producers: every rank says its shard is ready
-            comm.notify_peers_kernel[(1,)](flag_table, r, epoch, r, world)
+            flags.notify_peers_kernel[(1,)](flag_table, r, epoch, r, world)
         for r in range(world):
             assert all(int(ranks[r].flags[p]) == epoch for p in range(world) if p != r)
         ref_a = torch.cat(shards)
@@ -98,10 +98,10 @@ def test_all_gather_matmul_protocol(dtype, tma):
             chunk_flags[r] = epoch
             for i in range(1, world):  # ring-order pulls, each followed by its chunk flag
                 p = (r + i) % world
-                comm.wait_flags_kernel[(1,)](ranks[r].flags, p, 1, epoch, LIMIT, ranks[r].err)
+                flags.wait_flags_kernel[(1,)](ranks[r].flags, p, 1, epoch, LIMIT, ranks[r].err)
                 gathered[p * rows:(p + 1) * rows] = symm[p]
-                comm.write_flag_kernel[(1,)](chunk_flags, p, epoch)
-            comm.notify_peers_kernel[(1,)](flag_table, world + r, epoch, r, world)
+                flags.write_flag_kernel[(1,)](chunk_flags, p, epoch)
+            flags.notify_peers_kernel[(1,)](flag_table, world + r, epoch, r, world)
             assert int(ranks[r].err) == 0
             for weight, b in ((w, None), (w_t, bias)):
                 out = run_ag_gemm(gathered, weight, b, chunk_flags, ranks[r].err, rows, r,
@@ -183,9 +183,9 @@ def test_matmul_reduce_scatter_protocol(reduce_op):
                 part.stride(0), part.stride(1), 1, 0, 0, 0, HAS_BIAS=True, WAIT=False,
                 NUM_PROGS=2, **BLOCKS)
             recv[p][r] = part  # the copy-engine push
-            comm.write_flag_kernel[(1,)](ranks[p].flags, r, epoch)  # READY[r] on p
+            flags.write_flag_kernel[(1,)](ranks[p].flags, r, epoch)  # READY[r] on p
     for r in range(world):
-        comm.wait_flags_kernel[(1,)](ranks[r].flags, 0, world, epoch, LIMIT, ranks[r].err)
+        flags.wait_flags_kernel[(1,)](ranks[r].flags, 0, world, epoch, LIMIT, ranks[r].err)
         assert int(ranks[r].err) == 0
         out = torch.empty(rows, n, dtype=dtype)
         reduce.reduce_slots_kernel[(3,)](recv[r], out, rows * n, rows * n, world,
@@ -207,10 +207,10 @@ def test_reduce_slots_bf16():
 def test_wait_gives_up_and_names_the_flag():
     flags = torch.tensor([3, 3, 2], dtype=torch.int32)
     err = torch.zeros(1, dtype=torch.int32)
-    comm.wait_flags_kernel[(1,)](flags, 0, 3, 3, LIMIT, err)
+    flags.wait_flags_kernel[(1,)](flags, 0, 3, 3, LIMIT, err)
     assert int(err) == 3  # flag 2 (+1)
     err.zero_()
-    comm.wait_flags_kernel[(1,)](flags, 0, 2, 3, LIMIT, err)
+    flags.wait_flags_kernel[(1,)](flags, 0, 2, 3, LIMIT, err)
     assert int(err) == 0
 
 

@@ -1,19 +1,19 @@
-"""GEMM + reduce-scatter with the reduction beside the GEMM (templates/reduce_scatter.py, and the
-GEMM of templates/gemm_ready.py with SLICES = W) under the Triton interpreter, on the emulated
+"""GEMM + reduce-scatter with the reduction beside the GEMM (kernels/reduce_scatter.py, and the
+GEMM of kernels/gemm_ready.py with SLICES = W) under the Triton interpreter, on the emulated
 ranks of test_all_reduce_interpreter.py: every rank's GEMM first (it raises READY per chunk),
 then every rank's pull."""
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the templates
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from ditron_inductor.templates import all_reduce as ar  # noqa: E402
-from ditron_inductor.templates.reduce_scatter import pull_reduce_kernel  # noqa: E402
+from ditron_inductor.kernels import flags  # noqa: E402
+from ditron_inductor.kernels.reduce_scatter import pull_reduce_kernel  # noqa: E402
 from ditron_inductor.tests.test_all_reduce_interpreter import LIMIT, Ranks, rel_err  # noqa: E402
 
 TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
@@ -23,7 +23,7 @@ def ready_gemm(ranks, r, a, b, bias, slice_blocks, per_chunk, half, b_trans):
     """Rank r's partial a @ b (+ bias) into the half of its buffer of the call's epoch parity."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ditron_inductor.templates.gemm_ready import gemm_ready_kernel
+    from ditron_inductor.kernels.gemm_ready import gemm_ready_kernel
 
     (m, k), n = a.shape, b.shape[1]
     b_desc = (TensorDescriptor.from_tensor(b.t().contiguous(), [32, 16]) if b_trans
@@ -41,7 +41,7 @@ def pull(ranks, r, out, per_chunk, half, reduce_op, progs=2, block=64):
     pull_reduce_kernel[(progs,)](
         ranks.data_table, ranks.flag_table, ranks.epoch[r], ranks.arrive[r], ranks.err[r], out,
         rows, n, r, per_chunk * TILE["BLOCK_M"], half, 1.0 / ranks.world, LIMIT, BLOCK=block,
-        SCALE=reduce_op == "avg", **ar.world_constants(ranks.world))
+        SCALE=reduce_op == "avg", **flags.world_constants(ranks.world))
 
 
 @pytest.mark.parametrize("world,slice_blocks,per_chunk,n,k,dtype,b_trans,bias,reduce_op", [
@@ -69,7 +69,7 @@ def test_pull_reduce_beside_ready_gemm(world, slice_blocks, per_chunk, n, k, dty
         biases = [torch.randn(n, generator=gen).to(dtype) if bias else None for _ in range(world)]
         for r in range(world):
             ready_gemm(ranks, r, a[r], b[r], biases[r], slice_blocks, per_chunk, half, b_trans)
-            ready = ranks.flags[r][ar.READY: ar.READY + ar.MAX_CHUNKS]
+            ready = ranks.flags[r][flags.READY: flags.READY + flags.MAX_CHUNKS]
             assert ready[:chunks].eq(epoch).all() and ready[chunks:].eq(0).all()
             assert int(ranks.arrive[r][1:].abs().sum()) == 0, "a chunk counter was not reset"
         partials = [d[parity * half:(parity + 1) * half].view(m, n).clone() for d in ranks.data]
@@ -98,10 +98,10 @@ def test_chunk_never_ready_is_reported_not_a_hang():
     the call still ends (epoch advanced)."""
     world, rows, n = 2, 16, 32
     ranks = Ranks(world, world * rows, n, torch.float32, data_numel=4 * rows * n)
-    ranks.flags[0][ar.READY] = 1  # my own chunk 0 is ready, rank 1's never is
+    ranks.flags[0][flags.READY] = 1  # my own chunk 0 is ready, rank 1's never is
     out = torch.empty(rows, n)
     pull(ranks, 0, out, per_chunk=1, half=2 * rows * n, reduce_op="sum", progs=1)
-    assert int(ranks.err[0]) == ar.ERR_READY
+    assert int(ranks.err[0]) == flags.ERR_READY
     assert ranks.epoch[0].tolist() == [1, 2]
 
 

@@ -1,7 +1,7 @@
 """Core level: the Triton tile programs of the fused ops.
 
-- `comm`: communication primitives (wait on a flag with acquire, notify with release, peer
-  pointers from a table) and the tiny kernels built from them.
+- `flags`: the flag protocol (flags hold epochs; wait with acquire, raise with release, peer
+  pointers from a table; the flag layout and error codes) and the tiny kernels built from it.
 - `ag_gemm`: the persistent all-gather+GEMM tile loop that waits on per-chunk flags.
 - `reduce`: the reduction of the partial sums of GEMM+reduce-scatter.
 

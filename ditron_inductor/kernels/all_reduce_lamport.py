@@ -35,13 +35,11 @@ import triton.language as tl
 from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers with it
     EMPTY_BITS,
     K_EMPTY_BITS,
-    K_ERR_SENT,
-    gave_up_before,
     is_empty,
     sendable,
 )
 from .all_reduce_push import end_of_call, send_partial_to_all, store_h
-from .comm import peer_ptr
+from .flags import K_ERR_SENT, gave_up_before, peer_ptr
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
 

@@ -64,10 +64,9 @@ launches each phase separately for every rank (producers before consumers).
 import triton
 import triton.language as tl
 
-from .all_reduce import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS,
-                         K_PUSHED, K_STARTED, finish_call, norm_row, sendable, wait_all,
-                         wait_chunks_through)
-from .comm import peer_ptr
+from .all_reduce import norm_row, sendable
+from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS, K_PUSHED,
+                    K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
 
 _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
 # (on divisibility by 16, so that loads from the slots stay 16-byte vectors): one value per context

@@ -25,8 +25,7 @@ which a peer's GEMM raises only after its own reduction of this call has finishe
 import triton
 import triton.language as tl
 
-from .all_reduce import finish_call, wait_chunks_through
-from .comm import peer_ptr
+from .flags import finish_call, peer_ptr, wait_chunks_through
 
 
 @triton.jit(do_not_specialize=["rows", "rank", "chunk_rows", "parity_elems", "scale", "limit"])

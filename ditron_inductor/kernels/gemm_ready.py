@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .ag_gemm import tile_coords, tma_tile_product
-from .all_reduce import K_READY
+from .flags import K_READY
 
 
 @triton.jit(do_not_specialize=["M", "slice_blocks", "parity_elems"])

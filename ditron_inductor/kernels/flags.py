@@ -1,26 +1,21 @@
-"""GEMM + all-reduce (+ residual + RMSNorm): what every all-reduce kernel shares (the kernels:
-all_reduce_push.py, all_reduce_lamport.py): the flag layout, the error codes, the waits, the
-compile-time world size, the norm of one row, the end of a call and lamport's empty mark.
+"""The flag protocol of the fused kernels, on stock Triton: peer pointers, flags, waits.
 
-Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
-buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
-on every rank is h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) * weight. Roundings
-follow the reference op: the all-reduced sum is rounded to the dtype, then the residual is added
-and rounded again (h), and y follows `ops.rms_norm_reference` (weight_in_fp32 or not).
+Flags are int32 words holding an *epoch*: the calls of one op context are numbered 1, 2, 3, ...
+and a producer writes the call's epoch into a flag; a consumer waits until the flag is >= the
+epoch it expects. Flags only grow, so nothing is reset between calls. Flags are raised with
+release and polled with acquire at system scope (the writer may be another GPU or the copy
+engine). The epoch is a host value (the all-gather and the copy-engine reduce-scatter, whose
+streams also wait with the driver) or lives on the device (the all-reduce and the reduce-scatter
+pull: epoch_ptr[0] = epoch of the last finished call, epoch_ptr[1] = that + 1, the current
+call's; every program reads e = epoch_ptr[1] at its start and the last program through advances
+it, `finish_call`), so that a captured CUDA graph replays with no host value baked in.
 
-The world size is a compile-time constant (WORLD, and WORLD_P2 its next power of two): the loops
-over the ranks are unrolled, and a wait for all ranks polls their W flags with one vector of
-loads.
+Waits are bounded when limit > 0 (debug, the plan's wait timeout): a wait that gives up writes
+its code into an error word that the host reads, instead of hanging. The world size is a
+compile-time constant (WORLD, and WORLD_P2 its next power of two): the loops over the ranks are
+unrolled, and a wait for all ranks polls their W flags with one vector of loads.
 
-Flags: int32 words in each rank's own symmetric flag buffer (layout: the constants below), raised
-with release and polled with acquire at system scope; they hold epochs and only grow, so they are
-never reset. Epochs live on the device, so a captured CUDA graph replays with no host value baked
-in: epoch_ptr[0] = epoch of the last finished call, epoch_ptr[1] = that + 1 (the current call's);
-every program reads e = epoch_ptr[1] at its start and the last program through advances it.
-Waits are bounded when limit > 0 (debug): a wait that gives up writes its code into err_ptr.
-
-(Session 2's one-shot and two-shot kernels lived here; slower than the push kernels at every
-size measured, benchmarks/results/ar_h200x8_run6.md and run8.md, they were removed in session 4.)
+Peer buffers are reached through a table of peer base addresses (one int64 per rank).
 """
 
 import triton
@@ -47,25 +42,60 @@ K_ERR_LOCAL, K_ERR_STARTED = tl.constexpr(ERR_LOCAL), tl.constexpr(ERR_STARTED)
 K_ERR_SENT = tl.constexpr(ERR_SENT)
 
 
-# lamport's empty mark (all_reduce_lamport.py): -0.0, the int16 view of bfloat16 / float16 -0.0
-EMPTY_BITS = -32768
-K_EMPTY_BITS = tl.constexpr(EMPTY_BITS)  # the same for the kernels (constexpr globals only)
-
-
-@triton.jit
-def is_empty(x):
-    return x.to(tl.int16, bitcast=True) == K_EMPTY_BITS
-
-
-@triton.jit
-def sendable(x):
-    """x with -0.0 (the empty mark) sent as +0.0."""
-    return tl.where(is_empty(x), tl.zeros_like(x), x)
-
-
 def world_constants(world: int) -> dict:
     """The kernels' compile-time world size: WORLD, and WORLD_P2 its next power of two."""
     return dict(WORLD=world, WORLD_P2=triton.next_power_of_2(world))
+
+
+@triton.jit
+def load_acquire(ptr):
+    # An atomic that adds 0 is an acquire load at system scope on every Triton version.
+    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def wait_flag(ptr, epoch, limit, err_ptr, code):
+    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` polls and record `code`."""
+    v = load_acquire(ptr)
+    n = 0
+    while (v < epoch) & ((limit == 0) | (n < limit)):
+        v = load_acquire(ptr)
+        n += 1
+    if v < epoch:
+        tl.atomic_max(err_ptr, code)
+
+
+@triton.jit
+def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses).
+    ALIGNED: say that it is 16-byte aligned (symmetric buffers are), so that the compiler may
+    emit 16-byte loads and stores through it."""
+    ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit(do_not_specialize=["offset", "value", "skip"])
+def notify_peers_kernel(table_ptr, offset, value, skip, world):
+    """For each rank p != skip of the group: flags_p[offset] = value (release, system scope).
+    The table holds each rank's flag base address; skip = -1 notifies every rank."""
+    for p in range(world):
+        if p != skip:
+            base = peer_ptr(table_ptr, p, tl.int32)
+            tl.atomic_xchg(base + offset, value, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["first", "count", "epoch", "limit"])
+def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
+    """Wait until flag_ptr[first + i] >= epoch for i in [0, count) (a stream-side wait)."""
+    for i in range(count):
+        wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
+
+
+@triton.jit(do_not_specialize=["offset", "value"])
+def write_flag_kernel(flag_ptr, offset, value):
+    tl.atomic_xchg(flag_ptr + offset, value, sem="release", scope="sys")
 
 
 @triton.jit
@@ -124,25 +154,3 @@ def finish_call(arrive_ptr, epoch_ptr, epoch):
         tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
         tl.store(epoch_ptr, epoch)
         tl.store(epoch_ptr + 1, epoch + 1)
-
-
-@triton.jit
-def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. h was written by
-    other programs: its loads skip this SM's L1 (.cg)."""
-    dtype = y_ptr.dtype.element_ty
-    base = row * N  # int32: the runtime keeps its buffers below 2**31 elements
-    rstd = tl.rsqrt(sum_sq / N + eps)
-    tl.debug_barrier()  # h of this row may have been stored by this program's threads
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        h = h.to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if W_FP32:
-            y = (h * rstd * w).to(dtype)
-        else:
-            y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype)
-        tl.store(y_ptr + base + cols, y, mask=mask)

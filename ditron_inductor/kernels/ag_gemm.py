@@ -21,7 +21,7 @@ what the interpreter tests), `ag_gemm_tma_kernel` through Hopper TMA tensor desc
 import triton
 import triton.language as tl
 
-from .comm import wait_flag
+from .flags import wait_flag
 
 # (Ceil-divisions and zero fills are written out: triton.language's own @jit helpers (tl.cdiv,
 # tl.zeros) are not interpreted when triton was imported before TRITON_INTERPRET=1 was set, as

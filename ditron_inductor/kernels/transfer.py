@@ -13,7 +13,7 @@ Elements are moved as 4-byte words (the shard's byte size must divide by 4).
 import triton
 import triton.language as tl
 
-from .comm import peer_ptr, wait_flag
+from .flags import peer_ptr, wait_flag
 
 
 @triton.jit(do_not_specialize=["rank", "src_off", "chunk_words", "epoch", "limit"])

@@ -1,0 +1,49 @@
+"""What the all-reduce kernels share beyond the flag protocol (flags.py): lamport's empty mark
+and the norm of one row (the kernels: all_reduce_push.py, all_reduce_lamport.py).
+
+Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
+buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
+on every rank is h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) * weight. Roundings
+follow the reference op: the all-reduced sum is rounded to the dtype, then the residual is added
+and rounded again (h), and y follows `ops.rms_norm_reference` (weight_in_fp32 or not).
+"""
+
+import triton
+import triton.language as tl
+
+# lamport's empty mark (all_reduce_lamport.py): -0.0, the int16 view of bfloat16 / float16 -0.0
+EMPTY_BITS = -32768
+K_EMPTY_BITS = tl.constexpr(EMPTY_BITS)  # the same for the kernels (constexpr globals only)
+
+
+@triton.jit
+def is_empty(x):
+    return x.to(tl.int16, bitcast=True) == K_EMPTY_BITS
+
+
+@triton.jit
+def sendable(x):
+    """x with -0.0 (the empty mark) sent as +0.0."""
+    return tl.where(is_empty(x), tl.zeros_like(x), x)
+
+
+@triton.jit
+def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. h was written by
+    other programs: its loads skip this SM's L1 (.cg)."""
+    dtype = y_ptr.dtype.element_ty
+    base = row * N  # int32: the runtime keeps its buffers below 2**31 elements
+    rstd = tl.rsqrt(sum_sq / N + eps)
+    tl.debug_barrier()  # h of this row may have been stored by this program's threads
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        h = h.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if W_FP32:
+            y = (h * rstd * w).to(dtype)
+        else:
+            y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+        tl.store(y_ptr + base + cols, y, mask=mask)
