@@ -56,8 +56,8 @@ CONTEXT = "matmul_reduce_scatter_pull"
 stats = {"matmul_reduce_scatter": 0, "pulled": 0}
 
 
-def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, scatter_dim,
-                                reduce_op, group_name, world_size):
+def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,
+                                scatter_dim, reduce_op, group_name, world_size):
     if reduce_op not in ("sum", "avg"):
         return decline(f"reduce_op {reduce_op}")
     if scatter_dim != 0:
@@ -70,7 +70,8 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         return None if out is None else out.view(lead + list(out.shape))
     if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
         return decline("dtype or rank")
-    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != b.shape[1]):
+    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype
+                             or bias.shape[0] != b.shape[1]):
         return decline("bias")
     M, K = a.shape
     N = b.shape[1]

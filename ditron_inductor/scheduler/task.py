@@ -3,7 +3,8 @@
 A `Task` is pure data derived from shapes, dtypes and the process group, never from timing, so
 every rank that compiles the same graph builds the same Task and makes the same decision. The
 matcher builds one per candidate at compile time; the ops build the same one from their inputs at
-run time, on the fused path (the builders at the end of this module serve both). Everything downstream (scheduler, plans, kernels, logs) reads shapes from here.
+run time, on the fused path (the builders at the end of this module serve both). Everything
+downstream (scheduler, plans, kernels, logs) reads shapes from here.
 """
 
 from __future__ import annotations

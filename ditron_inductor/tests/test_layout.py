@@ -1,5 +1,6 @@
 """The layering holds: each runtime and scheduler module imports alone in a fresh interpreter,
-the runtime never imports the ops nor the cost model, and lowering takes Tasks from the scheduler."""
+modules share public names only, the runtime never imports the ops nor the cost model, and
+lowering takes Tasks from the scheduler."""
 
 from __future__ import annotations
 
