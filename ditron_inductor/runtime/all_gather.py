@@ -95,6 +95,10 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         return decline("empty input")
     esize = a_shard.element_size()
     shard_bytes = rows * k * esize
+    # declined before the protocol starts (every rank declines alike: plan and shapes agree)
+    if plan.transfer == SM and not (plan.gemm == TRITON and shard_bytes % 4 == 0
+                                    and not plan.debug_waits):
+        return decline("the SM pull takes a Triton GEMM, whole 4-byte words and unbounded waits")
     half = max(shard_bytes, 1)
     ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * half)
     half = ctx.data.nbytes // 2
@@ -103,14 +107,12 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     parity = e % 2
     M = rows * W
 
-
     main = torch.cuda.current_stream().cuda_stream
     a2d = a_shard.reshape(rows, k)
     if not a2d.is_contiguous():
         a2d = a2d.contiguous()
     src = a2d.data_ptr()
     peers = [(r + i) % W for i in range(1, W)]  # ring order: the chunk of rank+1 first
-
 
     # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
     #    fill it and tell the peers (READY[r] = e on each)
@@ -120,15 +122,11 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, main)
     ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
 
-
     use_triton = plan.gemm == TRITON
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
     g0 = gathered.data_ptr()
     flags0 = ctx.chunk_flags.data_ptr()
 
-
-    if plan.transfer == SM and not (use_triton and shard_bytes % 4 == 0 and not plan.debug_waits):
-        return decline("the SM pull takes a Triton GEMM, whole 4-byte words and unbounded waits")
     polls = wait_polls(plan)
     if plan.transfer == SM:
         # 2'. a few SMs pull every chunk (kernels/transfer.py); the GEMM leaves them free and
@@ -138,7 +136,6 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         driver.record(ctx.ev_start, main)
         driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
         from ..kernels.transfer import ag_pull_kernel
-
 
         with torch.cuda.stream(ctx.side):
             ag_pull_kernel[(nprog,)](
@@ -160,7 +157,6 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return gemm_failed(ctx, main, exc)
         return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
-
 
     # 2. copy streams: the peers' shards pulled in ring order (the k-th on stream k % S), each
     #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the main
@@ -186,7 +182,6 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     # I have read every peer's buffer of this parity (DONE[r] = e on each)
     ctx.signal(sides[0], 1, e, [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
     driver.record(ctx.ev_end, sides[0])
-
 
     # 3. the GEMM(s), overlapping the transfers
     outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)

@@ -113,7 +113,6 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
     (polls > 0: each wait gives up after that many polls, in debug mode)."""
     from ..kernels.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
-
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk, group_m = tile.block_m, tile.block_n, tile.block_k, tile.group_m
@@ -133,7 +132,6 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
     b_trans = tma_ok(a, b, out) if tile.tma else None
     if b_trans is not None:
         from triton.tools.tensor_descriptor import TensorDescriptor
-
 
         a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
         b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
@@ -177,7 +175,6 @@ def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, sli
     slices of rows, each chunk holding row-blocks of every slice, and the partial written
     parity_elems further on in calls of odd epoch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-
 
     m, n = partial.shape
     a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])

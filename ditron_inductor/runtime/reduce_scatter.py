@@ -83,7 +83,6 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     if plan.transfer == SM:  # the reduction pulled by SMs beside the GEMM
         from .reduce_scatter import matmul_reduce_scatter_pull
 
-
         out = matmul_reduce_scatter_pull(task, plan, a, b, bias, reduce_op)
         if out is None:
             return None
@@ -100,7 +99,6 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     main = torch.cuda.current_stream().cuda_stream
     side = ctx.side.cuda_stream
     tile = plan.tile if plan.gemm == TRITON else None
-
 
     driver.record(ctx.ev_start, main)
     driver.stream_wait(side, ctx.ev_start)
@@ -125,7 +123,6 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     if plan.reduce == TRITON:
         from ..kernels.reduce import reduce_slots_kernel
-
 
         out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
         n = rows * N
