@@ -205,12 +205,12 @@ def test_reduce_slots_bf16():
 
 
 def test_wait_gives_up_and_names_the_flag():
-    flags = torch.tensor([3, 3, 2], dtype=torch.int32)
+    words = torch.tensor([3, 3, 2], dtype=torch.int32)
     err = torch.zeros(1, dtype=torch.int32)
-    flags.wait_flags_kernel[(1,)](flags, 0, 3, 3, LIMIT, err)
+    flags.wait_flags_kernel[(1,)](words, 0, 3, 3, LIMIT, err)
     assert int(err) == 3  # flag 2 (+1)
     err.zero_()
-    flags.wait_flags_kernel[(1,)](flags, 0, 2, 3, LIMIT, err)
+    flags.wait_flags_kernel[(1,)](words, 0, 2, 3, LIMIT, err)
     assert int(err) == 0
 
 
