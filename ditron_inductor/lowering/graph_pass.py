@@ -119,6 +119,8 @@ def run_pass(graph: Graph) -> GraphReport:
             log.debug("graph %s: plan for %s: %s", name, task.op, decision.plan.describe())
         else:
             log.info("graph %s: %s not fused: %s", name, task.describe(), decision.reason)
+        for note in match.notes:
+            log.info("graph %s: %s: %s", name, task.describe(), note)
         candidates.append(CandidateReport(
             task.describe(), decision.fuse, decision.reason,
             decision.plan.describe() if decision.fuse else None))

@@ -143,12 +143,29 @@ def _slices_tile_in_order(slices: list[Node]) -> bool:
     return all(prev[1] is not None and prev[1] == nxt[0] for prev, nxt in zip(bounds, bounds[1:]))
 
 
-def flatten_reshape(node: Node) -> bool:
-    """A reshape of an N-d activation into the [rows, features] matrix a matmul takes."""
-    if not is_call(node, *RESHAPES):
-        return False
-    src, out = fake(node.args[0]), fake(node)
-    return len(out.shape) == 2 and out.shape[-1] == src.shape[-1]
+def matrix_views(node: Node) -> tuple[list[Node], list[Node]]:
+    """The [rows, K] matrices (K: the last dim of `node`) that chains of reshapes make of `node`,
+    `node` itself included when it is 2-d, and the reshapes on the way, parents first.
+
+    A reshape keeps the row-major order of the elements, so however many there are in a chain,
+    a 2-d result whose last dim is K is `node.reshape(-1, K)`: the matrix a matmul op computes
+    from the gathered activation itself."""
+    k = fake(node).shape[-1]
+    matrices, chain, frontier = [], [], [node]
+    while frontier:
+        n = frontier.pop(0)
+        shape = fake(n).shape
+        if len(shape) == 2 and shape[-1] == k:
+            matrices.append(n)
+        views = [u for u in n.users if is_call(u, *RESHAPES)]
+        chain += views
+        frontier += views
+    return matrices, chain
+
+
+def is_transpose_2d(node: Node) -> bool:
+    return (is_call(node, aten.t.default)
+            or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]))
 
 
 # ------------------------------------------------------------------------------ all-gather -> mm
@@ -164,7 +181,10 @@ class AllGatherMatmulMatch:
     gather_dim: int
     group_name: str
     world_size: int
+    views: list[Node] = dataclasses.field(default_factory=list)  # reshapes of `gathered`
     problem: Optional[str] = None
+    # Uses of the gathered matrix the op does not compute (they read its gathered output).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def a_shard(self) -> Node:
@@ -190,17 +210,19 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
     chunk_cat = match_chunk_cat(wait, 0, world_size)
     gathered = chunk_cat.cat if chunk_cat else wait
     gather_dim = chunk_cat.cat_dim if chunk_cat else 0
-    if len(fake(gathered).shape) == 2:
-        matrices = [gathered]
-    else:
-        matrices = [u for u in gathered.users if flatten_reshape(u)]
+    matrices, views = matrix_views(gathered)
     matmuls = [
         mm for a in matrices for u in a.users if (mm := as_matmul(u)) is not None and mm.a is a
     ]
-    if not matmuls:
+    others = _matmuls_not_served(matrices)
+    if not matmuls and not others:
         return None
     match = AllGatherMatmulMatch(gather, wait, chunk_cat, gathered, matmuls, gather_dim,
-                                 group_name, world_size)
+                                 group_name, world_size, views)
+    match.notes = [f"{mm.name} {how}: it reads the gathered activation" for mm, how in others]
+    if not matmuls:
+        match.problem = "no matmul takes the gathered activation as its left operand (" + "; ".join(
+            f"{mm.name} {how}" for mm, how in others) + ")"
     if chunk_cat:
         extra = other_users(wait, chunk_cat.inner)
         if extra:
@@ -208,6 +230,24 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
                              f"{', '.join(u.name for u in extra)}")
     match.problem = match.problem or _matmul_depends_on_another(matmuls)
     return match
+
+
+def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
+    """The matmuls that use a gathered matrix other than as their left operand, and how (the
+    weight gradients of a column-parallel layer: gathered^T @ grad)."""
+    found = []
+    for a in matrices:
+        for u in a.users:
+            if is_call(u, aten.mm.default, aten.addmm.default):
+                served = as_matmul(u)
+                if served is not None and served.a is a:
+                    continue
+                found.append((u, "takes it as its right operand" if MatmulUse(u).a is not a
+                              else "adds a bias that is not one value per column"))
+            elif is_transpose_2d(u):
+                found += [(mm, "takes it transposed") for mm in u.users
+                          if is_call(mm, aten.mm.default, aten.addmm.default)]
+    return found
 
 
 def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
@@ -246,6 +286,8 @@ class MatmulCollectiveMatch:
     world_size: int
     problem: Optional[str] = None
     norm: Optional[RmsNormTail] = None  # the residual add + RMSNorm after an all-reduce
+    views: list[Node] = dataclasses.field(default_factory=list)  # mm -> reshape, collective first
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def out_shape(self) -> list:
@@ -292,15 +334,17 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
             return None
         src = _chunk_source(node)
         dim, chain, node = _chunk_dim(node), [src], src
-    reshape = None
-    if is_call(node, *RESHAPES):
-        reshape, node = node, node.args[0]
-        chain = [reshape]
+    chain = []
+    while is_call(node, *RESHAPES):  # a chain of reshapes views the matmul result as its last
+        chain.append(node)
+        node = node.args[0]
+    reshape = chain[0] if chain else None
     matmul = as_matmul(node) if isinstance(node, Node) else None
     if matmul is None:
-        return None
+        return _sum_of_matmuls(op, collective, waits[0], node, chunk_cat, dim, reduce_op,
+                               group_name, world_size)
     match = MatmulCollectiveMatch(op, collective, waits[0], matmul, reshape, chunk_cat, dim,
-                                  reduce_op, group_name, world_size)
+                                  reduce_op, group_name, world_size, views=chain)
     allowed_users = (chunk_cat.inner if chunk_cat else []) + [collective] + chain
     for n in [matmul.node] + chain:
         extra = other_users(n, allowed_users)
@@ -316,6 +360,36 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
         if match.norm is not None:
             match.op = MATMUL_ALL_REDUCE_RMSNORM
     return match
+
+
+def _sum_of_matmuls(op: str, collective: Node, wait: Node, total: object,
+                    chunk_cat: Optional[ChunkCat], dim: int, reduce_op: str, group_name: str,
+                    world_size: int) -> Optional[MatmulCollectiveMatch]:
+    """A collective of a sum of matmul results (the input gradient of layers that share their
+    input: q/k/v, gate/up) is a candidate that no op serves: one op computes one matmul. The
+    match names the matmuls, so the log says why the site is left alone."""
+    terms = _summands(total)
+    matmuls = [mm for t in terms if (mm := as_matmul(_unview(t))) is not None]
+    if len(terms) < 2 or len(matmuls) != len(terms):
+        return None
+    view = terms[0] if is_call(terms[0], *RESHAPES) else None
+    match = MatmulCollectiveMatch(op, collective, wait, matmuls[0], view, chunk_cat, dim,
+                                  reduce_op, group_name, world_size)
+    match.problem = (f"{collective.name} reduces {total.name}, a sum of matmuls "
+                     f"({' + '.join(m.node.name for m in matmuls)}): one op computes one matmul")
+    return match
+
+
+def _summands(node: object) -> list:
+    if is_call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
+        return _summands(node.args[0]) + _summands(node.args[1])
+    return [node]
+
+
+def _unview(node: object) -> object:
+    while is_call(node, *RESHAPES):
+        node = node.args[0]
+    return node
 
 
 def _chunk_source(cat: Node) -> Node:

@@ -40,7 +40,7 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
     for mm, out in zip(match.matmuls, outputs[1:]):
         mm.node.replace_all_uses_with(out)
     inner = match.chunk_cat.inner if match.chunk_cat else []
-    _erase_unused(graph, [m.node for m in match.matmuls] + [m.a for m in match.matmuls]
+    _erase_unused(graph, [m.node for m in match.matmuls] + match.views[::-1]
                   + outputs[:1] + [match.gathered] + inner[::-1] + [match.wait, match.gather])
     return op
 
@@ -71,7 +71,7 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
     inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
     _erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
-                  + ([match.reshape] if match.reshape is not None else []) + [mm.node])
+                  + match.views + [mm.node])
     return op
 
 

@@ -82,6 +82,35 @@ mm_1 = mm(permute, view)
 return [getitem_1, mm_1]
 """)
 
+    def test_sequence_parallel_batch_1_chain_of_reshapes(self):
+        # DTensor's gather of Shard(1) on [1, S/W, H]: all-gather on dim 0 into [W, S/W, H], a
+        # view to [1, S, H], another to [S, H]; the weight gradient reads the gathered matrix
+        # transposed, which the op's gathered output serves, and the log says so.
+        def sp_batch_1(x, w, dy):
+            gathered = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0"))
+            a = gathered.view(1, 8, 16).view(8, 16)
+            return a @ w, a.t() @ dy
+
+        with fake_group(2):
+            gm = trace(sp_batch_1, randn(1, 4, 16), randn(16, 32), randn(8, 32))
+            report = rewrite(gm)
+            match, = find_matches(trace(sp_batch_1, randn(1, 4, 16), randn(16, 32),
+                                        randn(8, 32)).graph)
+        self.assertEqual([(c.task, c.fused) for c in report.candidates], [
+            ("all_gather_matmul M=8 K=16 N=32 float32 world=2 group=0", True)])
+        self.assertEqual(match.notes, ["mm_1 takes it transposed: it reads the gathered activation"])
+        self.assertExpectedInline(graph_text(gm), """\
+all_gather_matmul_default = all_gather_matmul(x_1, [w_1], [None], 0, '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(all_gather_matmul_default, 1)
+getitem = getitem(all_gather_matmul_default, 0)
+view = view(getitem, [1, 8, 16])
+view_1 = view(view, [8, 16])
+permute = permute(view_1, [1, 0])
+mm_1 = mm(permute, dy_1)
+return [getitem_1, mm_1]
+""")
+
     def test_one_gather_feeding_q_k_v_becomes_one_op(self):
         with fake_group(2) as g:
             def qkv(x, wq, wk, wv):
@@ -106,13 +135,39 @@ view_5 = view(getitem_3, [6, 4, 8])
 return [view_1, view_3, view_5]
 """)
 
-    def test_gathered_activation_as_right_operand_is_not_a_candidate(self):
+    def test_gathered_activation_as_right_operand_is_left_alone_with_the_reason(self):
         with fake_group(2) as g:
             gm = trace(lambda x, w: w @ all_gather(x, 0, g), randn(4, 8), randn(8, 8))
-            self.assertEqual(find_matches(gm.graph), [])
+            report = rewrite(gm)
+        self.assertEqual([(c.fused, c.reason) for c in report.candidates], [
+            (False, "no matmul takes the gathered activation as its left operand "
+                    "(mm takes it as its right operand)")])
+        self.assertNotIn("ditron", graph_text(gm))
 
 
 class MatmulCollectiveTest(TestCase):
+    def test_reduce_scatter_through_a_chain_of_reshapes(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w: reduce_scatter((x @ w).view(1, 8, 32).view(1, 8, 2, 16),
+                                                   "sum", 1, g), randn(8, 16), randn(16, 32))
+            rewrite(gm)
+        self.assertExpectedInline(graph_text(gm), """\
+matmul_reduce_scatter_default = matmul_reduce_scatter(x_1, w_1, None, [1, 8, 2, 16], 1, 'sum', '0', 2, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+    def test_reduce_scatter_of_a_sum_of_matmuls_is_left_alone_with_the_reason(self):
+        # The input gradient of q/k/v (or gate/up), which share their input.
+        with fake_group(2) as g:
+            gm = trace(lambda x1, w1, x2, w2: reduce_scatter(x1 @ w1 + x2 @ w2, "sum", 0, g),
+                       randn(8, 16), randn(16, 32), randn(8, 8), randn(8, 32))
+            before = graph_text(gm)
+            report = rewrite(gm)
+        self.assertEqual([(c.fused, c.reason) for c in report.candidates], [
+            (False, "reduce_scatter_tensor reduces add, a sum of matmuls (mm + mm_1): "
+                    "one op computes one matmul")])
+        self.assertEqual(graph_text(gm), before)
+
     def test_reduce_scatter_dim_0_sum(self):
         with fake_group(4) as g:
             gm = trace(lambda x, w: reduce_scatter(x @ w, "sum", 0, g), randn(8, 16), randn(16, 32))

@@ -1,0 +1,367 @@
+"""End to end: Hugging Face Llama under tensor parallelism, every contender in one run.
+
+On a GPU machine (bf16, Llama-3-8B layer sizes, 4 layers, TP over all local GPUs):
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc-per-node 2 benchmarks/e2e_llama.py --json benchmarks/results/e2e_llama_h200x2.json
+
+(the script sets those three variables itself when they are unset: NVLink multicast objects are
+never created). Smoke run on CPU, 2 gloo ranks that the script spawns itself, tiny config:
+
+    python benchmarks/e2e_llama.py --device cpu --tiny
+
+Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes, layer count on the command
+line), random init, the same on every rank; the TP plans of `ditron_inductor/tests/llama_tp.py`.
+Workloads:
+- train: one training step (forward, loss, backward, AdamW step), sequence-parallel plan
+  (torchtitan's), B x S tokens;
+- prefill: plain TP (all-reduce after o_proj and down_proj), B 1, S in --prefill-seqs, eager
+  launch and `mode="reduce-overhead"` (CUDA graphs);
+- decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
+Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric
+memory enabled for the group; CUDA only), ditron. Timing: random token ids, warm-up, then
+--reps interleaved repetitions (each contender in turn) of --iters calls; CUDA events on GPU; the
+median over repetitions, the maximum over ranks. Checks: the training loss and a few gradients
+after the first step, and the logits, against Inductor's (same init, same data). Per compiled
+ditron graph: the number of `torch.ops.ditron.*` calls; and each line the `ditron` logger wrote
+at INFO (one per match: fused with the plan's reason, or not and why). Prints a markdown table;
+`--json PATH` writes the rows, the ditron lines and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ditron_inductor.tests import llama_tp  # noqa: E402
+
+CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron")
+GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+         "model.norm.weight")
+EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny config and shapes (hidden 64, 2 layers, S 16): a smoke run")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks to spawn when not launched by torchrun (CPU smoke run)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--workloads", default="train,prefill,decode")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--train-batch", type=int, default=1)
+    p.add_argument("--train-seq", type=int, default=8192)
+    p.add_argument("--prefill-seqs", default="4096,8192")
+    p.add_argument("--decode-batches", default="1,8,32,64,128")
+    p.add_argument("--modes", default=f"{EAGER_LAUNCH},{CUDA_GRAPHS}",
+                   help="for prefill and decode (training always launches eagerly)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.intermediate, args.heads, args.kv_heads = 64, 128, 4, 2
+        args.layers, args.vocab = 2, 128
+        args.train_seq, args.prefill_seqs, args.decode_batches = 16, "16", "1,4"
+        args.warmup, args.iters, args.reps = 1, 1, 2
+    if args.device == "cpu":  # no CUDA graphs, no symmetric memory
+        args.modes = EAGER_LAUNCH
+        args.contenders = ",".join(c for c in args.contenders.split(",")
+                                   if c != "inductor_async_tp")
+    return args
+
+
+# ---------------------------------------------------------------------------------- contenders
+
+
+def compiled(contender: str, model, mode: str, group_name: str):
+    """The callable a contender runs: the module itself (eager) or a compiled wrapper."""
+    from torch._inductor import list_mode_options
+
+    cuda_graphs = "reduce-overhead" if mode == CUDA_GRAPHS else None
+    if contender == "eager":
+        return model
+    if contender == "inductor":
+        return torch.compile(model, mode=cuda_graphs, dynamic=False)
+    if contender == "inductor_async_tp":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group_name)
+        options = {**list_mode_options(cuda_graphs), "_micro_pipeline_tp": True}
+        return torch.compile(model, options=options, dynamic=False)
+    if contender == "ditron":
+        return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)
+    raise ValueError(f"--contenders: {contender!r} is not one of {', '.join(CONTENDERS)}")
+
+
+class Timer:
+    """Milliseconds per call of `fn`, over `iters` calls; CUDA events on GPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    def __call__(self, fn, iters: int) -> float:
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def interleaved(fns: dict, timer: Timer, args) -> dict:
+    """{contender: median ms per call, max over ranks}: warm-up, then --reps rounds in which
+    each contender runs --iters calls in turn."""
+    for fn in fns.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(args.reps):
+        for name, fn in fns.items():
+            times[name].append(timer(fn, args.iters))
+    medians = torch.tensor([statistics.median(times[n]) for n in fns], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(fns, medians.tolist()))
+
+
+def ditron_graphs(start: int) -> list[dict]:
+    """The graphs the ditron pass saw since `start`: name and ditron ops (fused candidates)."""
+    from ditron_inductor.lowering import graph_pass
+
+    return [{"graph": r.graph, "ditron_ops": sum(c.fused for c in r.candidates),
+             "left_alone": sum(not c.fused for c in r.candidates)}
+            for r in list(graph_pass.reports)[start:]]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude of the reference."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+# ------------------------------------------------------------------------------------ workloads
+
+
+def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
+    from ditron_inductor.lowering import graph_pass
+
+    ids = [llama_tp.tokens(args.train_batch, args.train_seq, config.vocab_size, seed=s,
+                           device=args.device) for s in range(2)]
+    steps, checks, graphs = {}, {}, []
+    for name in args.contenders.split(","):
+        model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
+                                                          device=args.device),
+                                     llama_tp.SEQUENCE_PARALLEL, mesh)
+        run = compiled(name, model, EAGER_LAUNCH, group_name)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        params = dict(model.named_parameters())
+        start = len(graph_pass.reports)
+        loss = llama_tp.loss_of(run, ids[0])  # the checked step (compiles)
+        loss.backward()
+        checks[name] = {"loss": loss.detach().float(),
+                        **{g: llama_tp.local(params[g].grad).detach().clone() for g in GRADS}}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if name == "ditron":
+            graphs = ditron_graphs(start)
+
+        def step(run=run, opt=opt, box=[0]):
+            box[0] += 1
+            llama_tp.loss_of(run, ids[box[0] % 2]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps[name] = step
+    ms = interleaved(steps, timer, args)
+    shape = f"B {args.train_batch}, S {args.train_seq}"
+    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, ms, checks, graphs)]
+
+
+def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, mesh, timer,
+                   group_name) -> list[dict]:
+    from ditron_inductor.lowering import graph_pass
+
+    model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
+                                                      device=args.device),
+                                 llama_tp.TENSOR_PARALLEL, mesh).eval()
+    rows = []
+    for batch, seq in shapes:
+        ids = llama_tp.tokens(batch, seq, config.vocab_size, seed=0, device=args.device)
+        for mode in args.modes.split(","):
+            torch._dynamo.reset()
+            fns, checks, graphs = {}, {}, []
+            for name in args.contenders.split(","):
+                run = compiled(name, model, mode, group_name)
+
+                def call(run=run):
+                    with torch.no_grad():
+                        return run(input_ids=ids, logits_to_keep=1).logits
+                start = len(graph_pass.reports)
+                checks[name] = {"logits": call().float().clone()}
+                if name == "ditron":
+                    graphs = ditron_graphs(start)
+                fns[name] = call
+            ms = interleaved(fns, timer, args)
+            rows.append(row(workload, f"B {batch}, S {seq}", mode, ms, checks, graphs))
+    return rows
+
+
+def row(workload: str, shape: str, mode: str, ms: dict, checks: dict, graphs: list) -> dict:
+    base = checks.get("inductor") or checks.get("eager")
+    ditron = checks.get("ditron")
+    diffs = {k: max_diff(ditron[k], base[k]) for k in base} if ditron and base else {}
+    return {"workload": workload, "shape": shape, "mode": mode, "ms": ms,
+            "ditron_vs_inductor": diffs, "ditron_graphs": graphs}
+
+
+# ------------------------------------------------------------------------------------- reporting
+
+
+def table(rows: list[dict], contenders: list[str]) -> str:
+    head = (["workload", "shape", "mode"] + [f"{c} ms" for c in contenders]
+            + ["ditron vs Inductor", "ditron vs async TP", "ditron ops per graph",
+               "max diff vs Inductor"])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        ms = r["ms"]
+
+        def speedup(other):
+            if "ditron" not in ms or other not in ms:
+                return "-"
+            return f"{ms[other] / ms['ditron']:.2f}x"
+        ops = ", ".join(f"{g['graph'].split()[-1]} {g['ditron_ops']}" for g in r["ditron_graphs"])
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["ditron_vs_inductor"].items())
+        cells = ([r["workload"], r["shape"], r["mode"]]
+                 + [f"{ms[c]:.3f}" if c in ms else "-" for c in contenders]
+                 + [speedup("inductor"), speedup("inductor_async_tp"), ops or "-", diffs or "-"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+class Lines(logging.Handler):
+    """Keeps what the `ditron` logger writes (one line per match at INFO)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def run(rank: int, world_size: int, argv=None) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditron_inductor.log_names import LOGGER_NAME
+
+    args = parse_args(argv)
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    # Every contender compiles each shape once; the model's code objects hold them all.
+    torch._dynamo.config.cache_size_limit = 64
+    lines = Lines()
+    ditron_log = logging.getLogger(LOGGER_NAME)
+    ditron_log.addHandler(lines)
+    ditron_log.setLevel(min(ditron_log.getEffectiveLevel(), logging.INFO))
+
+    mesh = init_device_mesh(args.device, (world_size,))
+    group_name = mesh.get_group().group_name
+    config = llama_tp.llama_config(args.hidden, args.intermediate, args.heads, args.kv_heads,
+                                   args.layers, args.vocab)
+    timer = Timer(args.device)
+    workloads = args.workloads.split(",")
+    rows = []
+    if "train" in workloads:
+        rows += train_rows(args, config, mesh, timer, group_name)
+    if "prefill" in workloads:
+        shapes = [(1, int(s)) for s in args.prefill_seqs.split(",")]
+        rows += inference_rows("prefill (TP)", shapes, args, config, mesh, timer, group_name)
+    if "decode" in workloads:
+        shapes = [(int(b), 1) for b in args.decode_batches.split(",")]
+        rows += inference_rows("decode (TP)", shapes, args, config, mesh, timer, group_name)
+    ditron_log.removeHandler(lines)
+    return {"rows": rows, "ditron_log": lines.lines, "world": world_size,
+            "contenders": args.contenders.split(",")}
+
+
+def report(result: dict, argv: list[str]) -> None:
+    args = parse_args(argv)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n## Llama e2e: world {result['world']}, {device}, hidden {args.hidden}, "
+          f"intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads}, "
+          f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}\n")
+    print(table(result["rows"], result["contenders"]))
+    print("\nditron, one line per match (rank 0):")
+    for line in result["ditron_log"]:
+        print("  " + line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([sys.argv[0]] + argv), "device": device,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "torch": torch.__version__, **result}, f, indent=1)
+
+
+def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    return run(rank, world_size, argv)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        result = run(dist.get_rank(), dist.get_world_size(), argv)
+        if dist.get_rank() == 0:
+            report(result, argv)
+        dist.destroy_process_group()
+        return
+    if args.device == "cuda":
+        sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
+    from ditron_inductor.tests.distributed import run_ranks
+
+    results = run_ranks(_spawned_rank, args.world, args=(argv,), timeout_s=1800,
+                        env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                             "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
+    report(results[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Hugging Face Llama through `backend="ditron"` on 2 CPU ranks over gloo, tiny config.
+
+One launch compiles the model under the two TP plans of `llama_tp` (sequence-parallel training
+at B 1 and B 2, plain TP inference) and returns, per compiled graph, every candidate site the
+pass found (fused, or left alone and why), with the numbers against eager and Inductor:
+- training (sequence parallel, B 1): 20 AdamW steps on the same data with ditron, Inductor and
+  eager; ditron's loss curve against Inductor's, its first loss and gradients against eager's;
+- sequence parallel, B 2: one step, loss and gradients against eager;
+- inference (plain TP): logits against eager.
+On CPU the ditron ops run their reference path, which still tests the rewrite: a wrong rewrite
+changes the numbers.
+
+The ranks return arrays as numpy (a tensor would travel as a shared-memory handle that dies with
+its rank). The tests pin each graph's sites in order. Node names in the reasons lose their numeric suffix
+(`add_21` -> `add`), so the pins do not depend on how many nodes came before.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ditron_inductor.tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+THIS = "ditron_inductor.tests.test_llama_e2e"
+RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+WORLD = 2
+SEQ = 16
+STEPS = 20
+GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+         "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight")
+
+AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
+SUM_OF_MATMULS = ("reduce_scatter_tensor reduces add, a sum of matmuls ({}): "
+                  "one op computes one matmul")
+
+# ------------------------------------------------------------------------------------ rank side
+
+
+def _sites(start: int) -> dict[str, list[tuple[str, bool, str]]]:
+    """{forward/backward: [(op, fused, reason), ...]} of the graphs compiled since `start`."""
+    from ditron_inductor.lowering import graph_pass
+
+    sites: dict = {}
+    for report in list(graph_pass.reports)[start:]:
+        kind = report.graph.split()[-1]
+        sites.setdefault(kind, []).extend(
+            (c.task.split()[0], c.fused, re.sub(r"\b([a-z_]+?)_\d+\b", r"\1", c.reason))
+            for c in report.candidates)
+    return sites
+
+
+def _train(model_fn, compile_with, batch: int, steps: int, vocab: int):
+    """Losses of `steps` AdamW steps, the gradients of GRADS after the first, and the sites the
+    ditron pass reported while compiling."""
+    from ditron_inductor.lowering import graph_pass
+    from ditron_inductor.tests.llama_tp import local, loss_of, tokens
+
+    model = model_fn()
+    run = model if compile_with is None else torch.compile(model, backend=compile_with,
+                                                            dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = len(graph_pass.reports)
+    params = dict(model.named_parameters())
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = loss_of(run, tokens(batch, SEQ, vocab, seed=step))
+        loss.backward()
+        if step == 0:
+            grads = {name: local(params[name].grad).detach().numpy().copy() for name in GRADS}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "sites": _sites(start)}
+
+
+def _infer(model_fn, compile_with, vocab: int):
+    from ditron_inductor.lowering import graph_pass
+    from ditron_inductor.tests.llama_tp import tokens
+
+    model = model_fn().eval()
+    run = model if compile_with is None else torch.compile(model, backend=compile_with,
+                                                            dynamic=False)
+    start = len(graph_pass.reports)
+    with torch.no_grad():
+        logits = run(input_ids=tokens(2, SEQ, vocab, seed=0)).logits
+    return {"logits": logits.numpy().copy(), "sites": _sites(start)}
+
+
+def llama_ranks(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditron_inductor.tests.llama_tp import (
+        SEQUENCE_PARALLEL,
+        TENSOR_PARALLEL,
+        build_llama,
+        llama_config,
+        loss_of,
+        parallelize,
+        tokens,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    config = llama_config()
+    vocab = config.vocab_size
+
+    def model(plan):
+        return lambda: parallelize(build_llama(config), plan, mesh)
+
+    sp, tp = model(SEQUENCE_PARALLEL), model(TENSOR_PARALLEL)
+    return {
+        "unsharded_loss": loss_of(build_llama(config), tokens(1, SEQ, vocab, seed=0)).item(),
+        "train": {backend or "eager": _train(sp, backend, 1, STEPS, vocab)
+                  for backend in ("ditron", "inductor", None)},
+        "sp_b2": {backend or "eager": _train(sp, backend, 2, 1, vocab)
+                  for backend in ("ditron", None)},
+        "infer": {backend or "eager": _infer(tp, backend, vocab) for backend in ("ditron", None)},
+    }
+
+
+# ------------------------------------------------------------------------------------ test side
+
+
+@functools.lru_cache(maxsize=None)
+def _ranks():
+    try:
+        return run_ranks(f"{THIS}:llama_ranks", WORLD, timeout_s=900, env=RANK_ENV)
+    except Exception as e:  # noqa: BLE001 - every test of the launch reports it
+        return e
+
+
+def _rank_results() -> list[dict]:
+    ranks = _ranks()
+    if isinstance(ranks, Exception):
+        raise ranks
+    return ranks
+
+
+FUSED = "reference plan (decomposed collective + matmul)"  # on CPU every fused op runs it
+
+
+def _sum_of(*names: str) -> str:
+    return SUM_OF_MATMULS.format(" + ".join(names))
+
+
+# Per layer, forward: the attention input's gather feeds q/k/v (one op), o_proj's output is
+# reduce-scattered, the MLP input's gather feeds gate/up, down_proj's output is reduce-scattered;
+# then lm_head's input gather. Backward, from the last layer: the gradient of lm_head's input is
+# reduce-scattered (its matmul fused), each reduce-scattered output's gradient is gathered into
+# the down/o input gradient matmul (fused; the weight gradient reads the gathered output), and
+# the input gradients of gate/up and of q/k/v are sums of two and three matmuls: left alone.
+SEQUENCE_PARALLEL_SITES = {
+    "forward": [(AG, True, FUSED), (RS, True, FUSED), (AG, True, FUSED), (RS, True, FUSED)] * 2
+    + [(AG, True, FUSED)],
+    "backward": [(RS, True, FUSED)]
+    + [(AG, True, FUSED), (RS, False, _sum_of("mm", "mm")),
+       (AG, True, FUSED), (RS, False, _sum_of("mm", "mm", "mm"))] * 2,
+}
+# Inference: o_proj's and down_proj's all-reduce, each with the residual add and the RMSNorm
+# that follows (the next norm of the layer, or the model's final norm).
+TENSOR_PARALLEL_SITES = {"forward": [(AR + "_rmsnorm", True, FUSED)] * 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload, expected", [
+    ("train", SEQUENCE_PARALLEL_SITES),
+    ("sp_b2", SEQUENCE_PARALLEL_SITES),
+    ("infer", TENSOR_PARALLEL_SITES),
+])
+def test_every_site_fused_or_left_alone_with_its_reason(workload, expected):
+    for rank, res in enumerate(_rank_results()):
+        got = res[workload]["ditron"]["sites"]
+        assert got == expected, f"rank {rank}, {workload}: sites\n{got}\nexpected\n{expected}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["train", "sp_b2"])
+def test_first_step_loss_and_gradients_match_eager(workload):
+    for res in _rank_results():
+        ditron, eager = res[workload]["ditron"], res[workload]["eager"]
+        assert ditron["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-5)
+        for name in GRADS:
+            np.testing.assert_allclose(ditron["grads"][name], eager["grads"][name],
+                                       rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_the_unsharded_model():
+    # The plans themselves: TP on 2 ranks computes the loss of the model on one process.
+    for res in _rank_results():
+        assert res["train"]["eager"]["losses"][0] == pytest.approx(res["unsharded_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_training_loss_curve_matches_inductor():
+    for res in _rank_results():
+        ditron, inductor = res["train"]["ditron"]["losses"], res["train"]["inductor"]["losses"]
+        assert len(ditron) == STEPS
+        np.testing.assert_allclose(ditron, inductor, rtol=1e-5)
+        assert len(set(ditron)) > 1, "the loss never changed: the optimizer did not step"
+
+
+@pytest.mark.slow
+def test_inference_logits_match_eager():
+    for res in _rank_results():
+        np.testing.assert_allclose(res["infer"]["ditron"]["logits"],
+                                   res["infer"]["eager"]["logits"], rtol=1e-4, atol=1e-5)
