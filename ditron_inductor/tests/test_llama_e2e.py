@@ -211,3 +211,31 @@ def test_inference_logits_match_eager():
     for res in _rank_results():
         np.testing.assert_allclose(res["infer"]["ditron"]["logits"],
                                    res["infer"]["eager"]["logits"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_run(tmp_path):
+    # benchmarks/e2e_llama.py in its CPU mode, kept short: training and one decode shape, eager
+    # against ditron, so that the script cannot rot.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "e2e_llama.py"), "--device", "cpu",
+         "--tiny", "--workloads", "train,decode", "--decode-batches", "2",
+         "--contenders", "eager,ditron", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| train (sequence parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
+    assert "-> ditron.all_gather_matmul" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["shape"]) for r in rows] == [
+        ("train (sequence parallel)", "B 1, S 16"), ("decode (TP)", "B 2, S 1")]
+    for r in rows:
+        assert set(r["ms"]) == {"eager", "ditron"} and all(v > 0 for v in r["ms"].values())
+        assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) > 0, r
+        assert r["diff_baseline"] == "eager" and max(r["ditron_max_diff"].values()) < 1e-4, r
