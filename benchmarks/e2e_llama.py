@@ -109,7 +109,8 @@ def compiled(contender: str, model, mode: str, group_name: str):
         import torch.distributed._symmetric_memory as symm_mem
 
         symm_mem.enable_symm_mem_for_group(group_name)
-        options = {**list_mode_options(cuda_graphs), "_micro_pipeline_tp": True}
+        options = {**(list_mode_options(cuda_graphs) if cuda_graphs else {}),
+                   "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
     if contender == "ditron":
         return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)

@@ -40,13 +40,14 @@ def llama_config(hidden: int = 64, intermediate: int = 128, heads: int = 4, kv_h
 
 def build_llama(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: str = "cpu") -> torch.nn.Module:
-    """Random init, identical on every rank (the same seed), before any plan shards it."""
+    """Random init, identical on every rank (the same seed), before any plan shards it; built
+    on `device` (a CPU init of Llama-3-8B layer sizes takes long)."""
     from transformers import LlamaForCausalLM
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    torch.manual_seed(seed)
+    with torch.device(device):
         model = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype)
 
 
 def parallelize(model: torch.nn.Module, plan: str, mesh) -> torch.nn.Module:
