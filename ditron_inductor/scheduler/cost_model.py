@@ -19,7 +19,8 @@ Candidates (parameters of the typed plans in scheduler/plan.py, which say what e
                  model predicts them but does not choose them).
 
 The host-time floor (host_floor_ms: 0.75 ms at W=8, 0.23 at W=4) dominates small shapes on the
-8-GPU machine (see benchmarks/NOTES.md).
+8-GPU machine. The measurements behind the constants: docs/performance.md and
+benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ AG_CANDIDATES = {
     "tri_sm16_128x128": dict(_TRITON_MID, transfer="sm", comm_sms=16),
     "tri_sm16_ptr": dict(_TRITON_MID, tma=False, transfer="sm", comm_sms=16),
     # 4x the bytes in flight per pulling SM (32 warps, 128 KB a step): the all-reduce's push on
-    # few SMs was NVLink-latency-bound with 8 warps (benchmarks/NOTES.md, session 5)
+    # few SMs was NVLink-latency-bound with 8 warps
     "tri_sm16w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=16, pull_block=32768,
                                 pull_warps=32),
     "tri_sm32w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=32, pull_block=32768,
@@ -87,8 +88,9 @@ RS_CANDIDATES = {
     "tri_tma_128x256": _TRITON_BIG,
     # one persistent Triton GEMM on SMs - comm_sms, the reduction pulled by comm_sms SMs beside
     # it, chunk by chunk (runtime/reduce_scatter.py). On 2 and 4 ranks slower than the copy-engine
-    # plan on every suite shape (h200x4_run23.md, run24: the GEMM on fewer SMs; 48 and 64 pulling
-    # SMs slower still); for 8 ranks, where the copy engine limits RS 8192x1024, not yet measured
+    # plan on every suite shape (h200x4_run23.md, h200x4_run24_rs_pull.md: the GEMM on fewer SMs;
+    # 48 and 64 pulling SMs slower still); for 8 ranks, where the copy engine limits RS
+    # 8192x1024, not yet measured
     "tri_pull_p16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8),
     "tri_pull_p32": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=8),
     "tri_pull_p16_c16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=16),
@@ -111,14 +113,14 @@ CALIBRATION = dict(
     cublas_groups_factor=1.0,  # AG with cuBLAS on groups of chunks: measured / modelled time
     num_sms=132,
 )
-# 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (session 6, benchmarks/results/
-# h200x4_run28.md, with run 27): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
+# 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (benchmarks/results/
+# h200x4_run27_28_ag.md): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
 # (benchmarks/bench_copy.py; ~150 measured through the plans on the 8-GPU machine), a fused
 # call costs 0.20-0.28 ms of host time (0.39-0.78 there), NCCL's all-gather and reduce-scatter
 # alone move ~360 GB/s of the gathered / input bytes (8192x8192: 0.354 ms), the persistent Triton
 # AG ends ~0.05 ms after max(GEMM, transfer), and the AG plans with cuBLAS on groups of chunks
 # take ~1.1x their modelled time (0.9-1.2x). With these constants the model picks the measured
-# best plan of runs 27-28 on every shape (offline re-selection: bench_fused.py --from-json);
+# best plan of that table on every shape (offline re-selection: bench_fused.py --from-json);
 # the 8-GPU constants had left three shapes to NCCL + cuBLAS.
 CALIBRATION_BY_WORLD = {
     8: CALIBRATION,
@@ -251,50 +253,18 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     return from_params(cls, merged, label=label).for_world(task.world_size)
 
 
-# GEMM + all-reduce (runtime/all_reduce.py; kernels in kernels/all_reduce_push.py and
-# all_reduce_lamport.py), the plan by M (these are also the runtime's defaults when a fused plan
-# names no algorithm, DITRON_PLAN=fused):
-#   M <= PUSH_ALL_MAX_M: push_all (every rank stores its whole partial on every rank, one network
-#     wait, a local sum): 3-5 us less than push at M 1-8, slower from M=16 (its traffic is W - 1
-#     partials per rank) (ar_h200x8_run9.md, run10.md); on up to LAMPORT_MAX_WORLD ranks
-#     lamport_all instead (push_all with lamport's empty mark for its flags): ~1 us less than
-#     push_all at M 1 and 8 on 4 H200 (ar_h200x4_run22.md), not yet measured on 8;
-#   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (kernels/all_reduce_lamport.py:
-#     push_scatter's traffic, but the data carries its own arrival: no flags, no fences): on 4
-#     and 2 H200 (ar_h200x4_run13.md, ar_h200x2_run14.md) 2-7 us less than push at M=32, about
-#     2 us at M=128, level at 256-512 (4 ranks). Not yet measured on 8 GPUs (the 8-GPU machine
-#     was not lent after it was written), where push stays the default;
-#   above: push (each rank sums its blocks over the ranks, then stores the sums on every rank),
-#     after the whole GEMM. push_scatter (the partials stored to their owners instead of read by
-#     them) measured level with push at M 16-32 and slower from M=128: a plan, not a default.
-#   Session 2's one-shot and two-shot kernels (removed in session 4) and the push beside the
-#   GEMM's row chunks (overlap=True, still a plan) were slower everywhere but at M=8192
-#   (run6/run8.md).
-# Block sizes: runtime.all_reduce.push_grid.
-#
-# What the scheduler fuses (8x H200, bf16, CUDA-graph replays, over NCCL + cuBLAS, K 3584 / 1024,
-# ar_h200x8_run11.md, 2026-11-21):
-#   all-reduce alone: M=1 1.61x / 2.06x, M=8 1.47x / 1.93x, M=32 1.34x / 1.42x, M=128 1.40x /
-#   1.30x, M=256 1.35x / 1.31x, M=512 1.17x / 1.18x;
-#   + residual + RMSNorm, over the same with the residual add and norm compiled by Inductor (one
-#   kernel, what a compiled model runs without ditron): 1.15x-2.12x at M <= 512 (over the eager
-#   unfused sequence, which only an uncompiled model would see: 1.58x-3.00x).
-# Not fused on 8 GPUs above FUSED_MAX_M: push after the whole GEMM measured 1.05x at M=1024 and
-# level with the Inductor-compiled norm (run 9), M=2048 level (1.00x / 1.03x), M=8192 slower
-# (0.93x / 0.91x); and nowhere launched eagerly below OVERLAP_EAGER_MIN_M (host launch cost
-# ~0.15-0.3 ms a call on that machine, more than the gain at the sizes where the all-reduce wins).
-#
-# Prefill, FUSED_MAX_M < M <= OVERLAP_MAX_M on up to OVERLAP_MAX_WORLD ranks (overlap_params):
-# push's REDUCE on 16-32 SMs beside the persistent Triton GEMM on the others (kernels/
-# gemm_ready.py: READY per finished row chunk), then the copy-out and the norm on every SM.
-# Measured on 4 H200 only (the defaults: ar_h200x4_run18.md, CUDA-graph replays, over NCCL +
-# cuBLAS, K 3584 / 1024): M=1024 1.12x / 1.13x, M=2048 1.28x / 1.14x, M=8192 1.36x / 1.08x; with
-# the norm over the Inductor-compiled norm 1.12x / 1.11x, 1.21x / 1.08x, 1.30x / 1.04x. Eagerly
-# at M=8192 (host time hidden behind ~1 ms of GPU work) 1.35x / 1.09x (norm: 1.27x / 1.05x); at
-# M=2048 eagerly 1.21x / 0.87x, so not fused eagerly there. What made it: 32-warp programs with
-# blocks of 16384 (the REDUCE waits on NVLink latency: bytes in flight per SM set its speed;
-# 8-warp programs on 16-32 SMs took 1.6-2.4x longer, ar_h200x4_run15/16.md) and the copy-out
-# moved off those SMs (run17.md, which also chose the SMs and chunks). Not yet measured on 8 GPUs.
+# GEMM + all-reduce: the plan by M and world size, thresholds where the measurements crossed
+# over (docs/performance.md, "GEMM + all-reduce", has the figures and result files):
+#   M <= PUSH_ALL_MAX_M: push_all (one network wait, a local sum; its traffic is W - 1 partials
+#     per rank, too much from M=16), or lamport_all on up to LAMPORT_MAX_WORLD ranks;
+#   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (no flags: the data carries its
+#     own arrival); measured on 2 and 4 ranks only, so push on more;
+#   M <= FUSED_MAX_M: push after the whole GEMM;
+#   FUSED_MAX_M < M <= OVERLAP_MAX_M on up to OVERLAP_MAX_WORLD ranks: push beside the persistent
+#     GEMM (overlap_params); measured on 4 ranks only;
+#   above, or on more ranks: NCCL + cuBLAS (no fused kernel measured a gain).
+# Launched eagerly, a fused call costs more host time than it saves below OVERLAP_EAGER_MIN_M:
+# fused only where the graph is replayed as a CUDA graph.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 128, 4
@@ -303,8 +273,8 @@ OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
 
 def overlap_params(task: Task) -> dict:
     """push beside the persistent GEMM (prefill): with a long GEMM (K > 2048) the push gets 16
-    SMs and 16 chunks, with a short one 32 SMs and 8 chunks (the best of ar_h200x4_run17.md at
-    K 3584 / 1024)."""
+    SMs and 16 chunks, with a short one 32 SMs and 8 chunks (the best measured at K 3584 / 1024);
+    32-warp programs with blocks of 16384 (bytes in flight per SM set the speed over NVLink)."""
     long_gemm = size_hint(task.k) > 2048
     return dict(algo="push", overlap=True, gemm="triton", chunks=16 if long_gemm else 8,
                 progs=16 if long_gemm else 32, block=16384, warps=32)
