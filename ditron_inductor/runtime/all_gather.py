@@ -53,9 +53,10 @@ def chunk_runs(chunks: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def chunk_groups(world: int, rank: int, sizes) -> list[list[int]]:
-    """Arrival order (own chunk, then rank+1, rank+2, ...) cut into groups of the given sizes."""
-    order = [(rank + i) % world for i in range(world)]
+def chunk_groups(order: list[int], sizes) -> list[list[int]]:
+    """The arrival order (the Task's ring order: own chunk first) cut into groups of the given
+    sizes."""
+    world = len(order)
     groups, i = [], 0
     for s in sizes:
         if i >= world:
@@ -112,7 +113,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if not a2d.is_contiguous():
         a2d = a2d.contiguous()
     src = a2d.data_ptr()
-    peers = [(r + i) % W for i in range(1, W)]  # ring order: the chunk of rank+1 first
+    order = task.ring_order(r)
+    peers = order[1:]  # the chunk of rank+1 first
 
     # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
     #    fill it and tell the peers (READY[r] = e on each)
@@ -194,7 +196,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return gemm_failed(ctx, main, exc)
     else:
-        groups = chunk_groups(W, r, plan.groups)
+        groups = chunk_groups(order, plan.groups)
         for g in groups:
             for c0, c1 in chunk_runs(g):
                 lo, hi = c0 * rows, (c1 + 1) * rows

@@ -106,8 +106,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     driver.write(side, tape, e)
     staging = torch.empty((W - 1, rows, N), dtype=a.dtype, device=a.device)
     st0 = staging.data_ptr()
-    for i in range(1, W):
-        p = (r + i) % W  # the chunk for rank+1 first
+    for i, p in enumerate(task.ring_order(r)[1:], start=1):  # the chunk for rank+1 first
         matmul_into(a[p * rows:(p + 1) * rows], b, bias, staging[i - 1], tile)
         driver.record(ctx.ev_chunks[p], main)
         driver.stream_wait(side, ctx.ev_chunks[p])

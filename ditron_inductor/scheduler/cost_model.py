@@ -1,7 +1,7 @@
 """Device plans for fused ops on CUDA, chosen from the Task alone (shape, dtype, world size).
 
 The model predicts, per candidate plan, the time of one call from a few constants measured on the
-GPU machines (CALIBRATION_BY_WORLD below: 8x and 4x H200; a world size takes the nearest) and
+GPU machines (H200X8 and H200X4 below, by world size; a world size takes the nearest) and
 picks the fastest; when no fused plan is predicted to beat the plain collective + cuBLAS by
 MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes, dtype and world size
 enter, so every rank makes the same choice.
@@ -65,19 +65,27 @@ AG_CANDIDATES = {
     "tri_sm32w32_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=32, pull_block=32768,
                                 pull_warps=32),
 }
-# Plans the model predicts but never chooses (a plan can still name them): the SM-pull transfers,
-# slower than the copy engine wherever measured (2 and 4 ranks; not measured on 8, where the
-# copy engine limits the AG and RS shapes with short GEMMs); and, on the world sizes planned with
-# the 8-GPU constants, the plans measured only on fewer ranks.
-UNVALIDATED = frozenset({"tri_sm16_128x256", "tri_sm24_128x256", "tri_sm16_128x128", "tri_sm16_ptr",
-                         "tri_sm16w32_128x256", "tri_sm32w32_128x256", "tri_pull_p16",
-                         "tri_pull_p32", "tri_pull_p16_c16", "tri_pull_p32_c16"})
-UNVALIDATED_AT = {8: frozenset({"cublas_each"})}  # by the calibration's world size
+# The calibrations (world sizes of CALIBRATION_BY_WORLD) on whose machines each candidate was
+# measured, fused correctly and in the table the model was fitted to: the model chooses a
+# candidate only there. Absent: predicted, never chosen (a plan can still name it): the SM-pull
+# transfers, slower than the copy engine wherever measured (2 and 4 ranks; not measured on 8,
+# where the copy engine limits the AG and RS shapes with short GEMMs). cublas_each was measured
+# on 4 ranks only.
+_BOTH = (4, 8)
+VALIDATED_ON = {
+    **{label: _BOTH for label in ("tri_tma_128x256", "tri_tma_128x128", "cublas_1_3_4",
+                                  "cublas_1_2_5", "cublas_1_7", "tri_tma_128x256_s2",
+                                  "cublas_1_3_4_s2", "cublas_1_1_2_4")},
+    "cublas_each": (4,),
+    **{label: _BOTH for label in ("cublas_triton_reduce", "cublas")},
+}
 
 
 def unvalidated(world: int) -> frozenset:
     """The labels the model does not choose on this many ranks."""
-    return UNVALIDATED | UNVALIDATED_AT.get(_calibration_world(world), frozenset())
+    calibrated = _calibration_world(world)
+    return frozenset(label for label in (*AG_CANDIDATES, *RS_CANDIDATES)
+                     if calibrated not in VALIDATED_ON.get(label, ()))
 
 
 # First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
@@ -100,7 +108,7 @@ RS_CANDIDATES = {
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
 #   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/h200x8_*.json)
 # (see benchmarks/NOTES.md for how each constant was read off the table).
-CALIBRATION = dict(
+H200X8 = dict(
     cublas_tflops=710.0,  # bf16 GEMM alone, the suite's shapes: 660-770 TFLOP/s
     cublas_small_m_rows=1024,  # below about this many rows a cuBLAS GEMM loses efficiency
     nccl_ag_gbps=320.0,  # NCCL all-gather alone, GB/s of gathered bytes (287-351)
@@ -122,11 +130,9 @@ CALIBRATION = dict(
 # take ~1.1x their modelled time (0.9-1.2x). With these constants the model picks the measured
 # best plan of that table on every shape (offline re-selection: bench_fused.py --from-json);
 # the 8-GPU constants had left three shapes to NCCL + cuBLAS.
-CALIBRATION_BY_WORLD = {
-    8: CALIBRATION,
-    4: dict(CALIBRATION, ce_gbps=300.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
-            nccl_rs_gbps=360.0, cublas_groups_factor=1.1, triton_overhead_ms=0.05),
-}
+H200X4 = dict(H200X8, ce_gbps=300.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
+              nccl_rs_gbps=360.0, cublas_groups_factor=1.1, triton_overhead_ms=0.05)
+CALIBRATION_BY_WORLD = {8: H200X8, 4: H200X4}  # by the world size they were measured at
 
 
 def _calibration_world(world: int) -> int:
@@ -147,7 +153,7 @@ def _itemsize(task: Task) -> int:
 
 
 def _gemm_ms(m: int, k: int, n: int, triton: bool = False) -> float:
-    c = CALIBRATION
+    c = H200X8  # the GEMM alone: the same H200 on both machines, fitted on the 8-GPU one
     eff = min(1.0, m / c["cublas_small_m_rows"]) ** 0.25  # tile/wave quantisation at small m
     ms = 2.0 * m * k * n / (c["cublas_tflops"] * 1e12 * eff) * 1e3
     if triton:  # persistent TMA Triton GEMM relative to cuBLAS, by N (measured)

@@ -52,6 +52,12 @@ class Task:
     # matmul_all_reduce_rmsnorm: a residual is added before the norm
     has_residual: bool = False
 
+    def ring_order(self, rank: int) -> list[int]:
+        """The cross-rank schedule of the AG and RS: chunk c of the rows belongs to rank c, and
+        each rank takes the chunks from its own on, in ring order (rank, rank+1, ...), so that at
+        every step the ranks work on distinct chunks and no peer is read by all at once."""
+        return [(rank + i) % self.world_size for i in range(self.world_size)]
+
     @property
     def m_hint(self) -> int:
         return size_hint(self.m)

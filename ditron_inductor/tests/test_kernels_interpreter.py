@@ -219,7 +219,13 @@ def test_chunk_groups_follow_the_ring():
     from ditron_inductor.scheduler.plan import default_groups
 
     assert sum(default_groups(8)) == 8 and default_groups(8)[0] == 1
-    groups = chunk_groups(8, 6, [1, 3, 4])
+    from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, Task
+
+    def ring(world, rank):
+        return Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=world, m=8, k=8, ns=(8,),
+                    dtype=torch.bfloat16, device_type="cuda").ring_order(rank)
+
+    groups = chunk_groups(ring(8, 6), [1, 3, 4])
     assert groups == [[6], [7, 0, 1], [2, 3, 4, 5]]
     assert chunk_runs([7, 0, 1]) == [(7, 7), (0, 1)]
-    assert [c for g in chunk_groups(4, 1, default_groups(4)) for c in g] == [1, 2, 3, 0]
+    assert [c for g in chunk_groups(ring(4, 1), default_groups(4)) for c in g] == [1, 2, 3, 0]
