@@ -5,11 +5,14 @@ what was found (nodes, group, world size, dims) and, where the subgraph has the 
 cannot be rewritten safely, the problem. Finders never change the graph; `rewrite` does.
 
 Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
-  all_gather_into_tensor -> wait_tensor [-> split/slice on dim 0 -> cat(dim d)] [-> reshape to 2-d]
-      -> mm / addmm (one or several, the gathered activation as left operand)
-  mm / addmm [-> reshape to N-d] [-> split/slice on dim d -> cat(dim 0)]
+  all_gather_into_tensor -> wait_tensor [-> split/slice on dim 0 -> cat(dim d)]
+      [-> reshapes to 2-d] -> mm / addmm (one or several, the gathered activation as left operand)
+  mm / addmm [-> reshapes to N-d] [-> split/slice on dim d -> cat(dim 0)]
       -> reduce_scatter_tensor -> wait_tensor
-  mm / addmm [-> reshape to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
+  mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
+
+Candidates that no op serves are matches too, with the problem (a collective of a sum of matmuls,
+a gathered activation no matmul takes as its left operand), so that the log names them.
 """
 
 from __future__ import annotations
@@ -326,16 +329,14 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
     if len(waits) != 1 or not is_call(waits[0], c10d.wait_tensor.default):
         return None
 
-    chain: list[Node] = []  # nodes between mm and the collective, mm side first
     chunk_cat, dim, node = None, 0, inp
     if op == MATMUL_REDUCE_SCATTER and is_call(node, aten.cat.default):
         chunk_cat = _chunk_cat_into(node, world_size)
         if chunk_cat is None:
             return None
-        src = _chunk_source(node)
-        dim, chain, node = _chunk_dim(node), [src], src
-    chain = []
-    while is_call(node, *RESHAPES):  # a chain of reshapes views the matmul result as its last
+        dim, node = _chunk_dim(node), _chunk_source(node)
+    chain: list[Node] = []  # the reshapes from the matmul result, the collective's side first
+    while is_call(node, *RESHAPES):  # together they view it as the last one's shape
         chain.append(node)
         node = node.args[0]
     reshape = chain[0] if chain else None
