@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ditron_inductor.tests import llama_tp  # noqa: E402
 
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron")
+WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
@@ -69,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--workloads", default="train,prefill,decode")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--train-batch", type=int, default=1)
     p.add_argument("--train-seq", type=int, default=8192)
@@ -86,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        train_seq=16, prefill_seqs="16", decode_batches="1,4", warmup=1, iters=1,
                        reps=2)
     args = p.parse_args(argv)
+    for option, allowed in (("contenders", CONTENDERS), ("workloads", WORKLOADS),
+                            ("modes", (EAGER_LAUNCH, CUDA_GRAPHS))):
+        bad = [v for v in getattr(args, option).split(",") if v not in allowed]
+        if bad:
+            p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
     if args.device == "cpu":  # no CUDA graphs, no symmetric memory
         args.modes = EAGER_LAUNCH
         args.contenders = ",".join(c for c in args.contenders.split(",")
@@ -184,33 +190,47 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
 
     ids = [llama_tp.tokens(args.train_batch, args.train_seq, config.vocab_size, seed=s,
                            device=args.device) for s in range(2)]
-    steps, checks, graphs = {}, {}, []
+    steps, checks, graphs, failed = {}, {}, [], {}
     for name in args.contenders.split(","):
-        model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
-                                                          device=args.device),
-                                     llama_tp.SEQUENCE_PARALLEL, mesh)
-        run = compiled(name, model, EAGER_LAUNCH, group_name)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        params = dict(model.named_parameters())
-        start = len(graph_pass.reports)
-        loss = llama_tp.loss_of(run, ids[0])  # the checked step (compiles)
-        loss.backward()
-        checks[name] = {"loss": loss.detach().float(),
-                        **{g: llama_tp.local(params[g].grad).detach().clone() for g in GRADS}}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if name == "ditron":
-            graphs = ditron_graphs(start)
-
-        def step(run=run, opt=opt, box=[0]):
-            box[0] += 1
-            llama_tp.loss_of(run, ids[box[0] % 2]).backward()
+        def setup(name=name):
+            model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
+                                                              device=args.device),
+                                         llama_tp.SEQUENCE_PARALLEL, mesh)
+            run = compiled(name, model, EAGER_LAUNCH, group_name)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            params = dict(model.named_parameters())
+            start = len(graph_pass.reports)
+            loss = llama_tp.loss_of(run, ids[0])  # the checked step (compiles)
+            loss.backward()
+            checks[name] = {"loss": loss.detach().float(),
+                            **{g: llama_tp.local(params[g].grad).detach().clone() for g in GRADS}}
             opt.step()
             opt.zero_grad(set_to_none=True)
-        steps[name] = step
+            if name == "ditron":
+                graphs[:] = ditron_graphs(start)
+
+            def step(box=[0]):
+                box[0] += 1
+                llama_tp.loss_of(run, ids[box[0] % 2]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return step
+        if (step := guarded(name, setup, failed)) is not None:
+            steps[name] = step
     ms = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
-    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, ms, checks, graphs)]
+    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, ms, checks, graphs, failed)]
+
+
+def guarded(name: str, setup, failed: dict):
+    """setup() (build, compile, the checked first call), or None with the error kept in `failed`:
+    a contender that fails leaves the others' figures. Every rank compiles the same graphs, so a
+    compile error is raised on every rank alike."""
+    try:
+        return setup()
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return None
 
 
 def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, mesh, timer,
@@ -225,29 +245,34 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
         ids = llama_tp.tokens(batch, seq, config.vocab_size, seed=0, device=args.device)
         for mode in args.modes.split(","):
             torch._dynamo.reset()
-            fns, checks, graphs = {}, {}, []
+            fns, checks, graphs, failed = {}, {}, [], {}
             for name in args.contenders.split(","):
-                run = compiled(name, model, mode, group_name)
+                def setup(name=name):
+                    run = compiled(name, model, mode, group_name)
 
-                def call(run=run):
-                    with torch.no_grad():
-                        return run(input_ids=ids, logits_to_keep=1).logits
-                start = len(graph_pass.reports)
-                checks[name] = {"logits": call().float().clone()}
-                if name == "ditron":
-                    graphs = ditron_graphs(start)
-                fns[name] = call
+                    def call():
+                        with torch.no_grad():
+                            return run(input_ids=ids, logits_to_keep=1).logits
+                    start = len(graph_pass.reports)
+                    checks[name] = {"logits": call().float().clone()}
+                    if name == "ditron":
+                        graphs[:] = ditron_graphs(start)
+                    return call
+                if (call := guarded(name, setup, failed)) is not None:
+                    fns[name] = call
             ms = interleaved(fns, timer, args)
-            rows.append(row(workload, f"B {batch}, S {seq}", mode, ms, checks, graphs))
+            rows.append(row(workload, f"B {batch}, S {seq}", mode, ms, checks, graphs, failed))
     return rows
 
 
-def row(workload: str, shape: str, mode: str, ms: dict, checks: dict, graphs: list) -> dict:
+def row(workload: str, shape: str, mode: str, ms: dict, checks: dict, graphs: list,
+        failed: dict) -> dict:
     baseline = "inductor" if "inductor" in checks else "eager"
     ditron, base = checks.get("ditron"), checks.get(baseline)
     diffs = {k: max_diff(ditron[k], base[k]) for k in base} if ditron and base else {}
     return {"workload": workload, "shape": shape, "mode": mode, "ms": ms,
-            "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs}
+            "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs,
+            "failed": failed}
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -268,7 +293,8 @@ def table(rows: list[dict], contenders: list[str]) -> str:
         ops = ", ".join(f"{g['graph'].split()[-1]} {g['ditron_ops']}" for g in r["ditron_graphs"])
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["ditron_max_diff"].items())
         cells = ([r["workload"], r["shape"], r["mode"]]
-                 + [f"{ms[c]:.3f}" if c in ms else "-" for c in contenders]
+                 + [f"{ms[c]:.3f}" if c in ms else "failed" if c in r["failed"] else "-"
+                    for c in contenders]
                  + [speedup("inductor"), speedup("inductor_async_tp"), ops or "-", diffs or "-"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -331,6 +357,9 @@ def report(result: dict, argv: list[str]) -> None:
           f"intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads}, "
           f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}\n")
     print(table(result["rows"], result["contenders"]))
+    for r in result["rows"]:
+        for name, error in r["failed"].items():
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
     print("\nditron, one line per match (rank 0):")
     for line in result["ditron_log"]:
         print("  " + line)

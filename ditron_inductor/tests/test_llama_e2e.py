@@ -236,6 +236,7 @@ def test_benchmark_smoke_run(tmp_path):
     assert [(r["workload"], r["shape"]) for r in rows] == [
         ("train (sequence parallel)", "B 1, S 16"), ("decode (TP)", "B 2, S 1")]
     for r in rows:
-        assert set(r["ms"]) == {"eager", "ditron"} and all(v > 0 for v in r["ms"].values())
+        assert r["failed"] == {} and set(r["ms"]) == {"eager", "ditron"}, r
+        assert all(v > 0 for v in r["ms"].values())
         assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) > 0, r
         assert r["diff_baseline"] == "eager" and max(r["ditron_max_diff"].values()) < 1e-4, r
