@@ -11,23 +11,31 @@ from typing import Any, Optional
 
 import torch
 
+from . import clean_exit, config
 from . import ops  # noqa: F401 - registers torch.ops.ditron.*
 from .log_names import LOGGER_NAME
-from .lowering.graph_pass import DitronPass
+from .lowering import graph_pass
+from .lowering.graph_pass import DitronPass, GraphReport
 
 log = logging.getLogger(LOGGER_NAME)
 
 
 def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """The Inductor config for this compile: the user's mode and options, plus our pass."""
+    """The Inductor config for this compile: the user's mode and Inductor options, plus our pass
+    carrying ditron's options (the `ditron.*` keys over the environment's defaults)."""
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
 
+    ditron_options, inductor_options = config.split_options(options, config.defaults())
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
-    patches.update(options or {})
+    patches.update(inductor_options)
+    if not ditron_options.enabled:
+        log.info("ditron is off (ditron.enabled / DITRON_ENABLED): Inductor compiles the graph "
+                 "as it is")
+        return patches
     user_pass = patches.get("post_grad_custom_post_pass",
                             inductor_config.post_grad_custom_post_pass)
-    patches["post_grad_custom_post_pass"] = DitronPass(user_pass)
+    patches["post_grad_custom_post_pass"] = DitronPass(ditron_options, user_pass)
     if log.isEnabledFor(logging.INFO):
         # A cached graph skips the pass and so its report: while the user asks for the report,
         # compile every graph.
@@ -37,16 +45,32 @@ def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> 
 
 def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
                    options: Optional[dict[str, Any]] = None):
-    """`torch.compile(model, backend="ditron", mode=..., options={...})`: mode and options mean
-    what they mean for Inductor."""
+    """`torch.compile(model, backend="ditron", mode=..., options={...})`: mode and Inductor's
+    options mean what they mean for Inductor; keys `ditron.*` are ditron's (`config`)."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
     patches = inductor_patches(mode, options)
+    clean_exit.install()
     no_autograd_cache = (
         functorch_config.patch(enable_autograd_cache=False)
         if patches.get("fx_graph_cache") is False
         else contextlib.nullcontext()
     )
+    hits, known = _cache_hits(), len(graph_pass.reports)
     with no_autograd_cache:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if _cache_hits() > hits and len(graph_pass.reports) == known:
+        report = GraphReport(str(torch._guards.CompileContext.current_compile_id() or "?"), (),
+                             from_cache=True)
+        graph_pass.reports.append(report)
+        log.info("graph %s: %s", report.graph, report.summary())
+    return compiled
+
+
+def _cache_hits() -> int:
+    """Graphs Inductor's FX graph cache and AOTAutograd's cache served so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return (counters["inductor"]["fxgraph_cache_hit"]
+            + counters["aot_autograd"]["autograd_cache_hit"])

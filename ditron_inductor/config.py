@@ -1,52 +1,191 @@
 """User-facing options of the ditron backend.
 
-Each option has an environment variable that sets its default. Every option that can change
-what the pass does enters the pass's cache key (`lowering.graph_pass.DitronPass.uuid`), so
-Inductor's FX graph cache never serves a graph compiled under other options. Options must be
-the same on every rank: they feed decisions that change the communication protocol.
+Each option has a key that `torch.compile(m, backend="ditron", options={...})` takes beside
+Inductor's own keys, and an environment variable that sets its default:
+
+    ditron.enabled           DITRON_ENABLED            1 | 0 (0: plain Inductor, no ditron pass)
+    ditron.patterns          DITRON_PATTERNS           comma-separated subset of PATTERNS
+    ditron.plan              DITRON_PLAN               auto | reference | fused
+    ditron.symm_mem_backend  DITRON_SYMM_MEM_BACKEND   auto | nvshmem | torch
+    ditron.wait_timeout_s    DITRON_WAIT_TIMEOUT_S     seconds >= 0 (0: unbounded)
+    ditron.log_all_ranks     DITRON_LOG_ALL_RANKS      0 | 1 (INFO lines of every rank, not 0's)
+
+Every value is validated (`OptionError` names the option, the value and what is allowed). The
+module attributes below hold the options of the compile in progress (`using`), the environment's
+otherwise; the pass reads them at compile time. Every option that can change what the pass does
+enters the pass's cache key (`Options.cache_key`), so Inductor's FX graph cache never serves a
+graph compiled under other options. Options must be the same on every rank: they feed decisions
+that change the communication protocol.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from typing import Any, Iterator, Mapping
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 
+from .scheduler.task import OPS as PATTERNS
 
-def _env_set(name: str, default: str) -> frozenset[str]:
-    return frozenset(p.strip() for p in os.environ.get(name, default).split(",") if p.strip())
-
-
-# Which patterns the pass may rewrite (DITRON_PATTERNS, comma separated).
-patterns: frozenset[str] = _env_set(
-    "DITRON_PATTERNS",
-    "all_gather_matmul,matmul_reduce_scatter,matmul_all_reduce,matmul_all_reduce_rmsnorm",
-)
+PREFIX = "ditron."
+PLANS = ("auto", "reference", "fused")
+SYMM_MEM_BACKENDS = ("auto", "nvshmem", "torch")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # Dtypes the ditron ops serve; other dtypes are left to Inductor.
 dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
-# Force a device-plan implementation for every fused op: "" (let the scheduler choose),
-# "reference" (decomposed collective + matmul) or "fused" (DITRON_PLAN).
-force_plan: str = os.environ.get("DITRON_PLAN", "")
 
-# Symmetric-memory backend for the fused kernels: "auto", "nvshmem" or "torch"
-# (DITRON_SYMM_MEM_BACKEND). "auto" takes nvshmem4py where it imports, else PyTorch's.
-symm_mem_backend: str = os.environ.get("DITRON_SYMM_MEM_BACKEND", "auto")
+class OptionError(ShortenTraceback, ValueError):
+    """A ditron option with a value it does not take. Dynamo passes a ShortenTraceback from a
+    backend through as it is, instead of wrapping it in BackendCompilerFailed."""
 
-# Bound on each flag wait in the fused kernels, in seconds (0: unbounded). Used in debug mode so a
-# missing signal names its flag instead of hanging (DITRON_WAIT_TIMEOUT_S).
-wait_timeout_s: float = float(os.environ.get("DITRON_WAIT_TIMEOUT_S", "0"))
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    enabled: bool = True
+    patterns: frozenset[str] = frozenset(PATTERNS)
+    # "" lets the scheduler choose; "reference" forces the decomposed collective + matmul,
+    # "fused" the fused kernels wherever the device has them (CUDA).
+    force_plan: str = ""
+    # "auto" takes nvshmem4py where it imports and the group is the world, else PyTorch's.
+    symm_mem_backend: str = "auto"
+    # Bound on each flag wait in the fused kernels (debug: a missing signal names its flag).
+    wait_timeout_s: float = 0.0
+    log_all_ranks: bool = False
+
+    def cache_key(self) -> str:
+        """The options that change compiled graphs, as text for the pass's uuid."""
+        return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
+                     self.symm_mem_backend, self.wait_timeout_s))
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise OptionError(f"{name}={value!r}: expected a boolean (1/0, true/false)")
+
+
+def _patterns(name: str, value: Any) -> frozenset[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    chosen = frozenset(str(p).strip() for p in items if str(p).strip())
+    unknown = sorted(chosen - set(PATTERNS))
+    if unknown:
+        raise OptionError(f"{name}={value!r}: unknown pattern(s) {', '.join(unknown)}; allowed: "
+                          f"a comma-separated subset of {', '.join(PATTERNS)}")
+    return chosen
+
+
+def _plan(name: str, value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in PLANS + ("",):
+        raise OptionError(f"{name}={value!r}: allowed values are {', '.join(PLANS)}")
+    return "" if text == "auto" else text
+
+
+def _symm_mem_backend(name: str, value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in SYMM_MEM_BACKENDS:
+        raise OptionError(f"{name}={value!r}: allowed values are {', '.join(SYMM_MEM_BACKENDS)}")
+    return text
+
+
+def _seconds(name: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise OptionError(f"{name}={value!r}: expected a number of seconds >= 0 (0: unbounded)")
+    return seconds
+
+
+# Option key (after the prefix) -> (environment variable, Options field, parser).
+OPTIONS = {
+    "enabled": ("DITRON_ENABLED", "enabled", _bool),
+    "patterns": ("DITRON_PATTERNS", "patterns", _patterns),
+    "plan": ("DITRON_PLAN", "force_plan", _plan),
+    "symm_mem_backend": ("DITRON_SYMM_MEM_BACKEND", "symm_mem_backend", _symm_mem_backend),
+    "wait_timeout_s": ("DITRON_WAIT_TIMEOUT_S", "wait_timeout_s", _seconds),
+    "log_all_ranks": ("DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool),
+}
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Options:
+    """The options the environment variables set (each unset one at its default; an empty one
+    is unset too, but for DITRON_PATTERNS, where it means none)."""
+    fields = {field: parse(var, environ[var]) for var, field, parse in OPTIONS.values()
+              if environ.get(var, "") != "" or (field == "patterns" and var in environ)}
+    return Options(**fields)
+
+
+def split_options(options: Mapping[str, Any] | None,
+                  defaults: Options) -> tuple[Options, dict[str, Any]]:
+    """torch.compile's `options=` -> (ditron's options over `defaults`, Inductor's options)."""
+    ours, inductor = {}, {}
+    for key, value in (options or {}).items():
+        if not key.startswith(PREFIX):
+            inductor[key] = value
+            continue
+        name = key[len(PREFIX):]
+        if name not in OPTIONS:
+            raise OptionError(f"unknown option {key!r}; ditron's options are "
+                              f"{', '.join(PREFIX + k for k in OPTIONS)}")
+        _, field, parse = OPTIONS[name]
+        ours[field] = parse(key, value)
+    return dataclasses.replace(defaults, **ours), inductor
+
+
+def current() -> Options:
+    return Options(enabled, patterns, force_plan, symm_mem_backend, wait_timeout_s, log_all_ranks)
+
+
+def _apply(options: Options) -> None:
+    global enabled, patterns, force_plan, symm_mem_backend, wait_timeout_s, log_all_ranks
+    enabled, patterns, force_plan = options.enabled, options.patterns, options.force_plan
+    symm_mem_backend, wait_timeout_s = options.symm_mem_backend, options.wait_timeout_s
+    log_all_ranks = options.log_all_ranks
+
+
+@contextlib.contextmanager
+def using(options: Options) -> Iterator[None]:
+    """The module attributes hold `options` for the duration (a compile)."""
+    saved = current()
+    _apply(options)
+    try:
+        yield
+    finally:
+        _apply(saved)
 
 
 def cache_key() -> str:
-    """The options that change compiled graphs, as text for the pass's uuid."""
-    return repr(
-        (
-            sorted(patterns),
-            sorted(str(d) for d in dtypes),
-            force_plan,
-            symm_mem_backend,
-            wait_timeout_s,
-        )
-    )
+    return current().cache_key()
+
+
+def defaults() -> Options:
+    """The options a compile starts from; a bad environment variable is an error here, at the
+    first compile, rather than at import (where torch's backend lookup would hide it)."""
+    if _env_error is not None:
+        raise OptionError(str(_env_error))
+    return current()
+
+
+try:
+    _defaults, _env_error = from_env(), None
+except OptionError as error:
+    _defaults, _env_error = Options(), error
+enabled: bool = _defaults.enabled
+patterns: frozenset[str] = _defaults.patterns
+force_plan: str = _defaults.force_plan
+symm_mem_backend: str = _defaults.symm_mem_backend
+wait_timeout_s: float = _defaults.wait_timeout_s
+log_all_ranks: bool = _defaults.log_all_ranks

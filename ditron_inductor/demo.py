@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import sys
@@ -29,8 +30,7 @@ import traceback
 PASS_LINE = "PASS: compiled block matches eager (output, input grad, parameter grads)"
 FAIL_PREFIX = "FAIL:"
 
-# Model sizes: small enough for a 2-core machine, distinct enough that each candidate's shapes
-# point at one layer.
+# Model sizes: small enough for a 2-core machine.
 DIM, HEAD_DIM, HIDDEN, BATCH, SEQ = 64, 16, 160, 2, 16
 
 
@@ -60,32 +60,6 @@ def build_block():
             return h + self.down(F.silu(self.gate(z)) * self.up(z))
 
     return Block()
-
-
-# Local (per-rank) matmul shapes of each layer, [K -> N], to name the layer behind a candidate.
-def layer_shapes(world_size: int) -> dict[str, tuple[str, int, int]]:
-    colwise = {n: ("colwise", DIM, DIM // world_size) for n in ("q", "k", "v")}
-    colwise.update({n: ("colwise", DIM, HIDDEN // world_size) for n in ("gate", "up")})
-    rowwise = {"o": ("rowwise", DIM // world_size, DIM), "down": ("rowwise", HIDDEN // world_size, DIM)}
-    return {**colwise, **rowwise}
-
-
-def likely_layers(task: str, backward: bool, world_size: int) -> str:
-    """Which layers a candidate's shapes belong to: in the forward, [K -> N] is the layer's own
-    matmul; in the backward, the input-grad matmul runs it transposed."""
-    fields = dict(f.split("=", 1) for f in task.split() if "=" in f)
-    try:
-        k, ns = int(fields["K"]), [int(n) for n in fields["N"].split(",")]
-    except (KeyError, ValueError):
-        return ""
-    want = "colwise" if task.startswith("all_gather") != backward else "rowwise"
-    names = []
-    for n in ns:
-        hits = [name for name, (style, lk, ln) in layer_shapes(world_size).items()
-                if style == want and ((ln, lk) if backward else (lk, ln)) == (k, n)]
-        names.append("/".join(hits) or "?")
-    what = "input grad of " if backward else ""
-    return f"{what}{', '.join(dict.fromkeys(names))}"
 
 
 def rank_main(rank: int, world_size: int, device: str, port: int, timeout_s: float) -> None:
@@ -160,12 +134,10 @@ def run_block(rank: int, world_size: int, device: str) -> bool:
     fused = 0
     say(f"\ncompiled forward + backward in {t_compile:.1f} s; collective + matmul candidates:")
     for report in reports:
-        backward = report.graph.endswith("backward")
-        say(f"  graph {report.graph}:")
+        say(f"  graph {report.graph}: {report.summary()}")
         for c in report.candidates:
             fused += c.fused
-            layers = likely_layers(c.task, backward, world_size)
-            layers = f"  [{layers}]" if layers else ""
+            layers = f"  [layer {', '.join(c.layers)}]" if c.layers else ""
             if c.fused:
                 say(f"    FUSED     {c.task}{layers}\n"
                     f"              -> torch.ops.ditron.{c.task.split()[0]}, plan: {c.plan} "
@@ -173,7 +145,7 @@ def run_block(rank: int, world_size: int, device: str) -> bool:
             else:
                 say(f"    not fused {c.task}{layers}\n              reason: {c.reason}")
     if not reports:
-        say("  (none: no graph had a collective + matmul candidate)")
+        say("  (none: no graph was compiled)")
 
     rtol, atol = (1e-4, 1e-5) if device == "cpu" else (1e-3, 1e-4)
     problems = []
@@ -197,6 +169,7 @@ def run_block(rank: int, world_size: int, device: str) -> bool:
 
 
 def _rank_entry(rank, world_size, device, port, timeout_s):
+    faulthandler.enable(all_threads=True)  # a rank that aborts says where each thread was
     try:
         rank_main(rank, world_size, device, port, timeout_s)
     except SystemExit:

@@ -1,7 +1,8 @@
 """The ditron post-grad pass: find candidates, let the scheduler decide, rewrite, and say so.
 
-TORCH_LOGS=ditron prints, per compiled graph, each candidate and whether it was fused (and why
-not); TORCH_LOGS=+ditron adds the graph before and after the pass and the chosen plans.
+TORCH_LOGS=ditron prints, per compiled graph, a summary line and each candidate with the model
+layer it comes from and whether it was fused (and why not); TORCH_LOGS=+ditron adds the graph
+before and after the pass and the chosen plans.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import collections
 import dataclasses
 import logging
 import os
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,12 +34,30 @@ class CandidateReport:
     fused: bool
     reason: str
     plan: Optional[str]  # the plan's describe() when fused
+    layers: tuple[str, ...] = ()  # the model's modules whose matmuls the candidate holds
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphReport:
     graph: str  # compile id and forward/backward
     candidates: tuple[CandidateReport, ...]
+    from_cache: bool = False  # served by Inductor's caches: the pass did not run this time
+
+    def summary(self) -> str:
+        if self.from_cache:
+            return ("served from Inductor's cache, compiled earlier by the ditron pass with the "
+                    "same options (the decisions were logged then)")
+        if not self.candidates:
+            return "no collective + matmul candidates"
+        fused = [c for c in self.candidates if c.fused]
+        left = [c for c in self.candidates if not c.fused]
+        return (f"{len(self.candidates)} candidate(s): {len(fused)} fused{_by_op(fused)}, "
+                f"{len(left)} left{_by_op(left)}")
+
+
+def _by_op(candidates: list[CandidateReport]) -> str:
+    counts = collections.Counter(c.task.split()[0] for c in candidates)
+    return f" ({', '.join(f'{op} {n}' for op, n in sorted(counts.items()))})" if counts else ""
 
 
 # The latest graphs this process compiled, for programs (the demo, tests) that want to show them.
@@ -53,15 +73,20 @@ def _source_files() -> tuple[str, ...]:
 
 
 class DitronPass(CustomGraphPass):
-    """Inductor's `post_grad_custom_post_pass`; runs a pass the user had configured there first."""
+    """Inductor's `post_grad_custom_post_pass`, carrying the options of its compile (a backward
+    graph is compiled later, outside the backend's call); runs a pass the user had configured
+    there first."""
 
-    def __init__(self, user_pass: Optional[Callable[[Graph], Any]] = None):
+    def __init__(self, options: Optional[config.Options] = None,
+                 user_pass: Optional[Callable[[Graph], Any]] = None):
+        self.options = options or config.current()
         self.user_pass = user_pass
 
     def __call__(self, graph: Graph) -> None:
         if self.user_pass is not None:
             self.user_pass(graph)
-        run_pass(graph)
+        with config.using(self.options):
+            run_pass(graph)
 
     def uuid(self) -> Any:
         user = None
@@ -69,7 +94,7 @@ class DitronPass(CustomGraphPass):
             user = getattr(self.user_pass, "uuid", lambda: None)()
             if user is None:  # an uncacheable user pass makes the whole pass uncacheable
                 return None
-        return (get_hash_for_files(_source_files()).hex(), config.cache_key(), user,
+        return (get_hash_for_files(_source_files()).hex(), self.options.cache_key(), user,
                 process_groups_key())
 
 
@@ -92,12 +117,38 @@ def graph_name(graph: Graph) -> str:
     return f"{compile_id or '?'} {'backward' if is_backward else 'forward'}"
 
 
+_SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def source_layer(node: torch.fx.Node) -> str:
+    """The model layer a node comes from, as its module path (`layers.0.mlp.down_proj`): the
+    innermost module of the node's nn_module_stack (a backward node carries its forward node's),
+    else the file and line of the user code that made it."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = re.sub(r"^L\['[^']*'\]", "", path).replace("._modules", "")
+        path = _SUBSCRIPT.sub(r".\1", path).strip(".")
+        if path:
+            return path
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    return f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else ""
+
+
+def source_layers(match) -> tuple[str, ...]:
+    matmuls = match.matmuls if isinstance(match, AllGatherMatmulMatch) else [match.matmul]
+    return tuple(dict.fromkeys(layer for m in matmuls if (layer := source_layer(m.node))))
+
+
 def run_pass(graph: Graph) -> GraphReport:
     name = graph_name(graph)
     matches = find_matches(graph)
     if not matches:
-        log.debug("graph %s: no collective + matmul candidates", name)
-        return GraphReport(name, ())
+        report = GraphReport(name, ())
+        reports.append(report)
+        log.info("graph %s: %s", name, report.summary())
+        return report
     log.debug("graph %s before the ditron pass:\n%s", name, graph)
 
     # Tasks first: they are shapes and dtypes, which rewrites do not change, and a rewrite may
@@ -107,6 +158,8 @@ def run_pass(graph: Graph) -> GraphReport:
     candidates = []
     for match, task in zip(matches, tasks):
         decision = _decide(match, task, rewritten)
+        layers = source_layers(match)
+        where = f"{', '.join(layers)}: " if layers else ""
         if decision.fuse:
             plan_text = decision.plan.encode()
             if isinstance(match, AllGatherMatmulMatch):
@@ -114,22 +167,24 @@ def run_pass(graph: Graph) -> GraphReport:
             else:
                 rewrite_matmul_collective(graph, match, plan_text)
             rewritten.update(match.replaced_nodes())
-            log.info("graph %s: %s -> ditron.%s [%s]", name, task.describe(), task.op,
+            log.info("graph %s: %s%s -> ditron.%s [%s]", name, where, task.describe(), task.op,
                      decision.reason)
             log.debug("graph %s: plan for %s: %s", name, task.op, decision.plan.describe())
         else:
-            log.info("graph %s: %s not fused: %s", name, task.describe(), decision.reason)
+            log.info("graph %s: %s%s not fused: %s", name, where, task.describe(),
+                     decision.reason)
         for note in match.notes:
-            log.info("graph %s: %s: %s", name, task.describe(), note)
+            log.info("graph %s: %s%s: %s", name, where, task.describe(), note)
         candidates.append(CandidateReport(
             task.describe(), decision.fuse, decision.reason,
-            decision.plan.describe() if decision.fuse else None))
+            decision.plan.describe() if decision.fuse else None, layers))
     if rewritten:
         stable_topological_sort(graph)
         graph.lint()
         log.debug("graph %s after the ditron pass:\n%s", name, graph)
     report = GraphReport(name, tuple(candidates))
     reports.append(report)
+    log.info("graph %s: %s", name, report.summary())
     return report
 
 

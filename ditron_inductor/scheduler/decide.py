@@ -56,7 +56,7 @@ def _cuda_graphs() -> bool:
 
 def decide(task: Task) -> Decision:
     if task.op not in config.patterns:
-        return reject(f"pattern {task.op} is disabled (DITRON_PATTERNS)")
+        return reject(f"pattern {task.op} is disabled (ditron.patterns / DITRON_PATTERNS)")
     problem = group_problem(task.group_name, task.world_size)
     if problem:
         return reject(problem)
@@ -75,10 +75,14 @@ def decide(task: Task) -> Decision:
         )
 
     if config.force_plan == REFERENCE or task.device_type != "cuda":
-        return Decision(True, "reference plan (decomposed collective + matmul)", REFERENCE_PLAN)
+        why = "reference plan (decomposed collective + matmul)"
+        if config.force_plan == FUSED:
+            why += (": plan=fused forced, but the fused kernels run on CUDA only, "
+                    f"not {task.device_type}")
+        return Decision(True, why, REFERENCE_PLAN)
     plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
     if config.force_plan == FUSED and plan is None:
-        plan, why = fused_plan(task), "fused plan forced by DITRON_PLAN=fused"
+        plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:
         return reject(why)
     return Decision(True, why, with_options(plan))

@@ -1,0 +1,60 @@
+"""A clean exit for a program that compiled with ditron, whatever order it shuts down in.
+
+At interpreter exit, a process group outlives `destroy_process_group()` (DTensor's meshes and
+compiled graphs' guards hold it), and so do its worker threads and the works and tensors they
+hold. Left to interpreter finalisation, those objects die while Python tears itself down, and a
+C++ thread that then needs the GIL aborts the process ("terminate called without an active
+exception"), or a collective teardown waits on a peer that has gone. `release_at_exit` runs
+first among the exit handlers that exist when it is installed (at the first compile that sees a
+process group), while the interpreter is whole, and releases in dependency order: ditron's
+runtime (symmetric memory and its contexts, which live on the group), then the compiled graphs,
+then the process groups the program did not destroy itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import sys
+
+from .log_names import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+_installed = False
+
+
+def install() -> None:
+    """Register `release_at_exit` once per process."""
+    global _installed
+    if not _installed:
+        atexit.register(release_at_exit)
+        _installed = True
+
+
+def release_at_exit() -> None:
+    import torch
+
+    for step in (_runtime_shutdown, torch._dynamo.reset, _destroy_process_groups, gc.collect):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - an exit handler never fails the program
+            log.debug("exit: %s: %s", getattr(step, "__name__", step), e)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
+            pass
+
+
+def _runtime_shutdown() -> None:
+    runtime = sys.modules.get("ditron_inductor.runtime")  # loaded by the first fused call only
+    if runtime is not None:
+        runtime.shutdown()
+
+
+def _destroy_process_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
