@@ -106,7 +106,8 @@ def test_pass_uuid_follows_options_and_user_pass(monkeypatch):
     before = DitronPass().uuid()
     monkeypatch.setattr(config, "force_plan", "reference")
     assert DitronPass().uuid() != before
-    assert DitronPass(user_pass=lambda graph: None).uuid() is None  # a user pass with no uuid: no caching
+    # a user pass with no uuid: no caching
+    assert DitronPass(user_pass=lambda graph: None).uuid() is None
 
 
 def test_pass_uuid_follows_the_process_groups():
