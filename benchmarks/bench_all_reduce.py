@@ -43,9 +43,8 @@ import torch.distributed as dist  # noqa: E402
 
 SUITE = [(m, k, 8192) for k in (3584, 1024) for m in (2048, 8192, 128, 32, 1)]
 EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for calibration
-    # (session 2's one-shot / two-shot kernels were removed; session 3's push beside cuBLAS's
-    # row chunks, slower everywhere but at M=8192 in runs 6-9, gave way to the prefill plans
-    # at the end)
+    # (the push beside cuBLAS's row chunks, slower everywhere but at M=8192, gave way to the
+    # prefill plans at the end; docs/performance.md)
     "push_b256": (dict(algo="push", block=256), lambda m: 8 < m <= 128),
     "push_b512": (dict(algo="push", block=512), lambda m: 8 < m <= 256),
     "push_b1024": (dict(algo="push", block=1024), lambda m: 8 < m <= 2048),
@@ -61,7 +60,7 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "push": (dict(algo="push"), lambda m: m <= 8),
     # prefill: push on few SMs alone, and beside the GEMM (cuBLAS row chunks, or the persistent
     # Triton GEMM raising READY per chunk on the other SMs). 8-warp programs (push_p32,
-    # tri_c8_p32; the others of run 15 were slower still): NVLink-latency-bound on few SMs
+    # tri_c8_p32; other 8-warp variants were slower still): NVLink-latency-bound on few SMs
     # (ar_h200x4_run15.md); 32 warps and blocks of 16384 (*_b16k) hold 4x the bytes in flight
     "push_p32": (dict(algo="push", progs=32), lambda m: m >= 1024),
     "tri_c8_p32": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32),

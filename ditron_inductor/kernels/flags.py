@@ -32,7 +32,7 @@ STARTED = READY + MAX_CHUNKS
 PUSHED = STARTED + MAX_PROGS * MAX_WORLD
 LOCAL = PUSHED + MAX_PROGS * MAX_WORLD
 FLAG_WORDS = LOCAL + MAX_PROGS
-# error codes (err word): which wait gave up (2 and 3 were the removed kernels' REDUCED and DONE)
+# error codes (err word): which wait gave up (2 and 3 are unused)
 ERR_READY, ERR_PUSHED, ERR_LOCAL, ERR_STARTED, ERR_SENT = 1, 4, 5, 6, 7
 # the same numbers for the kernels (Triton reads only constexpr globals)
 K_READY, K_STARTED, K_PUSHED = tl.constexpr(READY), tl.constexpr(STARTED), tl.constexpr(PUSHED)
