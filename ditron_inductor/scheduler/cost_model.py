@@ -20,7 +20,7 @@ Candidates (parameters of the typed plans in scheduler/plan.py, which say what e
 
 The host-time floor (host_floor_ms: 0.75 ms at W=8, 0.23 at W=4) dominates small shapes on the
 8-GPU machine. The measurements behind the constants: docs/performance.md and
-benchmarks/NOTES.md.
+docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ RS_CANDIDATES = {
 
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
 #   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/h200x8_*.json)
-# (see benchmarks/NOTES.md for how each constant was read off the table).
+# (see docs/experiments.md for how each constant was read off the table).
 H200X8 = dict(
     cublas_tflops=710.0,  # bf16 GEMM alone, the suite's shapes: 660-770 TFLOP/s
     cublas_small_m_rows=1024,  # below about this many rows a cuBLAS GEMM loses efficiency
