@@ -64,6 +64,26 @@ def check_group(group_name: str, world_size: int) -> None:
         )
 
 
+_tasks: dict = {}
+_MAX_TASKS = 4096
+
+
+def _memoised(key_of: Callable, build: Callable) -> Callable:
+    """build(*args) memoised on key_of(*args): a Task is a function of shapes, dtypes, options and
+    the group, the same few recur call after call, and building one costs more host time than
+    the rest of the dispatch (the table is dropped whole if it ever grows past _MAX_TASKS)."""
+    def task_of(*args):
+        key = key_of(*args)
+        task = _tasks.get(key)
+        if task is None:
+            if len(_tasks) >= _MAX_TASKS:
+                _tasks.clear()
+            task = _tasks[key] = build(*args)
+        return task
+
+    return task_of
+
+
 def _dispatch(op: str, plan_text: str, on_cuda: bool, task_of: Callable, reference: Callable,
               *args):
     """The fused implementation of `op` where the plan asks for it and serves the call, else the
@@ -133,6 +153,13 @@ def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name
     return [gathered] + [_matmul(a, w, b) for w, b in zip(weights, biases)]
 
 
+_all_gather_task = _memoised(
+    lambda a_shard, weights, biases, gather_dim, group_name, world_size: (
+        ALL_GATHER_MATMUL, a_shard.shape, a_shard.dtype, tuple(w.shape[1] for w in weights),
+        tuple(b is None for b in biases), gather_dim, group_name, world_size),
+    all_gather_matmul_task)
+
+
 def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]],
                       gather_dim: int, group_name: str, world_size: int,
                       plan: str) -> list[Tensor]:
@@ -142,7 +169,7 @@ def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optio
     Returns [gathered activation (N-d, as the collective produces it), A @ W_0, A @ W_1, ...];
     the data crosses the wire once however many weights share it.
     """
-    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, all_gather_matmul_task,
+    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, _all_gather_task,
                      all_gather_matmul_reference, a_shard, weights, biases, gather_dim,
                      group_name, world_size)
 
@@ -172,9 +199,13 @@ def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_o
                                                        group_name))
 
 
-def _reduce_scatter_task(a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size):
-    return matmul_collective_task(MATMUL_REDUCE_SCATTER, a, b, bias, out_shape, scatter_dim,
-                                  reduce_op, group_name, world_size)
+_reduce_scatter_task = _memoised(
+    lambda a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size: (
+        MATMUL_REDUCE_SCATTER, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape),
+        scatter_dim, reduce_op, group_name, world_size),
+    lambda a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size:
+        matmul_collective_task(MATMUL_REDUCE_SCATTER, a, b, bias, out_shape, scatter_dim,
+                               reduce_op, group_name, world_size))
 
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
@@ -207,9 +238,13 @@ def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, wo
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-def _all_reduce_task(a, b, bias, out_shape, reduce_op, group_name, world_size):
-    return matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
-                                  group_name, world_size)
+_all_reduce_task = _memoised(
+    lambda a, b, bias, out_shape, reduce_op, group_name, world_size: (
+        MATMUL_ALL_REDUCE, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape), reduce_op,
+        group_name, world_size),
+    lambda a, b, bias, out_shape, reduce_op, group_name, world_size:
+        matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
+                               group_name, world_size))
 
 
 def matmul_all_reduce(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
@@ -251,10 +286,15 @@ def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_we
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 
 
-def _all_reduce_rmsnorm_task(a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32,
-                             reduce_op, group_name, world_size):
-    return matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
-                                  group_name, world_size, has_residual=residual is not None)
+_all_reduce_rmsnorm_task = _memoised(
+    lambda a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op,
+    group_name, world_size: (
+        MATMUL_ALL_REDUCE_RMSNORM, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape),
+        residual is None, reduce_op, group_name, world_size),
+    lambda a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op,
+    group_name, world_size:
+        matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
+                               group_name, world_size, has_residual=residual is not None))
 
 
 def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],

@@ -78,3 +78,17 @@ def test_fake_shapes_follow_the_collectives():
         ar = torch.ops.ditron.matmul_all_reduce(torch.empty(24, 16), torch.empty(16, 8), None,
                                                 [], "sum", "0", 4, "")
         assert tuple(ar.shape) == (24, 8)
+
+
+def test_tasks_are_built_once_per_shape():
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    args = (b, None, [], "sum", "0", 2)
+    first = ops._all_reduce_task(a, *args)
+    assert ops._all_reduce_task(torch.randn(4, 8), *args) is first
+    other = ops._all_reduce_task(torch.randn(6, 8), *args)
+    assert (first.m, other.m) == (4, 6) and other.op == ops.MATMUL_ALL_REDUCE
+    norm = ops._all_reduce_rmsnorm_task(a, b, None, [], torch.randn(4, 3), torch.ones(3), 1e-6,
+                                        False, "sum", "0", 2)
+    assert norm.has_residual and norm.op == ops.MATMUL_ALL_REDUCE_RMSNORM
+    assert not ops._all_reduce_rmsnorm_task(a, b, None, [], None, torch.ones(3), 1e-6, False,
+                                            "sum", "0", 2).has_residual
