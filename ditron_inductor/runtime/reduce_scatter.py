@@ -37,19 +37,8 @@ from ..kernels import flags
 from ..kernels.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_polls
-from .launch import (
-    DTYPES,
-    WAIT_NAMES,
-    check_errors,
-    decline,
-    gemm_beside,
-    matmul_into,
-    num_sms,
-    ready_gemm,
-    tile_launch,
-    tma_ok,
-    wait_geq,
-)
+from .launch import (DTYPES, WAIT_NAMES, check_errors, decline, gemm_beside, matmul_into,
+                     num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 
 CONTEXT = "matmul_reduce_scatter_pull"
 # calls served by the fused path, and those of them the SM pull served (tests check which ran)
