@@ -1,6 +1,6 @@
 """GEMM + all-reduce (+ residual + RMSNorm) benchmark: every contender side by side on W GPUs.
 
-    torchrun --nproc-per-node 8 benchmarks/bench_all_reduce.py --out benchmarks/results/ar_h200x8
+    torchrun --nproc-per-node 8 benchmarks/bench_all_reduce.py --out benchmarks/results/all_reduce_h200x8_<variant measured>
 
 Per shape (M, K per rank, N; bf16 unless --dtype), op "matmul_all_reduce":
   nccl_cublas       a @ b, then NCCL all-reduce
@@ -61,7 +61,7 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     # prefill: push on few SMs alone, and beside the GEMM (cuBLAS row chunks, or the persistent
     # Triton GEMM raising READY per chunk on the other SMs). 8-warp programs (push_p32,
     # tri_c8_p32; other 8-warp variants were slower still): NVLink-latency-bound on few SMs
-    # (ar_h200x4_run15.md); 32 warps and blocks of 16384 (*_b16k) hold 4x the bytes in flight
+    # (all_reduce_h200x4_overlap_triton_gemm_8warps.md); 32 warps and blocks of 16384 (*_b16k) hold 4x the bytes in flight
     "push_p32": (dict(algo="push", progs=32), lambda m: m >= 1024),
     "tri_c8_p32": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32),
                    lambda m: m >= 512),

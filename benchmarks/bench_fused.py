@@ -1,6 +1,6 @@
 """Fused collective + matmul benchmark: one run on W GPUs, every contender measured side by side.
 
-    torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/h200x8
+    torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/fused_h200x8_<variant measured>
 
 Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
 (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter), ditron with the plan

@@ -229,8 +229,8 @@ def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     element): one 16-byte vector of 16-bit elements per thread and peer in a block (BLOCK = 256 x
     warps, at most 8 warps); blocks of 256 to 1024 elements with about 32 or more programs at
     work, 4096 from 64 blocks of 4096 per rank up (measured best at M=32 and M >= 2048,
-    ar_h200x8_run6.md, and at M=256, ar_h200x8_run9.md); with a norm at least 1024 (its rows go
-    to 4 warps, not 1: faster at M=1, ar_h200x8_run7.md); fewer programs than SMs (the kernel
+    all_reduce_h200x8_push_first.md, and at M=256, all_reduce_h200x8_push_scatter_push_all.md); with a norm at least 1024 (its rows go
+    to 4 warps, not 1: faster at M=1, all_reduce_h200x8_push_remote_ready.md); fewer programs than SMs (the kernel
     waits on its own programs: all must be resident). block, warps, progs: a plan's choice (0:
     by size)."""
     per_rank = triton.cdiv(numel, world)

@@ -96,7 +96,7 @@ RS_CANDIDATES = {
     "tri_tma_128x256": _TRITON_BIG,
     # one persistent Triton GEMM on SMs - comm_sms, the reduction pulled by comm_sms SMs beside
     # it, chunk by chunk (runtime/reduce_scatter.py). On 2 and 4 ranks slower than the copy-engine
-    # plan on every suite shape (h200x4_run23.md, h200x4_run24_rs_pull.md: the GEMM on fewer SMs;
+    # plan on every suite shape (fused_h200x4_rs_sm_pull.md, reduce_scatter_h200x4_sm_pull_more_sms.md: the GEMM on fewer SMs;
     # 48 and 64 pulling SMs slower still); for 8 ranks, where the copy engine limits RS
     # 8192x1024, not yet measured
     "tri_pull_p16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8),
@@ -106,7 +106,7 @@ RS_CANDIDATES = {
 }
 
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
-#   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/h200x8_*.json)
+#   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/fused_h200x8_*.json)
 # (see docs/experiments.md for how each constant was read off the table).
 H200X8 = dict(
     cublas_tflops=710.0,  # bf16 GEMM alone, the suite's shapes: 660-770 TFLOP/s
@@ -122,7 +122,7 @@ H200X8 = dict(
     num_sms=132,
 )
 # 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (benchmarks/results/
-# h200x4_run27_28_ag.md): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
+# all_gather_h200x4_own_rows_main_stream.md): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
 # (benchmarks/bench_copy.py; ~150 measured through the plans on the 8-GPU machine), a fused
 # call costs 0.20-0.28 ms of host time (0.39-0.78 there), NCCL's all-gather and reduce-scatter
 # alone move ~360 GB/s of the gathered / input bytes (8192x8192: 0.354 ms), the persistent Triton

@@ -224,7 +224,7 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
 def test_calibration_by_world_picks_what_was_measured_best():
     """Each world size is planned with the constants measured nearest to it: on 4 ranks the
-    measured best plan of every suite shape (h200x4_run28.md: the persistent Triton AG for the
+    measured best plan of every suite shape (all_gather_h200x4_own_rows_main_stream.md: the persistent Triton AG for the
     long GEMMs, cuBLAS on each chunk as it lands for the short ones, the cuBLAS-chunk RS), on 8
     the plans of the 8-GPU live table (three shapes left to NCCL + cuBLAS)."""
     from ditron_inductor.scheduler.cost_model import (
