@@ -1,4 +1,4 @@
-# Sourced by install.sh and test.sh: sets PY to the interpreter ditron-inductor is installed into.
+# Sourced by install.sh, test.sh, demo.sh: PY = the interpreter the package is installed in.
 #   $PYTHON, where set;
 #   else the active virtual environment or conda environment ($VIRTUAL_ENV, $CONDA_PREFIX);
 #   else .venv in the repository, created with `python3 -m venv` where it does not exist yet
