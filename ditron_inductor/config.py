@@ -145,15 +145,18 @@ def split_options(options: Mapping[str, Any] | None,
     return dataclasses.replace(defaults, **ours), inductor
 
 
+# The module attributes at the end mirror the fields of Options one for one (code and tests read
+# and set `config.force_plan`, ...): current() and _apply() go through the fields, so an option
+# added to Options needs no edit here.
+_FIELDS = tuple(f.name for f in dataclasses.fields(Options))
+
+
 def current() -> Options:
-    return Options(enabled, patterns, force_plan, symm_mem_backend, wait_timeout_s, log_all_ranks)
+    return Options(**{name: globals()[name] for name in _FIELDS})
 
 
 def _apply(options: Options) -> None:
-    global enabled, patterns, force_plan, symm_mem_backend, wait_timeout_s, log_all_ranks
-    enabled, patterns, force_plan = options.enabled, options.patterns, options.force_plan
-    symm_mem_backend, wait_timeout_s = options.symm_mem_backend, options.wait_timeout_s
-    log_all_ranks = options.log_all_ranks
+    globals().update({name: getattr(options, name) for name in _FIELDS})
 
 
 @contextlib.contextmanager
