@@ -35,6 +35,7 @@ class CandidateReport:
     reason: str
     plan: Optional[str]  # the plan's describe() when fused
     layers: tuple[str, ...] = ()  # the model's modules whose matmuls the candidate holds
+    op: str = ""  # Task.op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class GraphReport:
 
 
 def _by_op(candidates: list[CandidateReport]) -> str:
-    counts = collections.Counter(c.task.split()[0] for c in candidates)
+    counts = collections.Counter(c.op for c in candidates)
     return f" ({', '.join(f'{op} {n}' for op, n in sorted(counts.items()))})" if counts else ""
 
 
@@ -177,7 +178,7 @@ def run_pass(graph: Graph) -> GraphReport:
             log.info("graph %s: %s%s: %s", name, where, task.describe(), note)
         candidates.append(CandidateReport(
             task.describe(), decision.fuse, decision.reason,
-            decision.plan.describe() if decision.fuse else None, layers))
+            decision.plan.describe() if decision.fuse else None, layers, task.op))
     if rewritten:
         stable_topological_sort(graph)
         graph.lint()
