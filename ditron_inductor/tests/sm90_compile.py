@@ -4,11 +4,19 @@ Run in its own process (test_kernels_compile.py): the interpreter tests switch T
 interpretation for the whole process.
 
     python -m ditron_inductor.tests.sm90_compile    # prints one line per kernel variant
+    python -m ditron_inductor.tests.sm90_compile --ptx DIR    # and writes each variant's PTX
+
+A refactor of the kernels that should not change the generated code is checked by writing the
+PTX before and after it and comparing the two folders (`--compare BEFORE AFTER`: the PTX with
+its debug line information left out).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import pathlib
+import re
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -17,12 +25,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ditron_inductor.kernels import (  # noqa: E402
+    ag_gemm,
     all_reduce_lamport,
     all_reduce_push,
     flags,
     gemm_ready,
     reduce,
     reduce_scatter,
+    transfer,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -64,6 +74,26 @@ def variants():
                     err_ptr="*i32", out_ptr="*bf16", rows="i32", N="i32", rank="i32",
                     chunk_rows="i32", parity_elems="i32", scale="fp32", limit="i32"),
                dict(BLOCK=block, SCALE=scale, **flags.world_constants(world)), 32)
+    # the all-gather's GEMM (pointers, and TMA with B as given or as B^T) and its SM pull
+    ag_dynamic = dict(M="i32", N="i32", K="i32", rows_per_chunk="i32", first_row="i32",
+                      epoch="i32", limit="i32", bias_ptr="*bf16", flag_ptr="*i32", err_ptr="*i32")
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_PROGS=132)
+    yield (ag_gemm.ag_gemm_kernel,
+           dict(ag_dynamic, a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", stride_am="i32",
+                stride_ak="i32", stride_bk="i32", stride_bn="i32", stride_cm="i32",
+                stride_cn="i32"),
+           dict(tiles, HAS_BIAS=True, WAIT=True), 8)
+    for b_trans, proxy_fence in ((False, False), (True, True)):
+        yield (ag_gemm.ag_gemm_tma_kernel,
+               dict(ag_dynamic, a_desc="tensordesc<bf16[128,64]>",
+                    b_desc=f"tensordesc<bf16[{'128,64' if b_trans else '64,128'}]>",
+                    c_desc="tensordesc<bf16[128,128]>"),
+               dict(tiles, HAS_BIAS=True, WAIT=True, B_TRANS=b_trans, PROXY_FENCE=proxy_fence),
+               8)
+    yield (transfer.ag_pull_kernel,
+           dict(data_table="*i64", src_off="i32", dst_ptr="*i32", ready_ptr="*i32",
+                count_ptr="*i32", err_ptr="*i32", rank="i32", world="i32", chunk_words="i32",
+                epoch="i32", limit="i32"), dict(BLOCK=4096), 8)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
@@ -88,10 +118,38 @@ def compile_for_hopper(fn, arg_types, constexprs, num_warps,
     return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps))
 
 
+def code_lines(ptx: str) -> list[str]:
+    """The PTX without what names places in the source: .loc/.file directives and the
+    debug sections."""
+    text = re.sub(r"^\s*\.section\s+\.debug.*?^\s*}", "", ptx, flags=re.S | re.M)
+    return [line for line in text.splitlines()
+            if not re.match(r"\s*(\.loc|\.file|//|$)", line)]
+
+
+def compare(before: pathlib.Path, after: pathlib.Path) -> int:
+    """Print the variants whose code differs between two --ptx folders; return their count."""
+    names = sorted({p.name for p in before.glob("*.ptx")} | {p.name for p in after.glob("*.ptx")})
+    differ = [n for n in names if not ((before / n).exists() and (after / n).exists())
+              or code_lines((before / n).read_text()) != code_lines((after / n).read_text())]
+    for name in differ:
+        print(f"differs {name}")
+    print(f"{len(names) - len(differ)} of {len(names)} variants identical")
+    return len(differ)
+
+
 def main():
-    for fn, types, consts, warps in variants():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ptx", type=pathlib.Path, help="write each variant's PTX here")
+    parser.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("BEFORE", "AFTER"))
+    args = parser.parse_args()
+    if args.compare:
+        raise SystemExit(1 if compare(*args.compare) else 0)
+    for i, (fn, types, consts, warps) in enumerate(variants()):
         kernel = compile_for_hopper(fn, types, consts, warps)
         assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+        if args.ptx:
+            args.ptx.mkdir(parents=True, exist_ok=True)
+            (args.ptx / f"{i:03d}_{fn.__name__}.ptx").write_text(kernel.asm["ptx"])
         print(f"ok {fn.__name__} {consts}", flush=True)
 
 
