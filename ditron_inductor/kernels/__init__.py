@@ -2,6 +2,7 @@
 
 - `flags`: the flag protocol (flags hold epochs; wait with acquire, raise with release, peer
   pointers from a table; the flag layout and error codes) and the tiny kernels built from it.
+- `schedule`: the Task's cross-rank schedule (ring order, all-reduce block ownership).
 - `ag_gemm`: the persistent GEMM tile loop whose tiles wait on per-chunk flags (all-gather).
 - `transfer`: the all-gather's pull of the peers' chunks by a few SMs.
 - `reduce`: the sum of the received partials of the copy-engine reduce-scatter.

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .flags import wait_flag
+from .schedule import ring_member
 
 # (Ceil-divisions and zero fills are written out: triton.language's own @jit helpers (tl.cdiv,
 # tl.zeros) are not interpreted when triton was imported before TRITON_INTERPRET=1 was set, as
@@ -37,7 +38,7 @@ def tile_coords(tile, num_pid_m, num_pid_n, first_m, GROUP_M: tl.constexpr):
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
     vm = first_pid_m + (tile % num_in_group) % group_size_m
     pid_n = (tile % num_in_group) // group_size_m
-    pid_m = (vm + first_m) % num_pid_m
+    pid_m = ring_member(first_m, vm, num_pid_m)
     return pid_m, pid_n
 
 

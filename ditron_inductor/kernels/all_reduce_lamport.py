@@ -40,6 +40,7 @@ from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers 
 )
 from .all_reduce_push import end_of_call, send_partial_to_all, store_h
 from .flags import K_ERR_SENT, gave_up_before, peer_ptr
+from .schedule import owned_block
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
 
@@ -89,13 +90,13 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
     if SEND:
         for i in range(pid, block_rows, nprog):
             for q in tl.static_range(WORLD):
-                idx = (i * WORLD + q) * BLOCK + offs
+                idx = owned_block(i, q, WORLD) * BLOCK + offs
                 part = sendable(tl.load(mine + idx, mask=idx < numel, other=0.0))
                 tl.store(peer_ptr(data_table, q, dtype, True) + slots
                          + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
     if REDUCE:
         for i in range(pid, block_rows, nprog):
-            idx = (i * WORLD + rank) * BLOCK + offs
+            idx = owned_block(i, rank, WORLD) * BLOCK + offs
             parts = take_when_full(
                 mine + slots + (i * WORLD + ranks[:, None]) * BLOCK + offs[None, :],
                 (ranks[:, None] < WORLD) & (idx[None, :] < numel), limit, err_ptr)
@@ -105,7 +106,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                          mask=idx < numel)
     if COPY:
         for i in range(pid, block_rows, nprog):
-            idx = (i * WORLD + ranks[:, None]) * BLOCK + offs[None, :]
+            idx = owned_block(i, ranks[:, None], WORLD) * BLOCK + offs[None, :]
             mask = (ranks[:, None] < WORLD) & (idx < numel)
             sums_of_row = take_when_full(mine + sums + idx, mask, limit, err_ptr)
             store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)

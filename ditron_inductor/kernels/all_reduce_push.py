@@ -67,6 +67,7 @@ import triton.language as tl
 from .all_reduce import norm_row, sendable
 from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS, K_PUSHED,
                     K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
+from .schedule import owned_block
 
 _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
 # (on divisibility by 16, so that loads from the slots stay 16-byte vectors): one value per context
@@ -157,7 +158,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
         if SCATTER:  # my partial of each block of my block rows, into its owner's slot for me
             for i in range(pid, block_rows, nprog):
                 for q in tl.static_range(WORLD):
-                    idx = (i * WORLD + q) * BLOCK + offs
+                    idx = owned_block(i, q, WORLD) * BLOCK + offs
                     part = tl.load(mine + idx, mask=idx < numel, other=0.0)
                     tl.store(peer_ptr(data_table, q, dtype, True) + slots
                              + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
@@ -171,7 +172,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
             tl.debug_barrier()
         ready = 0  # CHUNKED: chunks [0, ready) are complete on every rank
         for i in range(pid, block_rows, nprog):
-            start = (i * WORLD + rank) * BLOCK
+            start = owned_block(i, rank, WORLD) * BLOCK
             idx = start + offs
             mask = idx < numel
             if CHUNKED:
@@ -199,7 +200,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
         tl.debug_barrier()
         for i in range(pid, block_rows, nprog):
             for q in tl.static_range(WORLD):
-                idx = (i * WORLD + q) * BLOCK + offs
+                idx = owned_block(i, q, WORLD) * BLOCK + offs
                 mask = idx < numel
                 store_h(h_ptr, res_ptr, idx, mask,
                         tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg"), HAS_RES)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .flags import peer_ptr, wait_flag
+from .schedule import ring_member
 
 
 @triton.jit(do_not_specialize=["rank", "src_off", "chunk_words", "epoch", "limit"])
@@ -23,7 +24,7 @@ def ag_pull_kernel(data_table, src_off, dst_ptr, ready_ptr, count_ptr, err_ptr,
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
     for i in range(world):
-        p = (rank + i) % world
+        p = ring_member(rank, i, world)
         if i > 0:
             wait_flag(ready_ptr + p, epoch, limit, err_ptr, p + 1)
         src = peer_ptr(data_table, p, tl.int32) + src_off

@@ -52,11 +52,20 @@ class Task:
     # matmul_all_reduce_rmsnorm: a residual is added before the norm
     has_residual: bool = False
 
+    # The cross-rank schedule, which the kernels compute with kernels/schedule.py's helpers
+    # (the interpreter tests compare the two).
+
     def ring_order(self, rank: int) -> list[int]:
-        """The cross-rank schedule of the AG and RS: chunk c of the rows belongs to rank c, and
-        each rank takes the chunks from its own on, in ring order (rank, rank+1, ...), so that at
-        every step the ranks work on distinct chunks and no peer is read by all at once."""
+        """The AG and RS: chunk c of the rows belongs to rank c, and each rank takes the chunks
+        from its own on, in ring order (rank, rank+1, ...), so that at every step the ranks work
+        on distinct chunks and no peer is read by all at once."""
         return [(rank + i) % self.world_size for i in range(self.world_size)]
+
+    def block_owner(self, block: int) -> int:
+        """The AR: the flattened partial is cut into blocks (of the plan's size) and block g is
+        reduced by rank g % W, so that every W consecutive blocks, and so every row chunk of the
+        GEMM, hold work for every rank."""
+        return block % self.world_size
 
     @property
     def m_hint(self) -> int:

@@ -119,11 +119,11 @@ def compile_for_hopper(fn, arg_types, constexprs, num_warps,
 
 
 def code_lines(ptx: str) -> list[str]:
-    """The PTX without what names places in the source: .loc/.file directives and the
-    debug sections."""
+    """The PTX without what names places in the source: .loc/.file directives, the debug
+    sections and the labels only they refer to ($L__tmp: where an inlined call starts or ends)."""
     text = re.sub(r"^\s*\.section\s+\.debug.*?^\s*}", "", ptx, flags=re.S | re.M)
     return [line for line in text.splitlines()
-            if not re.match(r"\s*(\.loc|\.file|//|$)", line)]
+            if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:|$)", line)]
 
 
 def compare(before: pathlib.Path, after: pathlib.Path) -> int:

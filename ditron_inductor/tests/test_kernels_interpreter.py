@@ -14,9 +14,15 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
-from ditron_inductor.kernels import ag_gemm, flags, reduce, transfer  # noqa: E402
+from ditron_inductor.kernels import ag_gemm, flags, reduce, schedule, transfer  # noqa: E402
+from ditron_inductor.scheduler.task import (  # noqa: E402
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    Task,
+)
 
 BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
@@ -214,16 +220,49 @@ def test_wait_gives_up_and_names_the_flag():
     assert int(err) == 0
 
 
+def task_of(op, world):
+    return Task(op=op, group_name="0", world_size=world, m=8, k=8, ns=(8,), dtype=torch.bfloat16,
+                device_type="cuda")
+
+
+def ring(world, rank):
+    return task_of(ALL_GATHER_MATMUL, world).ring_order(rank)
+
+
+@triton.jit
+def schedule_kernel(ring_ptr, blocks_ptr, rank, ROWS: tl.constexpr, WORLD: tl.constexpr,
+                    WORLD_P2: tl.constexpr):
+    """ring_ptr[i] = the i-th rank of `rank`'s ring; blocks_ptr[i, q] = the block of block row i
+    that rank q reduces."""
+    ranks = tl.arange(0, WORLD_P2)
+    tl.store(ring_ptr + ranks, schedule.ring_member(rank, ranks, WORLD), mask=ranks < WORLD)
+    rows = tl.arange(0, ROWS)
+    tl.store(blocks_ptr + rows[:, None] * WORLD + ranks[None, :],
+             schedule.owned_block(rows[:, None], ranks[None, :], WORLD),
+             mask=ranks[None, :] < WORLD)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_kernels_follow_the_tasks_schedule(world):
+    rows = 4
+    task = task_of(MATMUL_ALL_REDUCE, world)
+    for rank in range(world):
+        order = torch.full((world,), -1, dtype=torch.int32)
+        blocks = torch.full((rows, world), -1, dtype=torch.int32)
+        schedule_kernel[(1,)](order, blocks, rank, ROWS=rows,
+                              **flags.world_constants(world))
+        assert order.tolist() == task.ring_order(rank)
+    # every block once, block row i holding one block of each rank, as the Task assigns them
+    assert sorted(blocks.flatten().tolist()) == list(range(rows * world))
+    for i in range(rows):
+        assert [task.block_owner(g) for g in blocks[i].tolist()] == list(range(world))
+
+
 def test_chunk_groups_follow_the_ring():
     from ditron_inductor.runtime.all_gather import chunk_groups, chunk_runs
     from ditron_inductor.scheduler.plan import default_groups
 
     assert sum(default_groups(8)) == 8 and default_groups(8)[0] == 1
-    from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, Task
-
-    def ring(world, rank):
-        return Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=world, m=8, k=8, ns=(8,),
-                    dtype=torch.bfloat16, device_type="cuda").ring_order(rank)
 
     groups = chunk_groups(ring(8, 6), [1, 3, 4])
     assert groups == [[6], [7, 0, 1], [2, 3, 4, 5]]
