@@ -21,7 +21,7 @@ what the interpreter tests), `ag_gemm_tma_kernel` through Hopper TMA tensor desc
 import triton
 import triton.language as tl
 
-from .flags import wait_flag
+from .flags import wait_rows
 from .schedule import ring_member
 
 # (Ceil-divisions and zero fills are written out: triton.language's own @jit helpers (tl.cdiv,
@@ -40,19 +40,6 @@ def tile_coords(tile, num_pid_m, num_pid_n, first_m, GROUP_M: tl.constexpr):
     pid_n = (tile % num_in_group) // group_size_m
     pid_m = ring_member(first_m, vm, num_pid_m)
     return pid_m, pid_n
-
-
-@triton.jit
-def wait_rows(flag_ptr, seen, row0, row_end, rows_per_chunk, epoch, limit, err_ptr):
-    """Wait for every chunk that rows [row0, row_end) touch; returns the updated seen-mask."""
-    c0 = row0 // rows_per_chunk
-    c1 = (row_end - 1) // rows_per_chunk
-    for c in range(c0, c1 + 1):
-        bit = tl.full([], 1, tl.int64) << c
-        if (seen & bit) == 0:
-            wait_flag(flag_ptr + c, epoch, limit, err_ptr, c + 1)
-            seen = seen | bit
-    return seen
 
 
 # epoch/limit/first_row change between calls: never specialise on their values (epoch 1 would

@@ -39,7 +39,7 @@ from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers 
     sendable,
 )
 from .all_reduce_push import end_of_call, send_partial_to_all, store_h
-from .flags import K_ERR_SENT, gave_up_before, peer_ptr
+from .flags import K_ERR_SENT, gave_up_before, peer_ptr, polling, record_give_up
 from .schedule import owned_block
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
@@ -57,12 +57,10 @@ def take_when_full(ptrs, mask, limit, err_ptr):
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
     n = 0
     skip = gave_up_before(limit, err_ptr)
-    while (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & ((limit == 0) | (n < limit)) \
-            & (skip == 0):
+    while polling(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, n, limit, skip):
         x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         n += 1
-    if (tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0) & (skip == 0):
-        tl.atomic_max(err_ptr, K_ERR_SENT)
+    record_give_up(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, skip, err_ptr, K_ERR_SENT)
     tl.store(ptrs, empty_like(x), mask=mask)
     return x
 

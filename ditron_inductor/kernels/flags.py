@@ -10,10 +10,14 @@ pull: epoch_ptr[0] = epoch of the last finished call, epoch_ptr[1] = that + 1, t
 call's; every program reads e = epoch_ptr[1] at its start and the last program through advances
 it, `finish_call`), so that a captured CUDA graph replays with no host value baked in.
 
+The waits: `wait_flag` (one flag), `wait_all` and `wait_peers` (several flags polled as one
+vector), `wait_rows` and `wait_chunks_through` (the chunks that a range of rows touches), and
+lamport's `take_when_full` (all_reduce_lamport.py: it polls the data itself for the empty mark).
 Waits are bounded when limit > 0 (debug, the plan's wait timeout): a wait that gives up writes
-its code into an error word that the host reads, instead of hanging. The world size is a
-compile-time constant (WORLD, and WORLD_P2 its next power of two): the loops over the ranks are
-unrolled, and a wait for all ranks polls their W flags with one vector of loads.
+its code into an error word that the host reads, instead of hanging (`polling` and
+`record_give_up` state that rule for every wait). The world size is a compile-time constant
+(WORLD, and WORLD_P2 its next power of two): the loops over the ranks are unrolled, and a wait
+for all ranks polls their W flags with one vector of loads.
 
 Peer buffers are reached through a table of peer base addresses (one int64 per rank).
 """
@@ -54,15 +58,32 @@ def load_acquire(ptr):
 
 
 @triton.jit
+def polling(pending, n, limit, skip):
+    """Whether a wait polls again: something it waits for is pending and, when waits are bounded
+    (limit > 0), it has polled fewer than `limit` times and no earlier wait gave up (skip)."""
+    return pending & ((limit == 0) | (n < limit)) & (skip == 0)
+
+
+@triton.jit
+def record_give_up(pending, skip, err_ptr, code):
+    """After the poll loop: a wait that stopped with something pending records its code."""
+    if pending & (skip == 0):
+        tl.atomic_max(err_ptr, code)
+
+
+@triton.jit
 def wait_flag(ptr, epoch, limit, err_ptr, code):
-    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` polls and record `code`."""
+    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` polls and record `code`.
+
+    Unlike the vector waits it does not skip after another wait gave up (gave_up_before): each
+    of its waiters names its own flag in `code` (the chunk, the rank), and the check would add
+    a load of the error word to every wait of the all-gather's GEMM tiles and pull."""
     v = load_acquire(ptr)
     n = 0
-    while (v < epoch) & ((limit == 0) | (n < limit)):
+    while polling(v < epoch, n, limit, 0):
         v = load_acquire(ptr)
         n += 1
-    if v < epoch:
-        tl.atomic_max(err_ptr, code)
+    record_give_up(v < epoch, 0, err_ptr, code)
 
 
 @triton.jit
@@ -116,11 +137,10 @@ def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
     v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
     n = 0
     skip = gave_up_before(limit, err_ptr)
-    while (tl.min(v, 0) < epoch) & ((limit == 0) | (n < limit)) & (skip == 0):
+    while polling(tl.min(v, 0) < epoch, n, limit, skip):
         v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
         n += 1
-    if (tl.min(v, 0) < epoch) & (skip == 0):
-        tl.atomic_max(err_ptr, code)
+    record_give_up(tl.min(v, 0) < epoch, skip, err_ptr, code)
 
 
 @triton.jit
@@ -131,6 +151,21 @@ def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr
     mine = q < WORLD
     ptrs = tl.load(flag_table + q, mask=mine, other=0).to(tl.pointer_type(tl.int32)) + idx
     wait_all(ptrs, mine, epoch, limit, err_ptr, code)
+
+
+@triton.jit
+def wait_rows(flag_ptr, seen, row0, row_end, rows_per_chunk, epoch, limit, err_ptr):
+    """Beside chunks that land in any order (the all-gather's, chunk c's flag at flag_ptr + c):
+    wait for every chunk that rows [row0, row_end) touch and that the bitmask `seen` does not
+    hold. Returns the updated mask (chunks < 64)."""
+    c0 = row0 // rows_per_chunk
+    c1 = (row_end - 1) // rows_per_chunk
+    for c in range(c0, c1 + 1):
+        bit = tl.full([], 1, tl.int64) << c
+        if (seen & bit) == 0:
+            wait_flag(flag_ptr + c, epoch, limit, err_ptr, c + 1)
+            seen = seen | bit
+    return seen
 
 
 @triton.jit
