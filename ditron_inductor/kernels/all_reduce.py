@@ -28,6 +28,17 @@ def sendable(x):
 
 
 @triton.jit
+def call_start(epoch_ptr, M, N):
+    """What every all-reduce program starts from: its id, the number of programs, this call's
+    epoch (the epoch words: flags.py) and the partial's element count (int32: the runtime keeps
+    its buffers below 2**31 elements)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = tl.load(epoch_ptr + 1)
+    return pid, nprog, epoch, M * N
+
+
+@triton.jit
 def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. h was written by

@@ -35,6 +35,7 @@ import triton.language as tl
 from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers with it
     EMPTY_BITS,
     K_EMPTY_BITS,
+    call_start,
     is_empty,
     sendable,
 )
@@ -74,11 +75,8 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                    COPY: tl.constexpr = True, NORMALISE: tl.constexpr = True):
     # flag_table: unused (no flags cross GPUs here), kept so that every all-reduce kernel takes
     # the same leading arguments
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr + 1)
+    pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
-    numel = M * N
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
@@ -129,11 +127,8 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
     3. NORMALISE as in push. Slots of parity p are written again two calls later, by a rank
     that has finished the call between, which needed my sends of that call, made after my
     reads of these slots (as lamport_kernel's regions)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr + 1)
+    pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
-    numel = M * N
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
     mine = peer_ptr(data_table, rank, dtype, True)

@@ -64,7 +64,7 @@ launches each phase separately for every rank (producers before consumers).
 import triton
 import triton.language as tl
 
-from .all_reduce import norm_row, sendable
+from .all_reduce import call_start, norm_row, sendable
 from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS, K_PUSHED,
                     K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
 from .schedule import owned_block
@@ -143,11 +143,8 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 SCATTER: tl.constexpr = False, SEND: tl.constexpr = True,
                 REDUCE: tl.constexpr = True, COPY: tl.constexpr = True,
                 NORMALISE: tl.constexpr = True):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr + 1)
+    pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
-    numel = M * N  # int32: the runtime keeps its buffers below 2**31 elements
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
@@ -234,11 +231,8 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
                     WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
                     REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True):
     """The one-wait all-reduce for the smallest M (see the module doc, push_all)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr + 1)
+    pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
-    numel = M * N
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
     mine = peer_ptr(data_table, rank, dtype, True)
