@@ -17,6 +17,7 @@ says so at debug level.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Optional, Sequence
 
@@ -68,31 +69,52 @@ _tasks: dict = {}
 _MAX_TASKS = 4096
 
 
-def _memoised(key_of: Callable, build: Callable) -> Callable:
-    """build(*args) memoised on key_of(*args): a Task is a function of shapes, dtypes, options and
-    the group, the same few recur call after call, and building one costs more host time than
-    the rest of the dispatch (the table is dropped whole if it ever grows past _MAX_TASKS)."""
-    def task_of(*args):
-        key = key_of(*args)
-        task = _tasks.get(key)
-        if task is None:
-            if len(_tasks) >= _MAX_TASKS:
-                _tasks.clear()
-            task = _tasks[key] = build(*args)
-        return task
-
-    return task_of
+def _signature(arg):
+    """What a Task can depend on in one op argument: a tensor's shape, dtype and device (CUDA or
+    not), a list's items, anything else (sizes, names, flags) as it is."""
+    if isinstance(arg, Tensor):
+        return arg.shape, arg.dtype, arg.is_cuda
+    if isinstance(arg, list):
+        return tuple([_signature(a) for a in arg])
+    return arg
 
 
-def _dispatch(op: str, plan_text: str, on_cuda: bool, task_of: Callable, reference: Callable,
-              *args):
+def task_of(op: str, *args):
+    """The Task of a call of `op` with these arguments, memoised on their signatures: a Task is
+    a function of shapes, dtypes, options and the group, the same few recur call after call, and
+    building one costs more host time than the rest of the dispatch (the table is dropped whole
+    if it ever grows past _MAX_TASKS)."""
+    key = (op, *map(_signature, args))
+    task = _tasks.get(key)
+    if task is None:
+        if len(_tasks) >= _MAX_TASKS:
+            _tasks.clear()
+        task = _tasks[key] = _TASK_BUILDERS[op](*args)
+    return task
+
+
+# op -> its Task from the op's own arguments (scheduler/task.py's builders, which the matcher
+# calls too)
+_TASK_BUILDERS: dict[str, Callable] = {
+    ALL_GATHER_MATMUL: all_gather_matmul_task,
+    MATMUL_REDUCE_SCATTER: functools.partial(matmul_collective_task, MATMUL_REDUCE_SCATTER),
+    MATMUL_ALL_REDUCE: lambda a, b, bias, out_shape, reduce_op, *group: matmul_collective_task(
+        MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op, *group),
+    MATMUL_ALL_REDUCE_RMSNORM:
+        lambda a, b, bias, out_shape, residual, _weight, _eps, _fp32, reduce_op, *group:
+        matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
+                               *group, has_residual=residual is not None),
+}
+
+
+def _dispatch(op: str, plan_text: str, on_cuda: bool, reference: Callable, *args):
     """The fused implementation of `op` where the plan asks for it and serves the call, else the
     reference. args end in (group_name, world_size), as every op's arguments do."""
     check_group(args[-2], args[-1])
     plan = decode(plan_text)
     if plan.impl == FUSED and on_cuda:
         fused = _fused_impls.get(op) or _load_fused_impl(op)
-        task = task_of(*args)
+        task = task_of(op, *args)
         out = fused(task, plan, *args) if fused is not None else None
         if out is not None:
             return out
@@ -153,13 +175,6 @@ def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name
     return [gathered] + [_matmul(a, w, b) for w, b in zip(weights, biases)]
 
 
-_all_gather_task = _memoised(
-    lambda a_shard, weights, biases, gather_dim, group_name, world_size: (
-        ALL_GATHER_MATMUL, a_shard.shape, a_shard.dtype, tuple(w.shape[1] for w in weights),
-        tuple(b is None for b in biases), gather_dim, group_name, world_size),
-    all_gather_matmul_task)
-
-
 def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]],
                       gather_dim: int, group_name: str, world_size: int,
                       plan: str) -> list[Tensor]:
@@ -169,9 +184,8 @@ def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optio
     Returns [gathered activation (N-d, as the collective produces it), A @ W_0, A @ W_1, ...];
     the data crosses the wire once however many weights share it.
     """
-    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, _all_gather_task,
-                     all_gather_matmul_reference, a_shard, weights, biases, gather_dim,
-                     group_name, world_size)
+    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, all_gather_matmul_reference,
+                     a_shard, weights, biases, gather_dim, group_name, world_size)
 
 
 def _all_gather_matmul_fake(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
@@ -199,23 +213,13 @@ def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_o
                                                        group_name))
 
 
-_reduce_scatter_task = _memoised(
-    lambda a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size: (
-        MATMUL_REDUCE_SCATTER, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape),
-        scatter_dim, reduce_op, group_name, world_size),
-    lambda a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size:
-        matmul_collective_task(MATMUL_REDUCE_SCATTER, a, b, bias, out_shape, scatter_dim,
-                               reduce_op, group_name, world_size))
-
-
 def matmul_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
                           scatter_dim: int, reduce_op: str, group_name: str, world_size: int,
                           plan: str) -> Tensor:
     """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), reduce-scattered over the
     group along `scatter_dim` with `reduce_op` ("sum" or "avg")."""
-    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a.is_cuda, _reduce_scatter_task,
-                     matmul_reduce_scatter_reference, a, b, bias, out_shape, scatter_dim,
-                     reduce_op, group_name, world_size)
+    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a.is_cuda, matmul_reduce_scatter_reference,
+                     a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size)
 
 
 def _matmul_reduce_scatter_fake(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
@@ -238,22 +242,12 @@ def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, wo
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-_all_reduce_task = _memoised(
-    lambda a, b, bias, out_shape, reduce_op, group_name, world_size: (
-        MATMUL_ALL_REDUCE, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape), reduce_op,
-        group_name, world_size),
-    lambda a, b, bias, out_shape, reduce_op, group_name, world_size:
-        matmul_collective_task(MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op,
-                               group_name, world_size))
-
-
 def matmul_all_reduce(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
                       reduce_op: str, group_name: str, world_size: int, plan: str) -> Tensor:
     """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), all-reduced over the group
     with `reduce_op`."""
-    return _dispatch(MATMUL_ALL_REDUCE, plan, a.is_cuda, _all_reduce_task,
-                     matmul_all_reduce_reference, a, b, bias, out_shape, reduce_op, group_name,
-                     world_size)
+    return _dispatch(MATMUL_ALL_REDUCE, plan, a.is_cuda, matmul_all_reduce_reference, a, b, bias,
+                     out_shape, reduce_op, group_name, world_size)
 
 
 def _matmul_all_reduce_fake(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
@@ -286,17 +280,6 @@ def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_we
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 
 
-_all_reduce_rmsnorm_task = _memoised(
-    lambda a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op,
-    group_name, world_size: (
-        MATMUL_ALL_REDUCE_RMSNORM, a.shape, a.dtype, b.shape, bias is None, tuple(out_shape),
-        residual is None, reduce_op, group_name, world_size),
-    lambda a, b, bias, out_shape, residual, norm_weight, eps, weight_in_fp32, reduce_op,
-    group_name, world_size:
-        matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
-                               group_name, world_size, has_residual=residual is not None))
-
-
 def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],
                               out_shape: Sequence[int], residual: Optional[Tensor],
                               norm_weight: Tensor, eps: float, weight_in_fp32: bool,
@@ -305,7 +288,7 @@ def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],
     """The row-parallel layer of tensor-parallel inference in one op:
     h = all_reduce(a @ b + bias) (viewed as `out_shape`) + residual, y = RMSNorm(h) * norm_weight
     (see `rms_norm_reference` for the two roundings). Returns (h, y): h is the next residual."""
-    return _dispatch(MATMUL_ALL_REDUCE_RMSNORM, plan, a.is_cuda, _all_reduce_rmsnorm_task,
+    return _dispatch(MATMUL_ALL_REDUCE_RMSNORM, plan, a.is_cuda,
                      matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape, residual,
                      norm_weight, eps, weight_in_fp32, reduce_op, group_name, world_size)
 

@@ -23,14 +23,21 @@ def cuda_task(world_size=2):
     return dataclasses.replace(task, device_type="cuda")
 
 
+def task_builder(monkeypatch):
+    """The all-reduce's Task, whatever the arguments (the tests' ops take (x, group, world))."""
+    monkeypatch.setitem(ops._TASK_BUILDERS, ops.MATMUL_ALL_REDUCE, lambda *args: cuda_task())
+    monkeypatch.setattr(ops, "_tasks", {})
+
+
 def test_fused_impl_serves_when_it_can(monkeypatch):
     monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE,
                         lambda task, plan, x, group, world: x + 1)
+    task_builder(monkeypatch)
     with fake_group(2):
-        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True, lambda *args: cuda_task(),
+        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True,
                             lambda x, group, world: x * 10, torch.ones(2), "0", 2)
         assert out.tolist() == [2, 2]
-        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, False, lambda *args: cuda_task(),
+        out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, False,
                             lambda x, group, world: x * 10, torch.ones(2), "0", 2)
         assert out.tolist() == [10, 10]  # not on CUDA: the reference
 
@@ -40,13 +47,13 @@ def test_fused_impl_that_cannot_serve_falls_back_to_reference(monkeypatch, caplo
     monkeypatch.setitem(ops._fused_impls, ops.MATMUL_ALL_REDUCE,
                         lambda task, plan, x, group, world: seen.append(plan) or None)
     monkeypatch.setattr(ops, "_fallbacks_logged", set())
+    task_builder(monkeypatch)
     # Under TORCH_LOGS torch stops this logger from propagating to the root, where caplog listens.
     monkeypatch.setattr(ops.log, "propagate", True)
     with fake_group(2), caplog.at_level(logging.DEBUG, logger="ditron"):
         for _ in range(2):
             out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True,
-                                lambda *args: cuda_task(), lambda x, group, world: x * 10,
-                                torch.ones(2), "0", 2)
+                                lambda x, group, world: x * 10, torch.ones(2), "0", 2)
     assert out.tolist() == [10, 10] and len(seen) == 2
     fallbacks = [r for r in caplog.records if "ran the reference path" in r.getMessage()]
     assert len(fallbacks) == 1  # said once, not per call
@@ -83,12 +90,19 @@ def test_fake_shapes_follow_the_collectives():
 def test_tasks_are_built_once_per_shape():
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     args = (b, None, [], "sum", "0", 2)
-    first = ops._all_reduce_task(a, *args)
-    assert ops._all_reduce_task(torch.randn(4, 8), *args) is first
-    other = ops._all_reduce_task(torch.randn(6, 8), *args)
+    first = ops.task_of(ops.MATMUL_ALL_REDUCE, a, *args)
+    assert ops.task_of(ops.MATMUL_ALL_REDUCE, torch.randn(4, 8), *args) is first
+    other = ops.task_of(ops.MATMUL_ALL_REDUCE, torch.randn(6, 8), *args)
     assert (first.m, other.m) == (4, 6) and other.op == ops.MATMUL_ALL_REDUCE
-    norm = ops._all_reduce_rmsnorm_task(a, b, None, [], torch.randn(4, 3), torch.ones(3), 1e-6,
-                                        False, "sum", "0", 2)
+    assert ops.task_of(ops.MATMUL_ALL_REDUCE, a.half(), *args).dtype == torch.float16
+    norm = ops.task_of(ops.MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], torch.randn(4, 3),
+                       torch.ones(3), 1e-6, False, "sum", "0", 2)
     assert norm.has_residual and norm.op == ops.MATMUL_ALL_REDUCE_RMSNORM
-    assert not ops._all_reduce_rmsnorm_task(a, b, None, [], None, torch.ones(3), 1e-6, False,
-                                            "sum", "0", 2).has_residual
+    assert not ops.task_of(ops.MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], None, torch.ones(3),
+                           1e-6, False, "sum", "0", 2).has_residual
+    gathered = ops.task_of(ops.ALL_GATHER_MATMUL, a, [b, torch.randn(8, 5)], [None, None], 0,
+                           "0", 2)
+    assert (gathered.m, gathered.ns) == (8, (3, 5))
+    scattered = ops.task_of(ops.MATMUL_REDUCE_SCATTER, a, b, None, [], 0, "avg", "0", 2)
+    assert (scattered.op, scattered.reduce_op, scattered.dim_size) == (
+        ops.MATMUL_REDUCE_SCATTER, "avg", 4)
