@@ -17,8 +17,8 @@ Contenders per op, on the same inputs (bf16, random):
 A ditron row whose call fell back to the reference path is marked: its time is not the plan's.
 
 Runs on any number of GPUs, one rank each (W = 1 included: the per-peer driver calls are then
-absent, so the figures are a lower bound for larger W). `--profile LABEL` prints cProfile's top
-entries for that contender, to show where the host time goes. A markdown table is printed last.
+absent, so the figures are a lower bound for larger W). `--profile LABEL[,LABEL]` prints cProfile's top
+entries for those contenders, to show where the host time goes. A markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=400, help="timed calls per contender")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds they are cut into")
-    parser.add_argument("--profile", default="", help="cProfile this contender (e.g. ditron/push)")
+    parser.add_argument("--profile", default="",
+                        help="cProfile these contenders (comma-separated, e.g. ditron/push)")
     parser.add_argument("--json", default="", help="write the rows here")
     parser.add_argument("--label", default="", help="a name for this code version in the table")
     args = parser.parse_args()
@@ -227,13 +228,15 @@ def main() -> None:
         us = statistics.median(samples[i]) * 1e6 if samples[i] else float("nan")
         rows.append(dict(op=op, shape=shape, contender=name, host_us=max_over_ranks(us),
                          fell_back=fell_back[i]))
-        if args.profile == name and rank == 0:
+        if name in args.profile.split(",") and rank == 0:
             prof = cProfile.Profile()
             prof.enable()
             host_samples(fn, args.calls)
             prof.disable()
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(30)
             print(f"--- cProfile of {op} {shape} {name}, {args.calls} calls ---")
             print(text.getvalue())
     if rank == 0:

@@ -27,6 +27,7 @@ from ..scheduler.plan import SM, TRITON, AllGatherPlan
 from ..scheduler.task import Task
 from . import driver
 from .context import OpContext, get_context, wait_polls
+from .kernel_launch import current_stream, launch
 from .launch import (
     DTYPES,
     check_errors,
@@ -108,7 +109,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     parity = e % 2
     M = rows * W
 
-    main = torch.cuda.current_stream().cuda_stream
+    main = current_stream()
     a2d = a_shard.reshape(rows, k)
     if not a2d.is_contiguous():
         a2d = a2d.contiguous()
@@ -139,11 +140,10 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
         from ..kernels.transfer import ag_pull_kernel
 
-        with torch.cuda.stream(ctx.side):
-            ag_pull_kernel[(nprog,)](
-                ctx.data.ptr_table, off // 4, gathered.view(-1).view(torch.int32),
-                ctx.flags.local.view(torch.int32), counts, ctx.err, r, W, shard_bytes // 4,
-                e, polls, BLOCK=plan.pull_block, num_warps=plan.pull_warps)
+        launch(ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
+               gathered.view(-1).view(torch.int32), ctx.flags.words, counts,
+               ctx.err, r, W, shard_bytes // 4, e, polls, stream=ctx.side.cuda_stream,
+               BLOCK=plan.pull_block, num_warps=plan.pull_warps)
         # I have read every peer's buffer of this parity (DONE[r] = e on each)
         ctx.signal(ctx.side.cuda_stream, 1, e,
                    [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])

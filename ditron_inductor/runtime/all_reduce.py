@@ -31,10 +31,10 @@ creates it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
-import triton
 
 from ..scheduler.plan import TRITON, AllReducePlan
 from ..scheduler.task import Task
@@ -53,25 +53,22 @@ from .context import (
 from .launch import (
     DTYPES,
     WAIT_NAMES,
+    cdiv,
     check_errors,
     decline,
     gemm_beside,
     matmul_into,
+    next_power_of_2,
     num_sms,
     ready_gemm,
     tile_launch,
     tma_ok,
 )
+from .kernel_launch import current_stream, launch
 from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
-
-
-
-
-
-
 
 
 _MAX_BLOCK = 4096  # push_grid's largest block
@@ -106,11 +103,11 @@ def region_elements(buffer_elements: int, algo: str, world: int) -> int:
 
 
 def _slot_stride(numel: int) -> int:
-    return triton.cdiv(numel, 16) * 16  # slots start 16-byte aligned
+    return cdiv(numel, 16) * 16  # slots start 16-byte aligned
 
 
 def _block_n(n: int) -> int:
-    return min(4096, triton.next_power_of_2(n))
+    return min(4096, next_power_of_2(n))
 
 
 def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape):
@@ -164,7 +161,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         return decline("the Triton GEMM beside push: operands TMA cannot take")
     h = torch.empty((m, n), dtype=a.dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
-    common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.local.view(torch.int32),
+    common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.words,
               dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
@@ -183,8 +180,8 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
 def _row_chunks(plan: AllReducePlan, m):
     """(number of row chunks, rows per chunk) of the cuBLAS GEMM beside push (overlap=True)."""
     chunks = max(1, min(plan.chunks, flags.MAX_CHUNKS, m))
-    rows = triton.cdiv(m, chunks)
-    return triton.cdiv(m, rows), rows
+    rows = cdiv(m, chunks)
+    return cdiv(m, rows), rows
 
 
 def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
@@ -193,37 +190,32 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
     epoch word. carveout: SMs cuBLAS leaves free (PyTorch's experimental SM carve-out, for the
     push beside it; None: cuBLAS takes every SM, the push programs wait for its waves)."""
     m = partial.shape[0]
-    main = torch.cuda.current_stream()
+    main = current_stream()
     current_epoch = dev.epoch.data_ptr() + 4
     carve = carveout is not None and hasattr(torch._C, "_set_sm_carveout_experimental")
     if carve:
         before = torch._C._get_sm_carveout_experimental()
         torch._C._set_sm_carveout_experimental(carveout)
     try:
-        for j in range(triton.cdiv(m, rows)):
+        for j in range(cdiv(m, rows)):
             lo, hi = j * rows, min((j + 1) * rows, m)
             matmul_into(a[lo:hi], b, bias, partial[lo:hi])
-            driver.memcpy(ctx.flag_addr(flags.READY + j), current_epoch, 4, main.cuda_stream)
+            driver.memcpy(ctx.flag_addr(flags.READY + j), current_epoch, 4, main)
     finally:
         if carve:
             torch._C._set_sm_carveout_experimental(before)
 
 
-
-
 def _ready_gemm_rows(plan: AllReducePlan, m):
     """Rows per chunk of the persistent GEMM beside push: whole row-blocks, about plan.chunks
     chunks, at most MAX_CHUNKS."""
-    blocks = triton.cdiv(m, plan.tile.block_m)
+    blocks = cdiv(m, plan.tile.block_m)
     chunks = max(1, min(plan.chunks, flags.MAX_CHUNKS))
-    group = max(triton.cdiv(blocks, chunks), triton.cdiv(blocks, flags.MAX_CHUNKS))
+    group = max(cdiv(blocks, chunks), cdiv(blocks, flags.MAX_CHUNKS))
     return group * plan.tile.block_m
 
 
-
-
-
-
+@functools.lru_cache(maxsize=1024)  # called per call with the same few sizes
 def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     """(programs, BLOCK, warps) of a push kernel (push_all: world=1, every rank handles every
     element): one 16-byte vector of 16-bit elements per thread and peer in a block (BLOCK = 256 x
@@ -233,19 +225,19 @@ def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     to 4 warps, not 1: faster at M=1, all_reduce_h200x8_push_remote_ready.md); fewer programs than SMs (the kernel
     waits on its own programs: all must be resident). block, warps, progs: a plan's choice (0:
     by size)."""
-    per_rank = triton.cdiv(numel, world)
+    per_rank = cdiv(numel, world)
     small = max(1024 if norm else 256,
-                min(1024, triton.next_power_of_2(per_rank // 32 + 1) // 2))
+                min(1024, next_power_of_2(per_rank // 32 + 1) // 2))
     block = block or (4096 if per_rank >= 64 * 4096 else small)
     warps = warps or max(1, min(8, block // 256))
     cap = min(progs or flags.MAX_PROGS, flags.MAX_PROGS, sms - 4)
-    return max(1, min(cap, triton.cdiv(per_rank, block))), block, warps
+    return max(1, min(cap, cdiv(per_rank, block))), block, warps
 
 
 def _launch(consts, n, block, warps):
     """A push kernel's compile-time launch arguments: the call's constants, BLOCK and warps
     from push_grid, and the norm's row tile (BLOCK_N, at most 1024 elements a warp)."""
-    return dict(consts, BLOCK=block, BLOCK_N=min(triton.next_power_of_2(n), 1024 * warps),
+    return dict(consts, BLOCK=block, BLOCK_N=min(next_power_of_2(n), 1024 * warps),
                 num_warps=warps)
 
 
@@ -268,11 +260,12 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
     polls = wait_polls(plan)
     progs, block, warps = push_grid(ctx.world, m * n, sms, plan.block, plan.warps, plan.progs,
                                     norm=consts["NORM"])
-    launch = dict(_launch(consts, n, block, warps), SCATTER=scatter)
+    meta = dict(_launch(consts, n, block, warps), SCATTER=scatter)
     slots = _region(ctx, partial, plan.algo)
     if not plan.overlap:
         matmul_into(a, b, bias, partial)
-        push_kernel[(progs,)](*common, m, n, eps, ctx.rank, m, progs, slots, polls, **launch)
+        launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, slots, polls,
+               **meta)
         return
     if plan.gemm == TRITON:
         rows = _ready_gemm_rows(plan, m)
@@ -284,14 +277,14 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
         carveout = progs if plan.carveout else None
         queue_gemm = lambda: _cublas_chunks(  # noqa: E731
             ctx, dev, a, b, bias, partial, rows, carveout)
-    gemm_beside(dev, queue_gemm, lambda: push_kernel[(progs,)](
-        *common, m, n, eps, ctx.rank, rows, progs, slots, polls, CHUNKED=True, COPY=False,
-        NORMALISE=False, **launch))
+    gemm_beside(ctx, dev, queue_gemm, lambda side: launch(
+        push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
+        stream=side, CHUNKED=True, COPY=False, NORMALISE=False, **meta))
     # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
     # programs (the COPY phase's condition), as many as fit at once (the norm's barrier)
     copy_progs = progs * max(1, min(flags.MAX_PROGS, sms - 4) // progs)
-    push_kernel[(copy_progs,)](*common, m, n, eps, ctx.rank, rows, progs, slots, polls,
-                               SEND=False, REDUCE=False, **launch)
+    launch(push_kernel, (copy_progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
+           SEND=False, REDUCE=False, **meta)
 
 
 def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
@@ -302,8 +295,8 @@ def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps
                                     plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, "push_all")
     matmul_into(a, b, bias, partial)
-    push_all_kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, stride, wait_polls(plan),
-                              **_launch(consts, n, block, warps))
+    launch(push_all_kernel, (progs,), *common, m, n, eps, ctx.rank, stride, stride,
+           wait_polls(plan), **_launch(consts, n, block, warps))
 
 
 def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
@@ -320,8 +313,8 @@ def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps)
     stride = _region(ctx, partial, plan.algo)
     matmul_into(a, b, bias, partial)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
-    kernel[(progs,)](*common, m, n, eps, ctx.rank, stride, wait_polls(plan),
-                     **_launch(consts, n, block, warps))
+    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_polls(plan),
+           **_launch(consts, n, block, warps))
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()

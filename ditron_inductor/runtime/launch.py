@@ -7,11 +7,11 @@ serve; `decline` says why at debug level.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
 import torch
-import triton
 
 from ..log_names import LOGGER_NAME
 from ..scheduler.plan import FusedPlan, GemmTile
@@ -19,6 +19,7 @@ from ..kernels import flags
 from ..kernels.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_polls
+from .kernel_launch import current_stream, launch
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -40,9 +41,8 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
     if plan.debug_waits:  # bounded: a kernel that gives up and names the flag
         from ..kernels.flags import wait_flags_kernel
 
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            wait_flags_kernel[(1,)](ctx.flags.local.view(torch.int32), idx, 1, value,
-                                    wait_polls(plan), ctx.err)
+        launch(wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value,
+               wait_polls(plan), ctx.err, stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
@@ -82,8 +82,19 @@ def gemm_failed(ctx: OpContext, main: int, exc: Exception):
 # ---------------------------------------------------------------------------- GEMM launchers
 
 
+@functools.lru_cache(None)
 def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Host-side integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions whose
+# wrapper costs microseconds a call from Python (measured on 1x H200, Triton 3.6).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool]:
@@ -116,7 +127,7 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk, group_m = tile.block_m, tile.block_n, tile.block_k, tile.group_m
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     sms = num_progs or num_sms(a.device)
     if polls and flags is not None:
         sms = max(1, sms - 2)  # debug waits run as kernels on the side stream: leave them SMs
@@ -128,7 +139,7 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
         err = out
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
-    launch = dict(num_warps=tile.warps, num_stages=tile.stages)
+    options = dict(num_warps=tile.warps, num_stages=tile.stages)
     b_trans = tma_ok(a, b, out) if tile.tma else None
     if b_trans is not None:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -137,18 +148,18 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
         b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
                   else TensorDescriptor.from_tensor(b, [bk, bn]))
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-        ag_gemm_tma_kernel[(progs,)](
-            a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
+        launch(
+            ag_gemm_tma_kernel, (progs,), a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
             rows_per_chunk, first_row, epoch, polls,
             HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **launch)
+            GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **options)
     else:
-        ag_gemm_kernel[(progs,)](
-            a, b, out, bias_arg, flags, err, m, n, k,
+        launch(
+            ag_gemm_kernel, (progs,), a, b, out, bias_arg, flags, err, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             rows_per_chunk, first_row, epoch, polls,
             HAS_BIAS=has_bias, WAIT=wait, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=group_m, NUM_PROGS=progs, **launch)
+            GROUP_M=group_m, NUM_PROGS=progs, **options)
     return out
 
 
@@ -180,25 +191,26 @@ def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, sli
     a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
     b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
               else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
-    row_blocks = triton.cdiv(m, tile["BLOCK_M"])
-    progs = max(1, min(progs, row_blocks * triton.cdiv(n, tile["BLOCK_N"])))
-    gemm_ready_kernel[(progs,)](
-        a_desc, b_desc, partial, partial if bias is None else bias,
-        ctx.flags.local.view(torch.int32), dev.arrive[1:], dev.epoch, m, n, a.shape[1],
+    row_blocks = cdiv(m, tile["BLOCK_M"])
+    progs = max(1, min(progs, row_blocks * cdiv(n, tile["BLOCK_N"])))
+    launch(
+        gemm_ready_kernel, (progs,), a_desc, b_desc, partial, partial if bias is None else bias,
+        ctx.flags.words, dev.arrive[1:], dev.epoch, m, n, a.shape[1],
         row_blocks // slices, parity_elems, HAS_BIAS=bias is not None, B_TRANS=b_trans,
         GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
 
 
-def gemm_beside(dev, queue_gemm, side_kernel):
-    """queue_gemm() on the main stream, side_kernel() beside it on the side stream, then the
-    main stream joins the side stream."""
-    main = torch.cuda.current_stream()
-    dev.side.wait_stream(main)  # the inputs (residual, weight) and the last call are done
+def gemm_beside(ctx, dev, queue_gemm, side_kernel):
+    """queue_gemm() on the main stream, side_kernel(side) beside it on the side stream (a
+    CUstream handle), then the main stream joins the side stream (ctx.ev_end)."""
+    main, side = current_stream(), dev.side.cuda_stream
+    driver.record(ctx.ev_start, main)  # the inputs (residual, weight) and the last call are done
+    driver.stream_wait(side, ctx.ev_start)
     queue_gemm()
     # Launched after the GEMM is queued, though it starts with it: a host call that synchronises
     # the device while the chunks are being queued (cuBLAS or the caching allocator reaching
     # cudaMalloc) would otherwise wait for this spinning kernel, which waits for chunks not yet
     # queued (seen on 8x H200: REDUCED waits that never finished).
-    with torch.cuda.stream(dev.side):
-        side_kernel()
-    main.wait_stream(dev.side)
+    side_kernel(side)
+    driver.record(ctx.ev_end, side)
+    driver.stream_wait(main, ctx.ev_end)

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from ..scheduler.plan import SM, TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
@@ -37,7 +36,8 @@ from ..kernels import flags
 from ..kernels.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_polls
-from .launch import (DTYPES, WAIT_NAMES, check_errors, decline, gemm_beside, matmul_into,
+from .kernel_launch import current_stream, launch
+from .launch import (DTYPES, WAIT_NAMES, cdiv, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 
 CONTEXT = "matmul_reduce_scatter_pull"
@@ -85,7 +85,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
     r = ctx.rank
     e = ctx.next_epoch()
-    main = torch.cuda.current_stream().cuda_stream
+    main = current_stream()
     side = ctx.side.cuda_stream
     tile = plan.tile if plan.gemm == TRITON else None
 
@@ -114,8 +114,8 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
 
         out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
         n = rows * N
-        reduce_slots_kernel[(triton.cdiv(n, 4096),)](
-            mine, out, n, n, W, (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096,
+        launch(
+            reduce_slots_kernel, (cdiv(n, 4096),), mine, out, n, n, W, (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096,
             num_warps=8)
     elif reduce_op == "avg":
         out = torch.mean(mine, dim=0)
@@ -176,13 +176,14 @@ def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce
     progs = max(1, min(plan.comm_sms, sms - 4))
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     gemm_beside(
-        dev,
+        ctx, dev,
         lambda: ready_gemm(ctx, dev, a, b, bias, partial, b_trans, world * per_chunk,
                            sms - progs, tile, slices=world, parity_elems=half),
-        lambda: pull_reduce_kernel[(progs,)](
-            ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
+        lambda side: launch(
+            pull_reduce_kernel, (progs,), ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
             n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, wait_polls(plan),
-            BLOCK=plan.pull_block, SCALE=reduce_op == "avg", num_warps=plan.pull_warps,
+            stream=side, BLOCK=plan.pull_block, SCALE=reduce_op == "avg",
+            num_warps=plan.pull_warps,
             **flags.world_constants(world)))
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats["pulled"] += 1

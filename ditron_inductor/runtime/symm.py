@@ -56,8 +56,17 @@ class SymmBuffer:
         self.ptr_table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64,
                                       device=local.device)
         self._owner = owner  # keeps the backend handle alive
+        self.words = local.view(torch.int32) if self.nbytes % 4 == 0 else None  # flag words
+        self._views: dict = {}  # the fused ops take the same few views call after call
 
     def view(self, rank: int, dtype: torch.dtype, shape, byte_offset: int = 0) -> torch.Tensor:
+        key = (rank, dtype, tuple(shape), byte_offset)
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = self._view(rank, dtype, shape, byte_offset)
+        return found
+
+    def _view(self, rank: int, dtype: torch.dtype, shape, byte_offset: int) -> torch.Tensor:
         n = 1
         for s in shape:
             n *= s

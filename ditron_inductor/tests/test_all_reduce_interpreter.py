@@ -451,7 +451,7 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
     monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out: seen.append(
         (out.shape[0], torch._C._get_sm_carveout_experimental())))
     monkeypatch.setattr(runtime.driver, "memcpy", lambda dst, src, n, stream: flags.append(dst))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(runtime, "current_stream", lambda: 0)
     ctx = SimpleNamespace(flag_addr=lambda i: 1000 + i)
     dev = SimpleNamespace(epoch=torch.zeros(2, dtype=torch.int32))
     a, b, partial = torch.zeros(10, 4), torch.zeros(4, 3), torch.zeros(10, 3)

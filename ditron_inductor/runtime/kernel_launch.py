@@ -1,0 +1,116 @@
+"""Launching a @triton.jit kernel at the host cost of its compiled launcher.
+
+`kernel[grid](*args, **meta)` spends most of its host time before the launch: binding the
+arguments, computing the specialization key, looking the compiled kernel up, checking globals
+(on the 1x H200 machine about 40% of a fused all-reduce's host time). The fused ops launch the
+same kernels with arguments of the same kinds call after call, so `launch` does that lookup once
+per *argument class*, then calls the compiled kernel's own launcher (`CompiledKernel[grid]`, the
+runner Triton itself uses) directly.
+
+The class of an argument is everything Triton specializes a kernel on, or more: a tensor's dtype
+and whether its address is 16-byte aligned; an int's value class (1, divisible by 16, 32 or 64
+bit); a bool or None by value; a tensor descriptor's dtype, shape, strides, block and alignment.
+A class finer than Triton's costs at most a few extra lookups; one coarser could launch a kernel
+specialized for other inputs, so anything not recognised is classed by its value. Under the
+Triton interpreter, or where a Triton release returns no compiled kernel, every call takes the
+ordinary path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+
+try:  # Triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: no descriptors to class
+    TensorDescriptor = ()
+
+_I32_MIN, _I32_MAX, _I64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
+
+# the CUDA build's C entry points (absent from a CPU build, which launches through the interpreter)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+# (kernel, grid, meta items, device, argument classes) -> (runner, values of the params after
+# the positional ones) or None (this kernel always takes the ordinary path)
+_runners: dict = {}
+
+
+def arg_class(a: Any):
+    """What Triton specializes a kernel on for this argument (or more)."""
+    t = type(a)  # the common kinds first: this runs for every argument of every launch
+    if t is int:
+        return (int, a == 1, a & 15 == 0,
+                0 if _I32_MIN <= a <= _I32_MAX else 1 if a <= _I64_MAX else 2)
+    if t is torch.Tensor:
+        return a.dtype, a.data_ptr() & 15 == 0
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if isinstance(a, bool) or a is None:
+        return a
+    if isinstance(a, int):
+        return (int, a == 1, a & 15 == 0,
+                0 if _I32_MIN <= a <= _I32_MAX else 1 if a <= _I64_MAX else 2)
+    if isinstance(a, float):
+        return float
+    if isinstance(a, TensorDescriptor):
+        base = a.base
+        return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape),
+                tuple(a.strides), tuple(a.block_shape), getattr(a, "padding", None))
+    return type(a), a
+
+
+def current_stream() -> int:
+    """The current CUDA stream's handle, without torch's Stream object."""
+    if _current_stream is None:
+        return torch.cuda.current_stream().cuda_stream
+    return _current_stream(_current_device())
+
+
+def launch(kernel, grid: tuple, *args, stream: Optional[int] = None, **meta) -> None:
+    """kernel[grid](*args, **meta) on `stream` (a CUstream handle; default: the current stream).
+    `meta`: the constexpr and launch options (num_warps, ...), hashable values."""
+    if _current_device is None:
+        _ordinary_launch(kernel, grid, args, stream, meta)
+        return
+    device = _current_device()
+    key = (kernel, grid, tuple(meta.items()), device, tuple(map(arg_class, args)))
+    entry = _runners.get(key, False)
+    if entry is False:
+        entry = _first_launch(kernel, grid, args, stream, meta)
+        _runners[key] = entry
+        return
+    if entry is None:
+        _ordinary_launch(kernel, grid, args, stream, meta)
+        return
+    runner, tail = entry
+    runner(*args, *tail, stream=_current_stream(device) if stream is None else stream)
+
+
+def _ordinary_launch(kernel, grid, args, stream, meta):
+    if stream is None:
+        return kernel[grid](*args, **meta)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return kernel[grid](*args, **meta)
+
+
+def _first_launch(kernel, grid, args, stream, meta):
+    """Launch through Triton, and return what later calls of this class launch with: the
+    compiled kernel's runner and the values Triton passes for the params after `args`."""
+    compiled = _ordinary_launch(kernel, grid, args, stream, meta)
+    if compiled is None or not hasattr(compiled, "__getitem__") or not hasattr(kernel, "fn"):
+        return None  # the interpreter, or a Triton that does not hand the kernel back
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    tail = []
+    for p in params[len(args):]:
+        if p.name in meta:
+            tail.append(meta[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            tail.append(p.default)
+        else:
+            return None  # a param passed some other way: keep Triton's binding
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    return compiled[grid3], tuple(tail)

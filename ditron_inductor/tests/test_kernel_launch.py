@@ -1,0 +1,79 @@
+"""runtime/kernel_launch.py: the class of an argument separates every input Triton would compile
+differently, and the fast path launches the compiled kernel with the arguments Triton would pass
+(a fake Triton kernel stands in for the GPU)."""
+
+import torch
+
+from ditron_inductor.runtime import kernel_launch
+
+
+def test_arg_class_separates_what_triton_specializes_on():
+    c = kernel_launch.arg_class
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    assert c(t) == c(torch.zeros(64, dtype=torch.bfloat16))
+    assert c(t) != c(t[1:])  # 2-byte offset: not 16-byte aligned
+    assert c(t) != c(t.float())
+    assert len({c(1), c(2), c(3), c(16), c(32), c(2 ** 40), c(2 ** 63)}) == 5
+    assert c(2) == c(3) and c(16) == c(32)
+    assert c(True) != c(1) and c(False) != c(0) and c(None) != c(0)
+    assert c(1.0) == c(2.5) and c(1.0) != c(1)
+
+
+class FakeCompiled:
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.launches.append(("fast", grid, args, stream))
+        return runner
+
+
+class FakeKernel:
+    """Stands for a @triton.jit kernel: fn (its signature), kernel[grid](...) -> compiled."""
+
+    def __init__(self):
+        def kernel(x_ptr, n, scale, BLOCK, EVEN=True):
+            pass
+        self.fn = kernel
+        self.launches = []
+        self.compiled = FakeCompiled(self.launches)
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.launches.append(("triton", grid, args, meta))
+            return self.compiled
+        return run
+
+
+def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeypatch):
+    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(kernel_launch, "_runners", {})
+    k = FakeKernel()
+    x = torch.zeros(64)
+    kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=128, num_warps=4)
+    kernel_launch.launch(k, (4,), x, 200, 0.25, BLOCK=128, num_warps=4)
+    kernel_launch.launch(k, (4,), x, 200, 0.25, BLOCK=128, num_warps=4, stream=99)
+    assert [entry[0] for entry in k.launches] == ["triton", "fast", "fast"]
+    # the params after the positional ones: BLOCK from meta, EVEN its default; a 3-d grid
+    assert k.launches[1] == ("fast", (4, 1, 1), (x, 200, 0.25, 128, True), 1234)
+    assert k.launches[2][3] == 99
+    # another class of any argument or option goes through Triton again
+    kernel_launch.launch(k, (4,), x, 1, 0.5, BLOCK=128, num_warps=4)  # n == 1
+    kernel_launch.launch(k, (4,), x[1:], 100, 0.5, BLOCK=128, num_warps=4)  # misaligned
+    kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=256, num_warps=4)
+    kernel_launch.launch(k, (8,), x, 100, 0.5, BLOCK=128, num_warps=4)
+    assert [entry[0] for entry in k.launches[3:]] == ["triton"] * 4
+
+
+def test_launch_without_a_compiled_kernel_always_goes_through_triton(monkeypatch):
+    """The interpreter (and a CPU build of torch) hands no compiled kernel back."""
+    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(kernel_launch, "_runners", {})
+    k = FakeKernel()
+    k.compiled = None
+    for _ in range(3):
+        kernel_launch.launch(k, (1,), torch.zeros(4), 4, 1.0, BLOCK=16)
+    assert [entry[0] for entry in k.launches] == ["triton"] * 3
