@@ -58,6 +58,17 @@ def load_acquire(ptr):
 
 
 @triton.jit
+def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses).
+    ALIGNED: say that it is 16-byte aligned (symmetric buffers are), so that the compiler may
+    emit 16-byte loads and stores through it."""
+    ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
 def polling(pending, n, limit, skip):
     """Whether a wait polls again: something it waits for is pending and, when waits are bounded
     (limit > 0), it has polled fewer than `limit` times and no earlier wait gave up (skip)."""
@@ -69,6 +80,17 @@ def record_give_up(pending, skip, err_ptr, code):
     """After the poll loop: a wait that stopped with something pending records its code."""
     if pending & (skip == 0):
         tl.atomic_max(err_ptr, code)
+
+
+@triton.jit
+def gave_up_before(limit, err_ptr):
+    """1 if waits are bounded (limit > 0, debug) and a wait of this call already gave up: later
+    waits then do not wait nor record their own code, so a lost peer costs one timeout (not one
+    per chunk and program) and the error names the first flag that never came."""
+    gave_up = 0
+    if limit > 0:
+        gave_up = tl.where(tl.atomic_add(err_ptr, 0, sem="relaxed", scope="gpu") != 0, 1, 0)
+    return gave_up
 
 
 @triton.jit
@@ -84,50 +106,6 @@ def wait_flag(ptr, epoch, limit, err_ptr, code):
         v = load_acquire(ptr)
         n += 1
     record_give_up(v < epoch, 0, err_ptr, code)
-
-
-@triton.jit
-def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses).
-    ALIGNED: say that it is 16-byte aligned (symmetric buffers are), so that the compiler may
-    emit 16-byte loads and stores through it."""
-    ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
-
-
-@triton.jit(do_not_specialize=["offset", "value", "skip"])
-def notify_peers_kernel(table_ptr, offset, value, skip, world):
-    """For each rank p != skip of the group: flags_p[offset] = value (release, system scope).
-    The table holds each rank's flag base address; skip = -1 notifies every rank."""
-    for p in range(world):
-        if p != skip:
-            base = peer_ptr(table_ptr, p, tl.int32)
-            tl.atomic_xchg(base + offset, value, sem="release", scope="sys")
-
-
-@triton.jit(do_not_specialize=["first", "count", "epoch", "limit"])
-def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
-    """Wait until flag_ptr[first + i] >= epoch for i in [0, count) (a stream-side wait)."""
-    for i in range(count):
-        wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
-
-
-@triton.jit(do_not_specialize=["offset", "value"])
-def write_flag_kernel(flag_ptr, offset, value):
-    tl.atomic_xchg(flag_ptr + offset, value, sem="release", scope="sys")
-
-
-@triton.jit
-def gave_up_before(limit, err_ptr):
-    """1 if waits are bounded (limit > 0, debug) and a wait of this call already gave up: later
-    waits then do not wait nor record their own code, so a lost peer costs one timeout (not one
-    per chunk and program) and the error names the first flag that never came."""
-    gave_up = 0
-    if limit > 0:
-        gave_up = tl.where(tl.atomic_add(err_ptr, 0, sem="relaxed", scope="gpu") != 0, 1, 0)
-    return gave_up
 
 
 @triton.jit
@@ -189,3 +167,25 @@ def finish_call(arrive_ptr, epoch_ptr, epoch):
         tl.atomic_xchg(arrive_ptr, 0, sem="relaxed", scope="gpu")
         tl.store(epoch_ptr, epoch)
         tl.store(epoch_ptr + 1, epoch + 1)
+
+
+@triton.jit(do_not_specialize=["offset", "value", "skip"])
+def notify_peers_kernel(table_ptr, offset, value, skip, world):
+    """For each rank p != skip of the group: flags_p[offset] = value (release, system scope).
+    The table holds each rank's flag base address; skip = -1 notifies every rank."""
+    for p in range(world):
+        if p != skip:
+            base = peer_ptr(table_ptr, p, tl.int32)
+            tl.atomic_xchg(base + offset, value, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["first", "count", "epoch", "limit"])
+def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
+    """Wait until flag_ptr[first + i] >= epoch for i in [0, count) (a stream-side wait)."""
+    for i in range(count):
+        wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
+
+
+@triton.jit(do_not_specialize=["offset", "value"])
+def write_flag_kernel(flag_ptr, offset, value):
+    tl.atomic_xchg(flag_ptr + offset, value, sem="release", scope="sys")
