@@ -67,9 +67,9 @@ reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 
 def _source_files() -> tuple[str, ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = ["ops.py", "config.py", "lowering/match.py", "lowering/norm.py", "lowering/rewrite.py",
-             "lowering/graph_pass.py", "scheduler/decide.py", "scheduler/cost_model.py",
-             "scheduler/plan.py", "scheduler/task.py"]
+    names = ["ops.py", "config.py", "lowering/match.py", "lowering/norm.py", "lowering/reorder.py",
+             "lowering/rewrite.py", "lowering/graph_pass.py", "scheduler/decide.py",
+             "scheduler/cost_model.py", "scheduler/plan.py", "scheduler/task.py"]
     return tuple(os.path.join(root, n) for n in names)
 
 
@@ -138,8 +138,7 @@ def source_layer(node: torch.fx.Node) -> str:
 
 
 def source_layers(match) -> tuple[str, ...]:
-    matmuls = match.matmuls if isinstance(match, AllGatherMatmulMatch) else [match.matmul]
-    return tuple(dict.fromkeys(layer for m in matmuls if (layer := source_layer(m.node))))
+    return tuple(dict.fromkeys(layer for m in match.matmuls if (layer := source_layer(m.node))))
 
 
 def run_pass(graph: Graph) -> GraphReport:

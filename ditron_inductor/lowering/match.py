@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.fx import Graph, Node
@@ -31,14 +31,15 @@ from ..scheduler.task import (
     MATMUL_REDUCE_SCATTER,
     Task,
     all_gather_matmul_task,
+    chunks_contiguous,
     matmul_collective_task,
+    numel,
 )
 from .norm import RmsNormTail, find_rmsnorm_tail
+from .reorder import RESHAPES, RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 def is_call(node: object, *targets) -> bool:
@@ -188,17 +189,27 @@ class AllGatherMatmulMatch:
     problem: Optional[str] = None
     # Uses of the gathered matrix the op does not compute (they read its gathered output).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # The ranks' chunks interleave along gather_dim: the op gathers rank-major rows on dim 0 and
+    # the graph permutes them back (lowering/reorder.py), to the gathered activation's sizes.
+    row_order: Optional[RowOrder] = None
+    gathered_sizes: Optional[list[int]] = None
 
     @property
     def a_shard(self) -> Node:
         return self.gather.args[0]
 
     def task(self) -> Task:
-        return all_gather_matmul_task(
+        task = all_gather_matmul_task(
             fake(self.a_shard), [fake(m.weight) for m in self.matmuls],
             [None if m.bias is None else fake(m.bias) for m in self.matmuls],
             self.gather_dim, self.group_name, self.world_size,
         )
+        if self.row_order is None:
+            return task
+        copied = sum((numel(fake(m.node).shape) for m in self.matmuls
+                      if not folds_into_users(m.node)), 0)
+        return dataclasses.replace(task, rank_chunks_contiguous=True, rows_reordered=True,
+                                   copy_elems=copied)
 
     def replaced_nodes(self) -> list[Node]:
         return [m.node for m in self.matmuls]
@@ -232,7 +243,36 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
             match.problem = (f"the raw all-gather output {wait.name} is also used by "
                              f"{', '.join(u.name for u in extra)}")
     match.problem = match.problem or _matmul_depends_on_another(matmuls)
+    if chunk_cat and _rows_interleave(fake(match.a_shard).shape, gather_dim):
+        match.row_order, match.gathered_sizes, note = _rank_major(
+            fake(match.a_shard).shape, fake(gathered).shape, gather_dim, world_size,
+            [m.node for m in matmuls], folds_into_users, "gathered")
+        match.notes.append(note)
     return match
+
+
+def _rows_interleave(piece_shape, dim: int) -> bool:
+    """Whether the ranks' pieces, cut along a dim of rows (not the last), interleave in the
+    matrix of rows (lowering/reorder.py)."""
+    return dim < len(piece_shape) - 1 and not chunks_contiguous(piece_shape, dim)
+
+
+def _rank_major(piece_shape, full_shape, dim: int, world_size: int, permuted: list[Node],
+                folds: Callable[[Node], bool], verb: str
+                ) -> tuple[Optional[RowOrder], Optional[list[int]], str]:
+    """For a gather / scatter whose ranks' chunks interleave in the matrix of rows: the row
+    permutation that lets the op work on rank-major rows, the sizes that view the result as
+    `full_shape`, and the log's note on it; no permutation where views cannot say the sizes
+    (the op then works along `dim`, and the fused kernels decline it)."""
+    order, sizes = RowOrder.of(piece_shape, dim, world_size), static_sizes(full_shape)
+    if order is None or sizes is None:
+        return None, None, (f"the ranks' chunks interleave and more than one of their sizes is "
+                            f"symbolic: {verb} along dim {dim}")
+    folded = ", ".join(n.name for n in permuted if folds(n)) or "none"
+    copied = ", ".join(n.name for n in permuted if not folds(n)) or "none"
+    return order, sizes, (f"{verb} rank-major on dim 0, the rows permuted in the graph (dim "
+                          f"{dim} order): Inductor permutes {folded} within kernels it runs "
+                          f"anyway and copies {copied}")
 
 
 def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
@@ -280,8 +320,11 @@ class MatmulCollectiveMatch:
     op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE or MATMUL_ALL_REDUCE_RMSNORM
     collective: Node
     wait: Node
-    matmul: MatmulUse
-    reshape: Optional[Node]  # mm output -> N-d activation
+    # One matmul, or the terms of a sum of matmul products (the input gradient of layers that
+    # share their input: q/k/v, gate/up), which the op computes as one matmul over the operands
+    # concatenated along K: sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
+    matmuls: list[MatmulUse]
+    reshape: Optional[Node]  # product -> N-d activation
     chunk_cat: Optional[ChunkCat]  # N-d activation -> pieces along scatter_dim stacked on dim 0
     dim: int
     reduce_op: str
@@ -289,8 +332,18 @@ class MatmulCollectiveMatch:
     world_size: int
     problem: Optional[str] = None
     norm: Optional[RmsNormTail] = None  # the residual add + RMSNorm after an all-reduce
-    views: list[Node] = dataclasses.field(default_factory=list)  # mm -> reshape, collective first
+    # the nodes from the collective to the matmuls, collective side first: reshapes, and for a
+    # sum its adds and each term's reshapes
+    views: list[Node] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # The ranks' chunks interleave along dim: the op scatters rank-major rows of its left
+    # operand, which the graph permutes (lowering/reorder.py), into a piece of these sizes.
+    row_order: Optional[RowOrder] = None
+    scattered_sizes: Optional[list[int]] = None
+
+    @property
+    def matmul(self) -> MatmulUse:
+        return self.matmuls[0]
 
     @property
     def out_shape(self) -> list:
@@ -302,17 +355,33 @@ class MatmulCollectiveMatch:
         shape = fake(self.reshape).shape if self.reshape is not None else []
         bias = None if mm.bias is None else fake(mm.bias)
         if self.norm:
-            return matmul_collective_task(
+            task = matmul_collective_task(
                 MATMUL_ALL_REDUCE_RMSNORM, fake(mm.a), fake(mm.weight), bias, shape, 0,
                 self.reduce_op, self.group_name, self.world_size,
                 has_residual=self.norm.residual is not None)
-        return matmul_collective_task(
-            self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
-            self.group_name, self.world_size,
-        )
+        else:
+            task = matmul_collective_task(
+                self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
+                self.group_name, self.world_size,
+            )
+        if len(self.matmuls) == 1 and self.row_order is None:
+            return task
+        return dataclasses.replace(
+            task, k=sum((fake(m.a).shape[1] for m in self.matmuls), 0), terms=len(self.matmuls),
+            rank_chunks_contiguous=task.rank_chunks_contiguous or self.row_order is not None,
+            rows_reordered=self.row_order is not None, copy_elems=self._copied_elems())
+
+    def _copied_elems(self):
+        """What the rewrite copies: each left operand that it permutes or concatenates and
+        whose producer cannot write it so, and the concatenated weights."""
+        copied = sum((numel(fake(m.a).shape) for m in self.matmuls
+                      if not folds_into_producer(m.a)), 0)
+        if len(self.matmuls) > 1:
+            copied = copied + sum((numel(fake(m.weight).shape) for m in self.matmuls), 0)
+        return copied
 
     def replaced_nodes(self) -> list[Node]:
-        return [self.matmul.node]
+        return [m.node for m in self.matmuls]
 
 
 def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
@@ -335,26 +404,29 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
         if chunk_cat is None:
             return None
         dim, node = _chunk_dim(node), _chunk_source(node)
-    chain: list[Node] = []  # the reshapes from the matmul result, the collective's side first
-    while is_call(node, *RESHAPES):  # together they view it as the last one's shape
-        chain.append(node)
-        node = node.args[0]
-    reshape = chain[0] if chain else None
+    chain = _reshapes_above(node)  # the collective's side first: it views them as chain[0]
+    node = _unview(node)
     matmul = as_matmul(node) if isinstance(node, Node) else None
-    if matmul is None:
-        return _sum_of_matmuls(op, collective, waits[0], node, chunk_cat, dim, reduce_op,
-                               group_name, world_size)
-    match = MatmulCollectiveMatch(op, collective, waits[0], matmul, reshape, chunk_cat, dim,
-                                  reduce_op, group_name, world_size, views=chain)
-    allowed_users = (chunk_cat.inner if chunk_cat else []) + [collective] + chain
-    for n in [matmul.node] + chain:
-        extra = other_users(n, allowed_users)
-        if extra:
-            match.problem = (f"the matmul result {n.name} is also used by "
-                             f"{', '.join(u.name for u in extra)}")
-            break
-    if reshape is not None and not all(isinstance(s, (int, Node)) and not (
-            isinstance(s, int) and s < 0) for s in reshape.args[1]):
+    if matmul is not None:
+        matmuls, inner = [matmul], []
+    else:
+        summed = _sum_of_matmuls(node)
+        if summed is None:
+            return None
+        matmuls, inner = summed
+    reshape = (chain or [n for n in inner if is_call(n, *RESHAPES)][:1] or [None])[0]
+    match = MatmulCollectiveMatch(op, collective, waits[0], matmuls, reshape, chunk_cat, dim,
+                                  reduce_op, group_name, world_size, views=chain + inner)
+    match.problem = _users_problem(match) or _terms_problem(node, matmuls)
+    piece = fake(match.wait).shape
+    if op == MATMUL_REDUCE_SCATTER and chunk_cat and _rows_interleave(piece, dim):
+        match.row_order, match.scattered_sizes, note = _rank_major(
+            piece, piece, dim, world_size, [m.a for m in matmuls], folds_into_producer,
+            "scattered")
+        match.notes.append(note)
+    if match.row_order is None and reshape is not None and not all(
+            isinstance(s, (int, Node)) and not (isinstance(s, int) and s < 0)
+            for s in reshape.args[1]):
         match.problem = match.problem or f"{reshape.name} infers a size (-1)"
     if op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in config.patterns:
         match.norm = find_rmsnorm_tail(match.wait)
@@ -363,34 +435,64 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
     return match
 
 
-def _sum_of_matmuls(op: str, collective: Node, wait: Node, total: object,
-                    chunk_cat: Optional[ChunkCat], dim: int, reduce_op: str, group_name: str,
-                    world_size: int) -> Optional[MatmulCollectiveMatch]:
-    """A collective of a sum of matmul results (the input gradient of layers that share their
-    input: q/k/v, gate/up) is a candidate that no op serves: one op computes one matmul. The
-    match names the matmuls, so the log says why the site is left alone."""
-    terms = _summands(total)
-    matmuls = [mm for t in terms if (mm := as_matmul(_unview(t))) is not None]
-    if len(terms) < 2 or len(matmuls) != len(terms):
-        return None
-    view = terms[0] if is_call(terms[0], *RESHAPES) else None
-    match = MatmulCollectiveMatch(op, collective, wait, matmuls[0], view, chunk_cat, dim,
-                                  reduce_op, group_name, world_size)
-    match.problem = (f"{collective.name} reduces {total.name}, a sum of matmuls "
-                     f"({' + '.join(m.node.name for m in matmuls)}): one op computes one matmul")
-    return match
-
-
-def _summands(node: object) -> list:
-    if is_call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
-        return _summands(node.args[0]) + _summands(node.args[1])
-    return [node]
+def _reshapes_above(node: object) -> list[Node]:
+    chain = []
+    while is_call(node, *RESHAPES):
+        chain.append(node)
+        node = node.args[0]
+    return chain
 
 
 def _unview(node: object) -> object:
     while is_call(node, *RESHAPES):
         node = node.args[0]
     return node
+
+
+def _sum_of_matmuls(total: object) -> Optional[tuple[list[MatmulUse], list[Node]]]:
+    """The matmuls whose products (each maybe reshaped) `total` adds up, and the adds and
+    reshapes between, outermost first; None unless every summand is a matmul product."""
+    adds, terms = [], []
+    stack = [total]
+    while stack:
+        node = stack.pop(0)
+        if is_call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
+            adds.append(node)
+            stack[:0] = list(node.args)
+        else:
+            terms.append(node)
+    matmuls = [mm for t in terms if (mm := as_matmul(_unview(t))) is not None]
+    if len(terms) < 2 or len(matmuls) != len(terms):
+        return None
+    return matmuls, adds + [v for t in terms for v in _reshapes_above(t)]
+
+
+def _users_problem(match: MatmulCollectiveMatch) -> Optional[str]:
+    """Every node from the matmuls to the collective must serve the collective alone."""
+    allowed = set((match.chunk_cat.inner if match.chunk_cat else []) + [match.collective]
+                  + match.views)
+    for n in [m.node for m in match.matmuls] + match.views:
+        extra = [u for u in n.users if u not in allowed]
+        if extra:
+            return (f"the matmul result {n.name} is also used by "
+                    f"{', '.join(u.name for u in extra)}")
+    return None
+
+
+def _terms_problem(total: Node, matmuls: list[MatmulUse]) -> Optional[str]:
+    """Why the terms of a sum of matmul products cannot be one matmul over operands
+    concatenated along K, or None."""
+    if len(matmuls) < 2:
+        return None
+    names = " + ".join(m.node.name for m in matmuls)
+    if any(m.has_bias for m in matmuls):
+        return f"{total.name} sums matmuls ({names}) of which one adds a bias"
+    if len({tuple(fake(m.node).shape) for m in matmuls}) > 1 or any(
+            fake(m.node).numel() != fake(total).numel() for m in matmuls):
+        return f"{total.name} sums matmul products ({names}) of different shapes"
+    if len({(fake(m.a).dtype, fake(m.weight).dtype) for m in matmuls}) > 1:
+        return f"{total.name} sums matmuls ({names}) of different dtypes"
+    return None
 
 
 def _chunk_source(cat: Node) -> Node:

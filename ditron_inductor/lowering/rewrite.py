@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
@@ -19,45 +19,76 @@ from torch.fx.node import map_arg
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
+from .reorder import SWAP_FIRST_TWO, RowOrder
 from ..scheduler.task import MATMUL_REDUCE_SCATTER
 
+aten = torch.ops.aten
 ditron = torch.ops.ditron
 
 
 def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: str) -> Node:
+    order = match.row_order
+    shard, gather_dim = match.a_shard, match.gather_dim
+    k = shard.meta["val"].shape[-1]
+    if order is not None:  # rank-major rows: a gather on dim 0 of the shard's matrix
+        shard, gather_dim = _insert_call(graph, aten.reshape.default, (shard, [-1, k])), 0
     args = (
-        match.a_shard,
+        shard,
         [m.weight for m in match.matmuls],
         [m.bias for m in match.matmuls],
-        match.gather_dim,
+        gather_dim,
         match.group_name,
         match.world_size,
         plan,
     )
     op = _insert_call(graph, ditron.all_gather_matmul.default, args)
     outputs = [_insert_getitem(graph, op, i) for i in range(1 + len(match.matmuls))]
+    gathered = outputs[:1]  # the gathered activation, and the nodes that make it
+    if order is not None:
+        gathered = _from_rank_major(graph, outputs[0], order, k, match.gathered_sizes) + gathered
+        outputs = [gathered[0]] + [
+            _from_rank_major(graph, out, order, mm.node.meta["val"].shape[-1])[0]
+            for mm, out in zip(match.matmuls, outputs[1:])]
     match.gathered.replace_all_uses_with(outputs[0])
     for mm, out in zip(match.matmuls, outputs[1:]):
         mm.node.replace_all_uses_with(out)
     inner = match.chunk_cat.inner if match.chunk_cat else []
     _erase_unused(graph, [m.node for m in match.matmuls] + match.views[::-1]
-                  + outputs[:1] + [match.gathered] + inner[::-1] + [match.wait, match.gather])
+                  + gathered + [match.gathered] + inner[::-1] + [match.wait, match.gather])
     return op
 
 
+def _from_rank_major(graph: Graph, node: Node, order: RowOrder, cols: int,
+                     sizes: Optional[list] = None) -> list[Node]:
+    """`node`'s rank-major rows in the graph's order, reshaped to `sizes` (default: a matrix);
+    the nodes inserted, the result first."""
+    view = _insert_call(graph, aten.reshape.default, (node, order.rank_major_view(cols)))
+    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
+    result = _insert_call(graph, aten.reshape.default, (permute, sizes or [-1, cols]))
+    return [result, permute, view]
+
+
+def _to_rank_major(graph: Graph, node: Node, order: RowOrder) -> Node:
+    """The rows of the matrix `node`, in the graph's order, rank-major."""
+    cols = node.meta["val"].shape[-1]
+    view = _insert_call(graph, aten.reshape.default, (node, order.graph_order_view(cols)))
+    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
+    return _insert_call(graph, aten.reshape.default, (permute, [-1, cols]))
+
+
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
-    mm = match.matmul
-    norm = match.norm
+    a, b = _operands(graph, match)
+    norm, order = match.norm, match.row_order
     if match.op == MATMUL_REDUCE_SCATTER:
         target = ditron.matmul_reduce_scatter.default
-        extra = (match.out_shape, match.dim)
+        extra = ([], 0) if order is not None else (match.out_shape, match.dim)
     elif norm is not None:
         target = ditron.matmul_all_reduce_rmsnorm.default
         extra = (match.out_shape, norm.residual, norm.weight, norm.eps, norm.weight_in_fp32)
     else:
         target = ditron.matmul_all_reduce.default
         extra = (match.out_shape,)
-    args = (mm.a, mm.weight, mm.bias, *extra, match.reduce_op, match.group_name,
+    args = (a, b, match.matmul.bias, *extra, match.reduce_op, match.group_name,
             match.world_size, plan)
     op = _insert_call(graph, target, args)
     tail: list[Node] = []  # the replaced nodes after the collective, users first
@@ -66,13 +97,29 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         norm.h.replace_all_uses_with(h)
         norm.out.replace_all_uses_with(y)
         tail = [norm.out] + norm.inner[::-1] + [norm.h]
+    elif order is not None:  # this rank's rows, rank-major: the piece's own order
+        match.wait.replace_all_uses_with(
+            _insert_call(graph, aten.reshape.default, (op, match.scattered_sizes)))
     else:
         match.wait.replace_all_uses_with(op)
     inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
     _erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
-                  + match.views + [mm.node])
+                  + match.views + [m.node for m in match.matmuls])
     return op
+
+
+def _operands(graph: Graph, match: MatmulCollectiveMatch) -> tuple[Node, Node]:
+    """The op's left and right operands: the matmul's, or for a sum of matmul products the
+    operands concatenated along K; the left one's rows rank-major where the match says so
+    (each term's before the concatenation, so that its producer can write it so)."""
+    lefts = [m.a for m in match.matmuls]
+    if match.row_order is not None:
+        lefts = [_to_rank_major(graph, a, match.row_order) for a in lefts]
+    if len(lefts) == 1:
+        return lefts[0], match.matmul.weight
+    return (_insert_call(graph, aten.cat.default, (lefts, 1)),
+            _insert_call(graph, aten.cat.default, ([m.weight for m in match.matmuls], 0)))
 
 
 def _insert_call(graph: Graph, target, args: tuple) -> Node:

@@ -118,6 +118,9 @@ H200X8 = dict(
     triton_overhead_ms=0.10,  # fused Triton AG: tail and setup beyond max(GEMM, transfer), 0-0.16
     host_floor_ms=0.75,  # host time of one fused call at W=8 (driver calls + launches), 0.72-0.78
     reduce_gbps=2500.0,  # the reduction of W partial slots, GB/s read
+    # a copy kernel, GB/s read + written: not measured here; H200's HBM3e peaks at 4.8 TB/s,
+    # of which copies reach about 80%
+    copy_gbps=3800.0,
     cublas_groups_factor=1.0,  # AG with cuBLAS on groups of chunks: measured / modelled time
     num_sms=132,
 )
@@ -169,6 +172,9 @@ def predict(task: Task) -> dict[str, float]:
     n = task.n_total
     b = _itemsize(task)
     rows = max(1, m // w)
+    # the rewrite's copies around the fused op; the products that the unfused graph sums
+    copy_ms = 2 * size_hint(task.copy_elems) * b / (c["copy_gbps"] * 1e6)
+    sum_ms = (task.terms + 1) * m * n * b / (c["copy_gbps"] * 1e6) if task.terms > 1 else 0.0
     out: dict[str, float] = {}
     if task.op == ALL_GATHER_MATMUL:
         gathered = m * k * b
@@ -194,10 +200,10 @@ def predict(task: Task) -> dict[str, float]:
                     t = max(t, (last - 1) * chunk_ms) + _gemm_ms((last - arrived + 1) * rows, k, n)
                     arrived = last + 1
                 t *= c["cublas_groups_factor"]
-            out[label] = max(t, c["host_floor_ms"])
+            out[label] = max(t + copy_ms, c["host_floor_ms"])
     elif task.op == MATMUL_REDUCE_SCATTER:
         full = m * n * b
-        out["nccl_cublas"] = _gemm_ms(m, k, n) + full / (c["nccl_rs_gbps"] * 1e6)
+        out["nccl_cublas"] = _gemm_ms(m, k, n) + full / (c["nccl_rs_gbps"] * 1e6) + sum_ms
         chunk_ms = full / w / (c["ce_gbps"] * 1e6)
         reduce_ms = full / (c["reduce_gbps"] * 1e6)  # W slots of one chunk = full bytes
         for label, p in RS_CANDIDATES.items():
@@ -205,7 +211,8 @@ def predict(task: Task) -> dict[str, float]:
                 nsm = p["comm_sms"]
                 g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
                 pull = full * (w - 1) / w / (c["sm_gbps"] * min(1.1, (nsm / 16) ** 0.5) * 1e6)
-                out[label] = max(g, pull) + min(g, pull) / p["chunks"] + c["triton_overhead_ms"]
+                out[label] = (max(g, pull) + min(g, pull) / p["chunks"]
+                              + c["triton_overhead_ms"] + copy_ms)
                 continue
             g = _gemm_ms(rows, k, n)
             if p["gemm"] == "triton":  # one Triton launch per chunk: ~0.1 ms of host time each
@@ -214,7 +221,7 @@ def predict(task: Task) -> dict[str, float]:
             t_push = 0.0
             for i in range(1, w):
                 t_push = max(t_push, i * g) + chunk_ms
-            out[label] = max(max(w * g, t_push) + reduce_ms, c["host_floor_ms"])
+            out[label] = max(max(w * g, t_push) + reduce_ms + copy_ms, c["host_floor_ms"])
     return out
 
 

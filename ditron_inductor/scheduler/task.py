@@ -34,6 +34,14 @@ class Task:
     full length. rank_chunks_contiguous: each rank's chunk is one block of consecutive rows of
     the [m, k] matrix (dim 0, or every dim before dim has size 1), the layout the fused kernels
     take; a gather/scatter on dim 1 of [B > 1, S, H] interleaves the ranks' rows instead.
+
+    What the graph does around the op, for the cost model:
+    rows_reordered: the op runs on rank-major rows (gather/scatter on dim 0) and the graph puts
+    the rows back in the order of `dim` around it (a permute, so the chunks are contiguous).
+    terms: how many matmuls the op computes as one, their operands concatenated along K (the
+    sum of matmul products that a reduce-scatter reduces); 1 for one matmul.
+    copy_elems: elements that the rewrite's reorders and concatenations copy and that Inductor
+    cannot fold into a kernel the graph runs anyway.
     """
 
     op: str
@@ -51,6 +59,9 @@ class Task:
     rank_chunks_contiguous: bool = True
     # matmul_all_reduce_rmsnorm: a residual is added before the norm
     has_residual: bool = False
+    rows_reordered: bool = False
+    terms: int = 1
+    copy_elems: SymOrInt = 0
 
     # The cross-rank schedule, which the kernels compute with kernels/schedule.py's helpers
     # (the interpreter tests compare the two).
@@ -81,6 +92,12 @@ class Task:
         extra = f" dim={self.dim}" if self.dim else ""
         if self.reduce_op:
             extra += f" {self.reduce_op}"
+        if self.rows_reordered:
+            extra += ", rank-major rows reordered in the graph"
+        if self.terms > 1:
+            extra += f", {self.terms} matmuls concatenated along K"
+        if self.copy_elems:
+            extra += f", copies {self.copy_elems} elements"
         return (
             f"{self.op} M={self.m} K={self.k} N={ns} {dtype} world={self.world_size}"
             f" group={self.group_name}{extra}"

@@ -137,6 +137,9 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
             return funcol.reduce_scatter_tensor(F.linear(x, w, b), op, dim, g)
         return f
 
+    def rs_sum_of_matmuls(x1, w1, x2, w2):  # the input gradient of q/k/v, gate/up
+        return funcol.reduce_scatter_tensor(F.linear(x1, w1) + F.linear(x2, w2), "sum", 1, g)
+
     def ar(x, w):
         return funcol.all_reduce(F.linear(x, w), "sum", g)
 
@@ -174,6 +177,8 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
         "rs_dim1_sum": lambda: _fwd_bwd(rs(1, "sum"), [xw, w, b]),
         # funcol's reduce-scatter has no backward for avg: forward only.
         "rs_dim1_avg": lambda: _fwd_bwd(rs(1, "avg"), [xw, w, b], grads=False),
+        "rs_sum_of_matmuls": lambda: _fwd_bwd(rs_sum_of_matmuls, [
+            xw, w, _randn(B, S * world_size, 8, seed=210 + rank), _randn(N, 8, seed=9)]),
         "ar_sum": lambda: _fwd_bwd(ar, [x, w]),
         "ar_rmsnorm_hf": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_hf), bf16, grads=False),
         "ar_rmsnorm_fp32_weight": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_fp32_weight), bf16,
@@ -192,10 +197,14 @@ FUNCOL_EXPECTED = {
     "ag_dim0_bias": {"forward": [AG], "backward": [RS]},
     "ag_dim1": {"forward": [AG], "backward": [RS]},
     "ag_dim1_single": {"forward": [AG], "backward": [RS]},
-    "ag_qkv": {"forward": [AG], "backward": []},
+    # backward: the input gradient, a sum of the three matmul products, reduce-scattered
+    "ag_qkv": {"forward": [AG], "backward": [RS]},
     "rs_dim0_sum": {"forward": [RS], "backward": [AG]},
     "rs_dim1_sum": {"forward": [RS], "backward": [AG]},
     "rs_dim1_avg": {"forward": [RS]},
+    # one matmul over the operands concatenated along K; backward: the gathered output
+    # gradient feeds both input gradients
+    "rs_sum_of_matmuls": {"forward": [RS], "backward": [AG]},
     "ar_sum": {"forward": [AR]},
     "ar_rmsnorm_hf": {"forward": [AR_NORM]},
     "ar_rmsnorm_fp32_weight": {"forward": [AR_NORM]},

@@ -45,16 +45,26 @@ return getitem_1
 """)
 
     def test_sequence_parallel_shard_1_on_3d_activation(self):
-        # Shard(1) of [B, S, H]: the gather puts ranks on dim 0, then split + cat moves them to dim 1.
+        # Shard(1) of [B, S, H]: the gather puts ranks on dim 0, then split + cat moves them to
+        # dim 1. With B > 1 the ranks' rows interleave in [B*S, H], so the op gathers the
+        # shard's [B*S/W, H] rows rank-major (dim 0) and a permute puts the product's rows back
+        # in [B, S] order; the product is the graph's output, which the permute copies.
         with fake_group(4) as g:
             gm = trace(lambda x, w: F.linear(all_gather(x, 1, g), w),
                        randn(2, 4, 16), randn(32, 16))
-            rewrite(gm)
+            report = rewrite(gm)
+        self.assertEqual(report.candidates[0].task,
+                         "all_gather_matmul M=32 K=16 N=32 float32 world=4 group=0 dim=1, "
+                         "rank-major rows reordered in the graph, copies 1024 elements")
         self.assertExpectedInline(graph_text(gm), """\
+reshape_default = reshape(x_1, [-1, 16])
 permute = permute(w_1, [1, 0])
-all_gather_matmul_default = all_gather_matmul(x_1, [permute], [None], 1, '0', 4, '{"impl": "reference"}')
+all_gather_matmul_default = all_gather_matmul(reshape_default, [permute], [None], 0, '0', 4, '{"impl": "reference"}')
 getitem_5 = getitem(all_gather_matmul_default, 1)
-view_1 = view(getitem_5, [2, 16, 32])
+reshape_default_3 = reshape(getitem_5, [4, 2, 4, 32])
+permute_default_1 = permute(reshape_default_3, [1, 0, 2, 3])
+reshape_default_4 = reshape(permute_default_1, [-1, 32])
+view_1 = view(reshape_default_4, [2, 16, 32])
 return view_1
 """)
 
@@ -73,14 +83,39 @@ return view_1
             report = rewrite(gm)
         self.assertTrue(report.candidates[0].fused)
         self.assertExpectedInline(graph_text(gm), """\
-all_gather_matmul_default = all_gather_matmul(dy_1, [w_1], [None], 1, '0', 2, '{"impl": "reference"}')
+reshape_default = reshape(dy_1, [-1, 8])
+all_gather_matmul_default = all_gather_matmul(reshape_default, [w_1], [None], 0, '0', 2, '{"impl": "reference"}')
 getitem_1 = getitem(all_gather_matmul_default, 1)
+reshape_default_3 = reshape(getitem_1, [2, 2, 4, 8])
+permute_default_1 = permute(reshape_default_3, [1, 0, 2, 3])
+reshape_default_4 = reshape(permute_default_1, [-1, 8])
 getitem = getitem(all_gather_matmul_default, 0)
-view = view(getitem, [16, 8])
+reshape_default_1 = reshape(getitem, [2, 2, 4, 8])
+permute_default = permute(reshape_default_1, [1, 0, 2, 3])
+reshape_default_2 = reshape(permute_default, [2, 8, 8])
+view = view(reshape_default_2, [16, 8])
 permute = permute(view, [1, 0])
 mm_1 = mm(permute, view)
-return [getitem_1, mm_1]
+return [reshape_default_4, mm_1]
 """)
+
+    def test_rows_permuted_into_pointwise_users_copy_nothing(self):
+        # Inductor computes the permute inside the kernels that read it (the rotary embedding of
+        # q and k, SiLU * up): the cost model counts no copy, and the log says so.
+        def sp_mlp(x, w_gate, w_up):
+            a = all_gather(x, 1, g)
+            return F.silu(F.linear(a, w_gate)) * F.linear(a, w_up)
+
+        with fake_group(2) as g:
+            args = randn(2, 4, 16), randn(32, 16), randn(32, 16)
+            report = rewrite(trace(sp_mlp, *args))
+            match, = find_matches(trace(sp_mlp, *args).graph)
+        self.assertEqual(report.candidates[0].task,
+                         "all_gather_matmul M=16 K=16 N=32,32 float32 world=2 group=0 dim=1, "
+                         "rank-major rows reordered in the graph")
+        self.assertEqual(match.notes, [
+            "gathered rank-major on dim 0, the rows permuted in the graph (dim 1 order): "
+            "Inductor permutes mm, mm_1 within kernels it runs anyway and copies none"])
 
     def test_sequence_parallel_batch_1_chain_of_reshapes(self):
         # DTensor's gather of Shard(1) on [1, S/W, H]: all-gather on dim 0 into [W, S/W, H], a
@@ -156,16 +191,66 @@ matmul_reduce_scatter_default = matmul_reduce_scatter(x_1, w_1, None, [1, 8, 2, 
 return matmul_reduce_scatter_default
 """)
 
-    def test_reduce_scatter_of_a_sum_of_matmuls_is_left_alone_with_the_reason(self):
-        # The input gradient of q/k/v (or gate/up), which share their input.
+    def test_reduce_scatter_of_a_sum_of_matmuls_becomes_one_matmul_over_operands_cat_along_k(self):
+        # The input gradient of q/k/v (or gate/up), which share their input:
+        # x1 @ w1 + x2 @ w2 = cat([x1, x2], 1) @ cat([w1, w2], 0).
         with fake_group(2) as g:
             gm = trace(lambda x1, w1, x2, w2: reduce_scatter(x1 @ w1 + x2 @ w2, "sum", 0, g),
                        randn(8, 16), randn(16, 32), randn(8, 8), randn(8, 32))
+            report = rewrite(gm)
+        self.assertEqual([(c.task, c.fused) for c in report.candidates], [
+            ("matmul_reduce_scatter M=8 K=24 N=32 float32 world=2 group=0 sum, 2 matmuls "
+             "concatenated along K, copies 960 elements", True)])
+        self.assertExpectedInline(graph_text(gm), """\
+cat_default_1 = cat([w1_1, w2_1], 0)
+cat_default = cat([x1_1, x2_1], 1)
+matmul_reduce_scatter_default = matmul_reduce_scatter(cat_default, cat_default_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+return matmul_reduce_scatter_default
+""")
+
+    def test_sum_of_matmuls_scattered_on_the_sequence_of_b_2(self):
+        # The backward of sequence-parallel q/k/v: each term's left operand permuted to
+        # rank-major rows (where its producer, here a pointwise op, can write it so), then the
+        # operands concatenated along K; the op's [B*S/W, H] rows are this rank's [B, S/W, H].
+        def qkv_grad(dq, wq, dk, wk):
+            total = (F.gelu(dq) @ wq).view(2, 8, 16) + (dk @ wk).view(2, 8, 16)
+            return reduce_scatter(total, "sum", 1, g)
+
+        with fake_group(2) as g:
+            gm = trace(qkv_grad, randn(16, 8), randn(8, 16), randn(16, 4), randn(4, 16))
+            report = rewrite(gm)
+        self.assertEqual(report.candidates[0].task,
+                         "matmul_reduce_scatter M=16 K=12 N=16 float32 world=2 group=0 dim=1 sum, "
+                         "rank-major rows reordered in the graph, 2 matmuls concatenated along K, "
+                         "copies 256 elements")  # dk 16x4, the weights 8x16 and 4x16
+        self.assertExpectedInline(graph_text(gm), """\
+cat_default_1 = cat([wq_1, wk_1], 0)
+reshape_default_2 = reshape(dk_1, [2, 2, 4, 4])
+permute_default_1 = permute(reshape_default_2, [1, 0, 2, 3])
+reshape_default_3 = reshape(permute_default_1, [-1, 4])
+mul = mul.Tensor(dq_1, 0.5)
+mul_1 = mul.Tensor(dq_1, 0.7071067811865476)
+erf = erf(mul_1)
+add = add.Tensor(erf, 1)
+mul_2 = mul.Tensor(mul, add)
+reshape_default = reshape(mul_2, [2, 2, 4, 8])
+permute_default = permute(reshape_default, [1, 0, 2, 3])
+reshape_default_1 = reshape(permute_default, [-1, 8])
+cat_default = cat([reshape_default_1, reshape_default_3], 1)
+matmul_reduce_scatter_default = matmul_reduce_scatter(cat_default, cat_default_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+reshape_default_4 = reshape(matmul_reduce_scatter_default, [2, 4, 16])
+return reshape_default_4
+""")
+
+    def test_sum_of_matmuls_of_which_one_adds_a_bias_is_left_alone_with_the_reason(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x1, w1, x2, w2, b: reduce_scatter(
+                torch.addmm(b, x1, w1) + x2 @ w2, "sum", 0, g),
+                randn(8, 16), randn(16, 32), randn(8, 8), randn(8, 32), randn(32))
             before = graph_text(gm)
             report = rewrite(gm)
         self.assertEqual([(c.fused, c.reason) for c in report.candidates], [
-            (False, "reduce_scatter_tensor reduces add, a sum of matmuls (mm + mm_1): "
-                    "one op computes one matmul")])
+            (False, "add sums matmuls (addmm + mm) of which one adds a bias")])
         self.assertEqual(graph_text(gm), before)
 
     def test_reduce_scatter_dim_0_sum(self):
@@ -186,8 +271,12 @@ return matmul_reduce_scatter_default
         self.assertExpectedInline(graph_text(gm), """\
 permute = permute(w_1, [1, 0])
 view = view(x_1, [12, 16])
-matmul_reduce_scatter_default = matmul_reduce_scatter(view, permute, None, [2, 6, 8], 1, 'avg', '0', 2, '{"impl": "reference"}')
-return matmul_reduce_scatter_default
+reshape_default = reshape(view, [2, 2, 3, 16])
+permute_default = permute(reshape_default, [1, 0, 2, 3])
+reshape_default_1 = reshape(permute_default, [-1, 16])
+matmul_reduce_scatter_default = matmul_reduce_scatter(reshape_default_1, permute, None, [], 0, 'avg', '0', 2, '{"impl": "reference"}')
+reshape_default_2 = reshape(matmul_reduce_scatter_default, [2, 3, 8])
+return reshape_default_2
 """)
 
     def test_all_reduce_of_3d_linear_with_bias(self):

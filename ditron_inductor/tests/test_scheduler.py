@@ -222,6 +222,31 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
 
 
+def test_the_rewrites_copies_count_against_the_fused_plans():
+    """Rows reordered around the op, operands concatenated along K: the fused plans pay their
+    copies; the unfused graph pays the pointwise sum of the terms' products."""
+    from ditron_inductor.scheduler.cost_model import calibration, choose_device_plan, predict
+
+    copied = dataclasses.replace(AG, dim=1, rows_reordered=True, copy_elems=8192 * 7168)
+    assert copied.describe() == ("all_gather_matmul M=8192 K=8192 N=7168 bfloat16 world=4 group=0 "
+                                 "dim=1, rank-major rows reordered in the graph, copies 58720256 "
+                                 "elements")
+    copy_ms = 2 * 8192 * 7168 * 2 / (calibration(4)["copy_gbps"] * 1e6)
+    before, after = predict(AG), predict(copied)
+    assert after["nccl_cublas"] == before["nccl_cublas"]
+    assert after["tri_tma_128x256"] == pytest.approx(before["tri_tma_128x256"] + copy_ms)
+    plan, _ = choose_device_plan(copied)
+    assert plan is not None and plan.label == choose_device_plan(AG)[0].label
+    plan, why = choose_device_plan(dataclasses.replace(copied, copy_elems=64 * 8192 * 8192))
+    assert plan is None and why.startswith("no predicted gain")
+
+    rs = dataclasses.replace(RS, device_type="cuda")
+    summed = dataclasses.replace(rs, terms=3)
+    sum_ms = 4 * 8192 * 8192 * 2 / (calibration(4)["copy_gbps"] * 1e6)
+    assert predict(summed)["nccl_cublas"] == pytest.approx(predict(rs)["nccl_cublas"] + sum_ms)
+    assert predict(summed)["cublas"] == predict(rs)["cublas"]
+
+
 def test_calibration_by_world_picks_what_was_measured_best():
     """Each world size is planned with the constants measured nearest to it: on 4 ranks the
     measured best plan of every suite shape (all_gather_h200x4_own_rows_main_stream.md: the persistent Triton AG for the

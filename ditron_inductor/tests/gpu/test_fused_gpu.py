@@ -214,42 +214,77 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
         config.wait_timeout_s = saved
 
 
+def _compiled_runs(name, fn, shape, gen) -> dict:
+    """`fn` compiled with the fused plan forced, against eager on 3 random bf16 inputs of
+    `shape`; the calls the fused paths served meanwhile, by op. These shapes are too small for
+    the cost model to fuse: forcing the fused plan makes the compiled graph run the fused
+    kernels. The backend is passed as the function itself: the name "ditron" resolves through
+    the package's entry point, absent where the package is used from a checkout without being
+    installed."""
+    from ditron_inductor import config
+    from ditron_inductor.backend import ditron_backend
+
+    before = _served()
+    saved, config.force_plan = config.force_plan, "fused"
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=ditron_backend, fullgraph=True)
+        for _ in range(3):
+            x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+            _check(name, compiled(x), fn(x), tol=3e-2)
+    finally:
+        config.force_plan = saved
+    after = _served()
+    return {k: after[k] - before[k] for k in after}
+
+
+def _weights(gen, world, d=256, f=512):
+    """A column-parallel [d, f/W] and a row-parallel [f/W, d] weight."""
+    return (torch.randn(d, f // world, generator=gen, device="cuda", dtype=torch.bfloat16)
+            / d ** 0.5,
+            torch.randn(f // world, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            / f ** 0.5)
+
+
 def _compiled_case(group_name, world, rank, gen):
     """A sequence-parallel MLP through torch.compile(backend="ditron") vs eager."""
     import torch.distributed._functional_collectives as funcol
 
     try:
-        from ditron_inductor.backend import ditron_backend
+        import ditron_inductor.backend  # noqa: F401
     except ImportError:
         return "skipped (no backend)"
-    dev = torch.device("cuda")
-    d, f = 256, 512
-    w1 = torch.randn(d, f // world, generator=gen, device=dev, dtype=torch.bfloat16) / d ** 0.5
-    w2 = torch.randn(f // world, d, generator=gen, device=dev, dtype=torch.bfloat16) / f ** 0.5
+    w1, w2 = _weights(gen, world)
 
     def mlp(x):
         h = funcol.all_gather_tensor(x, 0, group_name)
         h = torch.nn.functional.gelu(h @ w1)
         return funcol.reduce_scatter_tensor(h @ w2, "sum", 0, group_name)
 
-    from ditron_inductor import config
+    served = _compiled_runs("compiled SP MLP", mlp, (136, 256), gen)
+    _compiled_sequence_parallel_b2_case(group_name, world, gen)
+    return served
 
-    before = _served()
-    # These shapes are too small for the cost model to fuse: force the fused plan so that the
-    # compiled graph runs the fused kernels. The backend is passed as the function itself: the
-    # name "ditron" resolves through the package's entry point, absent where the package is used
-    # from a checkout without being installed.
-    saved, config.force_plan = config.force_plan, "fused"
-    try:
-        torch._dynamo.reset()
-        compiled = torch.compile(mlp, backend=ditron_backend, fullgraph=True)
-        for _ in range(3):
-            x = torch.randn(136, d, generator=gen, device=dev, dtype=torch.bfloat16)
-            _check("compiled SP MLP", compiled(x), mlp(x), tol=3e-2)
-    finally:
-        config.force_plan = saved
-    after = _served()
-    return {k: after[k] - before[k] for k in after}
+
+def _compiled_sequence_parallel_b2_case(group_name, world, gen):
+    """Shard(1) of [B = 2, S, H]: the ranks' rows interleave, so the pass gathers and scatters
+    rank-major rows and permutes them in the graph; the backward-style sum of two matmul
+    products is reduce-scattered as one matmul over operands concatenated along K. The fused
+    kernels must serve both ops (not their reference fallback), with eager's numbers."""
+    c10d = torch.ops._c10d_functional
+    (w1, w2), (w3, w4) = _weights(gen, world), _weights(gen, world)
+
+    def block(x):  # the ops DTensor leaves for a gather / scatter along dim 1
+        h = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group_name))
+        h = torch.cat(h.chunk(world, dim=0), dim=1)
+        g, u = torch.nn.functional.gelu(h @ w1), torch.relu(h @ w3)
+        y = g @ w2 + u @ w4
+        y = torch.cat(y.chunk(world, dim=1), dim=0)
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(y.contiguous(), "sum", world,
+                                                           group_name))
+
+    served = _compiled_runs("compiled SP block B=2", block, (2, 68, 256), gen)
+    assert served["all_gather_matmul"] >= 3 and served["matmul_reduce_scatter"] >= 3, served
 
 
 def _compiled_case_reported(group_name, world, rank, gen):

@@ -1,0 +1,115 @@
+"""Rank-major rows: how the rewrite serves a gather or scatter whose ranks' chunks interleave.
+
+A sequence-parallel `Shard(1)` of `[B, S, H]` with B > 1 cuts the `[B*S, H]` matrix that the
+matmul sees into row blocks (b, r, s): each rank's chunk is B blocks, not one, while the fused
+kernels take each rank's chunk as one block of rows. The op then runs on the rows in rank-major
+order (r, b, s), a gather or scatter on dim 0 of the matrix, and the graph permutes the rows
+around it. With P the product of the dims before the gather/scatter dim and Q the rows of one
+rank's chunk per leading index:
+
+  all-gather:     each output [W*P*Q, N], rank-major  -> view [W, P, Q, N] -> permute(1, 0, 2, 3)
+                  -> reshape [P*W*Q, N], the graph's order
+  reduce-scatter: the left operand [P*W*Q, K]          -> view [P, W, Q, K] -> permute(1, 0, 2, 3)
+                  -> reshape [W*P*Q, K], rank-major; the op's [P*Q, N] is the rank's piece
+
+A row of a matmul product depends on the same row of its left operand only, so the numbers are
+those of the graph. Inductor computes a permute + reshape inside the kernel that reads it (a
+pointwise op, a concatenation, a reshape that copies in the graph anyway) or that writes its
+input (a pointwise producer); elsewhere (an extern kernel such as a matmul or attention, a graph
+output) it is a copy, which `copied_*` below report so that the cost model counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from ..scheduler.task import numel
+
+aten = torch.ops.aten
+
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+VIEWS = RESHAPES + (
+    aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+    aten.slice.Tensor, aten.select.int, aten.alias.default,
+)
+
+
+def _is(node: object, targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def static_sizes(sizes: Sequence) -> Optional[list[int]]:
+    """`sizes` as a view's argument: ints, with one symbolic size as -1 (the view infers it);
+    None when more than one is symbolic."""
+    out = [int(s) if is_concrete_int(s) else -1 for s in sizes]
+    return out if out.count(-1) <= 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOrder:
+    """The permutation between the graph's rows (p, r, q) and the rank-major rows (r, p, q)."""
+
+    world: int
+    lead: int  # P (-1: symbolic, the view infers it)
+    per_rank: int  # Q (-1: symbolic)
+
+    @staticmethod
+    def of(piece_shape: Sequence, dim: int, world: int) -> Optional["RowOrder"]:
+        """For one rank's piece (the all-gather's shard, the reduce-scatter's result) cut along
+        `dim`; None when both P and Q are symbolic or the last dim is (no view can say them)."""
+        sizes = static_sizes([numel(piece_shape[:dim]), numel(piece_shape[dim:-1]),
+                              piece_shape[-1]])
+        if sizes is None or sizes[-1] < 0:
+            return None
+        return RowOrder(world, sizes[0], sizes[1])
+
+    def rank_major_view(self, cols: int) -> list[int]:
+        return [self.world, self.lead, self.per_rank, cols]
+
+    def graph_order_view(self, cols: int) -> list[int]:
+        return [self.lead, self.world, self.per_rank, cols]
+
+
+SWAP_FIRST_TWO = [1, 0, 2, 3]
+
+
+def _pointwise(node: Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _copies_anyway(node: Node) -> bool:
+    """A reshape of a tensor that is not contiguous: Inductor copies there in any case."""
+    return _is(node, RESHAPES) and not node.args[0].meta["val"].is_contiguous()
+
+
+def folds_into_users(node: Node) -> bool:
+    """Whether every use of `node`, through views, reads it from a kernel that Inductor can
+    give a permuted index (pointwise, cat, a reshape that copies anyway)."""
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op != "call_function":
+            return False  # a graph output is stored as it is
+        if _copies_anyway(user) or _pointwise(user) or _is(user, (aten.cat.default,)):
+            continue
+        if _is(user, VIEWS):
+            stack.extend(user.users)
+            continue
+        return False
+    return True
+
+
+def folds_into_producer(node: Node) -> bool:
+    """Whether the kernel that computes `node` (through views) can write it permuted: a
+    pointwise op that nothing else reads, or a reshape that copies anyway."""
+    while _is(node, VIEWS):
+        if _copies_anyway(node):
+            return True
+        node = node.args[0]
+    return isinstance(node, Node) and _pointwise(node) and len(node.users) == 1
