@@ -14,9 +14,12 @@ rank's chunk per leading index:
 
 A row of a matmul product depends on the same row of its left operand only, so the numbers are
 those of the graph. Inductor computes a permute + reshape inside the kernel that reads it (a
-pointwise op, a concatenation, a reshape that copies in the graph anyway) or that writes its
-input (a pointwise producer); elsewhere (an extern kernel such as a matmul or attention, a graph
-output) it is a copy, which `copied_*` below report so that the cost model counts it.
+pointwise op, a reduction, a concatenation, a reshape that copies in the graph anyway) or that
+writes its input (a pointwise producer); elsewhere (an extern kernel such as a matmul or
+attention, a graph output) it is a copy, which `folds_into_*` below tell apart so that the cost
+model counts it. Between two such ops (a gather, pointwise ops, a scatter of their products) the
+permutations cancel: Inductor's one pointwise kernel reads the gather's rank-major rows and
+writes the scatter's.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class RowOrder:
         return [self.lead, self.world, self.per_rank, cols]
 
 
+# Reductions read their input through a loader, as pointwise ops do.
+REDUCTIONS = (aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+              aten.amin.default, aten.var_mean.correction, aten.var.correction)
 SWAP_FIRST_TWO = [1, 0, 2, 3]
 
 
@@ -90,13 +96,14 @@ def _copies_anyway(node: Node) -> bool:
 
 def folds_into_users(node: Node) -> bool:
     """Whether every use of `node`, through views, reads it from a kernel that Inductor can
-    give a permuted index (pointwise, cat, a reshape that copies anyway)."""
+    give a permuted index (pointwise, a reduction, cat, a reshape that copies anyway)."""
     stack = list(node.users)
     while stack:
         user = stack.pop()
         if user.op != "call_function":
             return False  # a graph output is stored as it is
-        if _copies_anyway(user) or _pointwise(user) or _is(user, (aten.cat.default,)):
+        if (_copies_anyway(user) or _pointwise(user)
+                or _is(user, (aten.cat.default,) + REDUCTIONS)):
             continue
         if _is(user, VIEWS):
             stack.extend(user.users)

@@ -117,6 +117,15 @@ return [reshape_default_4, mm_1]
             "gathered rank-major on dim 0, the rows permuted in the graph (dim 1 order): "
             "Inductor permutes mm, mm_1 within kernels it runs anyway and copies none"])
 
+    def test_rows_permuted_into_a_reduction_copy_nothing_but_into_a_graph_output_copy(self):
+        with fake_group(2) as g:
+            reduced = rewrite(trace(lambda x, w: F.linear(all_gather(x, 1, g), w).amax(-1),
+                                    randn(2, 4, 16), randn(32, 16)))
+            returned = rewrite(trace(lambda x, w: F.linear(all_gather(x, 1, g), w),
+                                     randn(2, 4, 16), randn(32, 16)))
+        self.assertNotIn("copies", reduced.candidates[0].task)
+        self.assertIn("copies 512 elements", returned.candidates[0].task)
+
     def test_sequence_parallel_batch_1_chain_of_reshapes(self):
         # DTensor's gather of Shard(1) on [1, S/W, H]: all-gather on dim 0 into [W, S/W, H], a
         # view to [1, S, H], another to [S, H]; the weight gradient reads the gathered matrix
