@@ -464,6 +464,10 @@ def test_dynamic_m_one_compile():
     _assert_check(ranks, {"forward": [AG, RS], "backward": [AG, RS]})
     for res in ranks:
         assert [g.split()[-1] for g, _ in res["reports"]] == ["forward", "backward"], res["reports"]
+        # B 2 with a symbolic sequence: the permuting views infer it (-1), so every site runs
+        # on rank-major rows
+        tasks = [task for _, candidates in res["reports"] for task, _, _ in candidates]
+        assert all("rank-major rows reordered" in t for t in tasks), tasks
 
 
 @pytest.mark.slow
