@@ -37,6 +37,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # (kernel, grid, meta items, device, argument classes) -> (runner, values of the params after
 # the positional ones) or None (this kernel always takes the ordinary path)
 _runners: dict = {}
+_MAX_RUNNERS = 4096
 
 
 def arg_class(a: Any):
@@ -81,6 +82,8 @@ def launch(kernel, grid: tuple, *args, stream: Optional[int] = None, **meta) -> 
     entry = _runners.get(key, False)
     if entry is False:
         entry = _first_launch(kernel, grid, args, stream, meta)
+        if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over, Triton keeps
+            _runners.clear()              # its compiled kernels
         _runners[key] = entry
         return
     if entry is None:

@@ -63,6 +63,8 @@ class SymmBuffer:
         key = (rank, dtype, tuple(shape), byte_offset)
         found = self._views.get(key)
         if found is None:
+            if len(self._views) >= 1024:  # many shapes (dynamic M): start over
+                self._views.clear()
             found = self._views[key] = self._view(rank, dtype, shape, byte_offset)
         return found
 

@@ -77,3 +77,18 @@ def test_launch_without_a_compiled_kernel_always_goes_through_triton(monkeypatch
     for _ in range(3):
         kernel_launch.launch(k, (1,), torch.zeros(4), 4, 1.0, BLOCK=16)
     assert [entry[0] for entry in k.launches] == ["triton"] * 3
+
+
+def test_the_table_of_runners_is_bounded(monkeypatch):
+    """Dynamic shapes give a new grid per size: the table starts over instead of growing."""
+    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(kernel_launch, "_runners", {})
+    monkeypatch.setattr(kernel_launch, "_MAX_RUNNERS", 3)
+    k = FakeKernel()
+    x = torch.zeros(16)
+    for progs in range(1, 8):
+        kernel_launch.launch(k, (progs,), x, 4, 1.0, BLOCK=16)
+        assert len(kernel_launch._runners) <= 3
+    kernel_launch.launch(k, (7,), x, 4, 1.0, BLOCK=16)  # the latest entry survived
+    assert k.launches[-1][0] == "fast"
