@@ -42,26 +42,21 @@ _MAX_RUNNERS = 4096
 
 def arg_class(a: Any):
     """What Triton specializes a kernel on for this argument (or more)."""
-    t = type(a)  # the common kinds first: this runs for every argument of every launch
+    t = type(a)  # exact types first: this runs for every argument of every launch
     if t is int:
         return (int, a == 1, a & 15 == 0,
                 0 if _I32_MIN <= a <= _I32_MAX else 1 if a <= _I64_MAX else 2)
-    if t is torch.Tensor:
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if isinstance(a, bool) or a is None:
+    if t is bool or a is None:
         return a
-    if isinstance(a, int):
-        return (int, a == 1, a & 15 == 0,
-                0 if _I32_MIN <= a <= _I32_MAX else 1 if a <= _I64_MAX else 2)
-    if isinstance(a, float):
+    if t is float:
         return float
     if isinstance(a, TensorDescriptor):
         base = a.base
         return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape),
                 tuple(a.strides), tuple(a.block_shape), getattr(a, "padding", None))
-    return type(a), a
+    return t, a  # anything else (an int or float subclass included): by its value
 
 
 def current_stream() -> int:

@@ -92,3 +92,15 @@ def test_the_table_of_runners_is_bounded(monkeypatch):
         assert len(kernel_launch._runners) <= 3
     kernel_launch.launch(k, (7,), x, 4, 1.0, BLOCK=16)  # the latest entry survived
     assert k.launches[-1][0] == "fast"
+
+
+def test_arguments_of_other_kinds_are_classed_by_value():
+    import enum
+
+    class Mode(enum.IntEnum):
+        A = 1
+        B = 2
+
+    c = kernel_launch.arg_class
+    assert c(Mode.A) != c(Mode.B) and c(Mode.A) != c(1)
+    assert c("x") != c("y")
