@@ -2,7 +2,8 @@
 # Checks of the backend that need the GPU machine's torch (run from the repo root, `.whl/`
 # carried): install the package so its entry points exist, then run the named steps.
 #   bash scripts/device_check.sh [step ...]    (default: every step)
-# Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2 (the default), and on two or
+# Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2 (the default); gpu_w1 (the
+# fused GPU tests at world size 1, for a one-GPU machine); and on two or
 # more GPUs: exit_gpu (programs that used the fused ops exit, tests/gpu/test_exit_gpu.py),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), e2e_llama (benchmarks/e2e_llama.py over every
 # local GPU, the JSON into $OUT). Logs land in $OUT.
@@ -22,6 +23,9 @@ demo_nccl() { timeout -k 5 120 python3 -m ditron_inductor.demo; }
 demo_nccl_fused() { DITRON_PLAN=fused TORCH_LOGS=ditron timeout -k 5 120 python3 -m ditron_inductor.demo; }
 fused_w2() { timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider \
   ditron_inductor/tests/gpu/test_fused_gpu.py -k "world2 and torch"; }
+gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cacheprovider \
+  ditron_inductor/tests/gpu/test_fused_gpu.py ditron_inductor/tests/gpu/test_all_reduce_gpu.py \
+  -k "world1 or fused[1]"; }
 exit_gpu() { timeout -k 5 300 python3 -m pytest -q -s -p no:cacheprovider \
   ditron_inductor/tests/gpu/test_exit_gpu.py; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \

@@ -220,7 +220,8 @@ def _worker(rank, world, port, calls, result_dir):
                        (32, {"algo": "lamport"}), (128, {"algo": "lamport"}))
         for m, plan_params in graph_cases if everything else ():
             _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
-        _compiled_decode_case(world, torch.bfloat16, gen)
+        if world > 1:  # at world size 1 the scheduler fuses nothing, which the case asserts
+            _compiled_decode_case(world, torch.bfloat16, gen)
         status = f"ok stats={dict(stats)}"
         from ditron_inductor import runtime
 
@@ -243,6 +244,6 @@ def _run(world, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):
     assert not failures, failures[0]
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])  # 1: every plan's kernels on a one-GPU machine
 def test_all_reduce_fused(world, tmp_path):
     _run(world, tmp_path)
