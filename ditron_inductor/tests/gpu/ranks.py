@@ -1,4 +1,5 @@
-"""What every GPU test rank does last: leave its status for the parent and close the group."""
+"""How the GPU tests start their ranks, and what every rank does last: leave its status for the
+parent and close the group."""
 
 from __future__ import annotations
 
@@ -12,3 +13,17 @@ def report_and_close(result_dir: str, rank: int, status: str) -> None:
         fh.write(status)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn_ranks(worker, args: tuple, world: int) -> None:
+    """`worker(rank, *args)` on `world` fresh processes, one per GPU, running the compiled kernels:
+    the interpreter test modules that pytest collected into the same process set
+    TRITON_INTERPRET=1 in its environment, which the ranks would otherwise inherit."""
+    import torch.multiprocessing as mp
+
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        mp.start_processes(worker, args=args, nprocs=world, join=True, start_method="spawn")
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret

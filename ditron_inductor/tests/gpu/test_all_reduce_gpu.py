@@ -21,7 +21,7 @@ import traceback
 import pytest
 import torch
 
-from .ranks import report_and_close
+from .ranks import report_and_close, spawn_ranks
 from .test_fused_gpu import _check, _free_port, _plan
 
 AR = "matmul_all_reduce_rmsnorm"
@@ -234,10 +234,7 @@ def _worker(rank, world, port, calls, result_dir):
 def _run(world, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(world, _free_port(), calls, str(tmp_path)), nprocs=world,
-                       join=True, start_method="spawn")
+    spawn_ranks(_worker, (world, _free_port(), calls, str(tmp_path)), world)
     reports = [open(tmp_path / f"rank{r}.txt").read() for r in range(world)]
     print("\n".join(f"rank {r}: {t.splitlines()[0]}" for r, t in enumerate(reports)))
     failures = [t for t in reports if t.startswith("FAIL")]

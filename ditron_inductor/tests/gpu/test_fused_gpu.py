@@ -15,7 +15,7 @@ import traceback
 import pytest
 import torch
 
-from .ranks import report_and_close
+from .ranks import report_and_close, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -343,10 +343,7 @@ def _run(world, backend, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS",
         pytest.skip(f"needs {world} GPUs")
     if backend == "nvshmem":
         pytest.importorskip("nvshmem.core")
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(world, _free_port(), backend, calls, str(tmp_path)),
-                       nprocs=world, join=True, start_method="spawn")
+    spawn_ranks(_worker, (world, _free_port(), backend, calls, str(tmp_path)), world)
     reports = [open(tmp_path / f"rank{r}.txt").read() for r in range(world)]
     print("\n".join(f"rank {r}: {t.splitlines()[0]}" for r, t in enumerate(reports)))
     failures = [t for t in reports if t.startswith("FAIL")]
