@@ -19,13 +19,28 @@ Workloads:
   launch and `mode="reduce-overhead"` (CUDA graphs);
 - decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric
-memory enabled for the group; CUDA only), ditron. Timing: random token ids, warm-up, then
---reps interleaved repetitions (each contender in turn) of --iters calls; CUDA events on GPU; the
-median over repetitions, the maximum over ranks. Checks: the training loss and a few gradients
-after the first step, and the logits, against Inductor's (same init, same data). Per compiled
-ditron graph: the number of `torch.ops.ditron.*` calls; and each line the `ditron` logger wrote
-at INFO (one per match: fused with the plan's reason, or not and why). Prints a markdown table;
-`--json PATH` writes the rows, the ditron lines and the command.
+memory enabled for the group; CUDA only), ditron. Timing: random token ids, warm-up, then --reps
+interleaved repetitions (each contender in turn) of --iters calls, or of as many as take --min-ms
+(5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
+repetitions, the maximum over ranks; the spread of the repetitions ((max - min) / median, the
+largest over contenders and ranks: differences smaller than it are noise); and the host's time
+per call (near the device's: the step is bound by the host). Checks: the training loss and a few
+gradients after the first step, and the logits, against Inductor's (same init, same data). Per
+compiled ditron graph: the number of `torch.ops.ditron.*` calls; under reduce-overhead, the
+graphs each contender's Inductor declined to capture (they run eagerly); and each line the
+`ditron` logger wrote at INFO (one per match: fused with the plan's reason, or not and why).
+Prints a markdown table; `--json PATH` writes the rows, the ditron lines and the command.
+
+The bound (`--no-comm`): one process on one device, a fake process group of --world ranks (every
+collective returns at once and leaves its output unwritten), eager and Inductor only. Its times are
+the step at TP --world shapes without any communication, what hiding all of it could reach; set
+beside Inductor's time with communication they bound what overlap can gain (it hides the
+collectives; it does not shorten the compute). Runs on a one-GPU machine:
+
+    python benchmarks/e2e_llama.py --no-comm --world 2 --json benchmarks/results/e2e_llama_h200x1_no_comm_w2.json
+
+Given that JSON (`--bound-json PATH`), a run with communication adds two columns: the bound and the
+ceiling, Inductor's time over the bound (`scripts/device_check.sh e2e_llama` runs both).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -55,6 +71,7 @@ WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
+NO_COMM_CONTENDERS = ("eager", "inductor")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true",
                    help="tiny config and shapes (hidden 64, 2 layers, S 16): a smoke run")
     p.add_argument("--world", type=int, default=2,
-                   help="ranks to spawn when not launched by torchrun (CPU smoke run)")
+                   help="ranks to spawn when not launched by torchrun (CPU smoke run), or the "
+                        "fake group's size with --no-comm")
+    p.add_argument("--no-comm", action="store_true",
+                   help="the bound: one process, a fake group of --world ranks whose collectives "
+                        "do nothing; eager and Inductor only, no checks")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--heads", type=int, default=32)
@@ -81,7 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--min-ms", type=float, default=20.0,
+                   help="each timed repetition runs at least this long (more calls than --iters)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--bound-json", default=None,
+                   help="the JSON of a --no-comm run of the same sizes: adds the bound columns")
     if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
         p.set_defaults(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2, vocab=128,
                        train_seq=16, prefill_seqs="16", decode_batches="1,4", warmup=1, iters=1,
@@ -96,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.modes = EAGER_LAUNCH
         args.contenders = ",".join(c for c in args.contenders.split(",")
                                    if c != "inductor_async_tp")
+    if args.no_comm:  # the fused contenders need peers that are there
+        args.contenders = ",".join(c for c in args.contenders.split(",") if c in NO_COMM_CONTENDERS)
+        if not args.contenders:
+            p.error(f"--no-comm: --contenders must include one of {', '.join(NO_COMM_CONTENDERS)}")
     return args
 
 
@@ -124,7 +153,9 @@ def compiled(contender: str, model, mode: str, group_name: str):
 
 
 class Timer:
-    """Milliseconds per call of `fn`, over `iters` calls; CUDA events on GPU."""
+    """(device ms, host ms) per call of `fn`, over `iters` calls: CUDA events on GPU, and the
+    host's time from the first call to the last call's return (the two agree where the host
+    cannot run ahead of the device: a host-bound step)."""
 
     def __init__(self, device: str):
         self.device = device
@@ -135,36 +166,51 @@ class Timer:
             torch.cuda.synchronize()
         dist.barrier()
 
-    def __call__(self, fn, iters: int) -> float:
+    def __call__(self, fn, iters: int) -> tuple[float, float]:
         self.sync()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
+            host = (time.perf_counter() - t0) * 1e3 / iters
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / iters
+            return start.elapsed_time(end) / iters, host
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
+        ms = (time.perf_counter() - t0) * 1e3 / iters
+        return ms, ms
 
 
 def interleaved(fns: dict, timer: Timer, args) -> dict:
-    """{contender: median ms per call, max over ranks}: warm-up, then --reps rounds in which
-    each contender runs --iters calls in turn."""
+    """{"ms": {contender: median ms per call}, "host_ms": {contender: the host's}, "spread"}, each
+    the maximum over ranks: warm-up, then --reps rounds in which each contender runs its calls in
+    turn: --iters, or as many as take --min-ms."""
     for fn in fns.values():
         for _ in range(args.warmup):
             fn()
-    times = {name: [] for name in fns}
+    # every rank makes the same number of calls: each holds collectives the others wait on
+    once = torch.tensor([timer(fn, 1)[0] for fn in fns.values()], dtype=torch.float64,
+                        device=timer.device)
+    dist.all_reduce(once, op=dist.ReduceOp.MIN)
+    iters = {name: max(args.iters, math.ceil(args.min_ms / max(ms, 1e-3)))
+             for name, ms in zip(fns, once.cpu().tolist())}
+    times, host = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(args.reps):
         for name, fn in fns.items():
-            times[name].append(timer(fn, args.iters))
-    medians = torch.tensor([statistics.median(times[n]) for n in fns], dtype=torch.float64,
-                           device=timer.device)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, medians.cpu().tolist()))
+            ms, host_ms = timer(fn, iters[name])
+            times[name].append(ms)
+            host[name].append(host_ms)
+    stats = torch.tensor([[statistics.median(t), statistics.median(host[n]),
+                           (max(t) - min(t)) / statistics.median(t)] for n, t in times.items()],
+                         dtype=torch.float64, device=timer.device).reshape(len(fns), 3)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    medians, host_medians, spreads = stats.cpu().T.tolist()
+    return {"ms": dict(zip(fns, medians)), "host_ms": dict(zip(fns, host_medians)),
+            "spread": max(spreads, default=0.0)}
 
 
 def ditron_graphs(start: int) -> list[dict]:
@@ -217,9 +263,9 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             return step
         if (step := guarded(name, setup, failed)) is not None:
             steps[name] = step
-    ms = interleaved(steps, timer, args)
+    timing = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
-    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, ms, checks, graphs, failed)]
+    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, timing, checks, graphs, failed)]
 
 
 def guarded(name: str, setup, failed: dict):
@@ -235,6 +281,8 @@ def guarded(name: str, setup, failed: dict):
 
 def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, mesh, timer,
                    group_name) -> list[dict]:
+    from torch._dynamo.utils import counters
+
     from ditron_inductor.lowering import graph_pass
 
     model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
@@ -245,7 +293,7 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
         ids = llama_tp.tokens(batch, seq, config.vocab_size, seed=0, device=args.device)
         for mode in args.modes.split(","):
             torch._dynamo.reset()
-            fns, checks, graphs, failed = {}, {}, [], {}
+            fns, checks, graphs, failed, skips = {}, {}, [], {}, {}
             for name in args.contenders.split(","):
                 def setup(name=name):
                     run = compiled(name, model, mode, group_name)
@@ -254,23 +302,27 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
                         with torch.no_grad():
                             return run(input_ids=ids, logits_to_keep=1).logits
                     start = len(graph_pass.reports)
+                    skipped = counters["inductor"]["cudagraph_skips"]
                     checks[name] = {"logits": call().float().clone()}
+                    skips[name] = counters["inductor"]["cudagraph_skips"] - skipped
                     if name == "ditron":
                         graphs[:] = ditron_graphs(start)
                     return call
                 if (call := guarded(name, setup, failed)) is not None:
                     fns[name] = call
-            ms = interleaved(fns, timer, args)
-            rows.append(row(workload, f"B {batch}, S {seq}", mode, ms, checks, graphs, failed))
+            timing = interleaved(fns, timer, args)
+            rows.append(row(workload, f"B {batch}, S {seq}", mode, timing, checks, graphs, failed))
+            if mode == CUDA_GRAPHS:  # a graph Inductor would not capture runs eagerly instead
+                rows[-1]["cudagraph_skips"] = skips
     return rows
 
 
-def row(workload: str, shape: str, mode: str, ms: dict, checks: dict, graphs: list,
+def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs: list,
         failed: dict) -> dict:
     baseline = "inductor" if "inductor" in checks else "eager"
     ditron, base = checks.get("ditron"), checks.get(baseline)
     diffs = {k: max_diff(ditron[k], base[k]) for k in base} if ditron and base else {}
-    return {"workload": workload, "shape": shape, "mode": mode, "ms": ms,
+    return {"workload": workload, "shape": shape, "mode": mode, **timing,
             "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs,
             "failed": failed}
 
@@ -278,9 +330,21 @@ def row(workload: str, shape: str, mode: str, ms: dict, checks: dict, graphs: li
 # ------------------------------------------------------------------------------------- reporting
 
 
+def no_comm_bounds(path: str, world: int) -> dict:
+    """{(workload, shape, mode): Inductor ms} of a --no-comm run's JSON at this world size."""
+    with open(path) as f:
+        result = json.load(f)
+    if not result.get("no_comm") or result.get("world") != world:
+        raise SystemExit(f"--bound-json {path}: not the JSON of a --no-comm run at world {world}")
+    return {(r["workload"], r["shape"], r["mode"]): r["ms"]["inductor"]
+            for r in result["rows"] if "inductor" in r["ms"]}
+
+
 def table(rows: list[dict], contenders: list[str]) -> str:
+    bounded = any("no_comm_ms" in r for r in rows)
     head = (["workload", "shape", "mode"] + [f"{c} ms" for c in contenders]
-            + ["ditron vs Inductor", "ditron vs async TP", "ditron ops per graph",
+            + (["no-comm bound ms", "ceiling (Inductor / bound)"] if bounded else [])
+            + ["spread", "host ms per call", "ditron vs Inductor", "ditron vs async TP", "ditron ops per graph",
                "ditron's max diff (vs Inductor, else eager)"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -295,6 +359,12 @@ def table(rows: list[dict], contenders: list[str]) -> str:
         cells = ([r["workload"], r["shape"], r["mode"]]
                  + [f"{ms[c]:.3f}" if c in ms else "failed" if c in r["failed"] else "-"
                     for c in contenders]
+                 + ([f"{r['no_comm_ms']:.3f}" if "no_comm_ms" in r else "-",
+                     f"{ms['inductor'] / r['no_comm_ms']:.2f}x"
+                     if "no_comm_ms" in r and "inductor" in ms else "-"] if bounded else [])
+                 + [f"{r['spread']:.0%}" if "spread" in r else "-",
+                    " / ".join(f"{r['host_ms'][c]:.3f}" for c in contenders
+                               if c in r.get("host_ms", {})) or "-"]
                  + [speedup("inductor"), speedup("inductor_async_tp"), ops or "-", diffs or "-"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -353,13 +423,24 @@ def run(rank: int, world_size: int, argv=None) -> dict:
 def report(result: dict, argv: list[str]) -> None:
     args = parse_args(argv)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n## Llama e2e: world {result['world']}, {device}, hidden {args.hidden}, "
+    if args.bound_json:
+        bounds = no_comm_bounds(args.bound_json, result["world"])
+        for r in result["rows"]:
+            if (key := (r["workload"], r["shape"], r["mode"])) in bounds:
+                r["no_comm_ms"] = bounds[key]
+    world = (f"world {result['world']} without communication (a fake group: the collectives "
+             f"do nothing, outputs unchecked)" if args.no_comm else f"world {result['world']}")
+    print(f"\n## Llama e2e: {world}, {device}, hidden {args.hidden}, "
           f"intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads}, "
           f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}\n")
     print(table(result["rows"], result["contenders"]))
     for r in result["rows"]:
         for name, error in r["failed"].items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
+        for name, n in r.get("cudagraph_skips", {}).items():
+            if n:
+                print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}: Inductor skipped CUDA "
+                      f"graphs {n} times (TORCH_LOGS=cudagraphs says why)")
     print("\nditron, one line per match (rank 0):")
     for line in result["ditron_log"]:
         print("  " + line)
@@ -367,7 +448,8 @@ def report(result: dict, argv: list[str]) -> None:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join([sys.argv[0]] + argv), "device": device,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "torch": torch.__version__, **result}, f, indent=1)
+                       "torch": torch.__version__, "no_comm": args.no_comm, **result}, f,
+                      indent=1)
 
 
 def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -377,6 +459,15 @@ def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.no_comm:  # rank 0 of a group whose other ranks never exist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+        report(run(0, args.world, argv), argv)
+        dist.destroy_process_group()
+        return
+    if args.bound_json:  # fail before the run, not after it
+        no_comm_bounds(args.bound_json, int(os.environ.get("WORLD_SIZE", args.world)))
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         result = run(dist.get_rank(), dist.get_world_size(), argv)

@@ -257,3 +257,61 @@ def test_benchmark_smoke_run(tmp_path):
         assert all(v > 0 for v in r["ms"].values())
         assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) > 0, r
         assert r["diff_baseline"] == "eager" and max(r["ditron_max_diff"].values()) < 1e-4, r
+
+
+@pytest.mark.slow
+def test_benchmark_no_comm_bound(tmp_path):
+    # --no-comm: one process, a fake group of 2 ranks: the TP 2 step without communication, for
+    # eager and Inductor only (the fused contenders are dropped: they need real peers).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "benchmarks", "e2e_llama.py")
+    out = tmp_path / "bound.json"
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--tiny", "--no-comm", "--world", "2",
+         "--workloads", "decode", "--decode-batches", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world 2 without communication" in proc.stdout, proc.stdout
+    result = json.loads(out.read_text())
+    assert result["no_comm"] and result["world"] == 2 and result["contenders"] == ["eager", "inductor"]
+    (r,) = result["rows"]
+    assert r["failed"] == {} and set(r["ms"]) == {"eager", "inductor"} and r["ditron_graphs"] == []
+    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--no-comm", "--contenders",
+                          "ditron"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "--no-comm: --contenders must include one of eager, inductor" \
+        in bad.stderr, bad.stderr
+
+
+def test_benchmark_bound_columns(tmp_path):
+    # --bound-json: the no-comm run's Inductor time beside each row, and the ceiling it sets
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("e2e_llama", os.path.join(root, "benchmarks",
+                                                                            "e2e_llama.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    key = ("prefill (TP)", "B 1, S 4096", e2e.EAGER_LAUNCH)
+    bound = tmp_path / "bound.json"
+    bound.write_text(json.dumps({"no_comm": True, "world": 2, "rows": [
+        {"workload": key[0], "shape": key[1], "mode": key[2], "ms": {"inductor": 6.0}}]}))
+    assert e2e.no_comm_bounds(str(bound), 2) == {key: 6.0}
+    with pytest.raises(SystemExit, match="not the JSON of a --no-comm run at world 4"):
+        e2e.no_comm_bounds(str(bound), 4)
+    row = {"workload": key[0], "shape": key[1], "mode": key[2], "no_comm_ms": 6.0,
+           "ms": {"inductor": 7.5, "ditron": 7.0}, "spread": 0.04,
+           "host_ms": {"inductor": 7.4, "ditron": 1.2}, "failed": {}, "ditron_graphs": [],
+           "ditron_max_diff": {}}
+    lines = e2e.table([row], ["inductor", "ditron"]).splitlines()
+    assert "| no-comm bound ms | ceiling (Inductor / bound) |" in lines[0]
+    assert lines[2].startswith("| prefill (TP) | B 1, S 4096 | eager launch | 7.500 | 7.000 | "
+                               "6.000 | 1.25x | 4% | 7.400 / 1.200 | 1.07x |"), lines[2]
+    unbounded = {k: v for k, v in row.items() if k != "no_comm_ms"}
+    assert "no-comm" not in e2e.table([unbounded], ["inductor", "ditron"])
