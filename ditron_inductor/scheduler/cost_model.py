@@ -118,8 +118,8 @@ H200X8 = dict(
     triton_overhead_ms=0.10,  # fused Triton AG: tail and setup beyond max(GEMM, transfer), 0-0.16
     host_floor_ms=0.75,  # host time of one fused call at W=8 (driver calls + launches), 0.72-0.78
     reduce_gbps=2500.0,  # the reduction of W partial slots, GB/s read
-    # a copy kernel, GB/s read + written: not measured here; H200's HBM3e peaks at 4.8 TB/s,
-    # of which copies reach about 80%
+    # Inductor's copy kernels for the rewrite's reorders and concatenations, GB/s read + written:
+    # 3630-3980 on one H200 (benchmarks/bench_local_copy.py)
     copy_gbps=3800.0,
     cublas_groups_factor=1.0,  # AG with cuBLAS on groups of chunks: measured / modelled time
     num_sms=132,
