@@ -137,16 +137,18 @@ def cases(world: int, group: str, dev):
     }
     yield "matmul_reduce_scatter", f"M={rows} K={k} N={n}", rs
 
-    # matmul + all-reduce (+ residual + RMSNorm), decode and prefill sizes
-    for m, algo_params in ((8, dict(algo="push_all")), (128, dict(algo="push")),
-                           (2048, dict(algo="push", overlap=True, gemm="triton", chunks=16,
-                                       progs=16, block=16384, warps=32))):
+    # matmul + all-reduce (+ residual + RMSNorm), decode and prefill sizes: each M with the plans
+    # the scheduler picks there on 2-4 ranks (lamport) and on more (push)
+    overlap = dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=16, block=16384,
+                   warps=32)
+    for m, plans in ((8, (dict(algo="push_all"), dict(algo="lamport_all"))),
+                     (128, (dict(algo="push"), dict(algo="lamport"))), (2048, (overlap,))):
         a_ar = torch.randn(m, k, **bf16)
         w_ar = torch.randn(k, n, **bf16) / k ** 0.5
         residual = torch.randn(m, n, **bf16)
         norm_w = torch.randn(n, **bf16)
-        text = plan_text("matmul_all_reduce", world, m, k, n, **algo_params)
-        label = f"ditron/{algo_params['algo']}{'_overlap' if algo_params.get('overlap') else ''}"
+        texts = {f"ditron/{p['algo']}{'_overlap' if p.get('overlap') else ''}":
+                 plan_text("matmul_all_reduce", world, m, k, n, **p) for p in plans}
 
         def nccl_norm(a=a_ar, w=w_ar, res=residual, nw=norm_w):
             h = c10d.wait_tensor(c10d.all_reduce(torch.mm(a, w), "sum", group)) + res
@@ -158,20 +160,21 @@ def cases(world: int, group: str, dev):
                 c10d.all_reduce(torch.mm(a, w), "sum", group))),
             "reference": (lambda a=a_ar, w=w_ar: ditron.matmul_all_reduce(
                 a, w, None, [], "sum", group, world, REFERENCE_TEXT)),
-            label: (lambda a=a_ar, w=w_ar, t=text: ditron.matmul_all_reduce(
-                a, w, None, [], "sum", group, world, t)),
         }
-        yield "matmul_all_reduce", f"M={m} K={k} N={n}", ar
         arn = {
             "nccl_cublas": nccl_norm,
             "reference": (lambda a=a_ar, w=w_ar, res=residual, nw=norm_w:
                           ditron.matmul_all_reduce_rmsnorm(
                               a, w, None, [], res, nw, 1e-5, False, "sum", group, world,
                               REFERENCE_TEXT)),
-            label: (lambda a=a_ar, w=w_ar, res=residual, nw=norm_w, t=text:
-                    ditron.matmul_all_reduce_rmsnorm(
-                        a, w, None, [], res, nw, 1e-5, False, "sum", group, world, t)),
         }
+        for label, text in texts.items():
+            ar[label] = (lambda a=a_ar, w=w_ar, t=text: ditron.matmul_all_reduce(
+                a, w, None, [], "sum", group, world, t))
+            arn[label] = (lambda a=a_ar, w=w_ar, res=residual, nw=norm_w, t=text:
+                          ditron.matmul_all_reduce_rmsnorm(
+                              a, w, None, [], res, nw, 1e-5, False, "sum", group, world, t))
+        yield "matmul_all_reduce", f"M={m} K={k} N={n}", ar
         yield "matmul_all_reduce_rmsnorm", f"M={m} K={k} N={n}", arn
 
 
