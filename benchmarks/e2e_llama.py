@@ -344,8 +344,8 @@ def table(rows: list[dict], contenders: list[str]) -> str:
     bounded = any("no_comm_ms" in r for r in rows)
     head = (["workload", "shape", "mode"] + [f"{c} ms" for c in contenders]
             + (["no-comm bound ms", "ceiling (Inductor / bound)"] if bounded else [])
-            + ["spread", "host ms per call", "ditron vs Inductor", "ditron vs async TP", "ditron ops per graph",
-               "ditron's max diff (vs Inductor, else eager)"])
+            + ["spread", "host ms per call", "ditron vs Inductor", "ditron vs async TP",
+               "ditron ops per graph", "ditron's max diff (vs Inductor, else eager)"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         ms = r["ms"]
