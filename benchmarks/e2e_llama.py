@@ -105,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-ms", type=float, default=20.0,
                    help="each timed repetition runs at least this long (more calls than --iters)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--profile-host", type=int, default=0, metavar="CALLS",
+                   help="after timing, cProfile this many calls of each contender: where the "
+                        "host's time per call goes (printed after the table, rank 0)")
     p.add_argument("--bound-json", default=None,
                    help="the JSON of a --no-comm run of the same sizes: adds the bound columns")
     if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
@@ -209,8 +212,30 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
                          dtype=torch.float64, device=timer.device).reshape(len(fns), 3)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     medians, host_medians, spreads = stats.cpu().T.tolist()
-    return {"ms": dict(zip(fns, medians)), "host_ms": dict(zip(fns, host_medians)),
-            "spread": max(spreads, default=0.0)}
+    timing = {"ms": dict(zip(fns, medians)), "host_ms": dict(zip(fns, host_medians)),
+              "spread": max(spreads, default=0.0)}
+    if args.profile_host:
+        timing["host_profile"] = {name: host_profile(fn, args.profile_host, timer)
+                                  for name, fn in fns.items()}
+    return timing
+
+
+def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
+    """cProfile's top entries by cumulative time over `calls` calls of `fn`."""
+    import cProfile
+    import io
+    import pstats
+
+    timer.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    timer.sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 def ditron_graphs(start: int) -> list[dict]:
@@ -437,6 +462,9 @@ def report(result: dict, argv: list[str]) -> None:
     for r in result["rows"]:
         for name, error in r["failed"].items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
+        for name, text in r.get("host_profile", {}).items():
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}, cProfile of "
+                  f"{args.profile_host} calls:\n{text}")
         for name, n in r.get("cudagraph_skips", {}).items():
             if n:
                 print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}: Inductor skipped CUDA "
