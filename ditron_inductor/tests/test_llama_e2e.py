@@ -273,7 +273,8 @@ def test_benchmark_no_comm_bound(tmp_path):
     out = tmp_path / "bound.json"
     proc = subprocess.run(
         [sys.executable, script, "--device", "cpu", "--tiny", "--no-comm", "--world", "2",
-         "--workloads", "decode", "--decode-batches", "2", "--json", str(out)],
+         "--workloads", "decode", "--decode-batches", "2", "--profile-host", "2", "--json",
+         str(out)],
         capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "world 2 without communication" in proc.stdout, proc.stdout
@@ -282,6 +283,9 @@ def test_benchmark_no_comm_bound(tmp_path):
     assert result["contenders"] == ["eager", "inductor"]
     (r,) = result["rows"]
     assert r["failed"] == {} and set(r["ms"]) == {"eager", "inductor"} and r["ditron_graphs"] == []
+    assert set(r["host_ms"]) == {"eager", "inductor"} and r["spread"] >= 0
+    assert "decode (TP) B 2, S 1 eager launch: inductor, cProfile of 2 calls" in proc.stdout
+    assert "function calls" in r["host_profile"]["inductor"]
     bad = subprocess.run([sys.executable, script, "--device", "cpu", "--no-comm", "--contenders",
                           "ditron"], capture_output=True, text=True, timeout=120, cwd=root)
     assert bad.returncode == 2 and "--no-comm: --contenders must include one of eager, inductor" \
