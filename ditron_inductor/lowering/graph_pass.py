@@ -67,9 +67,10 @@ reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 
 def _source_files() -> tuple[str, ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = ["ops.py", "config.py", "lowering/match.py", "lowering/norm.py", "lowering/reorder.py",
-             "lowering/rewrite.py", "lowering/graph_pass.py", "scheduler/decide.py",
-             "scheduler/cost_model.py", "scheduler/plan.py", "scheduler/task.py"]
+    names = ["ops.py", "config.py", "lowering/match.py", "lowering/nodes.py", "lowering/norm.py",
+             "lowering/reorder.py", "lowering/rewrite.py", "lowering/graph_pass.py",
+             "scheduler/decide.py", "scheduler/cost_model.py", "scheduler/plan.py",
+             "scheduler/task.py"]
     return tuple(os.path.join(root, n) for n in names)
 
 

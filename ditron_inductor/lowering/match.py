@@ -35,15 +35,12 @@ from ..scheduler.task import (
     matmul_collective_task,
     numel,
 )
+from .nodes import RESHAPES, is_call
 from .norm import RmsNormTail, find_rmsnorm_tail
-from .reorder import RESHAPES, RowOrder, folds_into_producer, folds_into_users, static_sizes
+from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def is_call(node: object, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 def fake(node: Node):

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from .nodes import is_call
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -49,13 +51,9 @@ class RmsNormTail:
         return _other_operand(self.scale, self.scaled)
 
 
-def _is(node: object, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
 def _only_user(node: Node, *targets) -> Optional[Node]:
     users = list(node.users)
-    return users[0] if len(users) == 1 and _is(users[0], *targets) else None
+    return users[0] if len(users) == 1 and is_call(users[0], *targets) else None
 
 
 def _other_operand(binary: Node, one: Node) -> Optional[object]:
@@ -64,7 +62,7 @@ def _other_operand(binary: Node, one: Node) -> Optional[object]:
 
 
 def _to_dtype(node: Node, dtype: torch.dtype) -> bool:
-    return _is(node, prims.convert_element_type.default) and node.args[1] == dtype
+    return is_call(node, prims.convert_element_type.default) and node.args[1] == dtype
 
 
 def find_residual_add(reduced: Node) -> Optional[Node]:
@@ -97,8 +95,9 @@ def find_rmsnorm_tail(reduced: Node) -> Optional[RmsNormTail]:
 
 def _norm_from(h: Node, h32: Node, dtype: torch.dtype, ndim: int):
     """(out, scale, scaled, eps, weight_in_fp32, inner) for the norm of h32, or None."""
-    square = next((u for u in h32.users if _is(u, aten.pow.Tensor_Scalar) and u.args[1] == 2), None)
-    normed = next((u for u in h32.users if _is(u, aten.mul.Tensor)), None)
+    square = next((u for u in h32.users
+                   if is_call(u, aten.pow.Tensor_Scalar) and u.args[1] == 2), None)
+    normed = next((u for u in h32.users if is_call(u, aten.mul.Tensor)), None)
     if square is None or normed is None:
         return None
     mean = _only_user(square, aten.mean.dim)
@@ -116,7 +115,7 @@ def _norm_from(h: Node, h32: Node, dtype: torch.dtype, ndim: int):
     after = _only_user(normed, aten.mul.Tensor, prims.convert_element_type.default)
     if after is None:
         return None
-    if _is(after, aten.mul.Tensor):  # weight applied in float32, then rounded (or all float32)
+    if is_call(after, aten.mul.Tensor):  # weight applied in float32, then rounded (or all float32)
         scale, scaled, weight_in_fp32 = after, normed, True
         out = after
         if dtype != torch.float32:

@@ -32,20 +32,9 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..scheduler.task import numel
+from .nodes import RESHAPES, VIEWS, is_call
 
 aten = torch.ops.aten
-
-RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-VIEWS = RESHAPES + (
-    aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-    aten.slice.Tensor, aten.select.int, aten.alias.default,
-)
-
-
-def _is(node: object, targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
 
 def static_sizes(sizes: Sequence) -> Optional[list[int]]:
     """`sizes` as a view's argument: ints, with one symbolic size as -1 (the view infers it);
@@ -91,7 +80,7 @@ def _pointwise(node: Node) -> bool:
 
 def _copies_anyway(node: Node) -> bool:
     """A reshape of a tensor that is not contiguous: Inductor copies there in any case."""
-    return _is(node, RESHAPES) and not node.args[0].meta["val"].is_contiguous()
+    return is_call(node, *RESHAPES) and not node.args[0].meta["val"].is_contiguous()
 
 
 def folds_into_users(node: Node) -> bool:
@@ -103,9 +92,9 @@ def folds_into_users(node: Node) -> bool:
         if user.op != "call_function":
             return False  # a graph output is stored as it is
         if (_copies_anyway(user) or _pointwise(user)
-                or _is(user, (aten.cat.default,) + REDUCTIONS)):
+                or is_call(user, aten.cat.default, *REDUCTIONS)):
             continue
-        if _is(user, VIEWS):
+        if is_call(user, *VIEWS):
             stack.extend(user.users)
             continue
         return False
@@ -115,7 +104,7 @@ def folds_into_users(node: Node) -> bool:
 def folds_into_producer(node: Node) -> bool:
     """Whether the kernel that computes `node` (through views) can write it permuted: a
     pointwise op that nothing else reads, or a reshape that copies anyway."""
-    while _is(node, VIEWS):
+    while is_call(node, *VIEWS):
         if _copies_anyway(node):
             return True
         node = node.args[0]

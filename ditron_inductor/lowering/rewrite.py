@@ -58,22 +58,25 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
     return op
 
 
+def _swap_row_blocks(graph: Graph, node: Node, blocks: list, sizes: list) -> list[Node]:
+    """`node` viewed as 4-d `blocks`, its first two dims swapped, reshaped to `sizes`: the nodes
+    inserted, the result first."""
+    view = _insert_call(graph, aten.reshape.default, (node, blocks))
+    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
+    return [_insert_call(graph, aten.reshape.default, (permute, sizes)), permute, view]
+
+
 def _from_rank_major(graph: Graph, node: Node, order: RowOrder, cols: int,
                      sizes: Optional[list] = None) -> list[Node]:
     """`node`'s rank-major rows in the graph's order, reshaped to `sizes` (default: a matrix);
     the nodes inserted, the result first."""
-    view = _insert_call(graph, aten.reshape.default, (node, order.rank_major_view(cols)))
-    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
-    result = _insert_call(graph, aten.reshape.default, (permute, sizes or [-1, cols]))
-    return [result, permute, view]
+    return _swap_row_blocks(graph, node, order.rank_major_view(cols), sizes or [-1, cols])
 
 
 def _to_rank_major(graph: Graph, node: Node, order: RowOrder) -> Node:
     """The rows of the matrix `node`, in the graph's order, rank-major."""
     cols = node.meta["val"].shape[-1]
-    view = _insert_call(graph, aten.reshape.default, (node, order.graph_order_view(cols)))
-    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
-    return _insert_call(graph, aten.reshape.default, (permute, [-1, cols]))
+    return _swap_row_blocks(graph, node, order.graph_order_view(cols), [-1, cols])[0]
 
 
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:

@@ -1,0 +1,20 @@
+"""What a node of the post-grad FX graph is, for the finders and the rewrite."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+VIEWS = RESHAPES + (
+    aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+    aten.slice.Tensor, aten.select.int, aten.alias.default,
+)
+
+
+def is_call(node: object, *targets) -> bool:
+    """Whether `node` is a graph node calling one of `targets`."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
