@@ -114,9 +114,8 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
 
         out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
         n = rows * N
-        launch(
-            reduce_slots_kernel, (cdiv(n, 4096),), mine, out, n, n, W, (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096,
-            num_warps=8)
+        launch(reduce_slots_kernel, (cdiv(n, 4096),), mine, out, n, n, W,
+               (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096, num_warps=8)
     elif reduce_op == "avg":
         out = torch.mean(mine, dim=0)
     else:
@@ -180,10 +179,10 @@ def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce
         lambda: ready_gemm(ctx, dev, a, b, bias, partial, b_trans, world * per_chunk,
                            sms - progs, tile, slices=world, parity_elems=half),
         lambda side: launch(
-            pull_reduce_kernel, (progs,), ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch, dev.arrive, ctx.err, out, rows,
-            n, ctx.rank, per_chunk * tile["BLOCK_M"], half, 1.0 / world, wait_polls(plan),
-            stream=side, BLOCK=plan.pull_block, SCALE=reduce_op == "avg",
-            num_warps=plan.pull_warps,
+            pull_reduce_kernel, (progs,), ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch,
+            dev.arrive, ctx.err, out, rows, n, ctx.rank, per_chunk * tile["BLOCK_M"], half,
+            1.0 / world, wait_polls(plan), stream=side, BLOCK=plan.pull_block,
+            SCALE=reduce_op == "avg", num_warps=plan.pull_warps,
             **flags.world_constants(world)))
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats["pulled"] += 1
