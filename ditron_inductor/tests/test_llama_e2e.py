@@ -18,6 +18,7 @@ its rank). The tests pin each graph's sites in order. Node names in the reasons 
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import numpy as np
@@ -29,6 +30,8 @@ from ditron_inductor.tests.distributed import run_ranks
 pytest.importorskip("transformers")
 
 THIS = "ditron_inductor.tests.test_llama_e2e"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+E2E_SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_llama.py")  # the end-to-end benchmark
 RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 WORLD = 2
 SEQ = 16
@@ -235,17 +238,15 @@ def test_benchmark_smoke_run(tmp_path):
     # benchmarks/e2e_llama.py in its CPU mode, kept short: training and one decode shape, eager
     # against ditron, so that the script cannot rot.
     import json
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "e2e_llama.py"), "--device", "cpu",
+        [sys.executable, E2E_SCRIPT, "--device", "cpu",
          "--tiny", "--workloads", "train,decode", "--decode-batches", "2",
          "--contenders", "eager,ditron", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=root)
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| train (sequence parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
     assert "-> ditron.all_gather_matmul" in proc.stdout, proc.stdout
@@ -264,18 +265,15 @@ def test_benchmark_no_comm_bound(tmp_path):
     # --no-comm: one process, a fake group of 2 ranks: the TP 2 step without communication, for
     # eager and Inductor only (the fused contenders are dropped: they need real peers).
     import json
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.join(root, "benchmarks", "e2e_llama.py")
     out = tmp_path / "bound.json"
     proc = subprocess.run(
-        [sys.executable, script, "--device", "cpu", "--tiny", "--no-comm", "--world", "2",
+        [sys.executable, E2E_SCRIPT, "--device", "cpu", "--tiny", "--no-comm", "--world", "2",
          "--workloads", "decode", "--decode-batches", "2", "--profile-host", "2", "--json",
          str(out)],
-        capture_output=True, text=True, timeout=600, cwd=root)
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "world 2 without communication" in proc.stdout, proc.stdout
     result = json.loads(out.read_text())
@@ -286,8 +284,9 @@ def test_benchmark_no_comm_bound(tmp_path):
     assert set(r["host_ms"]) == {"eager", "inductor"} and r["spread"] >= 0
     assert "decode (TP) B 2, S 1 eager launch: inductor, cProfile of 2 calls" in proc.stdout
     assert "function calls" in r["host_profile"]["inductor"]
-    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--no-comm", "--contenders",
-                          "ditron"], capture_output=True, text=True, timeout=120, cwd=root)
+    bad = subprocess.run([sys.executable, E2E_SCRIPT, "--device", "cpu", "--no-comm",
+                          "--contenders", "ditron"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
     assert bad.returncode == 2 and "--no-comm: --contenders must include one of eager, inductor" \
         in bad.stderr, bad.stderr
 
@@ -296,11 +295,8 @@ def test_benchmark_bound_columns(tmp_path):
     # --bound-json: the no-comm run's Inductor time beside each row, and the ceiling it sets
     import importlib.util
     import json
-    import os
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("e2e_llama", os.path.join(root, "benchmarks",
-                                                                            "e2e_llama.py"))
+    spec = importlib.util.spec_from_file_location("e2e_llama", E2E_SCRIPT)
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
     key = ("prefill (TP)", "B 1, S 4096", e2e.EAGER_LAUNCH)
