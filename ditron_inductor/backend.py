@@ -5,6 +5,7 @@ Registered through the `torch_dynamo_backends` entry point (pyproject.toml) and 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from . import clean_exit, config
 from . import ops  # noqa: F401 - registers torch.ops.ditron.*
 from .log_names import LOGGER_NAME
 from .lowering import graph_pass
+from .lowering import causal_mask
 from .lowering.graph_pass import DitronPass, GraphReport
 
 log = logging.getLogger(LOGGER_NAME)
@@ -51,6 +53,9 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
     from torch._inductor.compile_fx import compile_fx
 
     patches = inductor_patches(mode, options)
+    ditron_pass = patches.get("post_grad_custom_post_pass")
+    if isinstance(ditron_pass, DitronPass) and ditron_pass.options.causal_mask:
+        _rewrite_causal_masks(gm)
     clean_exit.install()
     no_autograd_cache = (
         functorch_config.patch(enable_autograd_cache=False)
@@ -66,6 +71,21 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
         graph_pass.reports.append(report)
         log.info("graph %s: %s", report.graph, report.summary())
     return compiled
+
+
+def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
+    """SDPA calls with a constant causal (or empty) mask take is_causal=True (or no mask): one
+    INFO line per graph, one per mask kept and why; every call at DEBUG."""
+    sites = causal_mask.rewrite_causal_masks(gm)
+    if not sites:
+        return
+    graph = str(torch._guards.CompileContext.current_compile_id() or "?")
+    kinds = collections.Counter(site.became for site in sites)
+    log.info("graph %s: %d attention call(s) with a mask: %d causal -> is_causal=True, %d masking "
+             "nothing -> no mask, %d kept", graph, len(sites), kinds[causal_mask.CAUSAL],
+             kinds[causal_mask.NO_MASK], kinds[None])
+    for site in sites:
+        log.log(logging.DEBUG if site.became else logging.INFO, "  %s", site.describe())
 
 
 def _cache_hits() -> int:

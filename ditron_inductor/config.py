@@ -9,6 +9,8 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.symm_mem_backend  DITRON_SYMM_MEM_BACKEND   auto | nvshmem | torch
     ditron.wait_timeout_s    DITRON_WAIT_TIMEOUT_S     seconds >= 0 (0: unbounded)
     ditron.log_all_ranks     DITRON_LOG_ALL_RANKS      0 | 1 (INFO lines of every rank, not 0's)
+    ditron.causal_mask       DITRON_CAUSAL_MASK        1 | 0 (1: an attention mask that is a
+                                                       constant causal one becomes is_causal=True)
 
 Every value is validated (`OptionError` names the option, the value and what is allowed). The
 module attributes below hold the options of the compile in progress (`using`), the environment's
@@ -59,11 +61,13 @@ class Options:
     # Bound on each flag wait in the fused kernels (debug: a missing signal names its flag).
     wait_timeout_s: float = 0.0
     log_all_ranks: bool = False
+    # Rewrite SDPA calls whose mask is a constant causal (or empty) one (lowering/causal_mask.py).
+    causal_mask: bool = True
 
     def cache_key(self) -> str:
         """The options that change compiled graphs, as text for the pass's uuid."""
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
-                     self.symm_mem_backend, self.wait_timeout_s))
+                     self.symm_mem_backend, self.wait_timeout_s, self.causal_mask))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -117,6 +121,7 @@ OPTIONS = {
     "symm_mem_backend": ("DITRON_SYMM_MEM_BACKEND", "symm_mem_backend", _symm_mem_backend),
     "wait_timeout_s": ("DITRON_WAIT_TIMEOUT_S", "wait_timeout_s", _seconds),
     "log_all_ranks": ("DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool),
+    "causal_mask": ("DITRON_CAUSAL_MASK", "causal_mask", _bool),
 }
 
 
@@ -192,3 +197,4 @@ force_plan: str = _defaults.force_plan
 symm_mem_backend: str = _defaults.symm_mem_backend
 wait_timeout_s: float = _defaults.wait_timeout_s
 log_all_ranks: bool = _defaults.log_all_ranks
+causal_mask: bool = _defaults.causal_mask
