@@ -13,40 +13,48 @@ never created). Smoke run on CPU, 2 gloo ranks that the script spawns itself, ti
 Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes, layer count on the command
 line), random init, the same on every rank; the TP plans of `ditron_inductor/tests/llama_tp.py`.
 Workloads:
-- train: one training step (forward, loss, backward, AdamW step), sequence-parallel plan
-  (torchtitan's), B x S tokens;
+- train: one training step (forward, loss, backward, AdamW step: fused, as torchtitan runs it,
+  or --optimizer foreach), sequence-parallel plan (torchtitan's), B x S tokens;
 - prefill: plain TP (all-reduce after o_proj and down_proj), B 1, S in --prefill-seqs, eager
   launch and `mode="reduce-overhead"` (CUDA graphs);
 - decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
-Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric
-memory enabled for the group; CUDA only), ditron. Timing: random token ids, warm-up, then --reps
-interleaved repetitions (each contender in turn) of --iters calls, or of as many as take --min-ms
-(5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
+Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
+enabled for the group; CUDA only), ditron, and on request ditron_keep_mask (ditron with its
+causal-mask rewrite off: what the collective fusion alone gains). Timing: random token ids, warm-up,
+then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
+--min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
 repetitions, the maximum over ranks; the spread of the repetitions ((max - min) / median, the
-largest over contenders and ranks: differences smaller than it are noise); and the host's time
-per call (near the device's: the step is bound by the host). Checks: the training loss and a few
+largest over contenders and ranks: differences smaller than it are noise); and the host's time per
+call (near the device's: the step is bound by the host). Checks: the training loss and a few
 gradients after the first step, and the logits, against Inductor's (same init, same data). Per
-compiled ditron graph: the number of `torch.ops.ditron.*` calls; under reduce-overhead, the
-graphs each contender's Inductor declined to capture (they run eagerly); and each line the
-`ditron` logger wrote at INFO (one per match: fused with the plan's reason, or not and why).
-Prints a markdown table; `--json PATH` writes the rows, the ditron lines and the command.
+compiled ditron graph: the number of `torch.ops.ditron.*` calls; under reduce-overhead, the graphs
+each contender's Inductor declined to capture (they run eagerly); and each line the `ditron` logger
+wrote at INFO (one per match: fused with the plan's reason, or not and why). Prints a markdown
+table; `--json PATH` writes the rows, the ditron lines and the command.
 
 The bound (`--no-comm`): one process on one device, a fake process group of --world ranks (every
-collective returns at once and leaves its output unwritten), eager and Inductor only. Its times are
+collective returns at once and leaves its output unwritten), eager, Inductor and ditron without
+its collective patterns (what is left of it: the causal-mask rewrite), no checks. Its times are
 the step at TP --world shapes without any communication, what hiding all of it could reach; set
 beside Inductor's time with communication they bound what overlap can gain (it hides the
 collectives; it does not shorten the compute). Runs on a one-GPU machine:
 
     python benchmarks/e2e_llama.py --no-comm --world 2 --json benchmarks/results/e2e_llama_h200x1_no_comm_w2.json
 
-Given that JSON (`--bound-json PATH`), a run with communication adds two columns: the bound and the
-ceiling, Inductor's time over the bound (`scripts/device_check.sh e2e_llama` runs both).
+Given that JSON (`--bound-json PATH`), a run with communication adds two columns: the bound (the
+fastest compiled contender without communication) and the ceiling, Inductor's time over the bound
+(`scripts/device_check.sh e2e_llama` runs both).
+
+`--profile-device CALLS` adds each contender's device time by kernel kind (GEMM, attention,
+collectives, ditron's kernels, optimizer, copies, other) and the longest kernels: what bounds a
+step.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import math
@@ -66,12 +74,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ditron_inductor.tests import llama_tp  # noqa: E402
 
-CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron")
+# ditron_keep_mask: ditron with its causal-mask rewrite off (what overlap alone gains)
+CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask")
 WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
-NO_COMM_CONTENDERS = ("eager", "inductor")
+NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fake group's size with --no-comm")
     p.add_argument("--no-comm", action="store_true",
                    help="the bound: one process, a fake group of --world ranks whose collectives "
-                        "do nothing; eager and Inductor only, no checks")
+                        "do nothing; eager, Inductor and ditron without its collective "
+                        "patterns; no checks")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--heads", type=int, default=32)
@@ -92,7 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS
+                                                     if c != "ditron_keep_mask"))
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW's implementation in the training step (torchtitan's default: "
+                        "fused)")
     p.add_argument("--train-batch", type=int, default=1)
     p.add_argument("--train-seq", type=int, default=8192)
     p.add_argument("--prefill-seqs", default="4096,8192")
@@ -108,6 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-host", type=int, default=0, metavar="CALLS",
                    help="after timing, cProfile this many calls of each contender: where the "
                         "host's time per call goes (printed after the table, rank 0)")
+    p.add_argument("--profile-device", type=int, default=0, metavar="CALLS",
+                   help="after timing, the torch profiler over this many calls of each "
+                        "contender: device ms per call by kernel kind (GEMM, attention, "
+                        "collectives, ...) and the time some kernel runs (CUDA only)")
     p.add_argument("--bound-json", default=None,
                    help="the JSON of a --no-comm run of the same sizes: adds the bound columns")
     if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
@@ -120,11 +138,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [v for v in getattr(args, option).split(",") if v not in allowed]
         if bad:
             p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
+    if args.device == "cpu" and args.profile_device:
+        p.error("--profile-device: CUDA kernels only (--device cuda)")
     if args.device == "cpu":  # no CUDA graphs, no symmetric memory
         args.modes = EAGER_LAUNCH
         args.contenders = ",".join(c for c in args.contenders.split(",")
                                    if c != "inductor_async_tp")
-    if args.no_comm:  # the fused contenders need peers that are there
+    if args.no_comm:  # PyTorch's fused ops need peers that are there (ditron's: see compiled)
         args.contenders = ",".join(c for c in args.contenders.split(",") if c in NO_COMM_CONTENDERS)
         if not args.contenders:
             p.error(f"--no-comm: --contenders must include one of {', '.join(NO_COMM_CONTENDERS)}")
@@ -134,8 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------- contenders
 
 
-def compiled(contender: str, model, mode: str, group_name: str):
-    """The callable a contender runs: the module itself (eager) or a compiled wrapper."""
+def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = False):
+    """The callable a contender runs: the module itself (eager) or a compiled wrapper. Without
+    communication (a fake group) ditron matches no collective (`ditron.patterns` empty): its
+    fused ops need peers, and their reference plans would time what no GPU run takes; what is
+    left is its rewrite of the attention masks."""
     from torch._inductor import list_mode_options
 
     cuda_graphs = "reduce-overhead" if mode == CUDA_GRAPHS else None
@@ -150,8 +173,14 @@ def compiled(contender: str, model, mode: str, group_name: str):
         options = {**(list_mode_options(cuda_graphs) if cuda_graphs else {}),
                    "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
-    if contender == "ditron":
-        return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)
+    if contender in ("ditron", "ditron_keep_mask"):
+        options = {**({"ditron.causal_mask": False} if contender == "ditron_keep_mask" else {}),
+                   **({"ditron.patterns": ""} if no_comm else {})}
+        if not options:  # as a user writes it
+            return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)
+        # torch.compile takes a mode or options, not both
+        options.update(list_mode_options(cuda_graphs) if cuda_graphs else {})
+        return torch.compile(model, backend="ditron", options=options, dynamic=False)
     raise ValueError(f"--contenders: {contender!r} is not one of {', '.join(CONTENDERS)}")
 
 
@@ -217,6 +246,9 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
     if args.profile_host:
         timing["host_profile"] = {name: host_profile(fn, args.profile_host, timer)
                                   for name, fn in fns.items()}
+    if args.profile_device:
+        timing["device_profile"] = {name: device_profile(fn, args.profile_device, timer)
+                                    for name, fn in fns.items()}
     return timing
 
 
@@ -237,6 +269,72 @@ def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
     return text.getvalue()
 
+
+
+# A device profile's kernel kinds, the first match of the lower-cased name winning; ditron's own
+# kernels (the Triton functions of ditron_inductor.kernels) come first, and what matches nothing
+# (Inductor's fused elementwise and reduction kernels: norms, rotary embedding, the loss) is other.
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem_")),
+                ("optimizer", ("multi_tensor_apply", "foreach")), ("copy", ("memcpy", "memset")))
+PROFILE_KINDS = ("ditron",) + tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
+TOP_KERNELS = 12  # the kernels a device profile names, by their time
+
+
+@functools.cache
+def ditron_kernel_names() -> frozenset:
+    import importlib
+    import inspect
+    import pkgutil
+
+    from ditron_inductor import kernels
+
+    names = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        # a @triton.jit function, compiled or interpreted (TRITON_INTERPRET=1), wraps it as .fn
+        names |= {v.fn.__name__ for v in vars(module).values()
+                  if inspect.isfunction(getattr(v, "fn", None))}
+    return frozenset(names)
+
+
+def kernel_kind(name: str) -> str:
+    if name in ditron_kernel_names():
+        return "ditron"
+    lower = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other")
+
+
+def busy(spans) -> float:
+    """The length of the union of (start, end) spans: the time some kernel runs."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def device_profile(fn, calls: int, timer: Timer) -> dict:
+    """{kind: device ms per call} over the kernels of `calls` calls of `fn`; "busy": the time
+    some kernel runs (kernels on different streams overlap, so the kinds may sum past it; a step
+    longer than it waited on the host); "top": the kernels that took longest, with kind and ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    timer.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ms, by_name = dict.fromkeys(PROFILE_KINDS, 0.0), {}
+    for e in kernels:
+        ms[kernel_kind(e.name)] += e.device_time_total / 1e3 / calls
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / calls
+    ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    return {**ms, "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top]}
 
 def ditron_graphs(start: int) -> list[dict]:
     """The graphs the ditron pass saw since `start`: name and ditron ops (fused candidates)."""
@@ -267,8 +365,9 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
                                                               device=args.device),
                                          llama_tp.SEQUENCE_PARALLEL, mesh)
-            run = compiled(name, model, EAGER_LAUNCH, group_name)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            run = compiled(name, model, EAGER_LAUNCH, group_name, args.no_comm)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                                    **{args.optimizer: True})
             params = dict(model.named_parameters())
             start = len(graph_pass.reports)
             loss = llama_tp.loss_of(run, ids[0])  # the checked step (compiles)
@@ -290,7 +389,8 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             steps[name] = step
     timing = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
-    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, timing, checks, graphs, failed)]
+    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, timing, checks, graphs, failed,
+                args.no_comm)]
 
 
 def guarded(name: str, setup, failed: dict):
@@ -321,7 +421,7 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
             fns, checks, graphs, failed, skips = {}, {}, [], {}, {}
             for name in args.contenders.split(","):
                 def setup(name=name):
-                    run = compiled(name, model, mode, group_name)
+                    run = compiled(name, model, mode, group_name, args.no_comm)
 
                     def call():
                         with torch.no_grad():
@@ -336,17 +436,20 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
                 if (call := guarded(name, setup, failed)) is not None:
                     fns[name] = call
             timing = interleaved(fns, timer, args)
-            rows.append(row(workload, f"B {batch}, S {seq}", mode, timing, checks, graphs, failed))
+            rows.append(row(workload, f"B {batch}, S {seq}", mode, timing, checks, graphs, failed,
+                            args.no_comm))
             if mode == CUDA_GRAPHS:  # a graph Inductor would not capture runs eagerly instead
                 rows[-1]["cudagraph_skips"] = skips
     return rows
 
 
 def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs: list,
-        failed: dict) -> dict:
+        failed: dict, no_comm: bool) -> dict:
     baseline = "inductor" if "inductor" in checks else "eager"
     ditron, base = checks.get("ditron"), checks.get(baseline)
-    diffs = {k: max_diff(ditron[k], base[k]) for k in base} if ditron and base else {}
+    # without communication the collectives' outputs hold whatever memory held: nothing to check
+    diffs = ({k: max_diff(ditron[k], base[k]) for k in base}
+             if ditron and base and not no_comm else {})
     return {"workload": workload, "shape": shape, "mode": mode, **timing,
             "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs,
             "failed": failed}
@@ -356,13 +459,18 @@ def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs
 
 
 def no_comm_bounds(path: str, world: int) -> dict:
-    """{(workload, shape, mode): Inductor ms} of a --no-comm run's JSON at this world size."""
+    """{(workload, shape, mode): (ms, contender)} of a --no-comm run's JSON at this world size:
+    its fastest compiled contender (Inductor, or ditron whose graph needs less compute)."""
     with open(path) as f:
         result = json.load(f)
     if not result.get("no_comm") or result.get("world") != world:
         raise SystemExit(f"--bound-json {path}: not the JSON of a --no-comm run at world {world}")
-    return {(r["workload"], r["shape"], r["mode"]): r["ms"]["inductor"]
-            for r in result["rows"] if "inductor" in r["ms"]}
+    bounds = {}
+    for r in result["rows"]:
+        compiled_ms = [(ms, name) for name, ms in r["ms"].items() if name != "eager"]
+        if compiled_ms:
+            bounds[r["workload"], r["shape"], r["mode"]] = min(compiled_ms)
+    return bounds
 
 
 def table(rows: list[dict], contenders: list[str]) -> str:
@@ -384,7 +492,7 @@ def table(rows: list[dict], contenders: list[str]) -> str:
         cells = ([r["workload"], r["shape"], r["mode"]]
                  + [f"{ms[c]:.3f}" if c in ms else "failed" if c in r["failed"] else "-"
                     for c in contenders]
-                 + ([f"{r['no_comm_ms']:.3f}" if "no_comm_ms" in r else "-",
+                 + ([f"{r['no_comm_ms']:.3f} ({r['no_comm_by']})" if "no_comm_ms" in r else "-",
                      f"{ms['inductor'] / r['no_comm_ms']:.2f}x"
                      if "no_comm_ms" in r and "inductor" in ms else "-"] if bounded else [])
                  + [f"{r['spread']:.0%}" if "spread" in r else "-",
@@ -392,6 +500,25 @@ def table(rows: list[dict], contenders: list[str]) -> str:
                                if c in r.get("host_ms", {})) or "-"]
                  + [speedup("inductor"), speedup("inductor_async_tp"), ops or "-", diffs or "-"])
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def device_table(rows: list[dict], calls: int) -> str:
+    """Each profiled contender's step beside its device time by kernel kind."""
+    head = ["workload", "shape", "mode", "contender", "step ms", "busy ms",
+            *(f"{kind} ms" for kind in PROFILE_KINDS)]
+    lines = [f"Device time per call by kernel kind (torch profiler, {calls} calls; busy: some "
+             "kernel runs; kinds on different streams overlap)", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        for name, ms in r.get("device_profile", {}).items():
+            cells = [r["workload"], r["shape"], r["mode"], name, f"{r['ms'][name]:.3f}",
+                     *(f"{ms[k]:.3f}" for k in ("busy",) + PROFILE_KINDS)]
+            lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+        for name, ms in r.get("device_profile", {}).items():
+            lines.append(f"\n{r['workload']} {r['shape']} {r['mode']}, {name}: the longest kernels")
+            lines += [f"  {t:8.3f} ms  {kind:9} {kernel}" for kernel, kind, t in ms["top"]]
     return "\n".join(lines)
 
 
@@ -452,7 +579,7 @@ def report(result: dict, argv: list[str]) -> None:
         bounds = no_comm_bounds(args.bound_json, result["world"])
         for r in result["rows"]:
             if (key := (r["workload"], r["shape"], r["mode"])) in bounds:
-                r["no_comm_ms"] = bounds[key]
+                r["no_comm_ms"], r["no_comm_by"] = bounds[key]
     world = (f"world {result['world']} without communication (a fake group: the collectives "
              f"do nothing, outputs unchecked)" if args.no_comm else f"world {result['world']}")
     print(f"\n## Llama e2e: {world}, {device}, hidden {args.hidden}, "
@@ -469,6 +596,8 @@ def report(result: dict, argv: list[str]) -> None:
             if n:
                 print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}: Inductor skipped CUDA "
                       f"graphs {n} times (TORCH_LOGS=cudagraphs says why)")
+    if args.profile_device:
+        print("\n" + device_table(result["rows"], args.profile_device))
     print("\nditron, one line per match (rank 0):")
     for line in result["ditron_log"]:
         print("  " + line)

@@ -6,8 +6,9 @@
 # fused GPU tests at world size 1, for a one-GPU machine); and on two or
 # more GPUs: exit_gpu (programs that used the fused ops exit, tests/gpu/test_exit_gpu.py),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), e2e_llama (benchmarks/e2e_llama.py over every
-# local GPU after its --no-comm bound on one, the JSONs into $OUT; 150 + 420 s at most, so pick
-# workloads to fit a call: E2E_ARGS="--workloads train,prefill", then "--workloads decode").
+# local GPU after its --no-comm bound on one, the JSONs into $OUT; 180 + 400 s at most, so pick
+# workloads to fit a call: E2E_ARGS="--workloads train,prefill", then "--workloads decode"; the
+# contenders: Inductor, async TP, ditron and ditron without its causal-mask rewrite).
 # Logs land in $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,11 +35,13 @@ ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cache
   ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them
   local world; world=$(nvidia-smi -L | wc -l)
-  CUDA_VISIBLE_DEVICES=0 timeout -k 5 ${E2E_BOUND_LIMIT:-150} python3 benchmarks/e2e_llama.py \
-    --no-comm --world "$world" --json "$OUT/e2e_llama_no_comm.json" ${E2E_ARGS:-} --contenders inductor
+  CUDA_VISIBLE_DEVICES=0 timeout -k 5 ${E2E_BOUND_LIMIT:-180} python3 benchmarks/e2e_llama.py \
+    --no-comm --world "$world" --json "$OUT/e2e_llama_no_comm.json" ${E2E_ARGS:-} \
+    --contenders inductor,ditron
   local bound=(); [ -s "$OUT/e2e_llama_no_comm.json" ] && bound=(--bound-json "$OUT/e2e_llama_no_comm.json")
-  timeout -k 5 ${E2E_LIMIT:-420} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
-    --json "$OUT/e2e_llama.json" "${bound[@]}" ${E2E_ARGS:-}; }
+  timeout -k 5 ${E2E_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
+    --json "$OUT/e2e_llama.json" "${bound[@]}" \
+    --contenders inductor,inductor_async_tp,ditron,ditron_keep_mask ${E2E_ARGS:-}; }
 
 steps=${*:-torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2}
 for name in $steps; do

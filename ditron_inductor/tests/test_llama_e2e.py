@@ -263,7 +263,8 @@ def test_benchmark_smoke_run(tmp_path):
 @pytest.mark.slow
 def test_benchmark_no_comm_bound(tmp_path):
     # --no-comm: one process, a fake group of 2 ranks: the TP 2 step without communication, for
-    # eager and Inductor only (the fused contenders are dropped: they need real peers).
+    # eager, Inductor and ditron without its collective patterns (its attention-mask rewrite);
+    # PyTorch's async TP is dropped: its fused ops need real peers.
     import json
     import subprocess
     import sys
@@ -278,41 +279,99 @@ def test_benchmark_no_comm_bound(tmp_path):
     assert "world 2 without communication" in proc.stdout, proc.stdout
     result = json.loads(out.read_text())
     assert result["no_comm"] and result["world"] == 2
-    assert result["contenders"] == ["eager", "inductor"]
+    assert result["contenders"] == ["eager", "inductor", "ditron"]
     (r,) = result["rows"]
-    assert r["failed"] == {} and set(r["ms"]) == {"eager", "inductor"} and r["ditron_graphs"] == []
-    assert set(r["host_ms"]) == {"eager", "inductor"} and r["spread"] >= 0
+    assert r["failed"] == {} and set(r["ms"]) == set(r["host_ms"]) == {"eager", "inductor",
+                                                                       "ditron"}
+    assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) == 0 and r["spread"] >= 0
+    assert r["ditron_max_diff"] == {}  # the fake collectives write nothing: no numbers to check
+    assert "not fused: pattern matmul_all_reduce is disabled" in proc.stdout, proc.stdout
+    # a decode-shaped step's mask (one query, one key) masks nothing
+    assert ": 2 attention call(s) with a mask: 0 causal -> is_causal=True, 2 masking nothing -> " \
+        "no mask, 0 kept" in proc.stdout, proc.stdout
     assert "decode (TP) B 2, S 1 eager launch: inductor, cProfile of 2 calls" in proc.stdout
     assert "function calls" in r["host_profile"]["inductor"]
     bad = subprocess.run([sys.executable, E2E_SCRIPT, "--device", "cpu", "--no-comm",
-                          "--contenders", "ditron"], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert bad.returncode == 2 and "--no-comm: --contenders must include one of eager, inductor" \
-        in bad.stderr, bad.stderr
+                          "--contenders", "inductor_async_tp"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and ("--no-comm: --contenders must include one of eager, inductor, "
+                                    "ditron, ditron_keep_mask") in bad.stderr, bad.stderr
 
 
-def test_benchmark_bound_columns(tmp_path):
-    # --bound-json: the no-comm run's Inductor time beside each row, and the ceiling it sets
+@functools.cache
+def _benchmark():
+    """benchmarks/e2e_llama.py as a module, for its pure functions."""
     import importlib.util
-    import json
 
     spec = importlib.util.spec_from_file_location("e2e_llama", E2E_SCRIPT)
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
+    return e2e
+
+
+def test_benchmark_bound_columns(tmp_path):
+    # --bound-json: the no-comm run's Inductor time beside each row, and the ceiling it sets
+    import json
+
+    e2e = _benchmark()
     key = ("prefill (TP)", "B 1, S 4096", e2e.EAGER_LAUNCH)
     bound = tmp_path / "bound.json"
     bound.write_text(json.dumps({"no_comm": True, "world": 2, "rows": [
-        {"workload": key[0], "shape": key[1], "mode": key[2], "ms": {"inductor": 6.0}}]}))
-    assert e2e.no_comm_bounds(str(bound), 2) == {key: 6.0}
+        {"workload": key[0], "shape": key[1], "mode": key[2],
+         "ms": {"eager": 5.0, "inductor": 6.0, "ditron": 6.5}}]}))
+    assert e2e.no_comm_bounds(str(bound), 2) == {key: (6.0, "inductor")}  # compiled, fastest
     with pytest.raises(SystemExit, match="not the JSON of a --no-comm run at world 4"):
         e2e.no_comm_bounds(str(bound), 4)
     row = {"workload": key[0], "shape": key[1], "mode": key[2], "no_comm_ms": 6.0,
+           "no_comm_by": "inductor",
            "ms": {"inductor": 7.5, "ditron": 7.0}, "spread": 0.04,
            "host_ms": {"inductor": 7.4, "ditron": 1.2}, "failed": {}, "ditron_graphs": [],
            "ditron_max_diff": {}}
     lines = e2e.table([row], ["inductor", "ditron"]).splitlines()
     assert "| no-comm bound ms | ceiling (Inductor / bound) |" in lines[0]
     assert lines[2].startswith("| prefill (TP) | B 1, S 4096 | eager launch | 7.500 | 7.000 | "
-                               "6.000 | 1.25x | 4% | 7.400 / 1.200 | 1.07x |"), lines[2]
-    unbounded = {k: v for k, v in row.items() if k != "no_comm_ms"}
+                               "6.000 (inductor) | 1.25x | 4% | 7.400 / 1.200 | 1.07x |"), lines[2]
+    unbounded = {k: v for k, v in row.items() if not k.startswith("no_comm")}
     assert "no-comm" not in e2e.table([unbounded], ["inductor", "ditron"])
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ag_gemm_kernel", "ditron"), ("lamport_all_kernel", "ditron"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>(Flash_fwd_params)",
+     "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel)",
+     "attention"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>>",
+     "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other"),
+])
+def test_benchmark_kernel_kinds(name, kind):
+    # --profile-device sorts each kernel by its name; ditron's come from its Triton functions
+    assert _benchmark().kernel_kind(name) == kind
+
+
+def test_benchmark_device_profile_table(capsys):
+    e2e = _benchmark()
+    assert e2e.busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps count once
+    assert e2e.busy([]) == 0
+    kinds = {kind: 0.0 for kind in e2e.PROFILE_KINDS}
+    row = {"workload": "prefill (TP)", "shape": "B 1, S 4096", "mode": e2e.EAGER_LAUNCH,
+           "ms": {"inductor": 7.5},
+           "device_profile": {"inductor": {**kinds, "busy": 7.25, "gemm": 5.5, "nccl": 1.0,
+                                           "top": [["nvjet_tst_128x256", "gemm", 1.25]]}}}
+    lines = e2e.device_table([row], 3).splitlines()
+    assert lines[0].startswith("Device time per call by kernel kind (torch profiler, 3 calls")
+    assert lines[2] == ("| workload | shape | mode | contender | step ms | busy ms | ditron ms | "
+                        "nccl ms | attention ms | gemm ms | optimizer ms | copy ms | other ms |")
+    assert lines[4] == ("| prefill (TP) | B 1, S 4096 | eager launch | inductor | 7.500 | 7.250 | "
+                        "0.000 | 1.000 | 0.000 | 5.500 | 0.000 | 0.000 | 0.000 |")
+    assert lines[5:] == ["", "prefill (TP) B 1, S 4096 eager launch, inductor: the longest kernels",
+                         "     1.250 ms  gemm      nvjet_tst_128x256"]
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device", "cpu", "--profile-device", "2"])
+    assert "--profile-device: CUDA kernels only" in capsys.readouterr().err
