@@ -12,8 +12,9 @@ and compares it with what SDPA would do without it:
 - it equals SDPA's causal mask (query i sees keys 0..i): the call takes `is_causal=True` and no
   mask;
 - it masks nothing: the call takes no mask.
-Any other mask, a mask that depends on an input (padding, dynamic shapes), or one too large to
-evaluate is left as it is, with the reason in the log.
+Any other mask is left as it is, with the reason in the log, and so is a mask whose value this
+pass cannot know for sure: one that depends on an input (padding, dynamic shapes), draws random
+numbers, or shares its computation with a tensor changed in place; and one too large to evaluate.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def _verdict(gm: GraphModule, mask: Node, shape: tuple, scores: tuple) -> tuple[
     inputs = sorted(n.name for n in above if n.op == "placeholder")
     if inputs:
         return None, f"it depends on the graph input(s) {', '.join(inputs)}"
-    if (mutated := _mutated_among(gm, set(above))) is not None:
+    if (random := next((n.name for n in above if _draws_random(n)), None)) is not None:
+        return None, f"it draws random numbers ({random})"
+    if (mutated := _mutated_after(gm, set(above))) is not None:
         return None, f"{mutated} changes a tensor its computation reads, in place"
     if math.prod(shape) > MAX_MASK_ELEMENTS:
         return None, (f"{math.prod(shape)} elements, over the {MAX_MASK_ELEMENTS} this pass "
@@ -171,13 +174,25 @@ IN_PLACE_OPERATORS = frozenset(getattr(operator, name) for name in (
 IN_PLACE_METHODS = frozenset(f"__{op.__name__}__" for op in IN_PLACE_OPERATORS)
 
 
-def _mutated_among(gm: GraphModule, above: set[Node]) -> Optional[str]:
-    """A node that may change, in place, a tensor that shares its computation with the mask's
-    (`above`): evaluating `above` alone would miss that change."""
+def _mutated_after(gm: GraphModule, above: set[Node]) -> Optional[str]:
+    """A node that may change in place a tensor computed from the mask's computation (`above`):
+    evaluating `above` alone would miss that change. One pass in graph (topological) order."""
+    reached = set(above)
     for node in gm.graph.nodes:
-        if _mutates(node) and any(n in above for n in _ancestors(node)):
+        if node not in reached and any(p in reached for p in node.all_input_nodes):
+            reached.add(node)
+        if node in reached and _mutates(node):
             return node.name
     return None
+
+
+RANDOM_NAMES = ("rand", "bernoulli", "multinomial", "normal", "poisson", "dropout", "uniform",
+                "exponential", "cauchy", "geometric")
+
+
+def _draws_random(node: Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and any(r in name.lower() for r in RANDOM_NAMES)
 
 
 def _evaluate(gm: GraphModule, above: list[Node]) -> torch.Tensor:

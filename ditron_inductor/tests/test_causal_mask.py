@@ -128,6 +128,16 @@ def test_mask_changed_in_place_is_kept():
     assert site.became is None and "in place" in site.reason, site
 
 
+def test_random_masks_are_kept():
+    # evaluated once, a random mask would be frozen: (rand < 2) is all True every call, but the
+    # pass cannot know which random masks stay what they were at compile time
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.rand(L, S) < 2.0)
+    gm, _ = dynamo_graph(attend, *qkv())
+    (site,) = rewrite_causal_masks(gm)
+    assert site.became is None and "draws random numbers" in site.reason, site
+
+
 def test_too_large_masks_are_not_evaluated(monkeypatch):
     def attend(q, k, v):
         return F.scaled_dot_product_attention(
