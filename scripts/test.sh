@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what is missing (scripts/install.sh: nothing when all is there), then run the test
-# suite (GPU tests skip themselves where no GPU is present): about 7 minutes on 2 CPU cores.
+# suite (GPU tests skip themselves where no GPU is present): about 10 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
