@@ -316,10 +316,7 @@ def busy(spans) -> float:
 
 
 def device_profile(fn, calls: int, timer: Timer) -> dict:
-    """{kind: device ms per call} over the kernels of `calls` calls of `fn`; "busy": the time
-    some kernel runs (kernels on different streams overlap, so the kinds may sum past it; a step
-    longer than it waited on the host); "top": the kernels that took longest, with kind and ms."""
-    from torch.autograd import DeviceType
+    """The profile of `calls` calls of `fn` (`kernel_times`)."""
     from torch.profiler import ProfilerActivity, profile
 
     timer.sync()
@@ -327,7 +324,20 @@ def device_profile(fn, calls: int, timer: Timer) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return kernel_times(prof.events(), calls)
+
+
+def kernel_times(events, calls: int) -> dict:
+    """{kind: device ms per call} over the kernels and copies among the profiler's `events`;
+    "busy": the time some kernel runs (kernels on different streams overlap, so the kinds may sum
+    past it; a step longer than it waited on the host); "top": the kernels that took longest,
+    with kind and ms. A user annotation (a record_function range such as
+    "Optimizer.step#AdamW.step") is on the device's timeline too, spanning the kernels it
+    launched: not a kernel, not counted."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     ms, by_name = dict.fromkeys(PROFILE_KINDS, 0.0), {}
     for e in kernels:
         ms[kernel_kind(e.name)] += e.device_time_total / 1e3 / calls

@@ -71,10 +71,12 @@ def rewrite_causal_masks(gm: GraphModule) -> list[MaskSite]:
             continue
         shape = tuple(_shape(mask) or ())
         query, key = _shape(_arg(sdpa, 0, "query")), _shape(_arg(sdpa, 1, "key"))
-        if query is None or key is None or not shape:
+        scores = (query[-2], key[-2]) if query and key else ()
+        if not scores or not shape:
             became, reason = None, "the shapes of query, key or mask are not known"
+        elif not all(isinstance(d, int) for d in (*shape, *scores)):
+            became, reason = None, "dynamic shapes"
         else:
-            scores = (query[-2], key[-2])
             if (mask, scores) not in verdicts:
                 verdicts[mask, scores] = _verdict(gm, mask, shape, scores)
             became, reason = verdicts[mask, scores]
@@ -92,8 +94,6 @@ def rewrite_causal_masks(gm: GraphModule) -> list[MaskSite]:
 def _verdict(gm: GraphModule, mask: Node, shape: tuple, scores: tuple) -> tuple[Optional[str],
                                                                                 str]:
     """(CAUSAL, NO_MASK or None, and why None) for a mask over `scores` (queries, keys)."""
-    if not all(isinstance(d, int) for d in (*shape, *scores)):
-        return None, "dynamic shapes"
     above = _ancestors(mask)
     inputs = sorted(n.name for n in above if n.op == "placeholder")
     if inputs:

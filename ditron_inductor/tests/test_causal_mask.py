@@ -18,7 +18,7 @@ from ditron_inductor.lowering.causal_mask import CAUSAL, NO_MASK, classify, rewr
 L, S, E = 8, 8, 16  # queries, keys, head size
 
 
-def dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
+def dynamo_graph(fn, *args, dynamic: bool = False) -> tuple[torch.fx.GraphModule, list]:
     """The graph and example inputs dynamo passes a backend for fn(*args)."""
     captured = []
 
@@ -26,7 +26,7 @@ def dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
         captured.append((gm, list(example_inputs)))
         return gm.forward
     torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
     return captured[0]
 
 
@@ -128,6 +128,14 @@ def test_mask_changed_in_place_is_kept():
     assert site.became is None and "in place" in site.reason, site
 
 
+def test_masks_of_dynamic_shapes_are_kept():
+    # the sequence length is a symbol: no value to evaluate the mask at
+    gm, _ = dynamo_graph(hf_style_causal, *qkv(), dynamic=True)
+    sites = rewrite_causal_masks(gm)
+    assert [(s.became, s.reason) for s in sites] == [(None, "dynamic shapes")] * 2
+    assert sites[0].describe().endswith("kept: dynamic shapes")
+
+
 def test_random_masks_are_kept():
     # evaluated once, a random mask would be frozen: (rand < 2) is all True every call, but the
     # pass cannot know which random masks stay what they were at compile time
@@ -184,3 +192,21 @@ def test_backend_rewrites_hugging_face_llama_and_logs_it(caplog):
         torch.testing.assert_close(off(input_ids=ids, labels=ids).logits, want.logits,
                                    rtol=1e-4, atol=1e-5)
     assert not any("attention call(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_backend_keeps_the_masks_of_dynamic_shapes(caplog):
+    # a second sequence length makes dynamo compile the shapes as symbols: the masks stay, the
+    # model runs as Inductor runs it
+    pytest.importorskip("transformers")
+    from ditron_inductor.tests import llama_tp
+
+    model = llama_tp.build_llama(llama_tp.llama_config(layers=1))
+    ids = llama_tp.tokens(2, 8, 128, seed=0)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="ditron"):
+        got = torch.compile(model, backend="ditron", dynamic=True)(input_ids=ids).logits
+    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records), lines
+    if torch.__version__ < "2.14":
+        assert any(line.endswith("kept: dynamic shapes") for line in lines), lines

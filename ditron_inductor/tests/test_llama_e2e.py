@@ -355,6 +355,26 @@ def test_benchmark_kernel_kinds(name, kind):
     assert _benchmark().kernel_kind(name) == kind
 
 
+def test_benchmark_kernel_times_skip_annotations():
+    # the profiler's events: two kernels (one on each of two streams, overlapping), a host op and
+    # the optimizer's record_function range, which the device's timeline shows too
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               device_time_total=end - start,
+                               time_range=SimpleNamespace(start=start, end=end))
+    events = [event("nvjet_tst_128x256", 0, 3000), event("ncclDevKernel_AllGather", 1000, 5000),
+              event("aten::mm", 0, 100, device=DeviceType.CPU),
+              event("Optimizer.step#AdamW.step", 0, 9000, annotation=True)]
+    times = _benchmark().kernel_times(events, calls=2)
+    assert (times["gemm"], times["nccl"], times["other"], times["busy"]) == (1.5, 2.0, 0.0, 2.5)
+    assert times["top"] == [["ncclDevKernel_AllGather", "nccl", 2.0],
+                            ["nvjet_tst_128x256", "gemm", 1.5]]
+
+
 def test_benchmark_device_profile_table(capsys):
     e2e = _benchmark()
     assert e2e.busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps count once
