@@ -1,6 +1,11 @@
 """A program that compiles a tensor-parallel layer pair with ditron and then shuts down one way:
 
     python -m ditron_inductor.tests.exit_program --shutdown destroy|none|runtime [--device cuda]
+        [--workload train|infer]
+
+train: a sequence-parallel pair, forward and backward (all-gather and reduce-scatter ops); infer:
+a plain TP pair under `mode="reduce-overhead"` without gradients (the all-reduce op, captured in
+CUDA graphs on GPUs), as prefill runs it.
 
 destroy: `destroy_process_group()` then exit; none: exit with the process group alive; runtime:
 `ditron_inductor.runtime.shutdown()`, then `destroy_process_group()`. Each rank prints how many
@@ -19,12 +24,14 @@ import sys
 import time
 
 
-def rank_main(rank: int, world: int, port: int, device: str, shutdown: str) -> None:
+def rank_main(rank: int, world: int, port: int, device: str, shutdown: str,
+              workload: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
+    from torch._inductor import list_mode_options
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module)
 
@@ -39,14 +46,22 @@ def rank_main(rank: int, world: int, port: int, device: str, shutdown: str) -> N
     torch.manual_seed(0)
     pair = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False))
     pair = pair.to(device=device, dtype=dtype)
-    parallelize_module(pair, DeviceMesh(device, list(range(world))), {
-        "0": ColwiseParallel(input_layouts=Shard(0)),
-        "1": RowwiseParallel(output_layouts=Shard(0)),
-    })
-    compiled = torch.compile(pair, backend="ditron", options={"ditron.plan": "fused"})
-    x = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
-    for _ in range(2):
-        compiled(x).float().sum().backward()
+    mesh = DeviceMesh(device, list(range(world)))
+    if workload == "train":
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(input_layouts=Shard(0)),
+                                        "1": RowwiseParallel(output_layouts=Shard(0))})
+        compiled = torch.compile(pair, backend="ditron", options={"ditron.plan": "fused"})
+        x = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(2):
+            compiled(x).float().sum().backward()
+    else:  # torch.compile takes a mode or options, not both
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        options = {"ditron.plan": "fused", **list_mode_options("reduce-overhead")}
+        compiled = torch.compile(pair, backend="ditron", options=options)
+        x = torch.randn(64, 256, device=device, dtype=dtype)
+        with torch.no_grad():
+            for _ in range(3):  # warm-up, record, replay
+                compiled(x)
     if device == "cuda":
         torch.cuda.synchronize()
     fused = sum(c.fused for r in graph_pass.reports for c in r.candidates)
@@ -62,6 +77,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shutdown", choices=["destroy", "none", "runtime"], default="destroy")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workload", choices=["train", "infer"], default="train")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240.0)
     args = parser.parse_args(argv)
@@ -77,7 +93,7 @@ def main(argv=None) -> int:
                           timeout=datetime.timedelta(seconds=args.timeout))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, args.world_size, store.port, args.device,
-                                                 args.shutdown))
+                                                 args.shutdown, args.workload))
              for r in range(args.world_size)]
     for p in procs:
         p.start()

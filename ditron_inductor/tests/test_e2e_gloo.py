@@ -525,6 +525,13 @@ def test_program_exits_cleanly_with_the_log_on(shutdown):
 
 
 @pytest.mark.slow
+def test_inference_program_exits_cleanly():
+    # the plain-TP pair under reduce-overhead (no CUDA graphs on CPU): one all-reduce op
+    out = run_exit_program("--shutdown", "destroy", "--workload", "infer")
+    assert "rank 0: 1 ditron ops" in out, out
+
+
+@pytest.mark.slow
 def test_launcher_reraises_rank_exception():
     from ditron_inductor.tests.distributed import RankError
 
