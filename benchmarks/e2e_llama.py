@@ -270,7 +270,6 @@ def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
     return text.getvalue()
 
 
-
 # A device profile's kernel kinds, the first match of the lower-cased name winning; ditron's own
 # kernels (the Triton functions of ditron_inductor.kernels) come first, and what matches nothing
 # (Inductor's fused elementwise and reduction kernels: norms, rotary embedding, the loss) is other.
@@ -340,11 +339,13 @@ def kernel_times(events, calls: int) -> dict:
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     ms, by_name = dict.fromkeys(PROFILE_KINDS, 0.0), {}
     for e in kernels:
-        ms[kernel_kind(e.name)] += e.device_time_total / 1e3 / calls
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3 / calls
+        per_call = e.device_time_total / 1e3 / calls
+        ms[kernel_kind(e.name)] += per_call
+        by_name[e.name] = by_name.get(e.name, 0.0) + per_call
     ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     return {**ms, "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top]}
+
 
 def ditron_graphs(start: int) -> list[dict]:
     """The graphs the ditron pass saw since `start`: name and ditron ops (fused candidates)."""

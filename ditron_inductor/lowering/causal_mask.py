@@ -154,16 +154,11 @@ def _mutates(node: Node) -> bool:
     functional): `x.add_(...)`, `x &= ...`, `x[i] = ...`, `out=`, `inplace=True`."""
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.op == "call_method":
-        if node.target in IN_PLACE_METHODS:  # x.__iand__(y)
-            return True
-        name = node.target
-    elif node.target in IN_PLACE_OPERATORS:
+    if node.target in IN_PLACE_METHODS or node.target in IN_PLACE_OPERATORS:  # x &= y
         return True
-    elif getattr(node.target, "__module__", None) in ("operator", "_operator"):
+    if getattr(node.target, "__module__", None) in ("operator", "_operator"):
         return False  # operator.and_ is `a & b`, not in place
-    else:  # torch.relu_
-        name = getattr(node.target, "__name__", "")
+    name = _target_name(node)  # x.add_(y), torch.relu_(x)
     in_place_name = name.endswith("_") and not name.startswith("__")
     return in_place_name or "out" in node.kwargs or node.kwargs.get("inplace") is True
 
@@ -191,8 +186,14 @@ RANDOM_NAMES = ("rand", "bernoulli", "multinomial", "normal", "poisson", "dropou
 
 
 def _draws_random(node: Node) -> bool:
+    name = _target_name(node).lower()
+    return any(r in name for r in RANDOM_NAMES)
+
+
+def _target_name(node: Node) -> str:
+    """The method's name, or the called function's."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and any(r in name.lower() for r in RANDOM_NAMES)
+    return name if isinstance(name, str) else ""
 
 
 def _evaluate(gm: GraphModule, above: list[Node]) -> torch.Tensor:
