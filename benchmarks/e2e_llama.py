@@ -14,7 +14,10 @@ Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes, layer count 
 line), random init, the same on every rank; the TP plans of `ditron_inductor/tests/llama_tp.py`.
 Workloads:
 - train: one training step (forward, loss, backward, AdamW step: fused, as torchtitan runs it,
-  or --optimizer foreach), sequence-parallel plan (torchtitan's), B x S tokens;
+  or --optimizer foreach), sequence-parallel plan (torchtitan's), B x S tokens; the logits stay
+  sharded on the vocabulary and the loss runs under DTensor's `loss_parallel()` after the
+  model, compiled on its own as the model is, as torchtitan's default (`--no-loss-parallel`:
+  lm_head gathers the logits and the model computes the loss inside its compiled graph);
 - prefill: plain TP (all-reduce after o_proj and down_proj), B 1, S in --prefill-seqs, eager
   launch and `mode="reduce-overhead"` (CUDA graphs);
 - decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
@@ -107,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's implementation in the training step (torchtitan's default: "
                         "fused)")
+    p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="training: vocabulary-sharded logits and loss (torchtitan's default)")
     p.add_argument("--train-batch", type=int, default=1)
     p.add_argument("--train-seq", type=int, default=8192)
     p.add_argument("--prefill-seqs", default="4096,8192")
@@ -155,7 +160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = False):
-    """The callable a contender runs: the module itself (eager) or a compiled wrapper. Without
+    """The callable a contender runs for `model` (a module, or the loss function): the model
+    itself (eager) or a compiled wrapper. Without
     communication (a fake group) ditron matches no collective (`ditron.patterns` empty): its
     fused ops need peers, and their reference plans would time what no GPU run takes; what is
     left is its rewrite of the attention masks."""
@@ -375,15 +381,18 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
         def setup(name=name):
             model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
                                                               device=args.device),
-                                         llama_tp.SEQUENCE_PARALLEL, mesh)
+                                         llama_tp.SEQUENCE_PARALLEL, mesh,
+                                         loss_parallel=args.loss_parallel)
             run = compiled(name, model, EAGER_LAUNCH, group_name, args.no_comm)
+            loss_fn = (compiled(name, llama_tp.next_token_loss, EAGER_LAUNCH, group_name,
+                                args.no_comm) if args.loss_parallel else None)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
                                     **{args.optimizer: True})
             params = dict(model.named_parameters())
             start = len(graph_pass.reports)
-            loss = llama_tp.loss_of(run, ids[0])  # the checked step (compiles)
-            loss.backward()
-            checks[name] = {"loss": loss.detach().float(),
+            # the checked step (compiles)
+            loss = llama_tp.train_loss(run, ids[0], loss_fn)
+            checks[name] = {"loss": loss.float(),
                             **{g: llama_tp.local(params[g].grad).detach().clone() for g in GRADS}}
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -392,7 +401,7 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
 
             def step(box=[0]):
                 box[0] += 1
-                llama_tp.loss_of(run, ids[box[0] % 2]).backward()
+                llama_tp.train_loss(run, ids[box[0] % 2], loss_fn)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             return step
@@ -400,8 +409,9 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             steps[name] = step
     timing = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
-    return [row("train (sequence parallel)", shape, EAGER_LAUNCH, timing, checks, graphs, failed,
-                args.no_comm)]
+    workload = "train (sequence parallel, loss parallel)" if args.loss_parallel else \
+        "train (sequence parallel)"
+    return [row(workload, shape, EAGER_LAUNCH, timing, checks, graphs, failed, args.no_comm)]
 
 
 def guarded(name: str, setup, failed: dict):

@@ -7,7 +7,9 @@ Plans (`parallelize_module` on a 1-D mesh):
   sequence (`Shard(1)`); each norm runs on its shard (`SequenceParallel`); attention and MLP
   gather it (`PrepareModuleInput` to `Replicate`) before the column-parallel q/k/v and gate/up
   and the row-parallel o/down reduce-scatter it back (`RowwiseParallel(output_layouts=Shard(1))`);
-  the embedding's output is scattered on the sequence and lm_head gathers it.
+  the embedding's output is scattered on the sequence and lm_head gathers it. Its logits are
+  gathered too, or with `loss_parallel=True` (torchtitan's default) left sharded on the
+  vocabulary for `train_loss` with `next_token_loss`.
 - `tensor_parallel`: inference, no sequence parallelism. Column-parallel q/k/v and gate/up,
   row-parallel o/down (an all-reduce after each), embedding and norms replicated, lm_head
   column-parallel with its logits gathered.
@@ -50,7 +52,8 @@ def build_llama(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     return model.to(dtype=dtype)
 
 
-def parallelize(model: torch.nn.Module, plan: str, mesh) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, plan: str, mesh, *,
+                loss_parallel: bool = False) -> torch.nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -60,12 +63,16 @@ def parallelize(model: torch.nn.Module, plan: str, mesh) -> torch.nn.Module:
         parallelize_module,
     )
 
+    if loss_parallel and plan != SEQUENCE_PARALLEL:
+        raise ValueError(f"loss_parallel=True: the {SEQUENCE_PARALLEL} plan only, not {plan!r}")
     if plan == SEQUENCE_PARALLEL:
         top = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
                                                   output_layouts=Shard(1), use_local_output=False),
             "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "lm_head": (ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                        use_local_output=False) if loss_parallel
+                        else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
         }
         layer = {
             "input_layernorm": SequenceParallel(),
@@ -98,6 +105,38 @@ def tokens(batch: int, seq: int, vocab: int, *, seed: int, device: str = "cpu") 
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss over logits and labels already shifted (`train_loss`): in
+    float32, the mean over the labelled positions. On vocabulary-sharded logits under DTensor's
+    `loss_parallel()` it runs on each rank's shard, compiled or not."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def train_loss(model, ids: torch.Tensor, loss_fn=None) -> torch.Tensor:
+    """Forward, the next-token loss and backward; the loss, detached, on this rank.
+
+    Without `loss_fn` Hugging Face computes the loss inside the model, over gathered logits.
+    With it (`next_token_loss`, compiled or not, for a model that `parallelize` left with
+    vocabulary-sharded logits) the loss runs after the model under DTensor's `loss_parallel()`,
+    as torchtitan runs it: the whole model compiled with the loss inside fails in this torch
+    ("Expected a DTensor tangent but got a plain Tensor")."""
+    if loss_fn is None:
+        loss = loss_of(model, ids)
+        loss.backward()
+        return loss.detach()
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    logits = model(input_ids=ids).logits
+    labels = F.pad(ids, (0, 1), value=-100)[:, 1:]  # each position's next token; none for the last
+    with loss_parallel():  # the backward too: it computes the logits' gradient
+        loss = loss_fn(logits, labels)
+        loss.backward()
+    return local(loss.detach())
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -6,6 +6,8 @@ pass found (fused, or left alone and why), with the numbers against eager and In
 - training (sequence parallel, B 1): 20 AdamW steps on the same data with ditron, Inductor and
   eager; ditron's loss curve against Inductor's, its first loss and gradients against eager's;
 - sequence parallel, B 2: one step, loss and gradients against eager;
+- sequence parallel with vocabulary-sharded logits (`loss_parallel`, the loss outside the compiled
+  model): ditron's 20 steps against eager's with gathered logits;
 - inference (plain TP): logits against eager.
 On CPU the ditron ops run their reference path, which still tests the rewrite: a wrong rewrite
 changes the numbers.
@@ -64,22 +66,26 @@ def _tasks(start: int) -> list[str]:
     return [c.task for report in list(graph_pass.reports)[start:] for c in report.candidates]
 
 
-def _train(model_fn, compile_with, batch: int, steps: int, vocab: int):
+def _train(model_fn, compile_with, batch: int, steps: int, vocab: int,
+           loss_parallel: bool = False):
     """Losses of `steps` AdamW steps, the gradients of GRADS after the first, and the sites the
     ditron pass reported while compiling."""
     from ditron_inductor.lowering import graph_pass
-    from ditron_inductor.tests.llama_tp import local, loss_of, tokens
+    from ditron_inductor.tests.llama_tp import local, next_token_loss, tokens, train_loss
 
     model = model_fn()
     run = model if compile_with is None else torch.compile(model, backend=compile_with,
                                                             dynamic=False)
+    loss_fn = None
+    if loss_parallel:  # the loss compiled on its own, with the model's backend (as torchtitan)
+        loss_fn = next_token_loss if compile_with is None else torch.compile(
+            next_token_loss, backend=compile_with, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = len(graph_pass.reports)
     params = dict(model.named_parameters())
     losses, grads = [], {}
     for step in range(steps):
-        loss = loss_of(run, tokens(batch, SEQ, vocab, seed=step))
-        loss.backward()
+        loss = train_loss(run, tokens(batch, SEQ, vocab, seed=step), loss_fn)
         if step == 0:
             grads = {name: local(params[name].grad).detach().numpy().copy() for name in GRADS}
         opt.step()
@@ -118,16 +124,18 @@ def llama_ranks(rank: int, world_size: int) -> dict:
     config = llama_config()
     vocab = config.vocab_size
 
-    def model(plan):
-        return lambda: parallelize(build_llama(config), plan, mesh)
+    def model(plan, loss_parallel=False):
+        return lambda: parallelize(build_llama(config), plan, mesh, loss_parallel=loss_parallel)
 
     sp, tp = model(SEQUENCE_PARALLEL), model(TENSOR_PARALLEL)
+    sp_lp = model(SEQUENCE_PARALLEL, loss_parallel=True)
     return {
         "unsharded_loss": loss_of(build_llama(config), tokens(1, SEQ, vocab, seed=0)).item(),
         "train": {backend or "eager": _train(sp, backend, 1, STEPS, vocab)
                   for backend in ("ditron", "inductor", None)},
         "sp_b2": {backend or "eager": _train(sp, backend, 2, 1, vocab)
                   for backend in ("ditron", None)},
+        "loss_parallel": {"ditron": _train(sp_lp, "ditron", 1, STEPS, vocab, loss_parallel=True)},
         "infer": {backend or "eager": _infer(tp, backend, vocab) for backend in ("ditron", None)},
     }
 
@@ -176,6 +184,8 @@ TENSOR_PARALLEL_SITES = {"forward": [(AR + "_rmsnorm", True, FUSED)] * 4}
 @pytest.mark.parametrize("workload, expected", [
     ("train", SEQUENCE_PARALLEL_SITES),
     ("sp_b2", SEQUENCE_PARALLEL_SITES),
+    # the logits' gather was never a site: the sites stay as they were
+    ("loss_parallel", SEQUENCE_PARALLEL_SITES),
     ("infer", TENSOR_PARALLEL_SITES),
 ])
 def test_every_site_fused_or_left_alone_with_its_reason(workload, expected):
@@ -227,6 +237,25 @@ def test_training_loss_curve_matches_inductor():
 
 
 @pytest.mark.slow
+def test_loss_parallel_training_matches_gathered_logits():
+    # The same training with the loss over vocabulary shards (DTensor's loss_parallel) instead
+    # of over gathered logits: the same losses, step by step, and the same first gradients.
+    for res in _rank_results():
+        sharded, gathered = res["loss_parallel"]["ditron"], res["train"]["eager"]
+        np.testing.assert_allclose(sharded["losses"], gathered["losses"], rtol=1e-5)
+        for name in GRADS:
+            np.testing.assert_allclose(sharded["grads"][name], gathered["grads"][name],
+                                       rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_loss_parallel_needs_the_sequence_parallel_plan():
+    from ditron_inductor.tests.llama_tp import TENSOR_PARALLEL, parallelize
+
+    with pytest.raises(ValueError, match="loss_parallel=True: the sequence_parallel plan only"):
+        parallelize(torch.nn.Linear(2, 2), TENSOR_PARALLEL, mesh=None, loss_parallel=True)
+
+
+@pytest.mark.slow
 def test_inference_logits_match_eager():
     for res in _rank_results():
         np.testing.assert_allclose(res["infer"]["ditron"]["logits"],
@@ -248,11 +277,11 @@ def test_benchmark_smoke_run(tmp_path):
          "--contenders", "eager,ditron", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| train (sequence parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
+    assert "| train (sequence parallel, loss parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
     assert "-> ditron.all_gather_matmul" in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["shape"]) for r in rows] == [
-        ("train (sequence parallel)", "B 1, S 16"), ("decode (TP)", "B 2, S 1")]
+        ("train (sequence parallel, loss parallel)", "B 1, S 16"), ("decode (TP)", "B 2, S 1")]
     for r in rows:
         assert r["failed"] == {} and set(r["ms"]) == {"eager", "ditron"}, r
         assert all(v > 0 for v in r["ms"].values())
