@@ -57,11 +57,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import functools
 import json
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -637,6 +639,8 @@ def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # a run that does not exit: SIGUSR1 to a rank (not to torchrun) prints where its threads wait
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.no_comm:  # rank 0 of a group whose other ranks never exist
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -649,9 +653,12 @@ def main(argv=None) -> None:
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         result = run(dist.get_rank(), dist.get_world_size(), argv)
-        if dist.get_rank() == 0:
+        rank, start = dist.get_rank(), time.perf_counter()
+        if rank == 0:
             report(result, argv)
         dist.destroy_process_group()
+        print(f"rank {rank}: report and process-group teardown took "
+              f"{time.perf_counter() - start:.1f} s; exiting", file=sys.stderr, flush=True)
         return
     if args.device == "cuda":
         sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")

@@ -18,6 +18,28 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 
+# `limited SECONDS cmd ...`: cmd under a time limit. At the limit, before the kill, cmd's child
+# processes (torchrun's ranks) print their Python threads' stacks (SIGUSR1: e2e_llama.py and the
+# exit program register faulthandler for it) and, where py-spy or gdb is there, their native
+# stacks: where a run that does not exit waits.
+limited() {
+  local limit=$1; shift
+  "$@" & local pid=$! t=0 child
+  while kill -0 "$pid" 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 1; t=$((t + 1)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "still running after ${limit} s: the stacks of its processes, then the kill"
+    pkill -USR1 -P "$pid"; sleep 5
+    for child in $(pgrep -P "$pid"); do
+      if command -v py-spy >/dev/null; then py-spy dump --native --pid "$child"
+      elif command -v gdb >/dev/null; then
+        gdb -p "$child" -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^#|^Thread" | head -150
+      fi
+    done
+    kill -- "$pid"; sleep 5; pkill -9 -P "$pid"; kill -9 "$pid" 2>/dev/null
+  fi
+  wait "$pid"
+}
+
 torch_logs() { env TORCH_LOGS=+ditron,graph_breaks python3 -c "import torch; print('TORCH_LOGS accepted')"; }
 unit() { timeout -k 5 170 python3 -m pytest -q -p no:cacheprovider ditron_inductor/tests/test_backend.py \
   ditron_inductor/tests/test_lowering.py ditron_inductor/tests/test_scheduler.py ditron_inductor/tests/test_ops.py; }
@@ -29,7 +51,7 @@ fused_w2() { timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider \
 gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cacheprovider \
   ditron_inductor/tests/gpu/test_fused_gpu.py ditron_inductor/tests/gpu/test_all_reduce_gpu.py \
   -k "world1 or fused[1]"; }
-exit_gpu() { timeout -k 5 300 python3 -m pytest -q -s -p no:cacheprovider \
+exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   ditron_inductor/tests/gpu/test_exit_gpu.py; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
   ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
@@ -39,7 +61,7 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
     --no-comm --world "$world" --json "$OUT/e2e_llama_no_comm.json" ${E2E_ARGS:-} \
     --contenders inductor,ditron
   local bound=(); [ -s "$OUT/e2e_llama_no_comm.json" ] && bound=(--bound-json "$OUT/e2e_llama_no_comm.json")
-  timeout -k 5 ${E2E_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
+  limited ${E2E_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
     --json "$OUT/e2e_llama.json" "${bound[@]}" \
     --contenders inductor,inductor_async_tp,ditron,ditron_keep_mask ${E2E_ARGS:-}; }
 

@@ -1,17 +1,20 @@
 """A program that compiles a tensor-parallel layer pair with ditron and then shuts down one way:
 
     python -m ditron_inductor.tests.exit_program --shutdown destroy|none|runtime [--device cuda]
-        [--workload train|infer]
+        [--workload train|infer] [--async-tp]
 
 train: a sequence-parallel pair, forward and backward (all-gather and reduce-scatter ops); infer:
 a plain TP pair under `mode="reduce-overhead"` without gradients (the all-reduce op, captured in
-CUDA graphs on GPUs), as prefill runs it.
+CUDA graphs on GPUs), as prefill runs it. --async-tp (CUDA): a second copy of the pair compiled
+by Inductor with PyTorch's async TP (symmetric memory enabled for the group), run as the first:
+the mix of e2e_llama.py's contenders in one process.
 
 destroy: `destroy_process_group()` then exit; none: exit with the process group alive; runtime:
 `ditron_inductor.runtime.shutdown()`, then `destroy_process_group()`. Each rank prints how many
 ditron ops its graphs hold; the launcher exits with the first non-zero rank exit code (a rank
-that aborts at exit shows here), or 2 when a rank is still running after --timeout (a hang).
-The exit tests run it with the ditron log on.
+that aborts at exit shows here), or 2 when a rank is still running after --timeout (a hang),
+after it asked that rank for the Python stack of each of its threads (SIGUSR1, `faulthandler`):
+where the exit waits. The exit tests run it with the ditron log on.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 
 
 def rank_main(rank: int, world: int, port: int, device: str, shutdown: str,
-              workload: str) -> None:
+              workload: str, async_tp: bool) -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's question on a hang
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -57,11 +65,18 @@ def rank_main(rank: int, world: int, port: int, device: str, shutdown: str,
     else:  # torch.compile takes a mode or options, not both
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
         options = {"ditron.plan": "fused", **list_mode_options("reduce-overhead")}
-        compiled = torch.compile(pair, backend="ditron", options=options)
+        runs = [torch.compile(pair, backend="ditron", options=options)]
+        if async_tp:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            symm_mem.enable_symm_mem_for_group(mesh.get_group().group_name)
+            runs.append(torch.compile(pair, options={**list_mode_options("reduce-overhead"),
+                                                     "_micro_pipeline_tp": True}))
         x = torch.randn(64, 256, device=device, dtype=dtype)
         with torch.no_grad():
-            for _ in range(3):  # warm-up, record, replay
-                compiled(x)
+            for run in runs:
+                for _ in range(3):  # warm-up, record, replay
+                    run(x)
     if device == "cuda":
         torch.cuda.synchronize()
     fused = sum(c.fused for r in graph_pass.reports for c in r.candidates)
@@ -78,9 +93,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shutdown", choices=["destroy", "none", "runtime"], default="destroy")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workload", choices=["train", "infer"], default="train")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="infer on CUDA: also the pair under Inductor's async TP")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240.0)
     args = parser.parse_args(argv)
+    if args.async_tp and (args.device, args.workload) != ("cuda", "infer"):
+        parser.error("--async-tp: with --device cuda --workload infer only (symmetric memory)")
 
     import torch.distributed as dist
 
@@ -93,7 +112,7 @@ def main(argv=None) -> int:
                           timeout=datetime.timedelta(seconds=args.timeout))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, args.world_size, store.port, args.device,
-                                                 args.shutdown, args.workload))
+                                                 args.shutdown, args.workload, args.async_tp))
              for r in range(args.world_size)]
     for p in procs:
         p.start()
@@ -101,6 +120,10 @@ def main(argv=None) -> int:
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:  # its threads' stacks to stderr, then the kill
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(5)
     for r in hung:
         procs[r].kill()
         procs[r].join()

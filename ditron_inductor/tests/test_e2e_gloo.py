@@ -524,6 +524,16 @@ def test_program_exits_cleanly_with_the_log_on(shutdown):
         assert "rank 0: 4 ditron ops" in out, out
 
 
+def test_exit_program_async_tp_needs_cuda_inference():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ditron_inductor.tests.exit_program",
+                           "--async-tp"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--async-tp: with --device cuda --workload infer only" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_inference_program_exits_cleanly():
     # the plain-TP pair under reduce-overhead (no CUDA graphs on CPU): one all-reduce op
