@@ -36,8 +36,11 @@ wrote at INFO (one per match: fused with the plan's reason, or not and why). Pri
 table; `--json PATH` writes the rows, the ditron lines and the command.
 
 The bound (`--no-comm`): one process on one device, a fake process group of --world ranks (every
-collective returns at once and leaves its output unwritten), eager, Inductor and ditron without
-its collective patterns (what is left of it: the causal-mask rewrite), no checks. Its times are
+collective returns at once; the functional ones write their outputs from the local input, see
+`local_collectives`), eager, Inductor and ditron without its collective patterns (what is left of
+it: the causal-mask rewrite), no comparison of numbers, but a row flags a contender whose loss,
+gradients or logits are not finite (a GEMM over NaN runs faster than over the step's values).
+Its times are
 the step at TP --world shapes without any communication, what hiding all of it could reach; set
 beside Inductor's time with communication they bound what overlap can gain (it hides the
 collectives; it does not shorten the compute). Runs on a one-GPU machine:
@@ -470,12 +473,15 @@ def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs
         failed: dict, no_comm: bool) -> dict:
     baseline = "inductor" if "inductor" in checks else "eager"
     ditron, base = checks.get("ditron"), checks.get(baseline)
-    # without communication the collectives' outputs hold whatever memory held: nothing to check
+    # without communication the collectives' outputs are this rank's own: nothing to compare
     diffs = ({k: max_diff(ditron[k], base[k]) for k in base}
              if ditron and base and not no_comm else {})
+    # a step over NaN or inf runs other arithmetic (a GEMM over NaN runs faster): not the step
+    nonfinite = sorted(name for name, values in checks.items()
+                       if not all(bool(torch.isfinite(v).all()) for v in values.values()))
     return {"workload": workload, "shape": shape, "mode": mode, **timing,
             "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs,
-            "failed": failed}
+            "failed": failed, "nonfinite": nonfinite}
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -612,6 +618,9 @@ def report(result: dict, argv: list[str]) -> None:
     for r in result["rows"]:
         for name, error in r["failed"].items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
+        if r.get("nonfinite"):
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: non-finite loss, gradients or "
+                  f"logits from {', '.join(r['nonfinite'])}: their times are not the step's")
         for name, text in r.get("host_profile", {}).items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}, cProfile of "
                   f"{args.profile_host} calls:\n{text}")
@@ -632,6 +641,51 @@ def report(result: dict, argv: list[str]) -> None:
                       indent=1)
 
 
+_LOCAL_COLLECTIVES = []  # the torch.library.Library of local_collectives, alive with the process
+
+
+def local_collectives() -> None:
+    """--no-comm: the functional collectives write their outputs from this rank's input.
+
+    The fake group's collectives return at once and leave their outputs unwritten: the gathered
+    activations, and all that is computed from them, hold stale bits, NaN among them, and a GEMM
+    over NaN or zeros runs about 10% faster on H200 than over the step's values. Here an
+    all-gather repeats its input, a reduce-scatter keeps its input's first chunk and an
+    all-reduce its input: finite values of the step's own scale, for a local copy each, which a
+    real collective writes locally too. Registered for CPU and CUDA tensors, in this process
+    only."""
+    if _LOCAL_COLLECTIVES:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    _LOCAL_COLLECTIVES.append(lib)
+
+    def gather(input, group_size, group_name):
+        return input.repeat(group_size, *[1] * (input.dim() - 1))
+
+    def scatter(input, reduce_op, group_size, group_name):
+        return input.chunk(group_size)[0].clone()
+
+    kernels = {
+        "all_gather_into_tensor": gather,
+        "all_gather_into_tensor_out": lambda input, group_size, group_name, *, out:
+            out.copy_(gather(input, group_size, group_name)),
+        "all_gather_into_tensor_coalesced": lambda inputs, group_size, group_name:
+            [gather(t, group_size, group_name) for t in inputs],
+        "reduce_scatter_tensor": scatter,
+        "reduce_scatter_tensor_out": lambda input, reduce_op, group_size, group_name, *, out:
+            out.copy_(input.chunk(group_size)[0]),
+        "reduce_scatter_tensor_coalesced": lambda inputs, reduce_op, group_size, group_name:
+            [scatter(t, reduce_op, group_size, group_name) for t in inputs],
+        "all_reduce": lambda input, reduce_op, group_name: input.clone(),
+        "all_reduce_": lambda input, reduce_op, group_name: input,
+        "all_reduce_coalesced": lambda inputs, reduce_op, group_name: [t.clone() for t in inputs],
+        "all_reduce_coalesced_": lambda inputs, reduce_op, group_name: inputs,
+    }
+    for name, kernel in kernels.items():
+        for device in ("CPU", "CUDA"):
+            lib.impl(name, kernel, device)
+
+
 def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
     return run(rank, world_size, argv)
 
@@ -645,6 +699,7 @@ def main(argv=None) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+        local_collectives()
         report(run(0, args.world, argv), argv)
         dist.destroy_process_group()
         return

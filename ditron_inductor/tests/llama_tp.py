@@ -91,9 +91,12 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *,
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                  "mlp.up_proj"):
         layer[name] = ColwiseParallel()
-    parallelize_module(model, mesh, top)
+    # Every rank built the same weights (`build_llama`): each keeps its own shard of them, with
+    # no broadcast or scatter from rank 0, which a fake group (the benchmark's --no-comm) would
+    # leave unwritten: parameters of stale bits, NaN among them.
+    parallelize_module(model, mesh, top, src_data_rank=None)
     for block in model.model.layers:
-        parallelize_module(block, mesh, layer)
+        parallelize_module(block, mesh, layer, src_data_rank=None)
     return model
 
 

@@ -313,7 +313,8 @@ def test_benchmark_no_comm_bound(tmp_path):
     assert r["failed"] == {} and set(r["ms"]) == set(r["host_ms"]) == {"eager", "inductor",
                                                                        "ditron"}
     assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) == 0 and r["spread"] >= 0
-    assert r["ditron_max_diff"] == {}  # the fake collectives write nothing: no numbers to check
+    assert r["ditron_max_diff"] == {}  # the collectives are this rank's own: nothing to compare
+    assert r["nonfinite"] == [], r
     assert "not fused: pattern matmul_all_reduce is disabled" in proc.stdout, proc.stdout
     # a decode-shaped step's mask (one query, one key) masks nothing
     assert ": 2 attention call(s) with a mask: 0 causal -> is_causal=True, 2 masking nothing -> " \
@@ -362,6 +363,47 @@ def test_benchmark_bound_columns(tmp_path):
                                "6.000 (inductor) | 1.25x | 4% | 7.400 / 1.200 | 1.07x |"), lines[2]
     unbounded = {k: v for k, v in row.items() if not k.startswith("no_comm")}
     assert "no-comm" not in e2e.table([unbounded], ["inductor", "ditron"])
+
+
+def test_benchmark_flags_non_finite_numbers():
+    # a contender whose step ran over NaN is flagged, whatever the mode
+    e2e = _benchmark()
+    checks = {"inductor": {"loss": torch.tensor(float("nan")), "g": torch.ones(2)},
+              "ditron": {"loss": torch.tensor(1.0), "g": torch.tensor([1.0, float("inf")])},
+              "eager": {"loss": torch.tensor(1.0), "g": torch.ones(2)}}
+    timing = {"ms": {}, "host_ms": {}, "spread": 0.0}
+    for no_comm in (True, False):
+        r = e2e.row("train", "B 1, S 16", e2e.EAGER_LAUNCH, timing, checks, [], {}, no_comm)
+        assert r["nonfinite"] == ["ditron", "inductor"], r
+
+
+def test_benchmark_no_comm_collectives_write_their_outputs():
+    # --no-comm's fake group leaves collective outputs unwritten; local_collectives writes them
+    # from the local input (run apart: the kernels it registers stay for the process)
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib.util, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.testing._internal.distributed.fake_pg import FakeStore
+spec = importlib.util.spec_from_file_location("e2e", {E2E_SCRIPT!r})
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+e2e.local_collectives()
+g, x = dist.group.WORLD, torch.arange(1.0, 9.0).reshape(4, 2)
+assert torch.equal(funcol.all_gather_tensor(x, 0, g).wait(), torch.cat([x, x]))
+assert torch.equal(funcol.reduce_scatter_tensor(x, "sum", 0, g).wait(), x[:2])
+assert torch.equal(funcol.all_reduce(x, "sum", g).wait(), x)
+def step(x):
+    return (funcol.all_gather_tensor(x, 0, g) * 2).sum() + funcol.all_reduce(x, "sum", g).sum()
+assert torch.compile(step, backend="inductor")(x).item() == 4 * 36 + 36
+print("written")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "written" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("name, kind", [
