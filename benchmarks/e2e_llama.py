@@ -662,13 +662,16 @@ def local_collectives() -> None:
     def gather(input, group_size, group_name):
         return input.repeat(group_size, *[1] * (input.dim() - 1))
 
+    def gather_out(input, group_size, group_name, *, out):  # written in place: one pass
+        out.view(group_size, *input.shape).copy_(input.expand(group_size, *input.shape))
+        return out
+
     def scatter(input, reduce_op, group_size, group_name):
         return input.chunk(group_size)[0].clone()
 
     kernels = {
         "all_gather_into_tensor": gather,
-        "all_gather_into_tensor_out": lambda input, group_size, group_name, *, out:
-            out.copy_(gather(input, group_size, group_name)),
+        "all_gather_into_tensor_out": gather_out,
         "all_gather_into_tensor_coalesced": lambda inputs, group_size, group_name:
             [gather(t, group_size, group_name) for t in inputs],
         "reduce_scatter_tensor": scatter,

@@ -396,6 +396,9 @@ g, x = dist.group.WORLD, torch.arange(1.0, 9.0).reshape(4, 2)
 assert torch.equal(funcol.all_gather_tensor(x, 0, g).wait(), torch.cat([x, x]))
 assert torch.equal(funcol.reduce_scatter_tensor(x, "sum", 0, g).wait(), x[:2])
 assert torch.equal(funcol.all_reduce(x, "sum", g).wait(), x)
+out = torch.zeros(8, 2)
+torch.ops._c10d_functional.all_gather_into_tensor_out(x, 2, g.group_name, out=out)
+assert torch.equal(out, torch.cat([x, x]))
 def step(x):
     return (funcol.all_gather_tensor(x, 0, g) * 2).sum() + funcol.all_reduce(x, "sum", g).sum()
 assert torch.compile(step, backend="inductor")(x).item() == 4 * 36 + 36
