@@ -40,10 +40,9 @@ collective returns at once; the functional ones write their outputs from the loc
 `local_collectives`), eager, Inductor and ditron without its collective patterns (what is left of
 it: the causal-mask rewrite), no comparison of numbers, but a row flags a contender whose loss,
 gradients or logits are not finite (a GEMM over NaN runs faster than over the step's values).
-Its times are
-the step at TP --world shapes without any communication, what hiding all of it could reach; set
-beside Inductor's time with communication they bound what overlap can gain (it hides the
-collectives; it does not shorten the compute). Runs on a one-GPU machine:
+Its times are the step at TP --world shapes without any communication, what hiding all of it
+could reach; set beside Inductor's time with communication they bound what overlap can gain (it
+hides the collectives; it does not shorten the compute). Runs on a one-GPU machine:
 
     python benchmarks/e2e_llama.py --no-comm --world 2 --json benchmarks/results/e2e_llama_h200x1_no_comm_w2.json
 
@@ -166,10 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = False):
     """The callable a contender runs for `model` (a module, or the loss function): the model
-    itself (eager) or a compiled wrapper. Without
-    communication (a fake group) ditron matches no collective (`ditron.patterns` empty): its
-    fused ops need peers, and their reference plans would time what no GPU run takes; what is
-    left is its rewrite of the attention masks."""
+    itself (eager) or a compiled wrapper. Without communication (a fake group) ditron matches no
+    collective (`ditron.patterns` empty): its fused ops need peers, and their reference plans
+    would time what no GPU run takes; what is left is its rewrite of the attention masks."""
     from torch._inductor import list_mode_options
 
     cuda_graphs = "reduce-overhead" if mode == CUDA_GRAPHS else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -30,9 +31,6 @@ import time
 
 def rank_main(rank: int, world: int, port: int, device: str, shutdown: str,
               workload: str, async_tp: bool) -> None:
-    import faulthandler
-    import signal
-
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's question on a hang
     import torch
     import torch.distributed as dist
