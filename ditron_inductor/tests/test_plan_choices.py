@@ -1,5 +1,6 @@
 """Every suite shape's plan, pinned at world sizes 2, 4 and 8, as the runtime runs it: the
-scheduler's choice with every default resolved, unprompted and with the fused plan forced."""
+scheduler's choice with every default resolved, unprompted and with the fused plan forced; and
+the decision at each site of the Llama-3-8B graphs at TP 2, as the 2x H200 run took it."""
 
 from __future__ import annotations
 
@@ -84,6 +85,59 @@ def choices(forced: str = "") -> dict:
 
 
 PINNED = pathlib.Path(__file__).with_name("plan_choices.json")
+
+# The sites of the Llama-3-8B graphs at TP 2 (hidden 4096, intermediate 14336, heads 32/8, vocab
+# 128256; training B 1 S 8192, prefill S 4096 and 8192), each as the ditron log of the 2x H200
+# run described it (benchmarks/results/e2e_llama_h200x2_train_prefill.json), with the decision it
+# took there: the fused and the refused sites of the real model, pinned without GPUs.
+AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNORM
+PUSH_BESIDE_GEMM = "push overlap triton chunks={} progs={} block=16384 warps=32"
+LLAMA_TP2_SITES = [
+    # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather
+    (dict(op=AG, m=8192, k=4096, ns=(2048, 512, 512)), False, "cublas_1_3_4"),
+    (dict(op=RS, m=8192, k=2048, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "tri_tma_128x256"),
+    (dict(op=RS, m=8192, k=7168, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
+    (dict(op=AG, m=8192, k=4096, ns=(64128,)), False, "tri_tma_128x256"),
+    # training, backward: lm_head's input gradient (left: no predicted gain), the gradients of
+    # down's and o's outputs gathered, gate/up's and q/k/v's input gradients as one matmul each
+    (dict(op=RS, m=8192, k=64128, ns=(4096,), dim=1), False, "nccl_cublas"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "tri_tma_128x256"),
+    (dict(op=RS, m=8192, k=14336, ns=(4096,), dim=1, terms=2, copy_elems=58720256), False,
+     "cublas_triton_reduce"),
+    (dict(op=AG, m=8192, k=4096, ns=(2048,)), False, "cublas_1_3_4"),
+    (dict(op=RS, m=8192, k=3072, ns=(4096,), dim=1, terms=3, copy_elems=12582912), False,
+     "cublas_triton_reduce"),
+    # prefill: o's and down's all-reduce with the residual add and the next RMSNorm; launched
+    # eagerly at S 4096 left (host time), fused under CUDA graphs and at S 8192
+    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "nccl_cublas"),
+    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "nccl_cublas"),
+    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(8, 32)),
+    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(16, 16)),
+    (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(8, 32)),
+    (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(16, 16)),
+]
+
+
+def _llama_task(site: dict) -> Task:
+    reduces = site["op"] != ALL_GATHER_MATMUL
+    # B 1: the rows gathered or scattered are the sequence's, whichever dim holds them
+    return Task(group_name="0", world_size=2, dtype=torch.bfloat16, device_type="cuda",
+                dim_size=site["m"], reduce_op="sum" if reduces else None,
+                has_bias=(False,) * len(site["ns"]),
+                has_residual=site["op"] == MATMUL_ALL_REDUCE_RMSNORM, **site)
+
+
+@pytest.mark.parametrize("site, cuda_graphs, expected", LLAMA_TP2_SITES)
+def test_llama_tp2_sites_decide_as_on_2x_h200(site, cuda_graphs, expected):
+    logged = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks" / "results"
+                         / "e2e_llama_h200x2_train_prefill.json").read_text())
+    task = _llama_task(site)
+    # the Task is the one the pass built from the graph: the log printed it so
+    assert any(f": {task.describe()} " in line
+               for run in logged["runs"] for line in run["ditron_log"]), task.describe()
+    with fake_group(2):
+        assert resolved(task, cuda_graphs) == expected
 
 
 @pytest.mark.parametrize("kind,forced", [("chosen", ""), ("forced", "fused")])
