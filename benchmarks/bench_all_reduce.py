@@ -308,7 +308,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--verbose", action="store_true", help="one line per contender (rank 0)")
-    ap.add_argument("--ms", default="", help="these M (N 8192) instead of the suite's, e.g. 1,256")
+    ap.add_argument("--ms", default="", help="these M instead of the suite's, e.g. 1,256")
+    ap.add_argument("--cols", type=int, default=8192, help="N with --ms (Llama-3-8B: 4096)")
     ap.add_argument("--ks", default="", help="only these K per rank, e.g. 3584")
     ap.add_argument("--plans", default="", help="only these EXTRA_PLANS labels, e.g. push_p16")
     args = ap.parse_args()
@@ -324,7 +325,7 @@ def main():
     rows, t0 = [], time.time()
     only = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
     ms, ks = only(args.ms), only(args.ks)
-    shapes = ([(m, k, 8192) for k in sorted(ks or {3584, 1024}, reverse=True)
+    shapes = ([(m, k, args.cols) for k in sorted(ks or {3584, 1024}, reverse=True)
                for m in sorted(ms)] if ms else [s for s in SUITE if not ks or s[1] in ks])
     for shape in shapes:
         new = run_shape(shape, dtype, group_name, world, args)
