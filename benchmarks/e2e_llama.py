@@ -100,8 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fake group's size with --no-comm")
     p.add_argument("--no-comm", action="store_true",
                    help="the bound: one process, a fake group of --world ranks whose collectives "
-                        "do nothing; eager, Inductor and ditron without its collective "
-                        "patterns; no checks")
+                        "move nothing (each writes its output from the local input); eager, "
+                        "Inductor and ditron without its collective patterns; numbers only "
+                        "checked for being finite")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--heads", type=int, default=32)
@@ -608,7 +609,8 @@ def report(result: dict, argv: list[str]) -> None:
             if (key := (r["workload"], r["shape"], r["mode"])) in bounds:
                 r["no_comm_ms"], r["no_comm_by"] = bounds[key]
     world = (f"world {result['world']} without communication (a fake group: the collectives "
-             f"do nothing, outputs unchecked)" if args.no_comm else f"world {result['world']}")
+             f"move nothing, outputs from the local input)" if args.no_comm
+             else f"world {result['world']}")
     print(f"\n## Llama e2e: {world}, {device}, hidden {args.hidden}, "
           f"intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads}, "
           f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}\n")
