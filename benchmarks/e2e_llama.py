@@ -11,7 +11,7 @@ never created). Smoke run on CPU, 2 gloo ranks that the script spawns itself, ti
     python benchmarks/e2e_llama.py --device cpu --tiny
 
 Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes, layer count on the command
-line), random init, the same on every rank; the TP plans of `ditron_inductor/tests/llama_tp.py`.
+line), random init, the same on every rank; the TP plans of `tests/llama_tp.py`.
 Workloads:
 - train: one training step (forward, loss, backward, AdamW step: fused, as torchtitan runs it,
   or --optimizer foreach), sequence-parallel plan (torchtitan's), B x S tokens; the logits stay
@@ -79,7 +79,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ditron_inductor.tests import llama_tp  # noqa: E402
+from tests import llama_tp  # noqa: E402
 
 # ditron_keep_mask: ditron with its causal-mask rewrite off (what overlap alone gains)
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask")
@@ -281,7 +281,7 @@ def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
 
 
 # A device profile's kernel kinds, the first match of the lower-cased name winning; ditron's own
-# kernels (the Triton functions of ditron_inductor.kernels) come first, and what matches nothing
+# kernels (the Triton functions of ditron_inductor.templates) come first, and what matches nothing
 # (Inductor's fused elementwise and reduction kernels: norms, rotary embedding, the loss) is other.
 KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention")),
                 ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem_")),
@@ -720,7 +720,7 @@ def main(argv=None) -> None:
         return
     if args.device == "cuda":
         sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
-    from ditron_inductor.tests.distributed import run_ranks
+    from tests.distributed import run_ranks
 
     results = run_ranks(_spawned_rank, args.world, args=(argv,), timeout_s=1800,
                         env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",

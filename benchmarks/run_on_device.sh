@@ -18,12 +18,12 @@ nvidia-smi topo -m 2>&1 | head -12
 for w in $TESTS; do
   [ "${FUSED_TESTS:-1}" = "0" ] && break
   K="world$w"; [ "$w" = "4" ] && K="world4 and torch"
-  timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_fused_gpu.py -k "$K" 2>&1 | tee $OUT/gpu_tests_w$w.log | grep -v "^$" | tail -6
+  timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_gpu.py -k "$K" 2>&1 | tee $OUT/gpu_tests_w$w.log | grep -v "^$" | tail -6
   echo "gpu tests world $w: rc=$?"
 done
 if [ "${AR:-0}" = "1" ]; then
   for w in $TESTS; do
-    DITRON_AR_QUICK=1 timeout -k 5 ${TEST_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[$w]" 2>&1 | tee $OUT/ar_tests_w$w.log | grep -v "^$" | tail -6
+    DITRON_AR_QUICK=1 timeout -k 5 ${TEST_TIMEOUT:-360} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py -k "fused[$w]" 2>&1 | tee $OUT/ar_tests_w$w.log | grep -v "^$" | tail -6
     echo "all-reduce gpu tests world $w: rc=$?"
   done
 fi

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -52,7 +53,10 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    patches = inductor_patches(mode, options)
+    try:
+        patches = inductor_patches(mode, options)
+    except config.OptionError as error:
+        raise config.OptionError(str(error), first_useful_frame=inspect.currentframe()) from None
     ditron_pass = patches.get("post_grad_custom_post_pass")
     if isinstance(ditron_pass, DitronPass) and ditron_pass.options.causal_mask:
         _rewrite_causal_masks(gm)

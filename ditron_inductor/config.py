@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import types
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch._dynamo.exc import ShortenTraceback
 
-from .scheduler.task import OPS as PATTERNS
+from .patterns import PATTERNS
 
 PREFIX = "ditron."
 PLANS = ("auto", "reference", "fused")
@@ -43,10 +44,12 @@ dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch
 
 class OptionError(ShortenTraceback, ValueError):
     """A ditron option with a value it does not take. Dynamo passes a ShortenTraceback from a
-    backend through as it is, instead of wrapping it in BackendCompilerFailed."""
+    backend through as it is, instead of wrapping it in BackendCompilerFailed, and cuts its
+    traceback to start at `first_useful_frame` (the backend's frame: the user reads the message
+    under their own call, not under Dynamo's internals)."""
 
-    def __init__(self, message: str):
-        super().__init__(message, first_useful_frame=None)
+    def __init__(self, message: str, first_useful_frame: types.FrameType | None = None):
+        super().__init__(message, first_useful_frame=first_useful_frame)
 
 
 @dataclasses.dataclass(frozen=True)

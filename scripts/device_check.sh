@@ -41,20 +41,20 @@ limited() {
 }
 
 torch_logs() { env TORCH_LOGS=+ditron,graph_breaks python3 -c "import torch; print('TORCH_LOGS accepted')"; }
-unit() { timeout -k 5 170 python3 -m pytest -q -p no:cacheprovider ditron_inductor/tests/test_backend.py \
-  ditron_inductor/tests/test_lowering.py ditron_inductor/tests/test_scheduler.py ditron_inductor/tests/test_ops.py; }
-e2e_gloo() { timeout -k 5 400 python3 -m pytest -q -p no:cacheprovider ditron_inductor/tests/test_e2e_gloo.py; }
+unit() { timeout -k 5 170 python3 -m pytest -q -p no:cacheprovider tests/test_backend.py \
+  tests/test_lowering.py tests/test_scheduler.py tests/test_ops.py; }
+e2e_gloo() { timeout -k 5 400 python3 -m pytest -q -p no:cacheprovider tests/test_e2e_gloo.py; }
 demo_nccl() { timeout -k 5 120 python3 -m ditron_inductor.demo; }
 demo_nccl_fused() { DITRON_PLAN=fused TORCH_LOGS=ditron timeout -k 5 120 python3 -m ditron_inductor.demo; }
 fused_w2() { timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider \
-  ditron_inductor/tests/gpu/test_fused_gpu.py -k "world2 and torch"; }
+  tests/gpu/test_fused_gpu.py -k "world2 and torch"; }
 gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cacheprovider \
-  ditron_inductor/tests/gpu/test_fused_gpu.py ditron_inductor/tests/gpu/test_all_reduce_gpu.py \
+  tests/gpu/test_fused_gpu.py tests/gpu/test_all_reduce_gpu.py \
   -k "world1 or fused[1]"; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
-  ditron_inductor/tests/gpu/test_exit_gpu.py; }
+  tests/gpu/test_exit_gpu.py; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
-  ditron_inductor/tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
+  tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them
   local world; world=$(nvidia-smi -L | wc -l)
   CUDA_VISIBLE_DEVICES=0 timeout -k 5 ${E2E_BOUND_LIMIT:-180} python3 benchmarks/e2e_llama.py \

@@ -1,4 +1,4 @@
-"""Fused all-gather + GEMM on symmetric memory (kernels: kernels/ag_gemm.py, transfer.py).
+"""Fused all-gather + GEMM on symmetric memory (kernels: templates/ag_gemm.py, transfer.py).
 
 One call (epoch e, this rank r of W, A chunk c = rank c's shard):
   main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
@@ -12,7 +12,7 @@ One call (epoch e, this rank r of W, A chunk c = rank c's shard):
                 "triton"), or cuBLAS on groups of chunks in arrival order, each group after the
                 events of its chunks (plan gemm="cublas"); then join the copy streams
   (plan transfer="sm", opt-in: one Triton kernel on a few SMs pulls every chunk instead of the
-  copy engine, kernels/transfer.py, and the GEMM leaves those SMs free)
+  copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
 
 Signals are 4-byte copy-engine copies of a word holding the epoch (driver.py, context.py): every
 stream operation is a ctypes driver call (~50 per fused call at W=8) because a torch op or a
@@ -132,13 +132,13 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
 
     polls = wait_polls(plan)
     if plan.transfer == SM:
-        # 2'. a few SMs pull every chunk (kernels/transfer.py); the GEMM leaves them free and
+        # 2'. a few SMs pull every chunk (templates/transfer.py); the GEMM leaves them free and
         #     waits on the chunks' arrival counters
         nprog = plan.comm_sms
         counts, expect = ctx.counters(nprog)
         driver.record(ctx.ev_start, main)
         driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
-        from ..kernels.transfer import ag_pull_kernel
+        from ..templates.transfer import ag_pull_kernel
 
         launch(ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
                gathered.view(-1).view(torch.int32), ctx.flags.words, counts,

@@ -1,5 +1,5 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory (kernels:
-kernels/all_reduce_push.py and all_reduce_lamport.py; what they share: all_reduce.py).
+templates/all_reduce_push.py and all_reduce_lamport.py; what they share: all_reduce.py).
 
 One call on rank r: cuBLAS writes a @ b (+ bias) into my symmetric buffer, then one kernel. The
 plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
@@ -13,7 +13,7 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       copies the sums out adding its residual, normalises the rows; with overlap=True the kernel
       runs on a few SMs beside the GEMM (side stream), waiting on each row chunk's READY:
       gemm="triton", a persistent Triton GEMM on the other SMs that raises READY per finished
-      chunk (kernels/gemm_ready.py); else cuBLAS in row chunks, each followed by a 4-byte copy
+      chunk (templates/gemm_ready.py); else cuBLAS in row chunks, each followed by a 4-byte copy
       from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
@@ -38,9 +38,9 @@ import torch
 
 from ..scheduler.plan import TRITON, AllReducePlan
 from ..scheduler.task import Task
-from ..kernels import flags
-from ..kernels.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
-from ..kernels.all_reduce_push import push_all_kernel, push_kernel
+from ..templates import flags
+from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
+from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from . import driver
 from .context import (
     OpContext,
@@ -78,7 +78,7 @@ def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
     """(context name, elements of its symmetric buffer) for a call of `numel` elements: room for
     every region (_regions) of the algorithm's layout. push_all has a context of its own: its
     slots are safe to overwrite only after calls of its own kind (module doc of
-    kernels/all_reduce_push.py); so have lamport and lamport_all: their receive words must
+    templates/all_reduce_push.py); so have lamport and lamport_all: their receive words must
     hold the empty mark between calls, which no other kernel keeps. push and push_scatter share
     one. The slack: room for the scatter's (and lamport's) last, partial, block row."""
     slack = flags.MAX_WORLD * _MAX_BLOCK
@@ -247,7 +247,7 @@ def _region(ctx, partial, algo):
 
 
 def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps):
-    """The GEMM, then the push kernel (kernels/all_reduce_push.py) on the same stream. With
+    """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
     per chunk of whole row-blocks; else cuBLAS in row chunks (carveout=True: told to leave the
@@ -301,7 +301,7 @@ def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps
 
 def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
     """The GEMM, then lamport_kernel or (lamport_all, push_all's grid: every rank handles
-    every element) lamport_all_kernel (kernels/all_reduce_lamport.py) on its context, whose
+    every element) lamport_all_kernel (templates/all_reduce_lamport.py) on its context, whose
     words all hold the empty mark before the first call."""
     m, n = partial.shape
     if ctx not in _marked_empty:

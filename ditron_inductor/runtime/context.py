@@ -24,7 +24,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from ..kernels.flags import MAX_CHUNKS
+from ..templates.flags import MAX_CHUNKS
 from . import driver
 from .symm import backend_for, choose_backend_name, group_barrier
 

@@ -15,8 +15,8 @@ import torch
 
 from ..log_names import LOGGER_NAME
 from ..scheduler.plan import FusedPlan, GemmTile
-from ..kernels import flags
-from ..kernels.gemm_ready import gemm_ready_kernel
+from ..templates import flags
+from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_polls
 from .kernel_launch import current_stream, launch
@@ -39,7 +39,7 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
     if value <= 0:
         return
     if plan.debug_waits:  # bounded: a kernel that gives up and names the flag
-        from ..kernels.flags import wait_flags_kernel
+        from ..templates.flags import wait_flags_kernel
 
         launch(wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value,
                wait_polls(plan), ctx.err, stream=stream)
@@ -122,7 +122,7 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
                 first_row=0, epoch=0, num_progs=None, proxy_fence=False, polls=0):
     """out = a @ b (+ bias) with the persistent tile program; with flags, tiles wait on them
     (polls > 0: each wait gives up after that many polls, in debug mode)."""
-    from ..kernels.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
+    from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
     n = b.shape[1]
@@ -173,14 +173,14 @@ def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None):
 
 
 def tile_launch(tile: GemmTile) -> dict:
-    """The persistent GEMM's (kernels/gemm_ready.py) compile-time tile arguments."""
+    """The persistent GEMM's (templates/gemm_ready.py) compile-time tile arguments."""
     return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 num_warps=tile.warps, num_stages=tile.stages)
 
 
 def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
                 parity_elems=0):
-    """The persistent GEMM (kernels/gemm_ready.py) on `progs` programs of the main stream; it
+    """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
     raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
     answer; tile: tile_launch's. GEMM + reduce-scatter: `slices` (the world size) equal
     slices of rows, each chunk holding row-blocks of every slice, and the partial written

@@ -1,15 +1,15 @@
 """Fused GEMM + reduce-scatter on symmetric memory, two plans (chunk c of the output rows
 belongs to rank c).
 
-Copy engine (transfer="copy_engine"; kernels/reduce.py sums the slots for reduce="triton"):
+Copy engine (transfer="copy_engine"; templates/reduce.py sums the slots for reduce="triton"):
   main stream   for p = r+1, r+2, ..., r-1: partial_p = A[rows of p] @ B (+bias), then an event
   side stream   after each event: wait DONE[p] >= e-1 (p has reduced the last call, its slot is
                 free); copy-engine push of partial_p into p's receive slot r; READY[r] = e on p
   main stream   my own partial straight into my receive slot r; wait READY[q] >= e for every q;
                 out = sum of the W slots (x 1/W for avg); DONE[r] = e on every peer; join
 
-SM pull (transfer="sm"; kernels: kernels/gemm_ready.py with SLICES = W, and
-kernels/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
+SM pull (transfer="sm"; kernels: templates/gemm_ready.py with SLICES = W, and
+templates/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
 of the main stream writes a @ b (+ bias) into the half of my symmetric buffer of the call's epoch
 parity, chunk by chunk (each chunk holds row-blocks of every rank's slice), raising READY per
 chunk; beside it, on P programs of the side stream, pull_reduce_kernel sums my slice of every
@@ -32,8 +32,8 @@ import torch
 
 from ..scheduler.plan import SM, TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
-from ..kernels import flags
-from ..kernels.reduce_scatter import pull_reduce_kernel
+from ..templates import flags
+from ..templates.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_polls
 from .kernel_launch import current_stream, launch
@@ -110,7 +110,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         if q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     if plan.reduce == TRITON:
-        from ..kernels.reduce import reduce_slots_kernel
+        from ..templates.reduce import reduce_slots_kernel
 
         out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
         n = rows * N

@@ -12,7 +12,7 @@ Candidates (parameters of the typed plans in scheduler/plan.py, which say what e
   gemm="cublas": (AG) cuBLAS on groups of chunks in arrival order, `groups` chunks each, each
                  group after its last chunk landed; (RS) cuBLAS per destination chunk, rank+1 first,
                  each pushed by the copy engine as soon as it is computed; reduce="triton" sums the
-                 received partials with kernels/reduce.py (else torch.sum);
+                 received partials with templates/reduce.py (else torch.sum);
   copy_streams:  copy-engine streams for the AG pulls; transfer="sm" + comm_sms: the AG pulls by a
                  Triton kernel on comm_sms SMs instead; for RS, the reduction pulled by comm_sms
                  SMs beside one persistent Triton GEMM, in `chunks` chunks (UNVALIDATED: the

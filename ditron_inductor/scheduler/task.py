@@ -15,13 +15,14 @@ from typing import Optional, Union
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-SymOrInt = Union[int, torch.SymInt]
+from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Task
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+)
 
-ALL_GATHER_MATMUL = "all_gather_matmul"
-MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
-MATMUL_ALL_REDUCE = "matmul_all_reduce"
-MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
-OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM)
+SymOrInt = Union[int, torch.SymInt]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Task:
     terms: int = 1
     copy_elems: SymOrInt = 0
 
-    # The cross-rank schedule, which the kernels compute with kernels/schedule.py's helpers
+    # The cross-rank schedule, which the kernels compute with templates/schedule.py's helpers
     # (the interpreter tests compare the two).
 
     def ring_order(self, rank: int) -> list[int]:

@@ -6,7 +6,7 @@ N 8192 and a smaller N, residual and norm variants (both roundings), many calls 
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
 mode="reduce-overhead". Every case asserts that the fused path served it.
 
-Run on the GPU machine: pytest -m gpu ditron_inductor/tests/gpu/test_all_reduce_gpu.py
+Run on the GPU machine: pytest -m gpu tests/gpu/test_all_reduce_gpu.py
 (DITRON_AR_QUICK=1: a subset of the shapes, for a short device budget, the prefill plans at
 M 7, 257 and 2048 only unless DITRON_AR_OVERLAP_ALL_M=1; DITRON_AR_COMPILED_ONLY=1: only the
 compiled decode step under Inductor's CUDA graphs). Rank 0 prints one line per eager case.

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "ditron_inductor"
 MODULES = sorted(f"ditron_inductor.{p.parent.name}.{p.stem}"
                  for layer in ("runtime", "scheduler") for p in (PACKAGE / layer).glob("*.py")
                  if p.stem != "__init__")
@@ -58,3 +60,12 @@ def test_modules_share_public_names_only():
             private = [m for m in _imports(path) if m.rsplit(".", 1)[-1].startswith("_")
                        and not m.endswith("__init__")]
             assert private == [], (path.name, private)
+
+
+def test_config_is_the_lowest_layer():
+    # the options (imported by every layer) import no layer above them
+    above = ("ditron_inductor.scheduler", "ditron_inductor.lowering", "ditron_inductor.runtime",
+             "ditron_inductor.ops", "ditron_inductor.templates")
+    imported = _imports(PACKAGE / "config.py")
+    assert "ditron_inductor.patterns" in imported
+    assert not [m for m in imported if m.startswith(above)], imported

@@ -17,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from ditron_inductor.kernels import ag_gemm, flags, reduce, schedule, transfer  # noqa: E402
+from ditron_inductor.templates import ag_gemm, flags, reduce, schedule, transfer  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,

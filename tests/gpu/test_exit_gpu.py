@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditron_inductor.tests.test_e2e_gloo import run_exit_program
+from tests.test_e2e_gloo import run_exit_program
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ from expecttest import TestCase
 
 from ditron_inductor.lowering.graph_pass import run_pass
 from ditron_inductor.lowering.match import find_matches
-from ditron_inductor.tests.fx_helpers import (
+from tests.fx_helpers import (
     all_gather,
     all_reduce,
     fake_group,

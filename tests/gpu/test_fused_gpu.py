@@ -3,7 +3,7 @@ fp16, random data, M not a multiple of the block, several N and K, transposed we
 many calls in a row (epochs), two process groups in one program, both symmetric-memory backends,
 and the compiled path through torch.compile(backend="ditron").
 
-Run on the GPU machine: pytest -m gpu ditron_inductor/tests/gpu (skipped without enough GPUs).
+Run on the GPU machine: pytest -m gpu tests/gpu (skipped without enough GPUs).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ditron_inductor.scheduler.task import (
     MATMUL_REDUCE_SCATTER,
     Task,
 )
-from ditron_inductor.tests.fx_helpers import fake_group
+from tests.fx_helpers import fake_group
 
 AG = Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=4, m=8192, k=8192, ns=(7168,),
           dtype=torch.bfloat16, device_type="cuda", dim_size=8192, has_bias=(False,))

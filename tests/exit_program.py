@@ -1,6 +1,6 @@
 """A program that compiles a tensor-parallel layer pair with ditron and then shuts down one way:
 
-    python -m ditron_inductor.tests.exit_program --shutdown destroy|none|runtime [--device cuda]
+    python -m tests.exit_program --shutdown destroy|none|runtime [--device cuda]
         [--workload train|infer] [--async-tp]
 
 train: a sequence-parallel pair, forward and backward (all-gather and reduce-scatter ops); infer:

@@ -22,7 +22,8 @@ from ditron_inductor.scheduler.task import (
     MATMUL_REDUCE_SCATTER,
     Task,
 )
-from ditron_inductor.tests.fx_helpers import fake_group
+from tests import REPO_ROOT
+from tests.fx_helpers import fake_group
 
 WORLDS = (2, 4, 8)
 AG_RS_SUITE = [(ALL_GATHER_MATMUL, 8192, 8192, 7168), (ALL_GATHER_MATMUL, 8192, 8192, 1280),
@@ -131,7 +132,7 @@ def _llama_task(site: dict) -> Task:
 
 @functools.cache
 def _logged_lines() -> tuple[str, ...]:
-    logged = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks" / "results"
+    logged = json.loads((REPO_ROOT / "benchmarks" / "results"
                          / "e2e_llama_h200x2_train_prefill.json").read_text())
     return tuple(line for run in logged["runs"] for line in run["ditron_log"])
 

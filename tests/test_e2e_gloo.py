@@ -23,14 +23,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ditron_inductor.tests.distributed import run_ranks
+from tests import REPO_ROOT
+from tests.distributed import run_ranks
 
 AG = "all_gather_matmul"
 RS = "matmul_reduce_scatter"
 AR = "matmul_all_reduce"
 AR_NORM = "matmul_all_reduce_rmsnorm"
 RTOL, ATOL = 1e-4, 1e-5
-THIS = "ditron_inductor.tests.test_e2e_gloo"
+THIS = "tests.test_e2e_gloo"
 RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 TIMEOUT_S = 300
 # torch 2.11's Dynamo does not put funcol.all_gather_tensor(x, gather_dim != 0) in a graph at all
@@ -508,8 +509,9 @@ def run_exit_program(*args: str, timeout_s: float = 600) -> str:
     env = {**os.environ, "TORCH_LOGS": "+ditron"}
     if "cuda" in args:  # GPU ranks run the compiled kernels whatever this process interprets
         env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "ditron_inductor.tests.exit_program", *args],
-                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run([sys.executable, "-m", "tests.exit_program", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=REPO_ROOT)
     out = proc.stdout + proc.stderr[-4000:]
     assert proc.returncode == 0 and "exit codes [0, 0]" in proc.stdout, out
     assert "terminate called" not in proc.stderr, out
@@ -528,8 +530,9 @@ def test_exit_program_async_tp_needs_cuda_inference():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "ditron_inductor.tests.exit_program",
-                           "--async-tp"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "tests.exit_program",
+                           "--async-tp"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--async-tp: with --device cuda --workload infer only" in proc.stderr, proc.stderr
 
@@ -543,7 +546,7 @@ def test_inference_program_exits_cleanly():
 
 @pytest.mark.slow
 def test_launcher_reraises_rank_exception():
-    from ditron_inductor.tests.distributed import RankError
+    from tests.distributed import RankError
 
     with pytest.raises(RankError, match=r"(?s)rank 1 of 2 failed.*raising_rank.*boom from rank 1"):
         run_ranks(f"{THIS}:raising_rank", 2, timeout_s=60)
@@ -553,7 +556,7 @@ def test_launcher_reraises_rank_exception():
 def test_launcher_times_out_on_hang():
     import time
 
-    from ditron_inductor.tests.distributed import RankTimeout
+    from tests.distributed import RankTimeout
 
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] of 2 did not finish within 5 s"):

@@ -27,12 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from ditron_inductor.tests.distributed import run_ranks
+from tests import REPO_ROOT
+from tests.distributed import run_ranks
 
 pytest.importorskip("transformers")
 
-THIS = "ditron_inductor.tests.test_llama_e2e"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THIS = "tests.test_llama_e2e"
+ROOT = str(REPO_ROOT)
 E2E_SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_llama.py")  # the end-to-end benchmark
 RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 WORLD = 2
@@ -71,7 +72,7 @@ def _train(model_fn, compile_with, batch: int, steps: int, vocab: int,
     """Losses of `steps` AdamW steps, the gradients of GRADS after the first, and the sites the
     ditron pass reported while compiling."""
     from ditron_inductor.lowering import graph_pass
-    from ditron_inductor.tests.llama_tp import local, next_token_loss, tokens, train_loss
+    from tests.llama_tp import local, next_token_loss, tokens, train_loss
 
     model = model_fn()
     run = model if compile_with is None else torch.compile(model, backend=compile_with,
@@ -96,7 +97,7 @@ def _train(model_fn, compile_with, batch: int, steps: int, vocab: int,
 
 def _infer(model_fn, compile_with, vocab: int):
     from ditron_inductor.lowering import graph_pass
-    from ditron_inductor.tests.llama_tp import tokens
+    from tests.llama_tp import tokens
 
     model = model_fn().eval()
     run = model if compile_with is None else torch.compile(model, backend=compile_with,
@@ -110,7 +111,7 @@ def _infer(model_fn, compile_with, vocab: int):
 def llama_ranks(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ditron_inductor.tests.llama_tp import (
+    from tests.llama_tp import (
         SEQUENCE_PARALLEL,
         TENSOR_PARALLEL,
         build_llama,
@@ -249,7 +250,7 @@ def test_loss_parallel_training_matches_gathered_logits():
 
 
 def test_loss_parallel_needs_the_sequence_parallel_plan():
-    from ditron_inductor.tests.llama_tp import TENSOR_PARALLEL, parallelize
+    from tests.llama_tp import TENSOR_PARALLEL, parallelize
 
     with pytest.raises(ValueError, match="loss_parallel=True: the sequence_parallel plan only"):
         parallelize(torch.nn.Linear(2, 2), TENSOR_PARALLEL, mesh=None, loss_parallel=True)

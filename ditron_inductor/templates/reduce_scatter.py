@@ -2,7 +2,7 @@
 rank's partial as the GEMM finishes them, and sums them.
 
 Every rank's partial P_q = a_q @ b (+ bias) [M, N] is written into its symmetric buffer by the
-persistent GEMM of kernels/gemm_ready.py with SLICES = W: rank r's slice is rows [r * R,
+persistent GEMM of templates/gemm_ready.py with SLICES = W: rank r's slice is rows [r * R,
 (r + 1) * R) (R = M / W), and chunk c holds row-blocks c * G .. c * G + G - 1 of every slice
 (`chunk_rows` = G * BLOCK_M rows of each); the GEMM raises READY[c] = epoch in my flags when
 chunk c is stored. The result on rank r is out = sum_q P_q[slice r] (x scale for avg), summed in

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("triton")
 
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
-from ditron_inductor.kernels import flags  # noqa: E402
-from ditron_inductor.kernels import all_reduce_lamport, all_reduce_push  # noqa: E402
+from ditron_inductor.templates import flags  # noqa: E402
+from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
 from ditron_inductor.runtime.all_reduce import _buffer_elements, region_elements  # noqa: E402
-from ditron_inductor.kernels.all_reduce_lamport import EMPTY_BITS  # noqa: E402
+from ditron_inductor.templates.all_reduce_lamport import EMPTY_BITS  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
 
@@ -272,13 +272,13 @@ def test_replay_same_launch_arguments(path):
     (2, 64, 40, 32, torch.float32, 2, True, False),  # a partial column block; B given as B^T
 ])
 def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
-    """The persistent GEMM of kernels/gemm_ready.py writes each rank's partial into its
+    """The persistent GEMM of templates/gemm_ready.py writes each rank's partial into its
     buffer and raises READY per chunk of GROUP_M row-blocks (counters reset after); the push
     kernel beside it (CHUNKED) waits on those flags; its COPY and NORMALISE run as a second
     launch on twice the programs. Two calls in a row (the epoch advances)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ditron_inductor.kernels.gemm_ready import gemm_ready_kernel
+    from ditron_inductor.templates.gemm_ready import gemm_ready_kernel
 
     gen = torch.Generator().manual_seed(m + n)
     ranks = Ranks(world, m, n, dtype)

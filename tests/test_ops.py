@@ -12,7 +12,7 @@ import torch
 from ditron_inductor import ops
 from ditron_inductor.scheduler.plan import REFERENCE_PLAN, AllReducePlan
 from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE, matmul_collective_task
-from ditron_inductor.tests.fx_helpers import fake_group
+from tests.fx_helpers import fake_group
 
 FUSED_PLAN = AllReducePlan().encode()
 

@@ -1,7 +1,7 @@
 """GEMM + all-reduce with overlap: a persistent GEMM that raises READY per finished row chunk.
 
 C = A @ B (+ bias) is written into my symmetric buffer (the partial the all-reduce reads) by a
-persistent grid that leaves SMs to the push kernel running beside it (kernels/
+persistent grid that leaves SMs to the push kernel running beside it (templates/
 all_reduce_push.py, CHUNKED; runtime/all_reduce.py launches both). Chunk c = row-blocks
 [c * GROUP_M, (c + 1) * GROUP_M). Tiles follow ag_gemm.tile_coords' grouped order with GROUP_M
 = one chunk, so all programs work on one or two chunks at a time and the chunks finish about in
@@ -14,7 +14,7 @@ system scope: the peers' push programs poll it over NVLink, then read the chunk.
 stores reach that release through the counter (acquire-release at system scope, after a barrier
 over the program's threads).
 
-GEMM + reduce-scatter (kernels/reduce_scatter.py) uses the same GEMM with SLICES = W: rank q
+GEMM + reduce-scatter (templates/reduce_scatter.py) uses the same GEMM with SLICES = W: rank q
 reduces rows [q * M/W, (q + 1) * M/W) (its slice), so chunk c holds row-blocks [c * G,
 (c + 1) * G) of every slice (G = GROUP_M / SLICES, `slice_blocks` row-blocks a slice): every
 rank can reduce its part of chunk c once c is ready everywhere. With PARITY the partial goes to

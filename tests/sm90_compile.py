@@ -3,8 +3,8 @@
 Run in its own process (test_kernels_compile.py): the interpreter tests switch Triton's JIT to
 interpretation for the whole process.
 
-    python -m ditron_inductor.tests.sm90_compile    # prints one line per kernel variant
-    python -m ditron_inductor.tests.sm90_compile --ptx DIR    # and writes each variant's PTX
+    python -m tests.sm90_compile    # prints one line per kernel variant
+    python -m tests.sm90_compile --ptx DIR    # and writes each variant's PTX
 
 A refactor of the kernels that should not change the generated code is checked by writing the
 PTX before and after it and comparing the two folders (`--compare BEFORE AFTER`: the PTX with
@@ -24,7 +24,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ditron_inductor.kernels import (  # noqa: E402
+from ditron_inductor.templates import (  # noqa: E402
     ag_gemm,
     all_reduce_lamport,
     all_reduce_push,

@@ -3,7 +3,7 @@ into the same process (their modules set TRITON_INTERPRET=1 at import)."""
 
 import os
 
-from ditron_inductor.tests.gpu.ranks import spawn_ranks
+from tests.gpu.ranks import spawn_ranks
 
 
 def _record_interpret(rank: int, out_dir: str) -> None:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests import REPO_ROOT
+
 triton = pytest.importorskip("triton")
 
 
@@ -20,8 +22,9 @@ def _ptxas_available() -> bool:
 @pytest.mark.skipif(not _ptxas_available(), reason="no ptxas for the sm_90 back end")
 def test_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "ditron_inductor.tests.sm90_compile"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-m", "tests.sm90_compile"],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
     assert len(compiled) == 66, proc.stdout

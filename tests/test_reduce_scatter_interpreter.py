@@ -1,5 +1,5 @@
-"""GEMM + reduce-scatter with the reduction beside the GEMM (kernels/reduce_scatter.py, and the
-GEMM of kernels/gemm_ready.py with SLICES = W) under the Triton interpreter, on the emulated
+"""GEMM + reduce-scatter with the reduction beside the GEMM (templates/reduce_scatter.py, and the
+GEMM of templates/gemm_ready.py with SLICES = W) under the Triton interpreter, on the emulated
 ranks of test_all_reduce_interpreter.py: every rank's GEMM first (it raises READY per chunk),
 then every rank's pull."""
 
@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from ditron_inductor.kernels import flags  # noqa: E402
-from ditron_inductor.kernels.reduce_scatter import pull_reduce_kernel  # noqa: E402
-from ditron_inductor.tests.test_all_reduce_interpreter import LIMIT, Ranks, rel_err  # noqa: E402
+from ditron_inductor.templates import flags  # noqa: E402
+from ditron_inductor.templates.reduce_scatter import pull_reduce_kernel  # noqa: E402
+from tests.test_all_reduce_interpreter import LIMIT, Ranks, rel_err  # noqa: E402
 
 TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
 
@@ -23,7 +23,7 @@ def ready_gemm(ranks, r, a, b, bias, slice_blocks, per_chunk, half, b_trans):
     """Rank r's partial a @ b (+ bias) into the half of its buffer of the call's epoch parity."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ditron_inductor.kernels.gemm_ready import gemm_ready_kernel
+    from ditron_inductor.templates.gemm_ready import gemm_ready_kernel
 
     (m, k), n = a.shape, b.shape[1]
     b_desc = (TensorDescriptor.from_tensor(b.t().contiguous(), [32, 16]) if b_trans

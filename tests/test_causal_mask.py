@@ -172,7 +172,7 @@ def test_backend_rewrites_hugging_face_llama_and_logs_it(caplog):
     # hands SDPA a mask; through the backend it runs is_causal=True, with the numbers of eager
     # (which skips the mask itself).
     pytest.importorskip("transformers")
-    from ditron_inductor.tests import llama_tp
+    from tests import llama_tp
 
     model = llama_tp.build_llama(llama_tp.llama_config(layers=2))
     ids = llama_tp.tokens(2, 8, 128, seed=0)
@@ -198,7 +198,7 @@ def test_backend_keeps_the_masks_of_dynamic_shapes(caplog):
     # a second sequence length makes dynamo compile the shapes as symbols: the masks stay, the
     # model runs as Inductor runs it
     pytest.importorskip("transformers")
-    from ditron_inductor.tests import llama_tp
+    from tests import llama_tp
 
     model = llama_tp.build_llama(llama_tp.llama_config(layers=1))
     ids = llama_tp.tokens(2, 8, 128, seed=0)

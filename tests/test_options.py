@@ -16,7 +16,7 @@ from ditron_inductor import config
 from ditron_inductor.backend import inductor_patches
 from ditron_inductor.lowering import graph_pass
 from ditron_inductor.lowering.graph_pass import DitronPass
-from ditron_inductor.tests.fx_helpers import all_gather, fake_group
+from tests.fx_helpers import all_gather, fake_group
 
 # option key, environment variable, a value as the user writes it, the Options field it sets
 GOOD = [
@@ -102,21 +102,38 @@ def test_bad_option_through_torch_compile_is_the_option_error_itself():
                       options={"ditron.plan": "bogus"})(torch.ones(2))
 
 
-def test_bad_variable_fails_the_first_compile_with_its_name():
-    script = textwrap.dedent("""
+def _traceback_lines(script: str, env: dict) -> list[str]:
+    """What a user sees where `script` stops at an exception (a fresh process: its own
+    environment at import, no pytest frames above the user's call)."""
+    env = {k: v for k, v in {**os.environ, **env}.items() if k != "TORCH_LOGS"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    return proc.stderr.splitlines()
+
+
+def test_bad_option_message_comes_in_the_first_lines_not_under_dynamo():
+    # The traceback starts at the backend (Dynamo's 80-odd lines of frames cut): above the
+    # message only the user's call, Dynamo's compile_wrapper and the backend's raise
+    lines = _traceback_lines("""
         import torch
-        try:
-            torch.compile(lambda x: x + 1, backend="ditron")(torch.ones(2))
-        except Exception as e:
-            print(type(e).__name__, e)
-    """)
-    env = {**os.environ, "DITRON_WAIT_TIMEOUT_S": "abc"}
-    env.pop("TORCH_LOGS", None)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.stdout.splitlines()[0] == ("OptionError DITRON_WAIT_TIMEOUT_S='abc': expected a "
-                                           "number of seconds >= 0 (0: unbounded)"), \
-        proc.stderr[-2000:]
+        torch.compile(lambda x: x + 1, backend="ditron",
+                      options={"ditron.plan": "fastest"})(torch.ones(2))
+    """, {})
+    message = ("ditron_inductor.config.OptionError: ditron.plan='fastest': allowed values are "
+               "auto, reference, fused")
+    assert message in lines[:12], "\n".join(lines)
+    assert not [line for line in lines if "convert_frame.py" in line], "\n".join(lines)
+
+
+def test_bad_variable_fails_the_first_compile_with_its_name():
+    lines = _traceback_lines("""
+        import torch
+        torch.compile(lambda x: x + 1, backend="ditron")(torch.ones(2))
+    """, {"DITRON_WAIT_TIMEOUT_S": "abc"})
+    message = ("ditron_inductor.config.OptionError: DITRON_WAIT_TIMEOUT_S='abc': expected a "
+               "number of seconds >= 0 (0: unbounded)")
+    assert message in lines[:12], "\n".join(lines)
 
 
 def layer(x, w):

@@ -16,7 +16,7 @@ from ditron_inductor import config
 from ditron_inductor.backend import ditron_backend, inductor_patches
 from ditron_inductor.lowering import graph_pass
 from ditron_inductor.lowering.graph_pass import DitronPass
-from ditron_inductor.tests.fx_helpers import all_gather, fake_group
+from tests.fx_helpers import all_gather, fake_group
 
 # A script that never imports ditron_inductor: the entry points must do everything.
 FUSABLE_SCRIPT = textwrap.dedent("""
@@ -113,7 +113,7 @@ def test_pass_uuid_follows_options_and_user_pass(monkeypatch):
 def test_pass_uuid_follows_the_process_groups():
     """A rewritten graph names its group and world size: a run where group '0' has another size
     must not be served a graph cached by this one (seen on GPUs: 2 ranks given 8's graph)."""
-    from ditron_inductor.tests.fx_helpers import fake_group
+    from tests.fx_helpers import fake_group
 
     keys = []
     for world in (8, 2):

@@ -39,7 +39,7 @@ block rows pid, pid + P, ... were all pushed by program pid % push_progs of ever
 
 CHUNKED (prefill): the GEMM runs beside this kernel, which runs on a few SMs on a side stream:
 cuBLAS in row chunks on the main stream, READY[j] raised after chunk j, or the persistent GEMM of
-kernels/gemm_ready.py, which raises READY[j] when chunk j's last tile is stored. Before a
+templates/gemm_ready.py, which raises READY[j] when chunk j's last tile is stored. Before a
 block, a program waits for every chunk up to the one holding the block's last row that it has
 not yet seen (the persistent GEMM finishes chunks only about in order). No SEND; COPY and
 NORMALISE run in a second launch on the main stream once the GEMM is done, on every SM.

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ditron_inductor.log_names import LOGGER_NAME
-from ditron_inductor.tests.fx_helpers import all_gather, all_reduce, fake_group
+from tests.fx_helpers import all_gather, all_reduce, fake_group
 
 
 class Mlp(nn.Module):
