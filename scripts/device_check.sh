@@ -3,7 +3,9 @@
 # carried): install the package so its entry points exist, then run the named steps.
 #   bash scripts/device_check.sh [step ...]    (default: every step)
 # Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2 (the default); gpu_w1 (the
-# fused GPU tests at world size 1, for a one-GPU machine); and on two or
+# fused GPU tests at world size 1, for a one-GPU machine), compute_parity (benchmarks/
+# bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
+# narrows it); and on two or
 # more GPUs: exit_gpu (programs that used the fused ops exit, tests/gpu/test_exit_gpu.py),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), e2e_llama (benchmarks/e2e_llama.py over every
 # local GPU after its --no-comm bound on one, the JSONs into $OUT; 180 + 400 s at most, so pick
@@ -51,6 +53,8 @@ fused_w2() { timeout -k 5 150 python3 -m pytest -q -s -p no:cacheprovider \
 gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_fused_gpu.py tests/gpu/test_all_reduce_gpu.py \
   -k "world1 or fused[1]"; }
+compute_parity() { timeout -k 5 ${PARITY_LIMIT:-480} torchrun --nproc-per-node 1 \
+  benchmarks/bench_compute_parity.py --out "$OUT/compute_parity" ${PARITY_ARGS:-}; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_exit_gpu.py; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \

@@ -117,15 +117,23 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     order = task.ring_order(r)
     peers = order[1:]  # the chunk of rank+1 first
 
+    use_triton = plan.gemm == TRITON
+    # my shard's local copies: on the main stream before the GEMM, or (cuBLAS, which reads my
+    # rows from the input) on a stream of their own beside the GEMM of my rows
+    local = main
+    driver.record(ctx.ev_start, main)  # the input is ready
+    if plan.local_copies_beside and not use_triton and plan.transfer != SM:
+        local = ctx.local.cuda_stream
+        driver.stream_wait(local, ctx.ev_start)
+
     # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
     #    fill it and tell the peers (READY[r] = e on each)
     for p in peers:
-        wait_geq(ctx, plan, main, ctx.DONE + p, e - 2)
+        wait_geq(ctx, plan, local, ctx.DONE + p, e - 2)
     off = parity * half
-    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, main)
-    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
+    ctx.signal(local, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
 
-    use_triton = plan.gemm == TRITON
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
     g0 = gathered.data_ptr()
     flags0 = ctx.chunk_flags.data_ptr()
@@ -161,15 +169,15 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
 
     # 2. copy streams: the peers' shards pulled in ring order (the k-th on stream k % S), each
-    #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the main
-    #    stream: a local copy runs on SMs, not on the copy engine (benchmarks/bench_copy.py), so
-    #    on a copy stream, beside the GEMM, it held back every pull queued behind it
+    #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the local
+    #    copies' stream: a local copy runs on SMs, not on the copy engine (benchmarks/
+    #    bench_copy.py), so on a copy stream, beside the GEMM, it held back every pull queued
+    #    behind it
     sides = [s.cuda_stream for s in ctx.sides(plan.copy_streams)]
-    driver.record(ctx.ev_start, main)
     for sh in sides:
         driver.stream_wait(sh, ctx.ev_start)
     for i, c in enumerate([r] + peers):
-        sh = main if c == r else sides[(i - 1) % len(sides)]
+        sh = local if c == r else sides[(i - 1) % len(sides)]
         if c != r:
             wait_geq(ctx, plan, sh, ctx.READY + c, e)
         driver.memcpy(g0 + c * shard_bytes, src if c == r else ctx.data_addrs[c] + off,
@@ -208,6 +216,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                     a_rows = gathered[lo:hi]
                 for w, b, out in zip(weights, biases, outs):
                     matmul_into(a_rows, w, b, out[lo:hi])
+        if local != main:  # my rows of the gathered A
+            driver.stream_wait(main, ctx.ev_chunks[r])
     return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
 
 

@@ -88,6 +88,9 @@ class OpContext:
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.tape = torch.zeros((MAX_STREAMS + 1) * TAPE, dtype=torch.int32, device=self.device)
         self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
+        # AG with cuBLAS: my shard's local copies beside the GEMM of my rows (the peers wait
+        # for the first of them, hence the priority)
+        self.local = torch.cuda.Stream(device=self.device, priority=-1)
         self.ev_start, self.ev_end = driver.event(), driver.event()
         self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
         self.ev_chunks = [driver.event() for _ in range(w)]

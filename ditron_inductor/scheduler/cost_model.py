@@ -25,9 +25,12 @@ docs/experiments.md.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import NamedTuple, Optional
 
-from .plan import AllGatherPlan, AllReducePlan, FusedPlan, ReduceScatterPlan, from_params
+from . import measured
+from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, ReduceScatterPlan, family,
+                   from_params)
 from .task import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -123,6 +126,13 @@ H200X8 = dict(
     copy_gbps=3800.0,
     cublas_groups_factor=1.0,  # AG with cuBLAS on groups of chunks: measured / modelled time
     num_sms=132,
+    # NCCL's all-reduce alone replayed in a CUDA graph (all_reduce_h200x8_final_defaults.md,
+    # column AR of the CUDA-graph table): bus bandwidth (2 (W-1)/W x bytes / ms: 8192 x 8192 bf16
+    # in 0.765 ms) and the latency of a small one (M 1-32: 0.022-0.027 ms); the fused kernels'
+    # own flag round trip, a few microseconds
+    nccl_ar_busbw_gbps=315.0,
+    nccl_latency_ms=0.022,
+    fused_latency_ms=0.005,
 )
 # 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (benchmarks/results/
 # all_gather_h200x4_own_rows_main_stream.md): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
@@ -134,7 +144,8 @@ H200X8 = dict(
 # best plan of that table on every shape (offline re-selection: bench_fused.py --from-json);
 # the 8-GPU constants had left three shapes to NCCL + cuBLAS.
 H200X4 = dict(H200X8, ce_gbps=300.0, host_floor_ms=0.23, nccl_ag_gbps=360.0,
-              nccl_rs_gbps=360.0, cublas_groups_factor=1.1, triton_overhead_ms=0.05)
+              nccl_rs_gbps=360.0, cublas_groups_factor=1.1, triton_overhead_ms=0.05,
+              nccl_ar_busbw_gbps=300.0)  # all_reduce_h200x4_overlap_defaults.md: 0.680 ms
 CALIBRATION_BY_WORLD = {8: H200X8, 4: H200X4}  # by the world size they were measured at
 
 
@@ -304,8 +315,57 @@ def all_reduce_params(task: Task) -> dict:
     return dict(algo="push")
 
 
+class AllReduceCosts(NamedTuple):
+    """A fused GEMM + all-reduce plan's predicted time against NCCL + cuBLAS's: the compute of
+    each at world size 1, measured (scheduler/measured.py), plus the communication each leaves
+    exposed, from the link model."""
+
+    fused_compute: float
+    unfused_compute: float
+    fused_exposed: float
+    nccl: float
+
+    @property
+    def fused(self) -> float:
+        return self.fused_compute + self.fused_exposed
+
+    @property
+    def unfused(self) -> float:
+        return self.unfused_compute + self.nccl
+
+    def describe(self) -> str:
+        return (f"predicted fused {self.fused:.3f} ms (compute {self.fused_compute:.3f} measured "
+                f"at world size 1 + {self.fused_exposed:.3f} exposed) vs NCCL + cuBLAS "
+                f"{self.unfused:.3f} ms (compute {self.unfused_compute:.3f} measured + NCCL "
+                f"{self.nccl:.3f})")
+
+
+def all_reduce_costs(task: Task, plan: AllReducePlan,
+                     cuda_graphs: bool) -> Optional[AllReduceCosts]:
+    """The plan's and NCCL + cuBLAS's predicted times, or None where no world-1 measurement
+    stands for the task's shape. Exposed communication (link model): NCCL's ring, 2 (W-1)/W of
+    the partial at its bus bandwidth after its latency; the two-shot kernels move as much after
+    the GEMM (beside it, overlap=True: only the last chunk's share is left), the one-shot ones
+    (push_all, lamport_all) W - 1 partials."""
+    costs = measured.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
+                                  size_hint(task.k), task.n_total)
+    if costs is None:
+        return None
+    c, w = calibration(task.world_size), task.world_size
+    partial_gb = task.m_hint * task.n_total * _itemsize(task) / 1e9
+    ring_ms = 2 * (w - 1) / w * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
+    if plan.algo in ("push_all", "lamport_all"):
+        moved_ms = (w - 1) * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
+    else:
+        moved_ms = ring_ms / (plan.chunks if plan.overlap else 1)
+    return AllReduceCosts(costs.fused_ms, costs.unfused_ms, moved_ms + c["fused_latency_ms"],
+                          ring_ms + c["nccl_latency_ms"])
+
+
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePlan], str]:
-    """(plan, why) for the GEMM + all-reduce ops, from the measurements above."""
+    """(plan, why) for the GEMM + all-reduce ops: where a fused kernel measured a gain on the
+    GPU machines (the thresholds above), and then only if the world-1 compute table and the link
+    model predict it faster than NCCL + cuBLAS by MIN_GAIN."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
     m, world = task.m_hint, task.world_size
     overlap = FUSED_MAX_M < m <= OVERLAP_MAX_M and world <= OVERLAP_MAX_WORLD
@@ -317,7 +377,17 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
     plan = fused_plan(task)
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
-    return plan, f"fused plan {plan.algo}{' beside the GEMM' if overlap else ''} (M={m}, {how})"
+    costs = all_reduce_costs(task, plan, cuda_graphs)
+    if costs is None:
+        predicted = f"no world-1 measurement near this shape ({measured.source()})"
+    elif costs.fused * MIN_GAIN > costs.unfused:
+        return None, f"no predicted gain: {costs.describe()}: {keep}"
+    else:
+        predicted = costs.describe()
+        plan = dataclasses.replace(plan, predicted_ms=(("nccl_cublas", costs.unfused),
+                                                       ("fused", costs.fused)))
+    return plan, (f"fused plan {plan.algo}{' beside the GEMM' if overlap else ''} (M={m}, {how}; "
+                  f"{predicted})")
 
 
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:

@@ -87,15 +87,20 @@ class FusedPlan:
 class AllGatherPlan(FusedPlan):
     """gemm="triton": one persistent Triton GEMM whose tiles wait on per-chunk flags;
     gemm="cublas": cuBLAS on groups of chunks in arrival order (`groups` chunks each, own chunk
-    first), each group after its last chunk landed. The peers' chunks are pulled by the copy
-    engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a Triton kernel on
-    `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a step."""
+    first), each group after its last chunk landed; with local_copies_beside, my shard's two
+    local copies (into my symmetric buffer for the peers, into my rows of the gathered A) run on
+    a stream of their own beside the GEMM of my rows, which reads the input itself (else before
+    it, on the main stream: at world size 1 they then add two passes over the input to the
+    GEMM). The peers' chunks are pulled by the copy engine on `copy_streams` streams, or
+    (transfer="sm", Triton GEMM only) by a Triton kernel on `comm_sms` SMs with
+    `pull_warps`-warp programs moving `pull_block` words a step."""
 
     kind: ClassVar[str] = "all_gather"
 
     gemm: str = TRITON
     tile: GemmTile = GemmTile()
     groups: tuple[int, ...] = ()  # () until resolved for a world size: default_groups
+    local_copies_beside: bool = True
     copy_streams: int = 1
     transfer: str = COPY_ENGINE
     comm_sms: int = 16
@@ -170,6 +175,16 @@ class AllReducePlan(FusedPlan):
         return dataclasses.replace(self, chunks=self.chunks or (8 if self.gemm == TRITON
                                                                 else 2 * world),
                                    progs=self.progs or 32)
+
+
+def family(plan: FusedPlan) -> str:
+    """What a plan runs, as the world-1 compute table (scheduler/measured.py) keys it: the GEMM
+    engine and what moves the data, beside what the tile parameters change."""
+    if isinstance(plan, AllReducePlan):
+        return plan.algo + (f"+overlap:{plan.gemm}" if plan.overlap else "")
+    if isinstance(plan, ReduceScatterPlan) and plan.transfer == SM:
+        return "pull"
+    return plan.gemm + ("/sm" if getattr(plan, "transfer", COPY_ENGINE) == SM else "")
 
 
 Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan]

@@ -1,0 +1,557 @@
+"""Compute parity at world size 1: each fused plan beside the unfused compute it replaces.
+
+    torchrun --nproc-per-node 1 benchmarks/bench_compute_parity.py \
+        --out benchmarks/results/compute_parity_h100x1          # one GPU
+    python benchmarks/bench_compute_parity.py --device cpu --tiny --out /tmp/parity   # smoke run
+
+At world size 1 the fused ops' peer loops are empty: what is left of a call is the plan's compute
+(its GEMM, on the SMs the plan gives it) and its local passes (the copies of my shard, the
+reduction of my own slot, the copy-out and the norm). A plan that costs more here than the
+unfused compute spends the communication it hides on a slower GEMM.
+
+Rows: the collective + matmul sites of Llama-3-8B and -70B (benchmarks/llama_sites.py) at TP 2, 4
+and 8: a training step (sequence parallel), prefill and decode (plain TP), each at the per-rank
+shapes of its TP degree, run on this GPU. Per row:
+  unfused   what the site's graph computes beside its collective without ditron: cuBLAS (`mm`)
+            per weight; a sum of matmul products compiled by Inductor (cuBLAS + its add kernel);
+            + residual and RMSNorm compiled by Inductor after cuBLAS (one fused kernel)
+  plan      torch.ops.ditron.<op> with the plan the scheduler picks for the site at its TP
+            degree ("chosen"; none where it keeps NCCL + cuBLAS), and each variant of --variants
+            (calibration), decoded from the plan text as a compiled graph carries it; the sums'
+            operands concatenated, and the elements the pass counted as copied (Task.copy_elems)
+            copied in the timed call
+Timing (METHOD.md): two sets of random inputs alternated, warm-up, CUDA events around --iters
+calls, the median of --reps repetitions; eager (the calls queued while the device spins, so
+their device time alone, as a device-bound training step sees it; the host's time to queue a
+call is reported beside it), and replayed from a CUDA graph where the plan is captured (the
+all-gather and copy-engine reduce-scatter plans are not: their epochs are host values). Each plan's output is checked against the unfused one first (relative error), and a
+plan whose fused path did not serve the call (it took the reference path) is reported as such,
+never timed as fused.
+
+Writes <out>.json ({meta, rows: [{model, tp, workload, site, op, M, K, N, terms, plan, chosen,
+mode, unfused_ms, fused_ms, ratio, unfused_host_ms, fused_host_ms, served, rel_err}]}) and <out>.md (the table: ratio =
+fused / unfused; the geometric mean over the chosen plans' rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llama_sites import MODELS, Site, sites  # noqa: E402
+
+from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
+from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
+from ditron_inductor.scheduler.task import (  # noqa: E402
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+)
+
+EPS = 1e-6
+# label -> plan parameters (scheduler/plan.py's fields), per op: the variants timed beside the
+# chosen plans for calibration (--variants default)
+VARIANTS = {
+    ALL_GATHER_MATMUL: {
+        "tri_tma_128x256": dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64,
+                                group_m=8, stages=3, warps=8),
+        "cublas_1_3_4": dict(gemm="cublas", groups=[1, 3, 4]),
+        # the local copies of my shard before the GEMM, on the main stream (the earlier default)
+        "cublas_copies_first": dict(gemm="cublas", groups=[1, 3, 4], local_copies_beside=False),
+    },
+    MATMUL_REDUCE_SCATTER: {
+        "cublas_triton_reduce": dict(gemm="cublas", reduce="triton"),
+        "tri_tma_128x256": dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64,
+                                group_m=8, stages=3, warps=8),
+        "tri_pull_p16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8),
+    },
+    MATMUL_ALL_REDUCE_RMSNORM: {
+        "push": dict(algo="push"),
+        # the prefill plans: the push beside the persistent Triton GEMM, or beside cuBLAS's
+        # row chunks
+        "tri_c16_p16_b16k": dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=16,
+                                 block=16384, warps=32),
+        "cublas_c4_p16_b16k": dict(algo="push", overlap=True, gemm="cublas", chunks=4,
+                                   progs=16, block=16384, warps=32),
+        "lamport": dict(algo="lamport"),
+    },
+}
+# variants timed for comparison, not plans the scheduler runs (kept out of its table)
+COMPARISON_ONLY = {"cublas_copies_first"}
+# the variants a row of that many rows takes (the others do not apply: lamport is the decode
+# kernel, the overlap plans the prefill ones)
+APPLIES = {"lamport": lambda m: m <= 512, "tri_c16_p16_b16k": lambda m: m >= 1024,
+           "cublas_c4_p16_b16k": lambda m: m >= 1024}
+DEFAULT_TOKENS = {"train": "8192", "prefill": "2048,4096,8192,16384", "decode": "1,16,64,256"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/compute_parity")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="the tiny model only (a smoke run)")
+    ap.add_argument("--models", default="8b,70b")
+    ap.add_argument("--tp", default="2,4,8", help="TP degrees whose per-rank shapes are run")
+    ap.add_argument("--workloads", default="train,prefill,decode")
+    for workload, tokens in DEFAULT_TOKENS.items():
+        ap.add_argument(f"--{workload}-tokens", default=tokens,
+                        help=f"rows of the {workload} sites (comma-separated)")
+    ap.add_argument("--variants", default="default",
+                    help="'default' (VARIANTS), 'none', or comma-separated labels")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--verbose", action="store_true", help="a line per contender")
+    ap.add_argument("--table", default="",
+                    help="also write the scheduler's world-1 compute table here "
+                         "(ditron_inductor/scheduler/world1_compute.json)")
+    ap.add_argument("--from-json", default="",
+                    help="no run: the table (--table) from this earlier run's <out>.json")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.models = "tiny"
+        args.tp, args.iters, args.reps = "2", 2, 2
+        args.train_tokens, args.prefill_tokens, args.decode_tokens = "64", "32", "4"
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+# ----------------------------------------------------------------------------------- the rows
+
+
+def all_sites(args) -> list[Site]:
+    found = []
+    for model in args.models.split(","):
+        for tp in _ints(args.tp):
+            for workload in args.workloads.split(","):
+                for tokens in _ints(getattr(args, f"{workload}_tokens")):
+                    modes = (False, True) if workload == "prefill" else (workload == "decode",)
+                    for graphs in modes:
+                        found += [(model, s) for s in sites(model, tp, workload, tokens, graphs)]
+    return found
+
+
+def shape_key(site: Site) -> tuple:
+    """What the per-rank computation depends on: sites of several models, TP degrees and modes
+    that share it are timed once."""
+    t = site.task
+    return (t.op, t.m, t.k, t.ns, site.term_ks, t.copy_elems)
+
+
+def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
+    """{label: (plan text, chosen)}: the scheduler's plan at the task's TP degree (if it fuses)
+    and the variants that apply to the task."""
+    plans = {}
+    plan, why = choose_device_plan(task, cuda_graphs=cuda_graphs)
+    if plan is not None:
+        plans["chosen"] = (with_options(plan).encode(), why)
+    table = VARIANTS[task.op]
+    wanted = (table if variants == "default" else {} if variants == "none"
+              else {k: v for k, v in table.items() if k in variants.split(",")})
+    for label, params in wanted.items():
+        if APPLIES.get(label, lambda m: True)(task.m):
+            plans[label] = (plan_for(task, **params).encode(), None)
+    return plans
+
+
+# ------------------------------------------------------------------------------------- timing
+
+
+SPIN_MS = 20.0  # the device waits this long before the timed calls: the host queues them all
+
+
+def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -> tuple:
+    """(median device ms per call, host ms per call to queue it). Eager: CUDA events around
+    `iters` calls that the host queued while the device spun (so the device runs them back to
+    back: its time alone, which a training step's device-bound stream sees; the host's is
+    reported apart); graph=True: replays of one CUDA graph that captured them. On CPU the
+    host's clock, both."""
+    if device == "cuda" and graph:
+        from bench_fused import bench_graph
+
+        return bench_graph(fn, inputs, iters, reps), math.nan
+    for i in range(3):
+        fn(*inputs[i % len(inputs)])
+    times, host, tries = [], [], 0
+    while len(times) < reps:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            torch.cuda._sleep(int(SPIN_MS * _cycles_per_ms()))
+            start.record()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(*inputs[i % len(inputs)])
+        host_ms = (time.perf_counter() - t0) * 1e3 / iters
+        if device != "cuda":
+            times.append(host_ms)
+            host.append(host_ms)
+            continue
+        end.record()
+        # the device reached the calls before the host had queued them all (seen now and then:
+        # a call that blocked the host until the spin ended): not device time; again
+        reached = start.query()
+        end.synchronize()
+        tries += 1
+        if reached:
+            if tries >= 3 * reps:
+                raise RuntimeError(f"host-bound: {host_ms:.3f} ms per call to queue outlasted "
+                                   f"the device's {SPIN_MS} ms spin")
+            continue
+        times.append(start.elapsed_time(end) / iters)
+        host.append(host_ms)
+    return statistics.median(times), statistics.median(host)
+
+
+@functools.cache
+def _cycles_per_ms() -> float:
+    """What torch.cuda._sleep spins per ms on this GPU, measured once."""
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda._sleep(1_000_000)  # the clock up first
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def served_count() -> int:
+    """Calls the fused implementations served so far (0 where the runtime is not loaded)."""
+    runtime = sys.modules.get("ditron_inductor.runtime")
+    if runtime is None:
+        return 0
+    from ditron_inductor.runtime import all_gather, all_reduce, reduce_scatter
+
+    return (sum(all_gather.stats.values()) + sum(all_reduce.stats.values())
+            + reduce_scatter.stats["matmul_reduce_scatter"])
+
+
+def captured(fn, inputs) -> bool:
+    """Whether a CUDA graph capture of one call runs the fused path (a plan whose epochs are host
+    values declines under capture and takes the reference path)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    before = served_count()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs[0])
+    del graph
+    return served_count() > before
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------ the computations of a shape
+
+
+def _rmsnorm(h, weight):
+    from ditron_inductor.ops import rms_norm_reference
+
+    return rms_norm_reference(h, weight, EPS, False)
+
+
+def _residual_norm(a, b, residual, weight):
+    h = a @ b + residual
+    return h, _rmsnorm(h, weight)
+
+
+def _sum_of_products(parts):
+    return sum(a @ b for a, b in parts)
+
+
+# compiled once each (dynamic shapes): Inductor's kernels for the unfused epilogues
+_COMPILED = {}
+
+
+def compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def contenders(site: Site, group_name: str, device: str, dtype, plans: dict):
+    """(inputs, unfused fn, {label: fused fn}, pick): fns over one input set; pick(output) is
+    what is compared (the gathered products, the scattered sum, the normalised rows)."""
+    task = site.task
+    m, k, ns = task.m, task.k, task.ns
+    copied = task.copy_elems // m  # columns of `a` that the graph's concatenation copies
+
+    def one_set():
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        ws = [torch.randn(k, n, device=device, dtype=dtype) / k ** 0.5 for n in ns]
+        extra = dict(residual=torch.randn(m, ns[0], device=device, dtype=dtype),
+                     weight=torch.rand(ns[0], device=device, dtype=dtype) + 0.5,
+                     concatenated=torch.empty(m, copied, device=device, dtype=dtype))
+        return a, ws, extra
+    inputs = [one_set() for _ in range(2)]
+    ops = torch.ops.ditron
+    if task.op == ALL_GATHER_MATMUL:
+        def unfused(a, ws, extra):
+            return [a @ w for w in ws]
+
+        def fused(text):
+            return lambda a, ws, extra: ops.all_gather_matmul(
+                a, ws, [None] * len(ws), 0, group_name, 1, text)[1:]
+
+        def pick(out):
+            return torch.cat([o.flatten() for o in out])
+    elif task.op == MATMUL_REDUCE_SCATTER:
+        def unfused(a, ws, extra):
+            if not site.term_ks:
+                return a @ ws[0]
+            # the matmuls whose products the graph sums, each over its part of K
+            return compiled(_sum_of_products)(list(zip(a.split(site.term_ks, dim=1),
+                                                       ws[0].split(site.term_ks, dim=0))))
+
+        def fused(text):
+            def call(a, ws, extra):
+                if copied:  # the operands' concatenation: what the graph copies of it
+                    extra["concatenated"].copy_(a[:, :copied])
+                return ops.matmul_reduce_scatter(a, ws[0], None, [], 0, "sum", group_name, 1,
+                                                 text)
+            return call
+
+        def pick(out):
+            return out
+    elif task.op == MATMUL_ALL_REDUCE_RMSNORM:
+        def unfused(a, ws, extra):
+            return compiled(_residual_norm)(a, ws[0], extra["residual"], extra["weight"])
+
+        def fused(text):
+            return lambda a, ws, extra: ops.matmul_all_reduce_rmsnorm(
+                a, ws[0], None, [], extra["residual"], extra["weight"], EPS, False, "sum",
+                group_name, 1, text)
+
+        def pick(out):
+            return out[1]
+    else:
+        raise ValueError(f"no contenders for {task.op}")
+    return inputs, unfused, {label: fused(text) for label, (text, _) in plans.items()}, pick
+
+
+# ------------------------------------------------------------------------------------ measure
+
+
+def measure(site: Site, texts: dict, group_name: str, args, graphs: bool) -> dict:
+    """{"unfused" or plan text: {"eager": ms, "graph": ms, "served", "rel_err", "error"}} for one
+    shape: the unfused compute and each plan (texts: plan text -> a label, for the log)."""
+    dtype = getattr(torch, args.dtype)
+    task = site.task
+    inputs, unfused, fused, pick = contenders(site, group_name, args.device, dtype,
+                                              {label: (text, None) for text, label in
+                                               texts.items()})
+    ref = pick(unfused(*inputs[0]))
+    out = {}
+    for key, fn in [("unfused", unfused)] + [(text, fused[label]) for text, label in
+                                             texts.items()]:
+        result = {"eager": math.nan, "graph": math.nan, "host": math.nan,
+                  "served": key == "unfused", "rel_err": 0.0, "error": ""}
+        try:
+            if key != "unfused":
+                before = served_count()
+                result["rel_err"] = rel_err(pick(fn(*inputs[0])), ref)
+                result["served"] = served_count() > before
+                if not result["rel_err"] < 2e-2:
+                    raise RuntimeError(f"relative error {result['rel_err']:.2e} against unfused")
+        except Exception as exc:  # noqa: BLE001 - a contender that fails is reported, not fatal
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out[key] = result
+            continue
+        for mode in ("eager", "graph") if graphs and args.device == "cuda" else ("eager",):
+            try:
+                if mode == "eager":
+                    result["eager"], result["host"] = timed(fn, inputs, args.device, args.iters,
+                                                            args.reps)
+                elif key == "unfused" or captured(fn, inputs):
+                    result["graph"] = timed(fn, inputs, args.device, args.iters, args.reps,
+                                            graph=True)[0]
+                else:
+                    result["error"] = "not captured (the plan declines CUDA-graph capture)"
+            except Exception as exc:  # noqa: BLE001 - reported in the row, not fatal
+                result["error"] = f"{mode}: {type(exc).__name__}: {str(exc)[:200]}"
+        out[key] = result
+        if args.verbose:
+            print(f"  {task.describe()} {texts.get(key, key)[:40]}: {result}", flush=True)
+    return out
+
+
+def run(args, group_name: str) -> list[dict]:
+    by_shape: dict = {}
+    for model, site in all_sites(args):
+        by_shape.setdefault(shape_key(site), []).append((model, site))
+    rows, t0 = [], time.time()
+    for i, (key, found) in enumerate(by_shape.items()):
+        plans = {(model, site): plans_of(site.task, site.cuda_graphs, args.variants)
+                 for model, site in found}
+        texts = {text: label for p in plans.values() for label, (text, _) in p.items()}
+        graphs = any(site.cuda_graphs for _, site in found)
+        results = measure(found[0][1], texts, group_name, args, graphs)
+        for (model, site), site_plans in plans.items():
+            mode = "graph" if site.cuda_graphs else "eager"
+            base = results["unfused"][mode]
+            if "chosen" not in site_plans:  # the scheduler keeps NCCL + cuBLAS: why
+                site_plans = {"none": (None, choose_device_plan(site.task, site.cuda_graphs)[1]),
+                              **site_plans}
+            for label, (text, why) in site_plans.items():
+                r = results.get(text, {})
+                ms = r.get(mode, math.nan) if r.get("served") else math.nan
+                t = site.task
+                rows.append({
+                    "model": model, "tp": t.world_size, "workload": site.workload,
+                    "site": site.name, "op": t.op, "M": t.m, "K": t.k, "N": list(t.ns),
+                    "terms": t.terms, "mode": mode, "plan": label, "chosen": label == "chosen",
+                    "plan_text": text, "why": why,
+                    "unfused_ms": base, "fused_ms": ms,
+                    "unfused_host_ms": results["unfused"]["host"],
+                    "fused_host_ms": r.get("host", math.nan),
+                    "ratio": ms / base if base and math.isfinite(ms) else math.nan,
+                    "served": r.get("served", False), "rel_err": r.get("rel_err"),
+                    "error": r.get("error", "")})
+        print(f"[{i + 1}/{len(by_shape)}] {found[0][1].task.describe()}: unfused "
+              f"{results['unfused']['eager']:.3f} ms; "
+              + ", ".join(f"{texts[k]} {v['eager']:.3f}/{v['graph']:.3f}"
+                          + (f" ({v['error'][:60]})" if v["error"] else "")
+                          for k, v in results.items() if k != "unfused")
+              + f" ({time.time() - t0:.0f} s)", flush=True)
+        with open(args.out + ".partial.json", "w") as fh:  # what a run stopped at its limit keeps
+            json.dump(rows, fh)
+    return rows
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | TP | workload | site | M | K | N | mode | plan | unfused ms | fused ms "
+             "| fused / unfused |", "| --- " * 12 + "|"]
+    for r in rows:
+        n = ",".join(str(x) for x in r["N"])
+        ratio = f"{r['ratio']:.3f}" if math.isfinite(r["ratio"]) else (
+            "not fused" if r["plan"] == "none" else r["error"][:50] or "reference path")
+        fused = f"{r['fused_ms']:.3f}" if math.isfinite(r["fused_ms"]) else "-"
+        lines.append(f"| {r['model']} | {r['tp']} | {r['workload']} | {r['site']} | {r['M']} "
+                     f"| {r['K']} | {n} | {r['mode']} | {r['plan']} | {r['unfused_ms']:.3f} "
+                     f"| {fused} | {ratio} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    chosen = [r for r in rows if r["chosen"]]
+    over = [r for r in chosen if math.isfinite(r["ratio"]) and r["ratio"] > 1.02]
+    lines = [f"Chosen plans: {len(chosen)} rows, geometric mean of fused / unfused "
+             f"{geomean(r['ratio'] for r in chosen):.3f}, {len(over)} above 1.02."]
+    for op in sorted({r["op"] for r in rows}):
+        for plan in sorted({r["plan"] for r in rows if r["op"] == op} - {"none"}):
+            sel = [r["ratio"] for r in rows if r["op"] == op and r["plan"] == plan]
+            lines.append(f"- {op} {plan}: geometric mean {geomean(sel):.3f} over "
+                         f"{sum(math.isfinite(x) for x in sel)} rows")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], args, argv: list[str]) -> dict:
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    meta = {"command": "torchrun --nproc-per-node 1 benchmarks/bench_compute_parity.py "
+                       + " ".join(argv),
+            "device": device, "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    text = "\n".join([
+        f"# Compute parity at world size 1 ({device})", "",
+        f"- command: `{meta['command']}`", f"- {meta['date']}; torch {meta['torch']}, "
+        f"triton {meta['triton']}", "",
+        "Each fused plan at world size 1 beside the unfused compute it replaces (cuBLAS, "
+        "Inductor's epilogue kernels), at the per-rank shapes of each site's TP degree; "
+        "median ms per call; `chosen`: the scheduler's plan at that TP degree (`none`: it keeps "
+        "NCCL + cuBLAS), other plans: calibration variants.", "", summary(rows), "",
+        table(rows), ""])
+    with open(args.out + ".md", "w") as fh:
+        fh.write(text)
+    with open(args.out + ".json", "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print(text, flush=True)
+    return meta
+
+
+def export_table(rows: list[dict], meta: dict, path: str) -> None:
+    """The scheduler's world-1 compute table (scheduler/measured.py) from a run's rows: per op,
+    plan family, mode and shape, the fused plan's and the unfused compute's ms, where the fused
+    path served the call."""
+    from ditron_inductor.scheduler.plan import decode, family
+
+    table = {}
+    # the chosen plans last: where a variant of the same family was timed too, theirs stand
+    for r in sorted(rows, key=lambda r: r["chosen"]):
+        if (r["plan_text"] and r["served"] and math.isfinite(r["ratio"])
+                and r["plan"] not in COMPARISON_ONLY):
+            key = (r["op"], family(decode(r["plan_text"])), r["mode"], r["M"], r["K"],
+                   sum(r["N"]))
+            table[key] = [round(r["fused_ms"], 4), round(r["unfused_ms"], 4)]
+    head = {"source": meta["command"], "card": meta["device"], "date": meta["date"]}
+    lines = [json.dumps(list(k) + v) for k, v in sorted(table.items())]
+    with open(path, "w") as fh:  # a row a line: diffs of a re-measured table stay readable
+        fh.write(json.dumps(head)[:-1] + ', "rows": [\n' + ",\n".join(lines) + "\n]}\n")
+    print(f"{len(table)} rows of the world-1 compute table written to {path}")
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            data = json.load(fh)
+        return export_table(data["rows"], data["meta"], args.table)
+    if args.device == "cuda":
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise SystemExit("bench_compute_parity runs at world size 1 (torchrun --nproc-per-node 1)")
+    import ditron_inductor.ops  # noqa: F401 - registers torch.ops.ditron.*
+
+    torch.manual_seed(0)
+    rows = run(args, dist.group.WORLD.group_name)
+    meta = report(rows, args, argv)
+    if args.table:
+        export_table(rows, meta, args.table)
+    if args.device == "cuda":
+        from ditron_inductor import runtime
+
+        runtime.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

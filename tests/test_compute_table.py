@@ -1,0 +1,181 @@
+"""The world-1 compute table (scheduler/measured.py) and the all-reduce decisions it feeds: what a
+fused plan's compute costs beside the unfused path's, measured, plus the link model's
+communication; the table written by benchmarks/bench_compute_parity.py, and that program's run
+on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ditron_inductor.scheduler import measured
+from ditron_inductor.scheduler.cost_model import (
+    MIN_GAIN,
+    all_reduce_costs,
+    calibration,
+    choose_device_plan,
+    fused_plan,
+)
+from ditron_inductor.scheduler.plan import (
+    AllGatherPlan,
+    AllReducePlan,
+    ReduceScatterPlan,
+    decode,
+    family,
+)
+from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, Task
+from tests import REPO_ROOT
+
+ARN = Task(op=MATMUL_ALL_REDUCE_RMSNORM, group_name="0", world_size=2, m=4096, k=7168,
+           ns=(4096,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum",
+           has_bias=(False,), has_residual=True)
+OVERLAP = "push+overlap:triton"  # the prefill plan's family
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A world-1 table of the rows given (op, family, mode, M, K, N, fused ms, unfused ms) in
+    place of the package's."""
+    def use(rows):
+        path = tmp_path / "world1_compute.json"
+        path.write_text(json.dumps({"source": "test", "card": "none", "date": "today",
+                                    "rows": rows}))
+        monkeypatch.setattr(measured, "TABLE", path)
+        measured._table.cache_clear()
+    yield use
+    measured._table.cache_clear()
+
+
+def test_plan_families():
+    assert family(AllGatherPlan(gemm="triton")) == "triton"
+    assert family(AllGatherPlan(gemm="cublas")) == "cublas"
+    assert family(AllGatherPlan(gemm="triton", transfer="sm")) == "triton/sm"
+    assert family(ReduceScatterPlan(gemm="cublas")) == "cublas"
+    assert family(ReduceScatterPlan(gemm="triton", transfer="sm")) == "pull"
+    assert family(AllReducePlan(algo="lamport")) == "lamport"
+    assert family(AllReducePlan(algo="push", overlap=True, gemm="triton")) == OVERLAP
+    assert family(AllReducePlan(algo="push", overlap=True)) == "push+overlap:cublas"
+
+
+def test_nearest_measured_shape_stands_for_a_task(table):
+    table([[MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 4096, 7168, 4096, 0.5, 0.4],
+           [MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 16, 7168, 4096, 0.03, 0.02],
+           [MATMUL_ALL_REDUCE_RMSNORM, "push", "eager", 4096, 7168, 4096, 0.9, 0.8]])
+    costs = measured.world1_costs
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 4096, 7168, 4096) == (
+        0.5, 0.4, (4096, 7168, 4096))
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", False, 4096, 7168, 4096)[:2] == (0.9, 0.8)
+    # twice the rows: twice the work; at decode sizes latency, not work: as measured
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 8192, 7168, 4096)[:2] == (1.0, 0.8)
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 8, 7168, 4096)[:2] == (0.03, 0.02)
+    # nothing within a factor 2 in every dim, another family or op: no measurement
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 4096, 2048, 4096) is None
+    assert costs(MATMUL_ALL_REDUCE_RMSNORM, "lamport", True, 4096, 7168, 4096) is None
+    assert costs("matmul_all_reduce", "push", True, 4096, 7168, 4096) is None
+
+
+def test_all_reduce_costs_add_the_link_model_to_the_measured_compute(table):
+    table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.40, 0.36]])
+    plan = fused_plan(ARN)
+    assert family(plan) == OVERLAP and plan.chunks == 16
+    costs = all_reduce_costs(ARN, plan, cuda_graphs=True)
+    c = calibration(2)
+    ring = 2 * 1 / 2 * 4096 * 4096 * 2 / 1e9 / c["nccl_ar_busbw_gbps"] * 1e3
+    assert costs.fused == pytest.approx(0.40 + ring / 16 + c["fused_latency_ms"])
+    assert costs.unfused == pytest.approx(0.36 + ring + c["nccl_latency_ms"])
+    assert all_reduce_costs(ARN, plan, cuda_graphs=False) is None  # no eager row measured
+
+
+def test_all_reduce_fused_only_where_predicted_faster(table):
+    """The same site fused with a fast fused GEMM, kept with a slow one; either way the log's
+    reason carries both predictions, compute measured and communication modelled."""
+    table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.40, 0.36]])
+    plan, why = choose_device_plan(ARN, cuda_graphs=True)
+    assert plan is not None and "predicted fused" in why and "NCCL + cuBLAS" in why
+    predicted = dict(plan.predicted_ms)
+    assert predicted["fused"] * MIN_GAIN <= predicted["nccl_cublas"]
+    assert plan.describe().endswith(f"predicted nccl_cublas {predicted['nccl_cublas']:.3f} ms, "
+                                    f"fused {predicted['fused']:.3f} ms")
+
+    table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.48, 0.36]])
+    plan, why = choose_device_plan(ARN, cuda_graphs=True)
+    assert plan is None and why.startswith("no predicted gain: predicted fused 0.")
+    assert "compute 0.480 measured at world size 1" in why and "compute 0.360 measured" in why
+
+
+def test_all_reduce_without_a_measurement_keeps_the_thresholds(table):
+    table([])
+    plan, why = choose_device_plan(ARN, cuda_graphs=True)
+    assert plan is not None and "no world-1 measurement near this shape" in why
+
+
+def test_the_package_table_is_well_formed():
+    """Every row names a known op and family and has finite, positive times; the table says
+    where it came from."""
+    data = json.loads(measured.TABLE.read_text())
+    assert data["card"] and data["date"] and "bench_compute_parity.py" in data["source"]
+    families = {"cublas", "triton", "triton/sm", "pull", "push", "push_all", "push_scatter",
+                "lamport", "lamport_all", "push+overlap:triton", "push+overlap:cublas"}
+    for op, fam, mode, m, k, n, fused_ms, unfused_ms in data["rows"]:
+        assert fam in families and mode in ("eager", "graph") and min(m, k, n) >= 1
+        assert 0 < fused_ms < math.inf and 0 < unfused_ms < math.inf, (op, fam, m, k, n)
+
+
+def test_export_table_from_a_run(tmp_path):
+    """The benchmark's rows become the table: served plans only, one row per op, family, mode
+    and shape, the chosen plan's where a variant of its family was timed too."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from bench_compute_parity import export_table
+
+    def row(plan, text, fused, chosen=False, served=True):
+        return dict(op=MATMUL_ALL_REDUCE_RMSNORM, plan=plan, plan_text=text, served=served,
+                    chosen=chosen, mode="graph", M=4096, K=7168, N=[4096], fused_ms=fused,
+                    unfused_ms=0.36, ratio=fused / 0.36)
+    overlap = fused_plan(ARN).encode()
+    push = AllReducePlan(algo="push").encode()
+    rows = [row("chosen", overlap, 0.41, chosen=True), row("tri_c16", overlap, 0.45),
+            row("push", push, 0.42), row("lamport", AllReducePlan(algo="lamport").encode(),
+                                         0.5, served=False)]
+    path = tmp_path / "table.json"
+    export_table(rows, {"command": "bench_compute_parity.py", "device": "GPU", "date": "now"},
+                 str(path))
+    data = json.loads(path.read_text())
+    assert data["rows"] == [[MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 4096, 7168, 4096,
+                             0.42, 0.36],
+                            [MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096,
+                             0.41, 0.36]]
+    assert family(decode(overlap)) == OVERLAP
+
+
+def test_benchmark_runs_on_cpu(tmp_path):
+    """The program's CPU smoke run: a row for every site of the tiny model at TP 2 with the
+    scheduler's decision (`none` and its reason where it keeps NCCL + cuBLAS), the unfused
+    compute timed, and the plans' reference path said as such (no fused kernels on CPU)."""
+    out = tmp_path / "parity"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/bench_compute_parity.py"),
+                           "--device", "cpu", "--tiny", "--variants", "none", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "parity.json").read_text())["rows"]
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from llama_sites import sites
+
+    expected = {(w, s.name, "graph" if s.cuda_graphs else "eager")
+                for w, tokens, graphs in (("train", 64, False), ("prefill", 32, False),
+                                          ("prefill", 32, True), ("decode", 4, True))
+                for s in sites("tiny", 2, w, tokens, graphs)}
+    assert {(r["workload"], r["site"], r["mode"]) for r in rows} == expected
+    for r in rows:
+        assert r["plan"] in ("chosen", "none")
+        assert (r["plan"] == "none") == (r["plan_text"] is None), r
+        assert r["why"], r
+        if r["mode"] == "eager":
+            assert r["unfused_ms"] > 0
+        assert not r["served"]  # no fused kernel on CPU: never timed as fused
+    assert "| tiny | 2 | train | q/k/v gather |" in (tmp_path / "parity.md").read_text()
