@@ -22,8 +22,9 @@ Workloads:
   launch and `mode="reduce-overhead"` (CUDA graphs);
 - decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
-enabled for the group; CUDA only), ditron, and on request ditron_keep_mask (ditron with its
-causal-mask rewrite off: what the collective fusion alone gains). Timing: random token ids, warm-up,
+enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
+its causal-mask rewrite off, "fusions only": what the collective fusion alone gains, so the two
+effects are never mixed). Timing: random token ids, warm-up,
 then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
 --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
 repetitions, the maximum over ranks; the spread of the repetitions ((max - min) / median, the
@@ -88,6 +89,7 @@ GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj
          "model.norm.weight")
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
 NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
+CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS
-                                                     if c != "ditron_keep_mask"))
+                                                     if c != "ditron_keep_mask"),
+                   help="ditron brings ditron_keep_mask (fusions only) along, but with --no-comm")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's implementation in the training step (torchtitan's default: "
                         "fused)")
@@ -148,6 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [v for v in getattr(args, option).split(",") if v not in allowed]
         if bad:
             p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
+    chosen = args.contenders.split(",")
+    # without communication ditron fuses nothing: there, fusions only is Inductor
+    if "ditron" in chosen and "ditron_keep_mask" not in chosen and not args.no_comm:
+        args.contenders += ",ditron_keep_mask"
     if args.device == "cpu" and args.profile_device:
         p.error("--profile-device: CUDA kernels only (--device cuda)")
     if args.device == "cpu":  # no CUDA graphs, no symmetric memory
@@ -503,7 +510,8 @@ def no_comm_bounds(path: str, world: int) -> dict:
 
 def table(rows: list[dict], contenders: list[str]) -> str:
     bounded = any("no_comm_ms" in r for r in rows)
-    head = (["workload", "shape", "mode"] + [f"{c} ms" for c in contenders]
+    head = (["workload", "shape", "mode"]
+            + [f"{CONTENDER_TITLES.get(c, c)} ms" for c in contenders]
             + (["no-comm bound ms", "ceiling (Inductor / bound)"] if bounded else [])
             + ["spread", "host ms per call", "ditron vs Inductor", "ditron vs async TP",
                "ditron ops per graph", "ditron's max diff (vs Inductor, else eager)"])

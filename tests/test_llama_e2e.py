@@ -266,7 +266,7 @@ def test_inference_logits_match_eager():
 @pytest.mark.slow
 def test_benchmark_smoke_run(tmp_path):
     # benchmarks/e2e_llama.py in its CPU mode, kept short: training and one decode shape, eager
-    # against ditron, so that the script cannot rot.
+    # against ditron (which brings ditron fusions-only along), so that the script cannot rot.
     import json
     import subprocess
     import sys
@@ -279,12 +279,13 @@ def test_benchmark_smoke_run(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| train (sequence parallel, loss parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
+    assert "| eager ms | ditron ms | ditron fusions only (mask rewrite off) ms |" in proc.stdout
     assert "-> ditron.all_gather_matmul" in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["shape"]) for r in rows] == [
         ("train (sequence parallel, loss parallel)", "B 1, S 16"), ("decode (TP)", "B 2, S 1")]
     for r in rows:
-        assert r["failed"] == {} and set(r["ms"]) == {"eager", "ditron"}, r
+        assert r["failed"] == {} and set(r["ms"]) == {"eager", "ditron", "ditron_keep_mask"}, r
         assert all(v > 0 for v in r["ms"].values())
         assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) > 0, r
         assert r["diff_baseline"] == "eager" and max(r["ditron_max_diff"].values()) < 1e-4, r
