@@ -521,9 +521,9 @@ def run_exit_program(*args: str, timeout_s: float = 600) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("shutdown", ["destroy", "none"])
 def test_program_exits_cleanly_with_the_log_on(shutdown):
-    for _ in range(2):
-        out = run_exit_program("--shutdown", shutdown)
-        assert "rank 0: 4 ditron ops" in out, out
+    # one program per way to shut down (a second run of the same compile added ~45 s to CI)
+    out = run_exit_program("--shutdown", shutdown)
+    assert "rank 0: 4 ditron ops" in out, out
 
 
 def test_exit_program_async_tp_needs_cuda_inference():
