@@ -85,10 +85,7 @@ class ExpertParallelMoE(nn.Module):
                                               input_splits, self.group)
 
         # 5. rank-major -> expert-major, the experts
-        rows = sum(output_splits)
-        expert_of_row = torch.arange(self.local_experts, device=x.device).repeat(self.world)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.view(-1), output_size=rows)
-        by_expert = torch.argsort(expert_of_row, stable=True)
+        by_expert = expert_major_order(recv_counts, sum(output_splits))
         per_expert = recv_counts.sum(0)
         out = self.run_experts(received[by_expert], per_expert)
         unpermuted = torch.empty_like(out).index_put((by_expert,), out)
@@ -112,6 +109,15 @@ class ExpertParallelMoE(nn.Module):
             h = F.silu(piece @ self.w1[e].t()) * (piece @ self.w3[e].t())
             outs.append(h @ self.w2[e].t())
         return torch.cat(outs)
+
+
+def expert_major_order(recv_counts: torch.Tensor, rows) -> torch.Tensor:
+    """The received rows' indices in expert-major order (stable: by source rank within an
+    expert), from the counts [source rank, local expert] of the `rows` received rank-major."""
+    world, local = recv_counts.shape
+    expert_of_row = torch.arange(local, device=recv_counts.device).repeat(world)
+    expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=rows)
+    return torch.argsort(expert_of_row, stable=True)
 
 
 class TinyMoEModel(nn.Module):
