@@ -253,6 +253,21 @@ grouped_mm_all_to_all_default = grouped_mm_all_to_all([arg0_1], [permute], arg2_
         finally:
             config.patterns = saved
 
+    def test_all_to_all_between_grouped_gemms_goes_to_the_combine(self):
+        def chain(g, h, counts, index, offsets, w):
+            received = exchange(grouped_mm(h, w, offsets), counts.tolist(), g)
+            return grouped_mm(received, w.transpose(-2, -1), offsets)
+
+        gm, _, report = self.trace(chain, combine_args())
+        self.assertEqual([(c.op, c.fused, c.reason) for c in report.candidates], [
+            ("grouped_mm_all_to_all", True, "reference plan (decomposed collective + matmul)"),
+            ("all_to_all_grouped_mm", False,
+             "all_to_all_single already belongs to an earlier ditron op")])
+        self.assertExpectedInline(moe_lines(gm), """\
+grouped_mm_all_to_all_default = grouped_mm_all_to_all([arg0_1], [permute], arg3_1, None, False, [_local_scalar_dense, _local_scalar_dense_1], [_local_scalar_dense, _local_scalar_dense_1], '0', 2, '{"impl": "reference"}')
+_grouped_mm_1 = _grouped_mm(grouped_mm_all_to_all_default, permute_2, arg3_1)
+""")
+
     def test_exchange_of_counts_is_no_candidate(self):
         def counts_only(g, x, counts, index, offsets, w1, w3):
             return F.relu(exchange(counts.float(), counts.tolist(), g))

@@ -136,6 +136,7 @@ def graph_name(graph: Graph) -> str:
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_layer(node: torch.fx.Node) -> str:
@@ -149,7 +150,8 @@ def source_layer(node: torch.fx.Node) -> str:
         path = _SUBSCRIPT.sub(r".\1", path).strip(".")
         if path:
             return path
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "")
+              if not f[0].startswith(_TORCH_DIR)]  # torch's own frames (funcol) name no layer
     return f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else ""
 
 

@@ -148,9 +148,18 @@ def _loop_matmuls(rows: Node) -> tuple[list[Node], int]:
             pieces += [p for p in u.users if is_call(p, operator.getitem)]
         elif is_call(u, aten.slice.Tensor) and _arg(u, 1, "dim", 0) == 0:
             pieces.append(u)
-    mms = [mm for p in pieces for mm in p.users if is_call(mm, aten.mm.default)
-           and mm.args[0] is p]
+    mms = [mm for p in pieces for mm in p.users if _is_matmul(mm) and _left(mm) is p]
     return mms, len(pieces)
+
+
+def _is_matmul(node: Node) -> bool:
+    """mm, or addmm: Inductor's post-grad passes make `mm + mm` (a backward's sum of two
+    products) an addmm."""
+    return is_call(node, aten.mm.default, aten.addmm.default)
+
+
+def _left(mm: Node) -> Node:
+    return mm.args[1] if is_call(mm, aten.addmm.default) else mm.args[0]
 
 
 def _loop_problem(rows: Node, loop: list[Node], pieces: int) -> str:
@@ -299,7 +308,7 @@ class GroupedMmAllToAllMatch:
 
     def task(self) -> Task:
         ex = self.exchange
-        lefts = [g.a for g in self.grouped_mms] or [mm.args[0] for mm in self.loop[:1]]
+        lefts = [g.a for g in self.grouped_mms] or [_left(mm) for mm in self.loop[:1]]
         task = grouped_mm_all_to_all_task(
             [fake(a) for a in lefts], [fake(g.weight) for g in self.grouped_mms], None,
             None if self.scatter is None else fake(self.row_index), self.accumulate,
@@ -361,7 +370,7 @@ def _concatenated_matmuls(y: Node) -> list[Node]:
     if not is_call(y, aten.cat.default):
         return []
     mms = [s for piece in y.args[0] for s in _summands(piece)[0]]
-    return mms if all(is_call(mm, aten.mm.default) for mm in mms) else []
+    return mms if all(_is_matmul(mm) for mm in mms) else []
 
 
 _FRESH_BUFFERS = (aten.empty.memory_format, aten.full.default, aten.zeros.default)
