@@ -5,8 +5,9 @@ Each op is defined with `torch.library` (schema, one implementation for every ba
 implementation, from functional collectives and matmuls, runs on any device (CPU with gloo
 included) and is the ground truth in tests. The ops are registered with `Library.define/impl`
 rather than `torch.library.custom_op`, whose per-call Python wrapping (dynamo guard, alias checks
-of the outputs) cost more host time than the rest of a call; the ops have no autograd formula:
-they live in post-grad graphs.
+of the outputs) cost more host time than the rest of a call. The pass puts the ops in post-grad
+graphs, where autograd has run; only the MoE ops have an autograd formula (each one's backward is
+the other's transposed sequence), for a training step that calls them itself.
 
 The fused CUDA implementations come from one place, `runtime.FUSED_IMPLS`. An op whose plan asks
 for a fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
@@ -28,11 +29,16 @@ from .log_names import LOGGER_NAME
 from .scheduler.plan import FUSED, decode
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
+    ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
     all_gather_matmul_task,
+    all_to_all_grouped_mm_task,
+    grouped_mm_all_to_all_task,
     matmul_collective_task,
+    total,
 )
 
 if torch.distributed.is_available():
@@ -104,6 +110,8 @@ _TASK_BUILDERS: dict[str, Callable] = {
         lambda a, b, bias, out_shape, residual, _weight, _eps, _fp32, reduce_op, *group:
         matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
                                *group, has_residual=residual is not None),
+    ALL_TO_ALL_GROUPED_MM: all_to_all_grouped_mm_task,
+    GROUPED_MM_ALL_TO_ALL: grouped_mm_all_to_all_task,
 }
 
 
@@ -303,3 +311,159 @@ _define("matmul_all_reduce_rmsnorm(Tensor a, Tensor b, Tensor? bias, SymInt[] ou
         "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
         "str group_name, SymInt world_size, str plan) -> (Tensor, Tensor)",
         matmul_all_reduce_rmsnorm, _matmul_all_reduce_rmsnorm_fake)
+
+
+# ------------------------------------------ expert parallelism: all-to-all <-> grouped GEMM
+# Expert e of this rank owns rows offsets[e - 1]:offsets[e] of a grouped GEMM (offsets: the
+# cumulative row counts, int32, as torch._grouped_mm takes them) and multiplies them by
+# weight[e] [K, N]. The all-to-all sends input_split_sizes[r] rows to rank r and receives
+# output_split_sizes[r] rows from rank r, rank-major.
+
+
+def _exchange(x: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
+    return c10d.wait_tensor(c10d.all_to_all_single(x.contiguous(), output_split_sizes,
+                                                   input_split_sizes, group_name))
+
+
+def _sum_of_grouped_mms(lefts: Sequence[Tensor], weights: Sequence[Tensor],
+                        offsets: Tensor) -> Tensor:
+    """sum_i lefts[i] @ weights[i], grouped by offsets, added in order."""
+    y = None
+    for a, w in zip(lefts, weights):
+        term = torch._grouped_mm(a, w, offs=offsets)
+        y = term if y is None else y + term
+    return y
+
+
+def _send_rows(y: Tensor, row_index: Optional[Tensor], accumulate: bool, output_split_sizes,
+               input_split_sizes, group_name: str) -> Tensor:
+    """y's row i to row row_index[i] of the rows to send (zeros where no row lands; summed where
+    several do and `accumulate`), exchanged."""
+    if row_index is not None:
+        rows = y.new_zeros([total(input_split_sizes), y.shape[1]])
+        y = rows.index_put_((row_index,), y, accumulate)
+    return _exchange(y, output_split_sizes, input_split_sizes, group_name)
+
+
+def all_to_all_grouped_mm_reference(x, output_split_sizes, input_split_sizes, row_index, weights,
+                                    offsets, group_name, world_size):
+    received = _exchange(x, output_split_sizes, input_split_sizes, group_name)
+    rows = received if row_index is None else received[row_index]
+    return [rows] + [torch._grouped_mm(rows, w, offs=offsets) for w in weights]
+
+
+def all_to_all_grouped_mm(x: Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], row_index: Optional[Tensor],
+                          weights: list[Tensor], offsets: Tensor, group_name: str,
+                          world_size: int, plan: str) -> list[Tensor]:
+    """The dispatch of expert parallelism: all-to-all of x's rows [tokens, K], the received rows
+    taken in the order of row_index (expert-major; in arrival order when None), each weight
+    [experts, K, N_i] applied to them as a grouped GEMM.
+
+    Returns [the rows the experts read, rows @ W_0, rows @ W_1, ...]: the data crosses the wire
+    once however many weights share it (gate and up). Where each row lands depends on the
+    splits and row_index alone, never on which rank's rows arrive first: a fused kernel that
+    starts an expert's tiles as their rows land keeps this order.
+    """
+    return _dispatch(ALL_TO_ALL_GROUPED_MM, plan, x.is_cuda, all_to_all_grouped_mm_reference,
+                     x, output_split_sizes, input_split_sizes, row_index, weights, offsets,
+                     group_name, world_size)
+
+
+def _all_to_all_grouped_mm_fake(x, output_split_sizes, input_split_sizes, row_index, weights,
+                                offsets, group_name, world_size, plan):
+    rows = row_index.shape[0] if row_index is not None else total(output_split_sizes)
+    return [x.new_empty([rows, x.shape[1]])] + [x.new_empty([rows, w.shape[-1]])
+                                                for w in weights]
+
+
+def _all_to_all_grouped_mm_setup(ctx, inputs, output):
+    x, output_split_sizes, input_split_sizes, row_index, weights, offsets, *group_plan = inputs
+    ctx.save_for_backward(output[0], offsets, row_index, *weights)
+    ctx.splits, ctx.group_name = (output_split_sizes, input_split_sizes), group_plan[0]
+    ctx.set_materialize_grads(False)
+
+
+def _all_to_all_grouped_mm_backward(ctx, grads):
+    """The combine's sequence, transposed: the gradients of the outputs through the transposed
+    weights (and the rows' own gradient), back to the rows they came from (summed where a row
+    was read twice), exchanged back; the weights' gradients rows^T @ grad per expert."""
+    grad_rows, grad_outs = grads[0], [None if g is None else g.contiguous() for g in grads[1:]]
+    rows, offsets, row_index, *weights = ctx.saved_tensors
+    taken = [(g, w.transpose(-2, -1)) for g, w in zip(grad_outs, weights) if g is not None]
+    y = _sum_of_grouped_mms([g for g, _ in taken], [w for _, w in taken], offsets)
+    if grad_rows is not None:
+        y = grad_rows if y is None else y + grad_rows
+    output_split_sizes, input_split_sizes = ctx.splits
+    grad_x = None if y is None else _send_rows(y, row_index, True, input_split_sizes,
+                                               output_split_sizes, ctx.group_name)
+    grad_weights = [None if g is None else torch._grouped_mm(rows.t(), g, offs=offsets)
+                    for g in grad_outs]
+    return grad_x, None, None, None, grad_weights, None, None, None, None
+
+
+_define("all_to_all_grouped_mm(Tensor x, SymInt[] output_split_sizes, "
+        "SymInt[] input_split_sizes, Tensor? row_index, Tensor[] weights, Tensor offsets, "
+        "str group_name, SymInt world_size, str plan) -> Tensor[]",
+        all_to_all_grouped_mm, _all_to_all_grouped_mm_fake)
+torch.library.register_autograd("ditron::all_to_all_grouped_mm", _all_to_all_grouped_mm_backward,
+                                setup_context=_all_to_all_grouped_mm_setup, lib=_lib)
+
+
+def grouped_mm_all_to_all_reference(lefts, weights, offsets, row_index, accumulate,
+                                    output_split_sizes, input_split_sizes, group_name,
+                                    world_size):
+    return _send_rows(_sum_of_grouped_mms(lefts, weights, offsets), row_index, accumulate,
+                      output_split_sizes, input_split_sizes, group_name)
+
+
+def grouped_mm_all_to_all(lefts: list[Tensor], weights: list[Tensor], offsets: Tensor,
+                          row_index: Optional[Tensor], accumulate: bool,
+                          output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                          group_name: str, world_size: int, plan: str) -> Tensor:
+    """The combine of expert parallelism: y = sum_i lefts[i] @ weights[i] as grouped GEMMs
+    (lefts [rows, K_i], weights [experts, K_i, N]; the backward of gate and up sums two), row j
+    of y written to row row_index[j] of the rows to send (zeros where none lands, summed where
+    several do and `accumulate`; y itself when row_index is None), and all-to-all'd back.
+
+    Returns the received rows [sum(output_split_sizes), N], rank-major. A fused kernel writes
+    each row from the GEMM's epilogue to the same place on its peer.
+    """
+    return _dispatch(GROUPED_MM_ALL_TO_ALL, plan, lefts[0].is_cuda,
+                     grouped_mm_all_to_all_reference, lefts, weights, offsets, row_index,
+                     accumulate, output_split_sizes, input_split_sizes, group_name, world_size)
+
+
+def _grouped_mm_all_to_all_fake(lefts, weights, offsets, row_index, accumulate,
+                                output_split_sizes, input_split_sizes, group_name, world_size,
+                                plan):
+    return lefts[0].new_empty([total(output_split_sizes), weights[0].shape[-1]])
+
+
+def _grouped_mm_all_to_all_setup(ctx, inputs, output):
+    lefts, weights, offsets, row_index, _, output_split_sizes, input_split_sizes, *group = inputs
+    ctx.save_for_backward(offsets, row_index, *lefts, *weights)
+    ctx.terms, ctx.splits, ctx.group = len(lefts), (output_split_sizes, input_split_sizes), group
+
+
+def _grouped_mm_all_to_all_backward(ctx, grad):
+    """The dispatch's sequence, transposed: the gradient exchanged back, its rows taken as the
+    forward wrote them, through each transposed weight (each left's gradient); the weights'
+    gradients left^T @ rows per expert."""
+    offsets, row_index, *saved = ctx.saved_tensors
+    lefts, weights = saved[:ctx.terms], saved[ctx.terms:]
+    output_split_sizes, input_split_sizes = ctx.splits
+    group_name, world_size, _ = ctx.group
+    rows, *grad_lefts = all_to_all_grouped_mm_reference(
+        grad, input_split_sizes, output_split_sizes, row_index,
+        [w.transpose(-2, -1) for w in weights], offsets, group_name, world_size)
+    grad_weights = [torch._grouped_mm(a.t(), rows, offs=offsets) for a in lefts]
+    return grad_lefts, grad_weights, None, None, None, None, None, None, None, None
+
+
+_define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets, "
+        "Tensor? row_index, bool accumulate, SymInt[] output_split_sizes, "
+        "SymInt[] input_split_sizes, str group_name, SymInt world_size, str plan) -> Tensor",
+        grouped_mm_all_to_all, _grouped_mm_all_to_all_fake)
+torch.library.register_autograd("ditron::grouped_mm_all_to_all", _grouped_mm_all_to_all_backward,
+                                setup_context=_grouped_mm_all_to_all_setup, lib=_lib)

@@ -8,5 +8,10 @@ ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 MATMUL_ALL_REDUCE = "matmul_all_reduce"
 MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
+# Expert parallelism: the dispatch all-to-all into the experts' grouped GEMMs, and the experts'
+# grouped GEMM into the combine all-to-all (lowering/moe.py).
+ALL_TO_ALL_GROUPED_MM = "all_to_all_grouped_mm"
+GROUPED_MM_ALL_TO_ALL = "grouped_mm_all_to_all"
+MOE_PATTERNS = (ALL_TO_ALL_GROUPED_MM, GROUPED_MM_ALL_TO_ALL)
 PATTERNS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-            MATMUL_ALL_REDUCE_RMSNORM)
+            MATMUL_ALL_REDUCE_RMSNORM) + MOE_PATTERNS

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
@@ -32,9 +34,21 @@ def trace(fn, *args) -> torch.fx.GraphModule:
     return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*args)
 
 
+def trace_data_dependent(fn, *args) -> torch.fx.GraphModule:
+    """`trace` with a shape environment: `.tolist()` / `.item()` give unbacked SymInts, as Dynamo
+    leaves them under `capture_scalar_outputs`, while the inputs' shapes stay static."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+             for a in args]
+    with mode:
+        return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*fakes)
+
+
 def _short(target) -> str:
     if target is operator.getitem:
         return "getitem"
+    if not isinstance(target, torch._ops.OperatorBase):  # a Python function: torch.sym_sum
+        return getattr(target, "__name__", str(target))
     name = str(target)
     for prefix in ("aten.", "_c10d_functional.", "ditron."):
         if name.startswith(prefix):
@@ -65,3 +79,4 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
 all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 all_reduce = funcol.all_reduce
+all_to_all = funcol.all_to_all_single

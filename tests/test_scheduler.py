@@ -275,3 +275,21 @@ def test_calibration_by_world_picks_what_was_measured_best():
         + ["cublas_triton_reduce"] * 3
     assert picks(8) == ["tri_tma_128x256", "nccl_cublas", "nccl_cublas", "tri_tma_128x256",
                         "cublas_triton_reduce", "nccl_cublas", "cublas_triton_reduce"]
+
+
+def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_fused_kernel(group4, monkeypatch):
+    from ditron_inductor.scheduler.task import all_to_all_grouped_mm_task
+
+    x, w = torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16)
+    dispatch = all_to_all_grouped_mm_task(x, [3, 5, 0, 8], [4, 4, 4, 4], None, [w, w], None, "0",
+                                          4)
+    assert dispatch.describe() == ("all_to_all_grouped_mm M=16 K=32 N=64,64 bfloat16 world=4 "
+                                   "group=0 experts=2 tokens=16")
+    assert decide(dispatch).plan.impl == REFERENCE  # on CPU
+    on_cuda = dataclasses.replace(dispatch, device_type="cuda")
+    for forced in ("", "fused"):
+        monkeypatch.setattr(config, "force_plan", forced)
+        d = decide(on_cuda)
+        assert (d.fuse, d.reason) == (False, "no fused CUDA kernel for all_to_all_grouped_mm yet")
+    monkeypatch.setattr(config, "force_plan", "reference")
+    assert decide(on_cuda).plan.impl == REFERENCE

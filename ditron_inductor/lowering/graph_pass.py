@@ -22,10 +22,24 @@ from torch.fx import Graph
 from .. import config
 from ..log_names import LOGGER_NAME
 from ..scheduler.decide import Decision, decide, reject
-from .match import AllGatherMatmulMatch, find_matches
+from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_matches
+from .moe import (
+    AllToAllGroupedMmMatch,
+    GroupedMmAllToAllMatch,
+    rewrite_all_to_all_grouped_mm,
+    rewrite_grouped_mm_all_to_all,
+)
 from .rewrite import rewrite_all_gather_matmul, rewrite_matmul_collective
 
 log = logging.getLogger(LOGGER_NAME)
+
+# match type -> its rewrite(graph, match, plan text)
+REWRITES: dict[type, Callable] = {
+    AllGatherMatmulMatch: rewrite_all_gather_matmul,
+    MatmulCollectiveMatch: rewrite_matmul_collective,
+    AllToAllGroupedMmMatch: rewrite_all_to_all_grouped_mm,
+    GroupedMmAllToAllMatch: rewrite_grouped_mm_all_to_all,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +81,9 @@ reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 
 def _source_files() -> tuple[str, ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = ["ops.py", "config.py", "lowering/match.py", "lowering/nodes.py", "lowering/norm.py",
-             "lowering/reorder.py", "lowering/rewrite.py", "lowering/graph_pass.py",
+    names = ["ops.py", "config.py", "patterns.py", "lowering/match.py", "lowering/nodes.py",
+             "lowering/norm.py", "lowering/reorder.py", "lowering/rewrite.py", "lowering/moe.py",
+             "lowering/graph_edit.py", "lowering/graph_pass.py",
              "scheduler/decide.py", "scheduler/cost_model.py", "scheduler/plan.py",
              "scheduler/task.py"]
     return tuple(os.path.join(root, n) for n in names)
@@ -121,6 +136,7 @@ def graph_name(graph: Graph) -> str:
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_layer(node: torch.fx.Node) -> str:
@@ -134,12 +150,15 @@ def source_layer(node: torch.fx.Node) -> str:
         path = _SUBSCRIPT.sub(r".\1", path).strip(".")
         if path:
             return path
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "")
+              if not f[0].startswith(_TORCH_DIR)]  # torch's own frames (funcol) name no layer
     return f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else ""
 
 
 def source_layers(match) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(layer for m in match.matmuls if (layer := source_layer(m.node))))
+    """The layers of the nodes a match replaces (its matmuls, first)."""
+    return tuple(dict.fromkeys(
+        layer for n in match.replaced_nodes() if (layer := source_layer(n))))
 
 
 def run_pass(graph: Graph) -> GraphReport:
@@ -162,11 +181,7 @@ def run_pass(graph: Graph) -> GraphReport:
         layers = source_layers(match)
         where = f"{', '.join(layers)}: " if layers else ""
         if decision.fuse:
-            plan_text = decision.plan.encode()
-            if isinstance(match, AllGatherMatmulMatch):
-                rewrite_all_gather_matmul(graph, match, plan_text)
-            else:
-                rewrite_matmul_collective(graph, match, plan_text)
+            REWRITES[type(match)](graph, match, decision.plan.encode())
             rewritten.update(match.replaced_nodes())
             log.info("graph %s: %s%s -> ditron.%s [%s]", name, where, task.describe(), task.op,
                      decision.reason)

@@ -10,6 +10,7 @@ Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
   mm / addmm [-> reshapes to N-d] [-> split/slice on dim d -> cat(dim 0)]
       -> reduce_scatter_tensor -> wait_tensor
   mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
+  all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
 Candidates that no op serves are matches too, with the problem (a collective of a sum of matmuls,
 a gathered activation no matmul takes as its left operand), so that the log names them.
@@ -35,16 +36,13 @@ from ..scheduler.task import (
     matmul_collective_task,
     numel,
 )
-from .nodes import RESHAPES, is_call
+from .moe import find_moe_matches
+from .nodes import RESHAPES, fake, is_call
 from .norm import RmsNormTail, find_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def fake(node: Node):
-    return node.meta["val"]
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
@@ -539,6 +537,9 @@ def find_matches(graph: Graph) -> list:
             match = find_all_gather_matmul(node)
         elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
             match = find_matmul_collective(node)
+        elif is_call(node, c10d.all_to_all_single.default):
+            found += find_moe_matches(node)
+            continue
         else:
             continue
         if match is not None:

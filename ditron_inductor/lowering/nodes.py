@@ -18,3 +18,8 @@ VIEWS = RESHAPES + (
 def is_call(node: object, *targets) -> bool:
     """Whether `node` is a graph node calling one of `targets`."""
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def fake(node: Node):
+    """The node's value as tracing left it: a fake tensor, a SymInt, a list of them."""
+    return node.meta["val"]

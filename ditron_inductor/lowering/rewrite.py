@@ -8,16 +8,13 @@ later weight may have placed the op after a user of an earlier matmul.
 
 from __future__ import annotations
 
-import contextlib
-import operator
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
+from .graph_edit import erase_unused, insert_call, insert_getitem
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
 from .reorder import SWAP_FIRST_TWO, RowOrder
 from ..scheduler.task import MATMUL_REDUCE_SCATTER
@@ -31,7 +28,7 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
     shard, gather_dim = match.a_shard, match.gather_dim
     k = shard.meta["val"].shape[-1]
     if order is not None:  # rank-major rows: a gather on dim 0 of the shard's matrix
-        shard, gather_dim = _insert_call(graph, aten.reshape.default, (shard, [-1, k])), 0
+        shard, gather_dim = insert_call(graph, aten.reshape.default, (shard, [-1, k])), 0
     args = (
         shard,
         [m.weight for m in match.matmuls],
@@ -41,8 +38,8 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
         match.world_size,
         plan,
     )
-    op = _insert_call(graph, ditron.all_gather_matmul.default, args)
-    outputs = [_insert_getitem(graph, op, i) for i in range(1 + len(match.matmuls))]
+    op = insert_call(graph, ditron.all_gather_matmul.default, args)
+    outputs = [insert_getitem(graph, op, i) for i in range(1 + len(match.matmuls))]
     gathered = outputs[:1]  # the gathered activation, and the nodes that make it
     if order is not None:
         gathered = _from_rank_major(graph, outputs[0], order, k, match.gathered_sizes) + gathered
@@ -53,7 +50,7 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
     for mm, out in zip(match.matmuls, outputs[1:]):
         mm.node.replace_all_uses_with(out)
     inner = match.chunk_cat.inner if match.chunk_cat else []
-    _erase_unused(graph, [m.node for m in match.matmuls] + match.views[::-1]
+    erase_unused(graph, [m.node for m in match.matmuls] + match.views[::-1]
                   + gathered + [match.gathered] + inner[::-1] + [match.wait, match.gather])
     return op
 
@@ -61,9 +58,9 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
 def _swap_row_blocks(graph: Graph, node: Node, blocks: list, sizes: list) -> list[Node]:
     """`node` viewed as 4-d `blocks`, its first two dims swapped, reshaped to `sizes`: the nodes
     inserted, the result first."""
-    view = _insert_call(graph, aten.reshape.default, (node, blocks))
-    permute = _insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
-    return [_insert_call(graph, aten.reshape.default, (permute, sizes)), permute, view]
+    view = insert_call(graph, aten.reshape.default, (node, blocks))
+    permute = insert_call(graph, aten.permute.default, (view, SWAP_FIRST_TWO))
+    return [insert_call(graph, aten.reshape.default, (permute, sizes)), permute, view]
 
 
 def _from_rank_major(graph: Graph, node: Node, order: RowOrder, cols: int,
@@ -93,20 +90,20 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         extra = (match.out_shape,)
     args = (a, b, match.matmul.bias, *extra, match.reduce_op, match.group_name,
             match.world_size, plan)
-    op = _insert_call(graph, target, args)
+    op = insert_call(graph, target, args)
     tail: list[Node] = []  # the replaced nodes after the collective, users first
     if norm is not None:
-        h, y = (_insert_getitem(graph, op, i) for i in range(2))
+        h, y = (insert_getitem(graph, op, i) for i in range(2))
         norm.h.replace_all_uses_with(h)
         norm.out.replace_all_uses_with(y)
         tail = [norm.out] + norm.inner[::-1] + [norm.h]
     elif order is not None:  # this rank's rows, rank-major: the piece's own order
         match.wait.replace_all_uses_with(
-            _insert_call(graph, aten.reshape.default, (op, match.scattered_sizes)))
+            insert_call(graph, aten.reshape.default, (op, match.scattered_sizes)))
     else:
         match.wait.replace_all_uses_with(op)
     inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
-    _erase_unused(graph, tail + [match.wait, match.collective]
+    erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
                   + match.views + [m.node for m in match.matmuls])
     return op
@@ -121,41 +118,5 @@ def _operands(graph: Graph, match: MatmulCollectiveMatch) -> tuple[Node, Node]:
         lefts = [_to_rank_major(graph, a, match.row_order) for a in lefts]
     if len(lefts) == 1:
         return lefts[0], match.matmul.weight
-    return (_insert_call(graph, aten.cat.default, (lefts, 1)),
-            _insert_call(graph, aten.cat.default, ([m.weight for m in match.matmuls], 0)))
-
-
-def _insert_call(graph: Graph, target, args: tuple) -> Node:
-    inputs = _flat_nodes(args)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    last = max(inputs + placeholders[-1:], key=order.__getitem__)
-    with graph.inserting_after(last):
-        node = graph.call_function(target, args)
-    vals = map_arg(args, lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*vals)
-    return node
-
-
-def _insert_getitem(graph: Graph, op: Node, index: int) -> Node:
-    with graph.inserting_after(op):
-        node = graph.call_function(operator.getitem, (op, index))
-    node.meta["val"] = op.meta["val"][index]
-    return node
-
-
-def _flat_nodes(args) -> list[Node]:
-    found: list[Node] = []
-    map_arg(args, found.append)
-    return found
-
-
-def _erase_unused(graph: Graph, nodes: Sequence[Node]) -> None:
-    """Erase, users first, the nodes of the old subgraph that nothing uses any more."""
-    erased: set[Node] = set()
-    for node in nodes:
-        if node not in erased and not node.users:
-            graph.erase_node(node)
-            erased.add(node)
+    return (insert_call(graph, aten.cat.default, (lefts, 1)),
+            insert_call(graph, aten.cat.default, ([m.weight for m in match.matmuls], 0)))

@@ -15,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import config
 from .cost_model import choose_device_plan, fused_plan
 from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
-from .task import MATMUL_REDUCE_SCATTER, Task
+from .task import MATMUL_REDUCE_SCATTER, MOE_PATTERNS, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def decide(task: Task) -> Decision:
                     f"not {task.device_type}")
         return Decision(True, why, REFERENCE_PLAN)
     plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
-    if config.force_plan == FUSED and plan is None:
+    if config.force_plan == FUSED and plan is None and task.op not in MOE_PATTERNS:
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:
         return reject(why)

@@ -17,9 +17,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Task
     ALL_GATHER_MATMUL,
+    ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
+    MOE_PATTERNS,
 )
 
 SymOrInt = Union[int, torch.SymInt]
@@ -43,6 +46,15 @@ class Task:
     sum of matmul products that a reduce-scatter reduces); 1 for one matmul.
     copy_elems: elements that the rewrite's reorders and concatenations copy and that Inductor
     cannot fold into a kernel the graph runs anyway.
+
+    The MoE ops (expert parallelism, an all-to-all beside the experts' grouped GEMM): m counts
+    the rows the local experts compute, received by the dispatch or sent back by the combine,
+    which the routing decides (an unbacked SymInt under torch.compile, a per-rank constant
+    after a graph break: no decision may depend on it); k, ns the GEMM's, per expert; terms the
+    grouped GEMMs the combine sums. experts: the grouped GEMM's groups, this rank's experts.
+    tokens: the (token, expert) rows this rank routes, T x top-k, which the dispatch sends and
+    the combine receives back. rows_permuted: the experts read (write) the exchanged rows
+    through an index, expert-major, rather than in the all-to-all's rank-major order.
     """
 
     op: str
@@ -63,6 +75,9 @@ class Task:
     rows_reordered: bool = False
     terms: int = 1
     copy_elems: SymOrInt = 0
+    experts: SymOrInt = 0
+    tokens: SymOrInt = 0
+    rows_permuted: bool = False
 
     # The cross-rank schedule, which the kernels compute with templates/schedule.py's helpers
     # (the interpreter tests compare the two).
@@ -95,8 +110,13 @@ class Task:
             extra += f" {self.reduce_op}"
         if self.rows_reordered:
             extra += ", rank-major rows reordered in the graph"
+        if self.experts:
+            extra += f" experts={self.experts} tokens={self.tokens}"
+        if self.rows_permuted:
+            extra += ", rows permuted"
         if self.terms > 1:
-            extra += f", {self.terms} matmuls concatenated along K"
+            extra += (f", {self.terms} grouped GEMMs summed" if self.op in MOE_PATTERNS
+                      else f", {self.terms} matmuls concatenated along K")
         if self.copy_elems:
             extra += f", copies {self.copy_elems} elements"
         return (
@@ -156,3 +176,41 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
         reduce_op=reduce_op, has_bias=(bias is not None,),
         rank_chunks_contiguous=chunks_contiguous(shape, dim), has_residual=has_residual,
     )
+
+
+def all_to_all_grouped_mm_task(x, output_split_sizes, input_split_sizes, row_index, weights,
+                               offsets, group_name: str, world_size: int) -> Task:
+    """The dispatch: x's rows exchanged, then (through row_index) each weight's grouped GEMM."""
+    rows = row_index.shape[0] if row_index is not None else total(output_split_sizes)
+    return Task(
+        op=ALL_TO_ALL_GROUPED_MM, group_name=group_name, world_size=world_size, m=rows,
+        k=x.shape[1], ns=tuple(w.shape[-1] for w in weights), dtype=x.dtype,
+        device_type=x.device.type, experts=_experts(weights), tokens=x.shape[0],
+        rows_permuted=row_index is not None,
+    )
+
+
+def grouped_mm_all_to_all_task(lefts, weights, offsets, row_index, accumulate: bool,
+                               output_split_sizes, input_split_sizes, group_name: str,
+                               world_size: int) -> Task:
+    """The combine: the sum of the grouped GEMMs, (through row_index) exchanged back."""
+    return Task(
+        op=GROUPED_MM_ALL_TO_ALL, group_name=group_name, world_size=world_size,
+        m=lefts[0].shape[0], k=total(a.shape[1] for a in lefts),
+        ns=tuple(w.shape[-1] for w in weights[:1]), dtype=lefts[0].dtype,
+        device_type=lefts[0].device.type, experts=_experts(weights),
+        tokens=total(output_split_sizes), rows_permuted=row_index is not None, terms=len(lefts),
+    )
+
+
+def _experts(weights) -> SymOrInt:
+    """The grouped GEMM's groups (0: no grouped GEMM, a candidate the log names only)."""
+    return weights[0].shape[0] if weights else 0
+
+
+def total(sizes) -> SymOrInt:
+    """The sum of sizes that may be symbolic (0 + s keeps a SymInt a SymInt)."""
+    result = 0
+    for s in sizes:
+        result = result + s
+    return result

@@ -1,0 +1,49 @@
+"""Editing a post-grad graph: insert a call (its fake value computed), take an output of a
+multi-output op, erase what a rewrite left unused. Shared by every rewrite."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Sequence
+
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.fx.node import map_arg
+
+
+def insert_call(graph: Graph, target, args: tuple) -> Node:
+    """A call of `target` right after the last of its inputs (or of the placeholders)."""
+    inputs = _flat_nodes(args)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = max(inputs + placeholders[-1:], key=order.__getitem__)
+    with graph.inserting_after(last):
+        node = graph.call_function(target, args)
+    vals = map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def insert_getitem(graph: Graph, op: Node, index: int) -> Node:
+    with graph.inserting_after(op):
+        node = graph.call_function(operator.getitem, (op, index))
+    node.meta["val"] = op.meta["val"][index]
+    return node
+
+
+def _flat_nodes(args) -> list[Node]:
+    found: list[Node] = []
+    map_arg(args, found.append)
+    return found
+
+
+def erase_unused(graph: Graph, nodes: Sequence[Node]) -> None:
+    """Erase, users first, the nodes of the old subgraph that nothing uses any more."""
+    erased: set[Node] = set()
+    for node in nodes:
+        if node not in erased and not node.users:
+            graph.erase_node(node)
+            erased.add(node)
