@@ -53,7 +53,11 @@ def variants():
                         **flags.world_constants(world))
             for chunked, scatter in ((False, False), (True, False), (False, True)):
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
-                       dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True), 4)
+                       dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True, ROW_BLOCK=0), 4)
+            if norm:  # the copy-out with the norm of whole rows (4096 of them: BLOCK 16384)
+                yield (all_reduce_push.push_kernel, _AR_ARGS,
+                       dict(push, BLOCK=16384, CHUNKED=True, SCATTER=False, COPY=True,
+                            ROW_BLOCK=4096), 32)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
             yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, push, 4

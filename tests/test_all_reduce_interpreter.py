@@ -76,13 +76,15 @@ def started(ranks, r, progs):
 
 
 def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
-         algo="push", gemm=None, rows=None, copy_progs=None):
+         algo="push", gemm=None, rows=None, copy_progs=None, row_block=0):
     """A push kernel (push, push_scatter or push_all): every rank's SEND phase (which raises
     STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push and
     push_scatter push the sums there), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in
     row chunks, each followed by its READY; gemm(r): rank r's GEMM, which raises its READY
     flags itself (chunks of `rows` rows), runs instead. copy_progs: COPY and NORMALISE on that
-    many programs (a multiple of progs), as the runtime launches them beside the GEMM."""
+    many programs (a multiple of progs), as the runtime launches them beside the GEMM.
+    row_block: the runtime's ROW_BLOCK (runtime.all_reduce.row_block): COPY normalises the whole
+    rows of its blocks, NORMALISE has nothing left to do."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     rows = rows or (-(-m // chunks) if chunks else m)
@@ -112,7 +114,8 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
                 grid = copy_progs if phase in ("COPY", "NORMALISE") and copy_progs else progs
                 all_reduce_push.push_kernel[(grid,)](
                     *args, rows, progs, region(ranks, algo), LIMIT, CHUNKED=chunked,
-                    SCATTER=algo == "push_scatter", COPY=phase == "COPY", **consts)
+                    SCATTER=algo == "push_scatter", COPY=phase == "COPY",
+                    ROW_BLOCK=row_block, **consts)
     ranks.check_call_finished(epoch)
     for r in range(world):
         if not chunked:  # every program of every rank raised STARTED on every rank
@@ -216,6 +219,11 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (4, 37, 72, torch.float32, True, True, True, "push_chunked"),
     (2, 300, 24, torch.float16, True, True, False, "push_chunked"),
     (4, 37, 72, torch.bfloat16, True, True, True, "lamport"),  # several block rows a program
+    # blocks of whole rows (BLOCK 16): the copy-out normalises them (one row, two rows a block;
+    # a last block with a row past M)
+    (2, 37, 16, torch.float32, True, True, True, "push_rows"),
+    (4, 21, 8, torch.bfloat16, True, True, False, "push_rows"),
+    (3, 45, 8, torch.float16, False, True, False, "push_rows_chunked"),
 ]
 
 
@@ -234,9 +242,13 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         if path in LAMPORT:
             outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16, algo=path)
         else:
+            from ditron_inductor.runtime.all_reduce import row_block
+
+            assert row_block(n, 16) or not path.startswith("push_rows")  # as the runtime does
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
-                        chunks=2 * world if path == "push_chunked" else 0,
-                        algo=path if path != "push_chunked" else "push")
+                        chunks=2 * world if path.endswith("chunked") else 0,
+                        algo=path if path in ("push_scatter", "push_all") else "push",
+                        row_block=row_block(n, 16))
         check(outs, partials, residuals, weight, 1e-6, w_fp32, dtype)
         assert int(ranks.epoch[0][0]) == call + 1
 

@@ -241,6 +241,12 @@ def _launch(consts, n, block, warps):
                 num_warps=warps)
 
 
+def row_block(n: int, block: int) -> int:
+    """N where each block of the push kernel holds whole rows (N a power of two dividing
+    BLOCK): its copy-out normalises them in the same pass; else 0."""
+    return n if n & (n - 1) == 0 and block % n == 0 else 0
+
+
 def _region(ctx, partial, algo):
     """Elements per region of this context's buffer (region_elements)."""
     return region_elements(ctx.data.nbytes // partial.element_size(), algo, ctx.world)
@@ -260,7 +266,8 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
     polls = wait_polls(plan)
     progs, block, warps = push_grid(ctx.world, m * n, sms, plan.block, plan.warps, plan.progs,
                                     norm=consts["NORM"])
-    meta = dict(_launch(consts, n, block, warps), SCATTER=scatter)
+    meta = dict(_launch(consts, n, block, warps), SCATTER=scatter,
+                ROW_BLOCK=row_block(n, block) if consts["NORM"] else 0)
     slots = _region(ctx, partial, plan.algo)
     if not plan.overlap:
         matmul_into(a, b, bias, partial)

@@ -20,7 +20,10 @@ One launch per rank, P programs, all resident at once (P <= MAX_PROGS, fewer tha
 3. COPY: program pid waits for PUSHED[pid][q] of every rank q: block rows pid, pid + P, ... of my
    buffer then hold every owner's sums; it copies them to h, adding my residual.
 4. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
-   (h is whole), then normalises rows pid, pid + P, ... of h into y.
+   (h is whole), then normalises rows pid, pid + P, ... of h into y. Where a block holds whole
+   rows (ROW_BLOCK = N, a power of two dividing BLOCK), COPY normalises each block's rows as it
+   writes them instead: one pass over h, no barrier (4 passes of M x N at world size 1, as
+   Inductor's residual + norm kernel makes, against 5 with the phase apart).
 The last program through advances the epoch (the epoch words: all_reduce.py).
 
 Per rank 2 (W-1)/W of the partial crosses NVLink (push: once each way; push_scatter: twice
@@ -110,11 +113,32 @@ def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, lim
 
 @triton.jit
 def store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES: tl.constexpr):
-    """h = the all-reduced s (+ my residual, added in fp32 and rounded, as the reference)."""
+    """h = the all-reduced s (+ my residual, added in fp32 and rounded, as the reference); h's
+    values are returned."""
     if HAS_RES:
         res = tl.load(res_ptr + idx, mask=mask, other=0.0)
         s = (s.to(tl.float32) + res.to(tl.float32)).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + idx, s, mask=mask)
+    return s
+
+
+@triton.jit
+def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
+                  W_FP32: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+    """h as store_h, and y = RMSNorm(h) * weight, for a block of whole rows of ROW (= N)
+    elements: the copy-out and the norm in one pass over the block, from registers (no second
+    read of h, no barrier over the programs). The roundings are norm_row's."""
+    dtype = h_ptr.dtype.element_ty
+    h = store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
+    rows = tl.reshape(h.to(tl.float32), [BLOCK // ROW, ROW])
+    rstd = tl.rsqrt(tl.sum(rows * rows, 1) / ROW + eps)
+    w = tl.load(w_ptr + tl.arange(0, ROW)).to(tl.float32)
+    if W_FP32:
+        y = (rows * rstd[:, None] * w[None, :]).to(dtype)
+    else:
+        y = ((rows * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+    tl.store(y_ptr + tl.reshape(idx, [BLOCK // ROW, ROW]), y,
+             mask=tl.reshape(mask, [BLOCK // ROW, ROW]))
 
 
 @triton.jit
@@ -142,7 +166,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 WORLD_P2: tl.constexpr, CHUNKED: tl.constexpr = False,
                 SCATTER: tl.constexpr = False, SEND: tl.constexpr = True,
                 REDUCE: tl.constexpr = True, COPY: tl.constexpr = True,
-                NORMALISE: tl.constexpr = True):
+                NORMALISE: tl.constexpr = True, ROW_BLOCK: tl.constexpr = 0):
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
@@ -199,10 +223,15 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
             for q in tl.static_range(WORLD):
                 idx = owned_block(i, q, WORLD) * BLOCK + offs
                 mask = idx < numel
-                store_h(h_ptr, res_ptr, idx, mask,
-                        tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg"), HAS_RES)
+                s = tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg")
+                if NORM and ROW_BLOCK > 0:
+                    store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES,
+                                  W_FP32, BLOCK, ROW_BLOCK)
+                else:
+                    store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
+    # ROW_BLOCK: COPY normalised its rows itself, no NORMALISE phase (nor its barrier) follows
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
-                err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)
+                err_ptr, COPY, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)
 
 
 @triton.jit
