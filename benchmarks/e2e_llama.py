@@ -296,11 +296,11 @@ def ditron_kernel_names() -> frozenset:
     import inspect
     import pkgutil
 
-    from ditron_inductor import kernels
+    from ditron_inductor import templates
 
     names = set()
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(templates.__path__):
+        module = importlib.import_module(f"{templates.__name__}.{info.name}")
         # a @triton.jit function, compiled or interpreted (TRITON_INTERPRET=1), wraps it as .fn
         names |= {v.fn.__name__ for v in vars(module).values()
                   if inspect.isfunction(getattr(v, "fn", None))}
