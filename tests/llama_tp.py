@@ -115,8 +115,9 @@ def apply_locally(module: torch.nn.Module, mesh, plan: dict) -> None:
     column-parallel layer, the columns of a row-parallel one: `distribute_tensor`'s shard, so
     the numbers are the DTensor plan's) as an ordinary parameter, and a forward hook runs on its
     output the collective the style's layouts ask for: an all-reduce after a row-parallel layer,
-    an all-gather on the last dim after a column-parallel one whose output is replicated. Other
-    styles, and layers with a bias, are refused."""
+    an all-gather on the last dim after a column-parallel one whose output is replicated (on a
+    mesh of one rank none, as DTensor runs none there). Other styles, and layers with a bias,
+    are refused."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -146,7 +147,7 @@ def apply_locally(module: torch.nn.Module, mesh, plan: dict) -> None:
     for layer, dim, collective in local:
         weight = layer.weight.detach().chunk(world, dim)[rank].clone()
         layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
-        if collective is not None:
+        if collective is not None and world > 1:  # on one rank the collectives are no-ops
             layer.register_forward_hook(collective)
 
 
