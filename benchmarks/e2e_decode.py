@@ -209,14 +209,14 @@ class Decoder:
         self.config = generation_config(contender, new_tokens, device)
         self.clock = StepClock(device == "cuda")
         self.criteria = StoppingCriteriaList([self.clock])
+        self.tokens = None  # the first call's, which every later call must make
 
     def generate(self) -> torch.Tensor:
         """The new tokens of one greedy `generate()` call, [B, N]."""
         self.cache.reset()
         self.clock.start()
-        with torch.no_grad():
-            out = self.model.generate(self.ids, generation_config=self.config, cache=self.cache,
-                                      stopping_criteria=self.criteria)
+        out = self.model.generate(self.ids, generation_config=self.config, cache=self.cache,
+                                  stopping_criteria=self.criteria)
         new = out[:, self.ids.shape[1]:]
         if new.shape[1] != self.new_tokens:
             raise RuntimeError(f"generate() made {new.shape[1]} tokens, not {self.new_tokens}")
@@ -228,15 +228,14 @@ class Decoder:
         cache overflows it is rewound (in place: its addresses stay). Call after `generate()`."""
         prompt, room = self.ids.shape[1], self.new_tokens - 1
         batch = self.ids.shape[0]
-        with torch.no_grad():
-            # as generate() builds them (the same keys, in its order: the same compiled graph)
-            inputs = self.model.prepare_inputs_for_generation(
-                self.ids[:, -1:], next_sequence_length=1, cache=self.cache,
-                attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long,
-                                          device=self.ids.device),
-                position_ids=torch.full((batch, 1), prompt, device=self.ids.device),
-                logits_to_keep=1, use_cache=True)
-        forward = (self.model.__call__ if self.config.compile_config is None
+        # as generate() builds them (the same keys, in its order: the same compiled graph)
+        inputs = self.model.prepare_inputs_for_generation(
+            self.ids[:, -1:], next_sequence_length=1, cache=self.cache,
+            attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long,
+                                      device=self.ids.device),
+            position_ids=torch.full((batch, 1), prompt, device=self.ids.device),
+            logits_to_keep=1, use_cache=True)
+        forward = (self.model.__call__ if self.config.disable_compile
                    else self.model.get_compiled_call(self.config.compile_config))
         self.cache.crop(-room)  # back to the prompt: room for N - 1 steps
         calls = [0]
@@ -245,8 +244,7 @@ class Decoder:
             if calls[0] == room:
                 self.cache.crop(-room)
                 calls[0] = 0
-            with torch.no_grad():
-                forward(**inputs, return_dict=True)
+            forward(**inputs, return_dict=True)
             calls[0] += 1
         return step
 
@@ -571,7 +569,9 @@ def run(rank: int, world_size: int, argv=None) -> dict:
     timer = e2e_llama.Timer(args.device)
     shapes = itertools.product(*(map(int, getattr(args, name).split(","))
                                  for name in ("batches", "prompts", "new_tokens")))
-    rows = [row for shape in shapes for row in shape_rows(shape, models, args, config, timer)]
+    with torch.no_grad():  # inference only (generate() says so itself; the bare steps here)
+        rows = [row for shape in shapes
+                for row in shape_rows(shape, models, args, config, timer)]
     ditron_log.removeHandler(lines)
     return {"rows": rows, "ditron_log": lines.lines, "world": world_size}
 

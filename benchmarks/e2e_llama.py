@@ -20,7 +20,8 @@ Workloads:
   lm_head gathers the logits and the model computes the loss inside its compiled graph);
 - prefill: plain TP (all-reduce after o_proj and down_proj), B 1, S in --prefill-seqs, eager
   launch and `mode="reduce-overhead"` (CUDA graphs);
-- decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
+- decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes
+  (`generate()` with a static KV cache: `e2e_decode.py`).
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
 enabled for the group; CUDA only), ditron, and on request ditron_keep_mask (ditron with its
 causal-mask rewrite off: what the collective fusion alone gains). Timing: random token ids, warm-up,
