@@ -20,7 +20,8 @@ Workloads:
   lm_head gathers the logits and the model computes the loss inside its compiled graph);
 - prefill: plain TP (all-reduce after o_proj and down_proj), B 1, S in --prefill-seqs, eager
   launch and `mode="reduce-overhead"` (CUDA graphs);
-- decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes.
+- decode: decode-shaped steps (S 1, no KV cache), B in --decode-batches, both modes
+  (`generate()` with a static KV cache: `e2e_decode.py`).
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
 enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
 its causal-mask rewrite off, "fusions only": what the collective fusion alone gains, so the two
@@ -271,8 +272,12 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
 
 def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
     """cProfile's top entries by cumulative time over `calls` calls of `fn`."""
+    return top_entries(cprofile(fn, calls, timer), top)
+
+
+def cprofile(fn, calls: int, timer: Timer):
+    """cProfile's `pstats.Stats` over `calls` calls of `fn`."""
     import cProfile
-    import io
     import pstats
 
     timer.sync()
@@ -282,8 +287,14 @@ def host_profile(fn, calls: int, timer: Timer, top: int = 40) -> str:
         fn()
     prof.disable()
     timer.sync()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    return pstats.Stats(prof)
+
+
+def top_entries(stats, top: int = 40) -> str:
+    import io
+
+    stats.stream = text = io.StringIO()
+    stats.sort_stats("cumulative").print_stats(top)
     return text.getvalue()
 
 
@@ -365,11 +376,13 @@ def kernel_times(events, calls: int) -> dict:
 
 
 def ditron_graphs(start: int) -> list[dict]:
-    """The graphs the ditron pass saw since `start`: name and ditron ops (fused candidates)."""
+    """The graphs the ditron pass saw since `start`: name and ditron ops (fused candidates, and
+    the op each became)."""
     from ditron_inductor.lowering import graph_pass
 
     return [{"graph": r.graph, "ditron_ops": sum(c.fused for c in r.candidates),
-             "left_alone": sum(not c.fused for c in r.candidates)}
+             "left_alone": sum(not c.fused for c in r.candidates),
+             "fused_ops": [c.op for c in r.candidates if c.fused]}
             for r in list(graph_pass.reports)[start:]]
 
 

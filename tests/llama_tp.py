@@ -12,7 +12,10 @@ Plans (`parallelize_module` on a 1-D mesh):
   vocabulary for `train_loss` with `next_token_loss`.
 - `tensor_parallel`: inference, no sequence parallelism. Column-parallel q/k/v and gate/up,
   row-parallel o/down (an all-reduce after each), embedding and norms replicated, lm_head
-  column-parallel with its logits gathered.
+  column-parallel with its logits gathered. With `local_params=True` the same plan holds each
+  rank's slices as plain tensors, the all-reduces and the logits' gather run as functional
+  collectives in the layers' forward hooks (`apply_locally`): no DTensor for a compiled graph
+  to unwrap at each call.
 
 The residual stream of the sequence-parallel plan stays a DTensor (`use_local_output=False`) so
 the model sees its global shape: Hugging Face derives the position ids and the causal mask from
@@ -21,6 +24,7 @@ the model sees its global shape: Hugging Face derives the position ids and the c
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -52,8 +56,8 @@ def build_llama(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     return model.to(dtype=dtype)
 
 
-def parallelize(model: torch.nn.Module, plan: str, mesh, *,
-                loss_parallel: bool = False) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, plan: str, mesh, *, loss_parallel: bool = False,
+                local_params: bool = False) -> torch.nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -65,6 +69,8 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *,
 
     if loss_parallel and plan != SEQUENCE_PARALLEL:
         raise ValueError(f"loss_parallel=True: the {SEQUENCE_PARALLEL} plan only, not {plan!r}")
+    if local_params and plan != TENSOR_PARALLEL:
+        raise ValueError(f"local_params=True: the {TENSOR_PARALLEL} plan only, not {plan!r}")
     if plan == SEQUENCE_PARALLEL:
         top = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
@@ -94,10 +100,55 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *,
     # Every rank built the same weights (`build_llama`): each keeps its own shard of them, with
     # no broadcast or scatter from rank 0, which a fake group (the benchmark's --no-comm) would
     # leave unwritten: parameters of stale bits, NaN among them.
-    parallelize_module(model, mesh, top, src_data_rank=None)
+    apply = apply_locally if local_params else functools.partial(parallelize_module,
+                                                                 src_data_rank=None)
+    apply(model, mesh, top)
     for block in model.model.layers:
-        parallelize_module(block, mesh, layer, src_data_rank=None)
+        apply(block, mesh, layer)
     return model
+
+
+def apply_locally(module: torch.nn.Module, mesh, plan: dict) -> None:
+    """`parallelize_module(module, mesh, plan)` for inference, over plain tensors.
+
+    Each linear layer of the plan keeps this rank's slice of its weight (the rows of a
+    column-parallel layer, the columns of a row-parallel one: `distribute_tensor`'s shard, so
+    the numbers are the DTensor plan's) as an ordinary parameter, and a forward hook runs on its
+    output the collective the style's layouts ask for: an all-reduce after a row-parallel layer,
+    an all-gather on the last dim after a column-parallel one whose output is replicated (on a
+    mesh of one rank none, as DTensor runs none there). Other styles, and layers with a bias,
+    are refused."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def all_reduce(layer, args, output):
+        return funcol.all_reduce(output, "sum", group)
+
+    def gather_last_dim(layer, args, output):
+        return funcol.all_gather_single(output, output.dim() - 1, group)
+
+    # (style, input layouts, output layouts, local output) -> (the weight's sharded dim, the
+    # collective on the output)
+    served = {(ColwiseParallel, (Replicate(),), (Shard(-1),), True): (0, None),
+              (ColwiseParallel, (Replicate(),), (Replicate(),), True): (0, gather_last_dim),
+              (RowwiseParallel, (Shard(-1),), (Replicate(),), True): (1, all_reduce)}
+    local = []
+    for name, style in plan.items():
+        layer = module.get_submodule(name)
+        layouts = (type(style), style.input_layouts, style.output_layouts, style.use_local_output)
+        if layouts not in served:
+            raise ValueError(f"local params: {name}: {type(style).__name__} with input "
+                             f"{style.input_layouts} and output {style.output_layouts} not served")
+        if not isinstance(layer, torch.nn.Linear) or layer.bias is not None:
+            raise ValueError(f"local params: {name}: a linear layer without bias only")
+        local.append((layer, *served[layouts]))
+    group, rank, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    for layer, dim, collective in local:
+        weight = layer.weight.detach().chunk(world, dim)[rank].clone()
+        layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+        if collective is not None and world > 1:  # on one rank the collectives are no-ops
+            layer.register_forward_hook(collective)
 
 
 def tokens(batch: int, seq: int, vocab: int, *, seed: int, device: str = "cpu") -> torch.Tensor:

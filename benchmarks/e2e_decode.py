@@ -1,0 +1,606 @@
+"""Real decoding: Hugging Face Llama's `generate()` with a static KV cache under tensor
+parallelism, Inductor against ditron, both under CUDA graphs (`mode="reduce-overhead"`).
+
+On GPUs (bf16, Llama-3-8B layer sizes, 4 layers, TP over the GPUs torchrun starts; one GPU is
+world 1):
+
+    torchrun --nproc-per-node 1 benchmarks/e2e_decode.py \\
+        --json benchmarks/results/e2e_decode_h100x1.json
+    torchrun --nproc-per-node 2 benchmarks/e2e_decode.py --batches 1,4,16 --prompts 128,2048 \\
+        --new-tokens 128,512 --json benchmarks/results/e2e_decode_h100x2.json
+
+(the script sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+where unset, as `e2e_llama.py` does). Smoke run on CPU, 2 gloo ranks that the script spawns
+itself, tiny config, eager's tokens beside the compiled ones:
+
+    python benchmarks/e2e_decode.py --device cpu --tiny
+
+Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes on the command line), random
+init, the same on every rank, without an end-of-sequence token (every call makes all its new
+tokens); the plain TP plan of `tests/llama_tp.py` (`tensor_parallel`: an all-reduce after o_proj
+and down_proj, lm_head's logits gathered), with the DTensor parameters `parallelize_module`
+leaves, or (`--params local`) each rank's slices as plain tensors and the plan's collectives as
+functional collectives in forward hooks (`llama_tp.apply_locally`): nothing for a compiled graph
+to unwrap at each call. `--params dtensor,local` runs both. Each contender and parameter kind
+has its own model, so that its compiled step stays compiled while the others run.
+
+Compilation is transformers' own: with a static cache `generate()` compiles the model's forward
+for the decode steps (the prefill runs eagerly), here with a `CompileConfig` naming the
+contender's backend, `mode="reduce-overhead"`, `fullgraph=True` (a graph break fails the
+contender) and `dynamic=False`. The cache position is a tensor of the cache, so every step runs
+one graph: the table counts the graphs Dynamo compiled during the first `generate()` (1) and
+after it (0: each later step, of `generate()` or bare, replays it).
+
+Per shape (batch B, prompt P, new tokens N) and contender (eager, inductor, ditron):
+- `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
+  (its tensors keep their addresses, which the CUDA graphs hold; a new cache per call, as
+  `cache_implementation="static"` makes, would re-record them); a stopping criterion stamps the
+  end of each step (CUDA events and the host's clock): decode tokens/s, B (N - 1) over the time
+  from the first token to the last; each step's latency, median and p99 over --reps calls; the
+  host's time per step (on CUDA generate() waits for the device at each step, to read whether
+  every sequence has ended); the prefill (time to the first token, with generate()'s
+  preamble). The first call compiles, then --warmup calls, then the timed ones, the
+  contenders in turn; their tokens must be the first call's.
+- the bare decode step: the compiled forward on the inputs `generate()` hands one step
+  (`prepare_inputs_for_generation`: the same graph), called in a loop, the cache rewound before
+  it overflows; device and host ms per step, as `e2e_llama.interleaved` times a call (the host
+  does not wait for the device): the model's step without `generate()`'s loop.
+- tokens: each contender's greedy tokens against eager's (where eager runs) or Inductor's, with
+  DTensor parameters where they ran, token for token, the first difference named.
+`--profile-host N` profiles N bare steps and one `generate()` call with cProfile: host ms per step
+split into the compiled call's parts (outside AOTAutograd: nn.Module's call, Dynamo's frame and
+guards; AOTAutograd's runtime wrappers, where DTensor parameters are unwrapped; Inductor's call,
+the CUDA graph replay) and generate()'s loop around it, with the Python calls per step, then
+cProfile's top entries. `--skip-guard-eval` times the calls after the first with Dynamo running
+only the guards that tell its graphs apart. `--profile-device N`: the device time of N bare
+steps by kernel kind. Times are the maximum over ranks. `--json PATH` writes the rows, the
+ditron lines and the command; a markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import itertools
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks import e2e_llama  # noqa: E402
+from tests import llama_tp  # noqa: E402
+
+CONTENDERS = ("eager", "inductor", "ditron")
+PARAMS = ("dtensor", "local")
+MODE = "reduce-overhead"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny config and shapes (hidden 64, 2 layers, B 2, P 8, N 6), eager too: "
+                        "a smoke run")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks to spawn when not launched by torchrun (CPU)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--prompts", default="1024", help="prompt lengths")
+    p.add_argument("--new-tokens", default="128")
+    p.add_argument("--contenders", default="inductor,ditron")
+    p.add_argument("--params", default="dtensor,local",
+                   help="dtensor: the DTensor parameters of parallelize_module; local: plain "
+                        "tensors, the collectives in forward hooks")
+    p.add_argument("--skip-guard-eval", action="store_true",
+                   help="time the calls after the first under torch.compiler.set_stance("
+                        "skip_guard_eval_unsafe=True): Dynamo runs only the guards that tell "
+                        "its compiled graphs apart (the timed calls' tokens are checked)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="generate() calls after the first (which compiles), and bare steps, "
+                        "before timing")
+    p.add_argument("--reps", type=int, default=3, help="timed generate() calls per contender")
+    p.add_argument("--iters", type=int, default=10,
+                   help="bare steps per timed repetition (at least; see --min-ms)")
+    p.add_argument("--min-ms", type=float, default=20.0,
+                   help="each timed repetition of bare steps runs at least this long")
+    p.add_argument("--profile-host", type=int, default=0, metavar="STEPS",
+                   help="cProfile this many bare steps and one generate() call of each "
+                        "contender: where the host's time per step goes")
+    p.add_argument("--profile-device", type=int, default=0, metavar="STEPS",
+                   help="the torch profiler over this many bare steps: device ms per step by "
+                        "kernel kind (CUDA only)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
+        p.set_defaults(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2, vocab=128,
+                       batches="2", prompts="8", new_tokens="6", contenders="eager,inductor,ditron",
+                       params="dtensor", warmup=0, reps=2, iters=2, min_ms=0.0)
+    args = p.parse_args(argv)
+    for option, allowed in (("contenders", CONTENDERS), ("params", PARAMS)):
+        bad = [v for v in getattr(args, option).split(",") if v not in allowed]
+        if bad:
+            p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
+    if min(int(n) for n in args.new_tokens.split(",")) < 2:
+        p.error("--new-tokens: at least 2 (the first token comes from the prefill)")
+    if args.device == "cpu" and args.profile_device:
+        p.error("--profile-device: CUDA kernels only (--device cuda)")
+    return args
+
+
+# ------------------------------------------------------------------------------------ one run
+
+
+def generation_config(contender: str, new_tokens: int, device: str):
+    """Greedy, `new_tokens` tokens, the decode step compiled by transformers with the
+    contender's backend (eager: not compiled)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    if contender == "eager":
+        config.disable_compile = True
+        return config
+    config.compile_config = CompileConfig(backend=contender, mode=MODE, fullgraph=True,
+                                          dynamic=False)
+    # transformers compiles on accelerators only, unless told to
+    config.compile_config._compile_all_devices = device == "cpu"
+    return config
+
+
+class StepClock:
+    """A stopping criterion that stamps the end of each step of `generate()` (it runs once per
+    new token, after the token's choice) and never stops it: CUDA events and the host's clock.
+    (A logits processor would cost more: generate() inspects its signature at every step.)"""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.stamps: list = []
+
+    def start(self) -> None:
+        self.stamps = [self._stamp()]
+
+    def _stamp(self):
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return event, time.perf_counter()
+
+    def __call__(self, input_ids, scores, **kwargs) -> bool:
+        self.stamps.append(self._stamp())
+        return False
+
+    def intervals(self) -> tuple[list[float], list[float]]:
+        """(device ms, host ms) from each stamp to the next: the prefill (with generate()'s
+        preamble), then each decode step. On CPU both are the host's."""
+        host = [(b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(self.stamps)]
+        if not self.cuda:
+            return host, host
+        self.stamps[-1][0].synchronize()
+        return [a[0].elapsed_time(b[0]) for a, b in itertools.pairwise(self.stamps)], host
+
+
+class Decoder:
+    """One contender's model on one shape: `generate()` and the bare decode step, over a static
+    cache of its own."""
+
+    def __init__(self, model, contender: str, ids: torch.Tensor, new_tokens: int, device: str):
+        from transformers import StaticCache, StoppingCriteriaList
+
+        self.model, self.ids, self.new_tokens = model, ids, new_tokens
+        self.cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+        self.config = generation_config(contender, new_tokens, device)
+        self.clock = StepClock(device == "cuda")
+        self.criteria = StoppingCriteriaList([self.clock])
+        self.tokens = None  # the first call's, which every later call must make
+
+    def generate(self) -> torch.Tensor:
+        """The new tokens of one greedy `generate()` call, [B, N]."""
+        self.cache.reset()
+        self.clock.start()
+        out = self.model.generate(self.ids, generation_config=self.config, cache=self.cache,
+                                  stopping_criteria=self.criteria)
+        new = out[:, self.ids.shape[1]:]
+        if new.shape[1] != self.new_tokens:
+            raise RuntimeError(f"generate() made {new.shape[1]} tokens, not {self.new_tokens}")
+        return new
+
+    def bare_step(self):
+        """The forward `generate()` calls at a decode step, on the inputs it hands the first one,
+        as a function to call in a loop: each call writes the next cache position; before the
+        cache overflows it is rewound (in place: its addresses stay). Call after `generate()`."""
+        prompt, room = self.ids.shape[1], self.new_tokens - 1
+        batch = self.ids.shape[0]
+        # as generate() builds them (the same keys, in its order: the same compiled graph)
+        inputs = self.model.prepare_inputs_for_generation(
+            self.ids[:, -1:], next_sequence_length=1, cache=self.cache,
+            attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long,
+                                      device=self.ids.device),
+            position_ids=torch.full((batch, 1), prompt, device=self.ids.device),
+            logits_to_keep=1, use_cache=True)
+        forward = (self.model.__call__ if self.config.disable_compile
+                   else self.model.get_compiled_call(self.config.compile_config))
+        self.cache.crop(-room)  # back to the prompt: room for N - 1 steps
+        calls = [0]
+
+        def step():
+            if calls[0] == room:
+                self.cache.crop(-room)
+                calls[0] = 0
+            forward(**inputs, return_dict=True)
+            calls[0] += 1
+        return step
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def first_difference(tokens: list, reference: list) -> str | None:
+    """None where the greedy tokens are the reference's, else where they part first."""
+    for row, (got, want) in enumerate(zip(tokens, reference)):
+        for position, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                return f"row {row}, new token {position}: {a} vs {b}"
+    return None
+
+
+def step_stats(device_ms: list[list[float]], host_ms: list[list[float]], batch: int) -> dict:
+    """Each timed call's intervals (the prefill, then each decode step), the largest over ranks:
+    the decode rate, the steps' latency and the prefill."""
+    steps = [ms for call in device_ms for ms in call[1:]]
+    return {
+        "tokens_per_s": statistics.median(batch * (len(c) - 1) * 1e3 / sum(c[1:])
+                                          for c in device_ms),
+        "step_ms": statistics.median(steps),
+        "step_p99_ms": (statistics.quantiles(steps, n=100, method="inclusive")[98]
+                        if len(steps) > 1 else steps[0]),
+        "step_host_ms": statistics.median(ms for call in host_ms for ms in call[1:]),
+        "prefill_ms": statistics.median(c[0] for c in device_ms),
+    }
+
+
+def rank_max(values: list[list[float]], device: str) -> list[list[float]]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+# Where a compiled step's host time goes, by the functions cProfile sees (file, function):
+# Dynamo's wrapper around the whole call (inside it nn.Module's call runs, then the frame Dynamo
+# compiled: its guards, then AOTAutograd); AOTAutograd's runtime wrapper (it unwraps tensor
+# subclasses: the DTensor parameters) around Inductor's compiled graph (its CUDA graph replay);
+# generate()'s prefill, which a profile of generate() holds beside the decode steps.
+COMPILED_CALL = ("torch/_dynamo/eval_frame.py", "compile_wrapper")
+AOT_CALL = ("torch/_functorch/_aot_autograd/runtime_wrappers.py", "runtime_wrapper")
+GRAPH_CALL = ("torch/_inductor/output_code.py", "__call__")
+PREFILL = ("transformers/generation/utils.py", "_prefill")
+
+
+def cumulative_ms(stats, where: tuple[str, str]) -> float | None:
+    """cProfile's cumulative ms of the function `where` names (its costliest entry), or None."""
+    file, function = where
+    times = [entry[3] for (path, _, name), entry in stats.stats.items()
+             if name == function and path.replace(os.sep, "/").endswith(file)]
+    return max(times) * 1e3 if times else None
+
+
+def host_split(stats, steps: int) -> dict:
+    """Host ms per decode step from a cProfile over `steps` of them (a prefill it holds left
+    out): all of it; outside the compiled call (generate()'s loop); the compiled call's parts
+    outside AOTAutograd (nn.Module's call, Dynamo's frame and guards), in AOTAutograd's
+    wrappers and in Inductor's call; None where a part is not there (eager). And the Python
+    function calls per step (a prefill's too)."""
+    ms = {name: cumulative_ms(stats, where) for name, where in
+          (("compiled", COMPILED_CALL), ("aot", AOT_CALL), ("graph", GRAPH_CALL),
+           ("prefill", PREFILL))}
+    compiled, aot, graph = (None if ms[k] is None else ms[k] / steps
+                            for k in ("compiled", "aot", "graph"))
+    total = (stats.total_tt * 1e3 - (ms["prefill"] or 0.0)) / steps
+    return {
+        "ms": total,
+        "outside_call_ms": None if compiled is None else total - compiled,
+        "dynamo_ms": None if None in (compiled, aot) else compiled - aot,
+        "aot_ms": None if None in (aot, graph) else aot - graph,
+        "graph_ms": graph,
+        "calls": stats.total_calls / steps,
+    }
+
+
+def host_profile(decoder: Decoder, step, steps: int, timer) -> dict:
+    """cProfile over `steps` bare steps and over one generate() call (N - 1 decode steps)."""
+    bare = e2e_llama.cprofile(step, steps, timer)
+    whole = e2e_llama.cprofile(decoder.generate, 1, timer)
+    return {"bare": host_split(bare, steps),
+            "generate": host_split(whole, decoder.new_tokens - 1),
+            "bare_top": e2e_llama.top_entries(bare, 30),
+            "generate_top": e2e_llama.top_entries(whole, 30)}
+
+
+def first_call(row: dict, model, ids: torch.Tensor, args):
+    """The contender's first generate(), which compiles: its tokens, the graphs compiled, the
+    graphs Inductor left out of CUDA graphs, ditron's sites; then --warmup more calls. The
+    Decoder, or None with the error in row["failed"] (the other contenders run on)."""
+    from torch._dynamo.utils import counters
+
+    from ditron_inductor.lowering import graph_pass
+
+    def setup():
+        start, graphs = len(graph_pass.reports), compiled_graphs()
+        skips = counters["inductor"]["cudagraph_skips"]
+        decoder = Decoder(model, row["contender"], ids, row["new_tokens"], args.device)
+        decoder.tokens = decoder.generate()
+        row["tokens"] = decoder.tokens.tolist()
+        row["graphs_first_call"] = compiled_graphs() - graphs
+        row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+        if row["contender"] == "ditron":
+            row["ditron_graphs"] = e2e_llama.ditron_graphs(start)
+        for _ in range(args.warmup):
+            decoder.generate()
+        return decoder
+    failed = {}
+    decoder = e2e_llama.guarded("setup", setup, failed)
+    row["failed"] = failed.get("setup")
+    return decoder
+
+
+def timed_generates(decoders: dict, rows: dict, args, timer) -> dict:
+    """{label: (device ms, host ms)}: each of --reps calls' intervals, the contenders in turn.
+    Each row counts the graphs its calls compiled and the calls whose tokens were not its first
+    call's."""
+    times = {label: ([], []) for label in decoders}
+    for _ in range(args.reps):
+        for label, decoder in decoders.items():
+            timer.sync()
+            graphs = compiled_graphs()
+            tokens = decoder.generate()
+            rows[label]["graphs_later_calls"] += compiled_graphs() - graphs
+            rows[label]["calls_unlike_first"] += not torch.equal(tokens, decoder.tokens)
+            for kept, ms in zip(times[label], decoder.clock.intervals()):
+                kept.append(ms)
+    return {label: tuple(rank_max(ms, args.device) for ms in kept)
+            for label, kept in times.items()}
+
+
+def shape_rows(shape: tuple[int, int, int], models: dict, args, config, timer) -> list[dict]:
+    """Every contender on one shape: its first generate() (it compiles: the tokens checked and
+    the graphs counted), --reps timed calls in turn, then the bare steps."""
+    batch, prompt, new_tokens = shape
+    torch._dynamo.reset()
+    ids = llama_tp.tokens(batch, prompt, config.vocab_size, seed=0, device=args.device)
+    rows, decoders = {}, {}
+    for (contender, params), model in models.items():
+        label = f"{contender}/{params}"
+        rows[label] = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens,
+                       "contender": contender, "params": params}
+        if (decoder := first_call(rows[label], model, ids, args)) is not None:
+            decoders[label] = decoder
+            rows[label].update(graphs_later_calls=0, calls_unlike_first=0)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=args.skip_guard_eval):
+        times = timed_generates(decoders, rows, args, timer)
+        steps = {label: decoder.bare_step() for label, decoder in decoders.items()}
+        for label, step in steps.items():  # the first bare step: a graph of its own if any
+            graphs = compiled_graphs()
+            step()
+            rows[label]["graphs_later_calls"] += compiled_graphs() - graphs
+        # its cProfile of the bare steps is host_profile's, below
+        bare = e2e_llama.interleaved(steps, timer, argparse.Namespace(**{**vars(args),
+                                                                         "profile_host": 0}))
+        for label, decoder in decoders.items():
+            row = rows[label]
+            row.update(step_stats(*times[label], batch))
+            row.update(bare_ms=bare["ms"][label], bare_host_ms=bare["host_ms"][label],
+                       bare_spread=bare["spread"])
+            if "device_profile" in bare:
+                row["device_profile"] = bare["device_profile"][label]
+            if args.profile_host:
+                row["host_profile"] = host_profile(decoder, steps[label], args.profile_host,
+                                                   timer)
+    check_tokens(list(rows.values()))
+    return list(rows.values())
+
+
+def check_tokens(rows: list[dict]) -> None:
+    """Every row's tokens against one reference: eager's, else Inductor's, with DTensor
+    parameters where they ran (the plan as users apply it), else with local ones."""
+    made = {(r["contender"], r["params"]): r for r in rows if "tokens" in r}
+    reference = next((key for key in itertools.product(("eager", "inductor"), PARAMS)
+                      if key in made), None)
+    for key, row in made.items():
+        if reference is not None and key != reference:
+            row["reference"] = "/".join(reference)
+            row["first_difference"] = first_difference(row["tokens"], made[reference]["tokens"])
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict]) -> str:
+    head = ["B", "prompt", "new", "params", "contender", "decode tokens/s", "step ms",
+            "step p99 ms", "host ms per step", "bare step ms", "bare step host ms",
+            "prefill ms", "vs Inductor", "tokens", "graphs (first call / later)", "ditron ops"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        shape = [str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]), r["params"],
+                 r["contender"]]
+        if r["failed"]:
+            lines.append("| " + " | ".join(shape + [f"failed: {r['failed']}"]
+                                           + [""] * (len(head) - 6)) + " |")
+            continue
+        inductor = next((o for o in rows if o["contender"] == "inductor" and not o["failed"]
+                         and all(o[k] == r[k] for k in ("batch", "prompt", "new_tokens",
+                                                        "params"))), None)
+        ratio = (f"{r['tokens_per_s'] / inductor['tokens_per_s']:.2f}x"
+                 if inductor and r["contender"] != "inductor" else "-")
+        if "reference" not in r:
+            tokens = "reference"
+        elif r["first_difference"] is None:
+            tokens = f"= {r['reference']}"
+        else:
+            tokens = f"differ from {r['reference']}: {r['first_difference']}"
+        if r["calls_unlike_first"]:
+            tokens += f"; {r['calls_unlike_first']} timed call(s) unlike the first"
+        ops = ", ".join(f"{g['graph'].split()[-1]} {g['ditron_ops']}"
+                        for g in r.get("ditron_graphs", [])) or "-"
+        cells = shape + [f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.3f}",
+                         f"{r['step_p99_ms']:.3f}", f"{r['step_host_ms']:.3f}",
+                         f"{r['bare_ms']:.3f}", f"{r['bare_host_ms']:.3f}",
+                         f"{r['prefill_ms']:.1f}", ratio, tokens,
+                         f"{r['graphs_first_call']} / {r['graphs_later_calls']}", ops]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def host_table(rows: list[dict], steps: int) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+    head = ["B", "prompt", "new", "params", "contender", "bare step host ms",
+            "outside AOTAutograd (Module call, Dynamo's guards)", "AOTAutograd wrappers",
+            "Inductor's call", "Python calls", "generate() host ms per step",
+            "generate()'s loop outside the step"]
+    lines = [f"Host time per decode step (cProfile over {steps} bare steps and one generate() "
+             "call, its prefill left out; cProfile adds to the Python-heavy parts: compare the "
+             "split, not the totals, with the times above)", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        if "host_profile" not in r:
+            continue
+        bare, whole = r["host_profile"]["bare"], r["host_profile"]["generate"]
+        cells = [str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]), r["params"],
+                 r["contender"], ms(bare["ms"]), ms(bare["dynamo_ms"]), ms(bare["aot_ms"]),
+                 ms(bare["graph_ms"]), f"{bare['calls']:.0f}", ms(whole["ms"]),
+                 ms(whole["outside_call_ms"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(result: dict, argv: list[str]) -> None:
+    args = parse_args(argv)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    rows = result["rows"]
+    for r in rows:
+        where = (f"B {r['batch']}, prompt {r['prompt']}, new {r['new_tokens']}, "
+                 f"{r['contender']}/{r['params']}")
+        if r["failed"]:
+            print(f"\n{where}: failed: {r['failed']}")
+        if r.get("cudagraph_skips") and args.device == "cuda":
+            print(f"\n{where}: Inductor skipped CUDA graphs {r['cudagraph_skips']} times "
+                  "(TORCH_LOGS=cudagraphs says why)")
+        if "host_profile" in r:
+            print(f"\n{where}: cProfile of {args.profile_host} bare steps:\n"
+                  f"{r['host_profile']['bare_top']}\n{where}: cProfile of one generate() "
+                  f"call:\n{r['host_profile']['generate_top']}")
+    if args.profile_device:
+        device_rows = [{"workload": f"bare step {r['contender']}/{r['params']}",
+                        "shape": f"B {r['batch']}, P {r['prompt']}, N {r['new_tokens']}",
+                        "mode": MODE, "ms": {r["contender"]: r["bare_ms"]},
+                        "device_profile": {r["contender"]: r["device_profile"]}}
+                       for r in rows if "device_profile" in r]
+        print("\n" + e2e_llama.device_table(device_rows, args.profile_device))
+    print("\nditron, one line per match (rank 0):")
+    for line in result["ditron_log"]:
+        print("  " + line)
+    if args.profile_host:
+        print("\n" + host_table(rows, args.profile_host))
+    print(f"\n## Llama decode: generate() with a static cache, world {result['world']}, "
+          f"{device}, hidden {args.hidden}, intermediate {args.intermediate}, heads "
+          f"{args.heads}/{args.kv_heads}, {args.layers} layers, "
+          f"{'bf16' if args.device == 'cuda' else 'fp32'}, mode {MODE}\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([sys.argv[0]] + argv), "device": device,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "torch": torch.__version__, "world": result["world"],
+                       "ditron_log": result["ditron_log"],
+                       # the tokens are checked above; the file keeps the verdicts
+                       "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
+                      f, indent=1)
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def run(rank: int, world_size: int, argv=None) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditron_inductor.log_names import LOGGER_NAME
+
+    args = parse_args(argv)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    # each contender's model compiles each shape once; they share the model's code objects
+    torch._dynamo.config.cache_size_limit = 64
+    lines = e2e_llama.Lines()
+    ditron_log = logging.getLogger(LOGGER_NAME)
+    ditron_log.addHandler(lines)
+    ditron_log.setLevel(min(ditron_log.getEffectiveLevel(), logging.INFO))
+
+    mesh = init_device_mesh(args.device, (world_size,))
+    config = llama_tp.llama_config(args.hidden, args.intermediate, args.heads, args.kv_heads,
+                                   args.layers, args.vocab)
+    models = {}
+    for params in args.params.split(","):
+        for contender in args.contenders.split(","):
+            model = llama_tp.build_llama(config, dtype=dtype, device=args.device)
+            model.generation_config.eos_token_id = None  # random weights: no end of sequence
+            models[contender, params] = llama_tp.parallelize(
+                model, llama_tp.TENSOR_PARALLEL, mesh, local_params=params == "local").eval()
+    timer = e2e_llama.Timer(args.device)
+    shapes = itertools.product(*(map(int, getattr(args, name).split(","))
+                                 for name in ("batches", "prompts", "new_tokens")))
+    with torch.no_grad():  # inference only (generate() says so itself; the bare steps here)
+        rows = [row for shape in shapes
+                for row in shape_rows(shape, models, args, config, timer)]
+    ditron_log.removeHandler(lines)
+    return {"rows": rows, "ditron_log": lines.lines, "world": world_size}
+
+
+def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    return run(rank, world_size, argv)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    # a run that does not exit: SIGUSR1 to a rank (not to torchrun) prints where its threads wait
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        result = run(dist.get_rank(), dist.get_world_size(), argv)
+        if dist.get_rank() == 0:
+            report(result, argv)
+        dist.destroy_process_group()
+        return
+    if args.device == "cuda":
+        sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_spawned_rank, args.world, args=(argv,), timeout_s=1800,
+                        env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                             "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
+    report(results[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Real decoding through `backend="ditron"`: Hugging Face Llama's `generate()` with a static KV
+cache under tensor parallelism, on 2 CPU ranks over gloo, tiny config.
+
+One launch runs `benchmarks/e2e_decode.py`'s ranks on its CPU smoke shape (B 2, prompt 8, 6 new
+tokens) with eager and ditron, each with the DTensor parameters of the plain TP plan and with
+local ones (`llama_tp.apply_locally`): greedy `generate()` (transformers compiles the decode
+step with the backend), the bare decode step, and cProfile's host split. The tests check the
+tokens against eager's, the sites the pass fused in the decode graph, that no decode step
+compiles again, and the benchmark's report. On CPU the ditron ops run their reference path,
+which still tests the rewrite: a wrong rewrite changes the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+THIS = "tests.test_decode_e2e"
+RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+ARGV = ["--device", "cpu", "--tiny", "--contenders", "eager,ditron", "--params", "dtensor,local",
+        "--profile-host", "2"]
+BATCH, NEW_TOKENS = 2, 6  # --tiny's
+COMPILED = [("ditron", "dtensor"), ("ditron", "local")]
+# o_proj's and down_proj's all-reduce in each of the 2 layers, with the residual add and the
+# RMSNorm that follows: the decode step's graph is the prefill's at S 1
+DECODE_SITES = ["matmul_all_reduce_rmsnorm"] * 4
+
+
+def decode_ranks(rank: int, world_size: int) -> dict:
+    from benchmarks import e2e_decode
+
+    return e2e_decode.run(rank, world_size, ARGV)
+
+
+@functools.lru_cache(maxsize=None)
+def _ranks():
+    try:
+        return run_ranks(f"{THIS}:decode_ranks", 2, timeout_s=600, env=RANK_ENV)
+    except Exception as e:  # noqa: BLE001 - every test of the launch reports it
+        return e
+
+
+def _results() -> list[dict]:
+    ranks = _ranks()
+    if isinstance(ranks, Exception):
+        raise ranks
+    return ranks
+
+
+def _rows(result: dict) -> dict:
+    return {(r["contender"], r["params"]): r for r in result["rows"]}
+
+
+@pytest.mark.slow
+def test_generate_tokens_match_eager():
+    for rank, result in enumerate(_results()):
+        rows = _rows(result)
+        assert all(r["failed"] is None for r in rows.values()), rows
+        eager = rows["eager", "dtensor"]["tokens"]
+        assert len(eager) == BATCH and all(len(t) == NEW_TOKENS for t in eager), eager
+        for key in COMPILED + [("eager", "local")]:
+            assert rows[key]["tokens"] == eager, f"rank {rank}, {key}"
+            assert rows[key]["reference"] == "eager/dtensor"
+            assert rows[key]["first_difference"] is None
+        # the timed calls (CUDA graph replays on GPUs) make the first call's tokens
+        assert all(r["calls_unlike_first"] == 0 for r in rows.values()), rows
+
+
+@pytest.mark.slow
+def test_decode_graph_fuses_the_all_reduce_sites():
+    for result in _results():
+        for key in COMPILED:
+            (graph,) = _rows(result)[key]["ditron_graphs"]  # one graph: the decode step
+            assert graph["graph"].endswith("forward"), graph
+            assert graph["fused_ops"] == DECODE_SITES and graph["left_alone"] == 0, graph
+
+
+@pytest.mark.slow
+def test_decode_steps_do_not_recompile():
+    # The cache position is a tensor of the static cache: the first generate() compiles one
+    # graph for its decode steps, and no later step (generate() or the bare step on
+    # generate()'s inputs) compiles another.
+    for result in _results():
+        rows = _rows(result)
+        for key in COMPILED:
+            assert (rows[key]["graphs_first_call"], rows[key]["graphs_later_calls"]) == (1, 0)
+        for params in ("dtensor", "local"):
+            assert rows["eager", params]["graphs_first_call"] == 0
+
+
+@pytest.mark.slow
+def test_decode_masks_read_the_attention_mask():
+    # generate() hands each step a [B, 1, 1, P + N] mask of the cache's filled positions, built
+    # outside the graph: the causal-mask rewrite keeps it (it reads a graph input).
+    log = _results()[0]["ditron_log"]
+    verdicts = [line.split(": ", 1)[1] for line in log if "attention call(s) with a mask" in line]
+    assert verdicts == ["2 attention call(s) with a mask: 0 causal -> is_causal=True, 0 masking "
+                        "nothing -> no mask, 2 kept"] * len(COMPILED), log
+    assert any("mask [2x1x1x14] kept: it depends on the graph input(s) l_kwargs_attention_mask_"
+               in line for line in log), log
+
+
+@pytest.mark.slow
+def test_benchmark_report(tmp_path, capsys):
+    from benchmarks import e2e_decode
+
+    out = tmp_path / "decode.json"
+    e2e_decode.report(_results()[0], ARGV + ["--json", str(out)])
+    text = capsys.readouterr().out
+    table = text[text.index("## Llama decode"):].splitlines()
+    assert table[2].startswith("| B | prompt | new | params | contender | decode tokens/s |")
+    rows = {tuple(line.split(" | ")[3:5]): line for line in table[4:]}
+    assert set(rows) == {(p, c) for p in ("dtensor", "local") for c in ("eager", "ditron")}
+    assert rows["dtensor", "eager"].endswith("| reference | 0 / 0 | - |")
+    assert rows["local", "ditron"].endswith("| = eager/dtensor | 1 / 0 | forward 4 |")
+    assert ("| outside AOTAutograd (Module call, Dynamo's guards) | AOTAutograd wrappers | "
+            "Inductor's call |") in text
+    assert "cProfile of 2 bare steps" in text and "cProfile of one generate() call" in text
+    written = json.loads(out.read_text())
+    assert written["world"] == 2 and len(written["rows"]) == 4
+    assert all("tokens" not in r and r["tokens_per_s"] > 0 for r in written["rows"])
+    for r in written["rows"]:
+        split = r["host_profile"]["bare"]
+        assert split["calls"] > 0 and split["ms"] > 0
+        assert (split["aot_ms"] is None) == (r["contender"] == "eager")
+
+
+def test_local_params_serve_the_tensor_parallel_plan_only():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from tests.llama_tp import SEQUENCE_PARALLEL, apply_locally, parallelize
+
+    with pytest.raises(ValueError, match="local_params=True: the tensor_parallel plan only"):
+        parallelize(None, SEQUENCE_PARALLEL, mesh=None, local_params=True)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    with pytest.raises(ValueError, match="local params: 0: RowwiseParallel .* not served"):
+        apply_locally(layer, None, {"0": RowwiseParallel(output_layouts=Shard(1))})
