@@ -52,10 +52,9 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from llama_sites import MODELS, Site, sites  # noqa: E402
+from benchmarks.llama_sites import Site, sites  # noqa: E402
 
 from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
 from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
@@ -187,7 +186,7 @@ def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -
     reported apart); graph=True: replays of one CUDA graph that captured them. On CPU the
     host's clock, both."""
     if device == "cuda" and graph:
-        from bench_fused import bench_graph
+        from benchmarks.bench_fused import bench_graph
 
         return bench_graph(fn, inputs, iters, reps), math.nan
     for i in range(3):

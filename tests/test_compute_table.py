@@ -130,8 +130,7 @@ def test_the_package_table_is_well_formed():
 def test_export_table_from_a_run(tmp_path):
     """The benchmark's rows become the table: served plans only, one row per op, family, mode
     and shape, the chosen plan's where a variant of its family was timed too."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from bench_compute_parity import export_table
+    from benchmarks.bench_compute_parity import export_table
 
     def row(plan, text, fused, chosen=False, served=True):
         return dict(op=MATMUL_ALL_REDUCE_RMSNORM, plan=plan, plan_text=text, served=served,
@@ -163,8 +162,7 @@ def test_benchmark_runs_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "parity.json").read_text())["rows"]
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from llama_sites import sites
+    from benchmarks.llama_sites import sites
 
     expected = {(w, s.name, "graph" if s.cuda_graphs else "eager")
                 for w, tokens, graphs in (("train", 64, False), ("prefill", 32, False),
