@@ -62,6 +62,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import functools
+import inspect
 import itertools
 import json
 import logging
@@ -164,6 +166,24 @@ def generation_config(contender: str, new_tokens: int, device: str):
     return config
 
 
+def rewind(cache, tokens: int) -> None:
+    """The static cache `tokens` positions back, in place (its tensors keep their addresses):
+    each layer's position counter, a device tensor the compiled step reads (transformers 5.17's
+    static layers have no crop())."""
+    for layer in cache.layers:
+        layer.cumulative_length.sub_(tokens)
+
+
+@functools.cache
+def cache_keyword() -> str:
+    """The keyword transformers takes the KV cache by: `cache` from 5.2x (5.24 here),
+    `past_key_values` before (5.17 on the GPU machine, where `cache` fails generate())."""
+    from transformers import LlamaForCausalLM
+
+    forward = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
+
+
 class StepClock:
     """A stopping criterion that stamps the end of each step of `generate()` (it runs once per
     new token, after the token's choice) and never stops it: CUDA events and the host's clock.
@@ -215,8 +235,9 @@ class Decoder:
         """The new tokens of one greedy `generate()` call, [B, N]."""
         self.cache.reset()
         self.clock.start()
-        out = self.model.generate(self.ids, generation_config=self.config, cache=self.cache,
-                                  stopping_criteria=self.criteria)
+        out = self.model.generate(self.ids, generation_config=self.config,
+                                  stopping_criteria=self.criteria,
+                                  **{cache_keyword(): self.cache})
         new = out[:, self.ids.shape[1]:]
         if new.shape[1] != self.new_tokens:
             raise RuntimeError(f"generate() made {new.shape[1]} tokens, not {self.new_tokens}")
@@ -230,19 +251,19 @@ class Decoder:
         batch = self.ids.shape[0]
         # as generate() builds them (the same keys, in its order: the same compiled graph)
         inputs = self.model.prepare_inputs_for_generation(
-            self.ids[:, -1:], next_sequence_length=1, cache=self.cache,
+            self.ids[:, -1:], next_sequence_length=1, **{cache_keyword(): self.cache},
             attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long,
                                       device=self.ids.device),
             position_ids=torch.full((batch, 1), prompt, device=self.ids.device),
             logits_to_keep=1, use_cache=True)
         forward = (self.model.__call__ if self.config.disable_compile
                    else self.model.get_compiled_call(self.config.compile_config))
-        self.cache.crop(-room)  # back to the prompt: room for N - 1 steps
+        rewind(self.cache, room)  # back to the prompt: room for N - 1 steps
         calls = [0]
 
         def step():
             if calls[0] == room:
-                self.cache.crop(-room)
+                rewind(self.cache, room)
                 calls[0] = 0
             forward(**inputs, return_dict=True)
             calls[0] += 1
