@@ -177,3 +177,16 @@ def test_benchmark_runs_on_cpu(tmp_path):
             assert r["unfused_ms"] > 0
         assert not r["served"]  # no fused kernel on CPU: never timed as fused
     assert "| tiny | 2 | train | q/k/v gather |" in (tmp_path / "parity.md").read_text()
+
+
+@pytest.mark.parametrize("model,tokens", [("8b", 2048), ("70b", 2048), ("70b", 4096)])
+def test_llama_tp2_prefill_down_kept_where_the_measured_compute_costs_more(model, tokens):
+    """The package's table (1x H100): at TP 2 the push beside the Triton GEMM of down_proj's
+    long K costs more compute than the all-reduce it hides at these prefill lengths, so the
+    graph keeps NCCL + cuBLAS there; o_proj's, with a short K, is fused."""
+    from benchmarks.llama_sites import sites
+
+    o_proj, down_proj = sites(model, 2, "prefill", tokens, cuda_graphs=True)
+    assert choose_device_plan(o_proj.task, cuda_graphs=True)[0] is not None
+    plan, why = choose_device_plan(down_proj.task, cuda_graphs=True)
+    assert plan is None and why.startswith("no predicted gain: predicted fused"), why

@@ -91,10 +91,9 @@ PINNED = pathlib.Path(__file__).with_name("plan_choices.json")
 # The sites of the Llama-3-8B graphs at TP 2 (hidden 4096, intermediate 14336, heads 32/8, vocab
 # 128256; training B 1 S 8192, prefill S 4096 and 8192), each as the ditron log of the 2x H200
 # run described it (benchmarks/results/e2e_llama_h200x2_train_prefill.json), with the decision it
-# took there: the fused and the refused sites of the real model, pinned without GPUs. One
-# decision changed since: down's all-reduce + norm at S 4096 under CUDA graphs, whose push beside
-# the Triton GEMM computes in 0.476 ms what cuBLAS + Inductor's norm does in 0.361 (the world-1
-# compute table, scheduler/measured.py): no predicted gain over NCCL + cuBLAS.
+# took there: the fused and the refused sites of the real model, pinned without GPUs. The
+# all-reduce sites are decided by the world-1 compute table (scheduler/measured.py) since, and
+# take the same decisions.
 AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNORM
 PUSH_BESIDE_GEMM = "push overlap triton chunks={} progs={} block=16384 warps=32"
 LLAMA_TP2_SITES = [
@@ -118,7 +117,7 @@ LLAMA_TP2_SITES = [
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "nccl_cublas"),
     (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "nccl_cublas"),
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(8, 32)),
-    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, "nccl_cublas"),
+    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(16, 16)),
     (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(8, 32)),
     (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(16, 16)),
 ]
