@@ -606,21 +606,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     # a run that does not exit: SIGUSR1 to a rank (not to torchrun) prints where its threads wait
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        result = run(dist.get_rank(), dist.get_world_size(), argv)
-        if dist.get_rank() == 0:
-            report(result, argv)
-        dist.destroy_process_group()
-        return
-    if args.device == "cuda":
-        sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
-    from tests.distributed import run_ranks
-
-    results = run_ranks(_spawned_rank, args.world, args=(argv,), timeout_s=1800,
-                        env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                             "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
-    report(results[0], argv)
+    e2e_llama.launch(run, _spawned_rank, report, args, argv)
 
 
 if __name__ == "__main__":

@@ -729,12 +729,19 @@ def main(argv=None) -> None:
         return
     if args.bound_json:  # fail before the run, not after it
         no_comm_bounds(args.bound_json, int(os.environ.get("WORLD_SIZE", args.world)))
+    launch(run, _spawned_rank, report, args, argv)
+
+
+def launch(run_rank, spawned_rank, report_result, args, argv: list[str]) -> None:
+    """Under torchrun: `run_rank(rank, world, argv)` on each rank, rank 0 reporting; on CPU
+    without it, --world gloo ranks spawned here (`spawned_rank`, picklable), rank 0's result
+    reported (e2e_llama.py and e2e_decode.py)."""
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        result = run(dist.get_rank(), dist.get_world_size(), argv)
+        result = run_rank(dist.get_rank(), dist.get_world_size(), argv)
         rank, start = dist.get_rank(), time.perf_counter()
         if rank == 0:
-            report(result, argv)
+            report_result(result, argv)
         dist.destroy_process_group()
         print(f"rank {rank}: report and process-group teardown took "
               f"{time.perf_counter() - start:.1f} s; exiting", file=sys.stderr, flush=True)
@@ -743,10 +750,10 @@ def main(argv=None) -> None:
         sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
     from tests.distributed import run_ranks
 
-    results = run_ranks(_spawned_rank, args.world, args=(argv,), timeout_s=1800,
+    results = run_ranks(spawned_rank, args.world, args=(argv,), timeout_s=1800,
                         env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                              "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
-    report(results[0], argv)
+    report_result(results[0], argv)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ machine's cores, so group several checks into one `fn` where they can share a la
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import os
 import queue as queue_mod
@@ -166,3 +167,23 @@ def run_ranks(fn: Union[Callable, str], world_size: int, args: Sequence[Any] = (
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s;"
                           " all ranks were killed")
     return [got[r][1] for r in range(world_size)]
+
+
+def launched_once(fn: str, world_size: int, timeout_s: float,
+                  env: Optional[dict] = None) -> Callable[[], list]:
+    """The ranks' results of one launch of `fn` ("module:function"), as a function that the
+    tests of a module share: the first call launches, the later ones return the same results,
+    and a launch that failed fails each test that asks, with its error."""
+    @functools.cache
+    def launch():
+        try:
+            return run_ranks(fn, world_size, timeout_s=timeout_s, env=env)
+        except Exception as e:  # noqa: BLE001 - every test of the launch reports it
+            return e
+
+    def results() -> list:
+        ranks = launch()
+        if isinstance(ranks, Exception):
+            raise ranks
+        return ranks
+    return results

@@ -5,7 +5,6 @@ on CPU."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import subprocess

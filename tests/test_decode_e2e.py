@@ -12,13 +12,12 @@ which still tests the rewrite: a wrong rewrite changes the tokens.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import launched_once
 
 pytest.importorskip("transformers")
 
@@ -39,19 +38,7 @@ def decode_ranks(rank: int, world_size: int) -> dict:
     return e2e_decode.run(rank, world_size, ARGV)
 
 
-@functools.lru_cache(maxsize=None)
-def _ranks():
-    try:
-        return run_ranks(f"{THIS}:decode_ranks", 2, timeout_s=600, env=RANK_ENV)
-    except Exception as e:  # noqa: BLE001 - every test of the launch reports it
-        return e
-
-
-def _results() -> list[dict]:
-    ranks = _ranks()
-    if isinstance(ranks, Exception):
-        raise ranks
-    return ranks
+_results = launched_once(f"{THIS}:decode_ranks", 2, timeout_s=600, env=RANK_ENV)
 
 
 def _rows(result: dict) -> dict:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests import REPO_ROOT
-from tests.distributed import run_ranks
+from tests.distributed import launched_once
 
 pytest.importorskip("transformers")
 
@@ -144,19 +144,8 @@ def llama_ranks(rank: int, world_size: int) -> dict:
 # ------------------------------------------------------------------------------------ test side
 
 
-@functools.lru_cache(maxsize=None)
-def _ranks():
-    try:
-        return run_ranks(f"{THIS}:llama_ranks", WORLD, timeout_s=900, env=RANK_ENV)
-    except Exception as e:  # noqa: BLE001 - every test of the launch reports it
-        return e
-
-
-def _rank_results() -> list[dict]:
-    ranks = _ranks()
-    if isinstance(ranks, Exception):
-        raise ranks
-    return ranks
+# the one launch the tests below share
+_rank_results = launched_once(f"{THIS}:llama_ranks", WORLD, timeout_s=900, env=RANK_ENV)
 
 
 FUSED = "reference plan (decomposed collective + matmul)"  # on CPU every fused op runs it
