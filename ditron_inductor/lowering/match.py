@@ -37,7 +37,7 @@ from ..scheduler.task import (
     numel,
 )
 from .moe import find_moe_matches
-from .nodes import RESHAPES, fake, is_call
+from .nodes import RESHAPES, fake, is_call, output_among_inputs
 from .norm import RmsNormTail, find_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
@@ -295,15 +295,9 @@ def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
         return None
     outputs = {m.node for m in matmuls}
     for m in matmuls:
-        stack, seen = [n for n in (m.weight, m.bias) if n is not None], set()
-        while stack:
-            n = stack.pop()
-            if n in outputs:
-                return f"the weight of {m.node.name} is computed from {n.name}"
-            if n in seen or n.op == "placeholder":
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
+        found = output_among_inputs(outputs, [n for n in (m.weight, m.bias) if n is not None])
+        if found is not None:
+            return f"the weight of {m.node.name} is computed from {found.name}"
     return None
 
 

@@ -37,7 +37,7 @@ from ..scheduler.task import (
     total,
 )
 from .graph_edit import erase_unused, insert_call, insert_getitem
-from .nodes import fake, is_call
+from .nodes import fake, is_call, output_among_inputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -244,15 +244,9 @@ def _weight_from_output(grouped_mms: list[GroupedMm]) -> Optional[str]:
     from another's output (that would be a cycle)."""
     outputs = {g.node for g in grouped_mms}
     for g in grouped_mms:
-        stack, seen = [g.weight, g.offsets], set()
-        while stack:
-            n = stack.pop()
-            if n in outputs:
-                return f"the weight of {g.node.name} is computed from {n.name}"
-            if n in seen or n.op == "placeholder":
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
+        found = output_among_inputs(outputs, [g.weight, g.offsets])
+        if found is not None:
+            return f"the weight of {g.node.name} is computed from {found.name}"
     return None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Optional
+
 import torch
 from torch.fx import Node
 
@@ -23,3 +25,18 @@ def is_call(node: object, *targets) -> bool:
 def fake(node: Node):
     """The node's value as tracing left it: a fake tensor, a SymInt, a list of them."""
     return node.meta["val"]
+
+
+def output_among_inputs(outputs: set[Node], starts: Iterable[Node]) -> Optional[Node]:
+    """The first of `outputs` that `starts` are computed from (themselves included), or None:
+    one op computing all of `outputs` cannot take such an input (it would be a cycle)."""
+    stack, seen = list(starts), set()
+    while stack:
+        n = stack.pop()
+        if n in outputs:
+            return n
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return None
