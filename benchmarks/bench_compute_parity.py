@@ -56,7 +56,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.llama_sites import Site, sites  # noqa: E402
 
-from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
+from benchmarks.bench_all_reduce import EXTRA_PLANS  # noqa: E402
+from ditron_inductor.scheduler.cost_model import (  # noqa: E402
+    AG_CANDIDATES,
+    RS_CANDIDATES,
+    choose_device_plan,
+)
 from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
@@ -66,38 +71,26 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
 
 EPS = 1e-6
 # label -> plan parameters (scheduler/plan.py's fields), per op: the variants timed beside the
-# chosen plans for calibration (--variants default)
+# chosen plans for calibration (--variants default), from the candidate tables
 VARIANTS = {
     ALL_GATHER_MATMUL: {
-        "tri_tma_128x256": dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64,
-                                group_m=8, stages=3, warps=8),
-        "cublas_1_3_4": dict(gemm="cublas", groups=[1, 3, 4]),
+        **{label: AG_CANDIDATES[label] for label in ("tri_tma_128x256", "cublas_1_3_4")},
         # the local copies of my shard before the GEMM, on the main stream (the earlier default)
-        "cublas_copies_first": dict(gemm="cublas", groups=[1, 3, 4], local_copies_beside=False),
+        "cublas_copies_first": dict(AG_CANDIDATES["cublas_1_3_4"], local_copies_beside=False),
     },
-    MATMUL_REDUCE_SCATTER: {
-        "cublas_triton_reduce": dict(gemm="cublas", reduce="triton"),
-        "tri_tma_128x256": dict(gemm="triton", tma=True, block_m=128, block_n=256, block_k=64,
-                                group_m=8, stages=3, warps=8),
-        "tri_pull_p16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8),
-    },
-    MATMUL_ALL_REDUCE_RMSNORM: {
-        "push": dict(algo="push"),
-        # the prefill plans: the push beside the persistent Triton GEMM, or beside cuBLAS's
-        # row chunks
-        "tri_c16_p16_b16k": dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=16,
-                                 block=16384, warps=32),
-        "cublas_c4_p16_b16k": dict(algo="push", overlap=True, gemm="cublas", chunks=4,
-                                   progs=16, block=16384, warps=32),
-        "lamport": dict(algo="lamport"),
-    },
+    MATMUL_REDUCE_SCATTER: {label: RS_CANDIDATES[label] for label in
+                            ("cublas_triton_reduce", "tri_tma_128x256", "tri_pull_p16")},
+    # push after the GEMM; the prefill plans: beside the persistent Triton GEMM, beside cuBLAS's
+    # row chunks; lamport (decode)
+    MATMUL_ALL_REDUCE_RMSNORM: {label: EXTRA_PLANS[label][0] for label in
+                                ("push", "tri_c16_p16_b16k", "lap_c4_p16_b16k", "lamport")},
 }
 # variants timed for comparison, not plans the scheduler runs (kept out of its table)
 COMPARISON_ONLY = {"cublas_copies_first"}
 # the variants a row of that many rows takes (the others do not apply: lamport is the decode
 # kernel, the overlap plans the prefill ones)
 APPLIES = {"lamport": lambda m: m <= 512, "tri_c16_p16_b16k": lambda m: m >= 1024,
-           "cublas_c4_p16_b16k": lambda m: m >= 1024}
+           "lap_c4_p16_b16k": lambda m: m >= 1024}
 DEFAULT_TOKENS = {"train": "8192", "prefill": "2048,4096,8192,16384", "decode": "1,16,64,256"}
 
 
