@@ -56,12 +56,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.llama_sites import Site, sites  # noqa: E402
 
-from benchmarks.bench_all_reduce import EXTRA_PLANS  # noqa: E402
+from benchmarks.bench_all_reduce import EPS, EXTRA_PLANS  # noqa: E402
 from ditron_inductor.scheduler.cost_model import (  # noqa: E402
     AG_CANDIDATES,
     RS_CANDIDATES,
     choose_device_plan,
 )
+from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
@@ -69,7 +70,6 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
     MATMUL_REDUCE_SCATTER,
 )
 
-EPS = 1e-6
 # label -> plan parameters (scheduler/plan.py's fields), per op: the variants timed beside the
 # chosen plans for calibration (--variants default), from the candidate tables
 VARIANTS = {
@@ -151,12 +151,12 @@ def shape_key(site: Site) -> tuple:
 
 
 def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
-    """{label: (plan text, chosen)}: the scheduler's plan at the task's TP degree (if it fuses)
-    and the variants that apply to the task."""
-    plans = {}
+    """{label: (plan text, the scheduler's reason)}: the scheduler's plan at the task's TP
+    degree ("chosen"; "none", with no text, where it keeps NCCL + cuBLAS) and the variants that
+    apply to the task."""
     plan, why = choose_device_plan(task, cuda_graphs=cuda_graphs)
-    if plan is not None:
-        plans["chosen"] = (with_options(plan).encode(), why)
+    plans = ({"chosen": (with_options(plan).encode(), why)} if plan is not None
+             else {"none": (None, why)})
     table = VARIANTS[task.op]
     wanted = (table if variants == "default" else {} if variants == "none"
               else {k: v for k, v in table.items() if k in variants.split(",")})
@@ -262,34 +262,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------ the computations of a shape
 
 
-def _rmsnorm(h, weight):
-    from ditron_inductor.ops import rms_norm_reference
-
-    return rms_norm_reference(h, weight, EPS, False)
-
-
 def _residual_norm(a, b, residual, weight):
     h = a @ b + residual
-    return h, _rmsnorm(h, weight)
+    return h, rms_norm_reference(h, weight, EPS, False)
 
 
 def _sum_of_products(parts):
     return sum(a @ b for a, b in parts)
 
 
-# compiled once each (dynamic shapes): Inductor's kernels for the unfused epilogues
-_COMPILED = {}
-
-
+@functools.cache
 def compiled(fn):
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    """fn compiled once (dynamic shapes): Inductor's kernels for the unfused epilogues."""
+    return torch.compile(fn, dynamic=True)
 
 
-def contenders(site: Site, group_name: str, device: str, dtype, plans: dict):
-    """(inputs, unfused fn, {label: fused fn}, pick): fns over one input set; pick(output) is
-    what is compared (the gathered products, the scattered sum, the normalised rows)."""
+def contenders(site: Site, group_name: str, device: str, dtype):
+    """(inputs, unfused fn, fused(plan text) -> fn, pick): fns over one input set; pick(output)
+    is what is compared (the gathered products, the scattered sum, the normalised rows)."""
     task = site.task
     m, k, ns = task.m, task.k, task.ns
     copied = task.copy_elems // m  # columns of `a` that the graph's concatenation copies
@@ -344,7 +334,7 @@ def contenders(site: Site, group_name: str, device: str, dtype, plans: dict):
             return out[1]
     else:
         raise ValueError(f"no contenders for {task.op}")
-    return inputs, unfused, {label: fused(text) for label, (text, _) in plans.items()}, pick
+    return inputs, unfused, fused, pick
 
 
 # ------------------------------------------------------------------------------------ measure
@@ -355,13 +345,10 @@ def measure(site: Site, texts: dict, group_name: str, args, graphs: bool) -> dic
     shape: the unfused compute and each plan (texts: plan text -> a label, for the log)."""
     dtype = getattr(torch, args.dtype)
     task = site.task
-    inputs, unfused, fused, pick = contenders(site, group_name, args.device, dtype,
-                                              {label: (text, None) for text, label in
-                                               texts.items()})
+    inputs, unfused, fused, pick = contenders(site, group_name, args.device, dtype)
     ref = pick(unfused(*inputs[0]))
     out = {}
-    for key, fn in [("unfused", unfused)] + [(text, fused[label]) for text, label in
-                                             texts.items()]:
+    for key, fn in [("unfused", unfused)] + [(text, fused(text)) for text in texts]:
         result = {"eager": math.nan, "graph": math.nan, "host": math.nan,
                   "served": key == "unfused", "rel_err": 0.0, "error": ""}
         try:
@@ -401,15 +388,13 @@ def run(args, group_name: str) -> list[dict]:
     for i, (key, found) in enumerate(by_shape.items()):
         plans = {(model, site): plans_of(site.task, site.cuda_graphs, args.variants)
                  for model, site in found}
-        texts = {text: label for p in plans.values() for label, (text, _) in p.items()}
+        texts = {text: label for p in plans.values() for label, (text, _) in p.items()
+                 if text is not None}
         graphs = any(site.cuda_graphs for _, site in found)
         results = measure(found[0][1], texts, group_name, args, graphs)
         for (model, site), site_plans in plans.items():
             mode = "graph" if site.cuda_graphs else "eager"
             base = results["unfused"][mode]
-            if "chosen" not in site_plans:  # the scheduler keeps NCCL + cuBLAS: why
-                site_plans = {"none": (None, choose_device_plan(site.task, site.cuda_graphs)[1]),
-                              **site_plans}
             for label, (text, why) in site_plans.items():
                 r = results.get(text, {})
                 ms = r.get(mode, math.nan) if r.get("served") else math.nan
@@ -531,8 +516,6 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise SystemExit("bench_compute_parity runs at world size 1 (torchrun --nproc-per-node 1)")
-    import ditron_inductor.ops  # noqa: F401 - registers torch.ops.ditron.*
-
     torch.manual_seed(0)
     rows = run(args, dist.group.WORLD.group_name)
     meta = report(rows, args, argv)
