@@ -147,12 +147,17 @@ def _load_fused_impl(op: str) -> Optional[Callable]:
     return _fused_impls.get(op)
 
 
-def _define(schema: str, impl: Callable, fake: Callable) -> None:
-    """torch.ops.ditron.<name>: `impl` for every backend, `fake` for fake tensors and meta."""
+def _define(schema: str, impl: Callable, fake: Callable, backward: Optional[Callable] = None,
+            setup_context: Optional[Callable] = None) -> None:
+    """torch.ops.ditron.<name>: `impl` for every backend, `fake` for fake tensors and meta, and
+    where given the autograd formula (`backward`, with its `setup_context`)."""
     name = schema.split("(", 1)[0]
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"ditron::{name}", fake, lib=_lib)
+    if backward is not None:
+        torch.library.register_autograd(f"ditron::{name}", backward,
+                                        setup_context=setup_context, lib=_lib)
 
 
 def _all_gather(x: Tensor, gather_dim: int, group_name: str, world_size: int) -> Tensor:
@@ -405,9 +410,8 @@ def _all_to_all_grouped_mm_backward(ctx, grads):
 _define("all_to_all_grouped_mm(Tensor x, SymInt[] output_split_sizes, "
         "SymInt[] input_split_sizes, Tensor? row_index, Tensor[] weights, Tensor offsets, "
         "str group_name, SymInt world_size, str plan) -> Tensor[]",
-        all_to_all_grouped_mm, _all_to_all_grouped_mm_fake)
-torch.library.register_autograd("ditron::all_to_all_grouped_mm", _all_to_all_grouped_mm_backward,
-                                setup_context=_all_to_all_grouped_mm_setup, lib=_lib)
+        all_to_all_grouped_mm, _all_to_all_grouped_mm_fake, _all_to_all_grouped_mm_backward,
+        _all_to_all_grouped_mm_setup)
 
 
 def grouped_mm_all_to_all_reference(lefts, weights, offsets, row_index, accumulate,
@@ -464,6 +468,5 @@ def _grouped_mm_all_to_all_backward(ctx, grad):
 _define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets, "
         "Tensor? row_index, bool accumulate, SymInt[] output_split_sizes, "
         "SymInt[] input_split_sizes, str group_name, SymInt world_size, str plan) -> Tensor",
-        grouped_mm_all_to_all, _grouped_mm_all_to_all_fake)
-torch.library.register_autograd("ditron::grouped_mm_all_to_all", _grouped_mm_all_to_all_backward,
-                                setup_context=_grouped_mm_all_to_all_setup, lib=_lib)
+        grouped_mm_all_to_all, _grouped_mm_all_to_all_fake, _grouped_mm_all_to_all_backward,
+        _grouped_mm_all_to_all_setup)
