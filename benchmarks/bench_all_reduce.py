@@ -65,6 +65,10 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "push_p32": (dict(algo="push", progs=32), lambda m: m >= 1024),
     "tri_c8_p32": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=32),
                    lambda m: m >= 512),
+    # after the GEMM with 2x / 4x the bytes in flight of push_b4096 (the norm's rows: 2 / 4 a
+    # block at N = 4096)
+    "push_b8k": (dict(algo="push", block=8192, warps=16), lambda m: m >= 1024),
+    "push_b16k": (dict(algo="push", block=16384, warps=32), lambda m: m >= 1024),
     "push_p16_b16k": (dict(algo="push", progs=16, block=16384, warps=32), lambda m: m >= 1024),
     "push_p32_b16k": (dict(algo="push", progs=32, block=16384, warps=32), lambda m: m >= 1024),
     "tri_c8_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=8, progs=16,

@@ -115,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time the calls after the first under torch.compiler.set_stance("
                         "skip_guard_eval_unsafe=True): Dynamo runs only the guards that tell "
                         "its compiled graphs apart (the timed calls' tokens are checked)")
+    p.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
+                   help="compile with these options instead of mode=\"reduce-overhead\" (e.g. "
+                        "'{\"triton.cudagraphs\": true, \"triton.cudagraph_trees\": false}': "
+                        "Inductor's CUDA graphs without the trees)")
     p.add_argument("--warmup", type=int, default=1,
                    help="generate() calls after the first (which compiles), and bare steps, "
                         "before timing")
@@ -149,9 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ one run
 
 
-def generation_config(contender: str, new_tokens: int, device: str):
+def generation_config(contender: str, new_tokens: int, device: str, options=None):
     """Greedy, `new_tokens` tokens, the decode step compiled by transformers with the
-    contender's backend (eager: not compiled)."""
+    contender's backend (eager: not compiled), in mode "reduce-overhead" or with `options`."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -159,8 +163,8 @@ def generation_config(contender: str, new_tokens: int, device: str):
     if contender == "eager":
         config.disable_compile = True
         return config
-    config.compile_config = CompileConfig(backend=contender, mode=MODE, fullgraph=True,
-                                          dynamic=False)
+    config.compile_config = CompileConfig(backend=contender, mode=None if options else MODE,
+                                          options=options, fullgraph=True, dynamic=False)
     # transformers compiles on accelerators only, unless told to
     config.compile_config._compile_all_devices = device == "cpu"
     return config
@@ -221,12 +225,13 @@ class Decoder:
     """One contender's model on one shape: `generate()` and the bare decode step, over a static
     cache of its own."""
 
-    def __init__(self, model, contender: str, ids: torch.Tensor, new_tokens: int, device: str):
+    def __init__(self, model, contender: str, ids: torch.Tensor, new_tokens: int, device: str,
+                 options=None):
         from transformers import StaticCache, StoppingCriteriaList
 
         self.model, self.ids, self.new_tokens = model, ids, new_tokens
         self.cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
-        self.config = generation_config(contender, new_tokens, device)
+        self.config = generation_config(contender, new_tokens, device, options)
         self.clock = StepClock(device == "cuda")
         self.criteria = StoppingCriteriaList([self.clock])
         self.tokens = None  # the first call's, which every later call must make
@@ -368,7 +373,8 @@ def first_call(row: dict, model, ids: torch.Tensor, args):
     def setup():
         start, graphs = len(graph_pass.reports), compiled_graphs()
         skips = counters["inductor"]["cudagraph_skips"]
-        decoder = Decoder(model, row["contender"], ids, row["new_tokens"], args.device)
+        decoder = Decoder(model, row["contender"], ids, row["new_tokens"], args.device,
+                          args.compile_options)
         decoder.tokens = decoder.generate()
         row["tokens"] = decoder.tokens.tolist()
         row["graphs_first_call"] = compiled_graphs() - graphs

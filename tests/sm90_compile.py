@@ -54,9 +54,11 @@ def variants():
             for chunked, scatter in ((False, False), (True, False), (False, True)):
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
                        dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True, ROW_BLOCK=0), 4)
-            if norm:  # the copy-out with the norm of whole rows (4096 of them: BLOCK 16384)
+            # the norm of whole rows (4096 of them: BLOCK 16384) in the copy-out, and (not
+            # CHUNKED) in REDUCE too, for my own blocks
+            for chunked in (True, False) if norm else ():
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
-                       dict(push, BLOCK=16384, CHUNKED=True, SCATTER=False, COPY=True,
+                       dict(push, BLOCK=16384, CHUNKED=chunked, SCATTER=False, COPY=True,
                             ROW_BLOCK=4096), 32)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4

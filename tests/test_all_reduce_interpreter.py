@@ -442,9 +442,13 @@ def test_push_grid():
     assert push_grid(8, 1 * 8192, 132) == (4, 256, 1)  # decode: 1024 elements per rank
     assert push_grid(8, 32 * 8192, 132) == (32, 1024, 4)
     assert push_grid(8, 128 * 8192, 132) == (128, 1024, 4)
-    assert push_grid(8, 2048 * 8192, 132) == (128, 4096, 8)
+    assert push_grid(8, 1024 * 8192, 132) == (128, 4096, 8)
     assert push_grid(8, 256 * 8192, 132) == (64, 4096, 8)  # 4096 from 64 blocks up
-    assert push_grid(8, 2048 * 8192, 100) == (96, 4096, 8)
+    assert push_grid(8, 1024 * 8192, 100) == (96, 4096, 8)
+    # 16384 on 32 warps from a block for each of the 128 programs up
+    assert push_grid(8, 2048 * 8192, 132) == (128, 16384, 32)
+    assert push_grid(8, 2048 * 8192 - 8, 132) == (128, 4096, 8)
+    assert push_grid(1, 2048 * 4096, 132, norm=True) == (128, 16384, 32)
     assert push_grid(2, 40, 132) == (1, 256, 1)
     assert push_grid(8, 128 * 8192, 132, block=512, progs=7) == (7, 512, 2)
     assert push_grid(8, 1 * 8192, 132, norm=True) == (1, 1024, 4)  # the norm's 4 warps
@@ -501,3 +505,33 @@ def test_ready_gemm_tile_from_the_plan():
     assert _ready_gemm_rows(plan(chunks=16), 2048) == 128  # 16 row-blocks, one a chunk
     assert _ready_gemm_rows(plan(chunks=8), 2000) == 256
     assert _ready_gemm_rows(plan(chunks=64), 16384) == 256  # at most MAX_CHUNKS chunks
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_push_beside_the_gemm_leaves_every_block_to_the_copy_launch(monkeypatch, gemm):
+    """Beside the GEMM, REDUCE (few programs) puts every sum into the buffers and the COPY
+    launch finishes them all; after the GEMM, REDUCE finishes my own blocks itself. Which one a
+    launch does follows its CHUNKED: both launches of the overlapped plan must pass it, or my own
+    blocks would be finished by neither."""
+    from types import SimpleNamespace
+
+    from ditron_inductor.runtime import all_reduce as runtime
+    from ditron_inductor.scheduler.plan import AllReducePlan, from_params
+
+    launches = []
+    monkeypatch.setattr(runtime, "launch", lambda kernel, grid, *args, **meta: launches.append(
+        (kernel, meta)))
+    monkeypatch.setattr(runtime, "gemm_beside",
+                        lambda ctx, dev, queue_gemm, side_kernel: side_kernel("side"))
+    monkeypatch.setattr(runtime, "matmul_into", lambda *args: None)
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    ctx = SimpleNamespace(world=2, rank=1, data=torch.zeros(1 << 16))
+    a, b, partial = torch.zeros(64, 8), torch.zeros(8, 16), torch.zeros(64, 16)
+    consts = dict(NORM=True, HAS_RES=True, W_FP32=False)
+    for overlap in (True, False):
+        launches.clear()
+        plan = from_params(AllReducePlan, {"algo": "push", "overlap": overlap, "gemm": gemm,
+                                           "chunks": 4})
+        runtime._push(ctx, None, plan, a, b, None, partial, False, (), consts, 1e-6)
+        assert [kernel for kernel, _ in launches] == [runtime.push_kernel] * (2 if overlap else 1)
+        assert [meta.get("CHUNKED", False) for _, meta in launches] == [overlap] * len(launches)

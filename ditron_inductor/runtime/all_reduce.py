@@ -71,7 +71,7 @@ stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
 
 
-_MAX_BLOCK = 4096  # push_grid's largest block
+_MAX_BLOCK = 16384  # push_grid's largest block
 
 
 def _buffer_elements(algo: str, numel: int, world: int) -> tuple[str, int]:
@@ -219,17 +219,22 @@ def _ready_gemm_rows(plan: AllReducePlan, m):
 def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     """(programs, BLOCK, warps) of a push kernel (push_all: world=1, every rank handles every
     element): one 16-byte vector of 16-bit elements per thread and peer in a block (BLOCK = 256 x
-    warps, at most 8 warps); blocks of 256 to 1024 elements with about 32 or more programs at
-    work, 4096 from 64 blocks of 4096 per rank up (measured best at M=32 and M >= 2048,
-    all_reduce_h200x8_push_first.md, and at M=256, all_reduce_h200x8_push_scatter_push_all.md); with a norm at least 1024 (its rows go
+    warps, at most 8 warps; 16384: 32 warps, two vectors); blocks of 256 to 1024 elements with
+    about 32 or more programs at work, 4096 from 64 blocks of 4096 per rank up (measured best at
+    M=32 and M >= 2048, all_reduce_h200x8_push_first.md, and at M=256,
+    all_reduce_h200x8_push_scatter_push_all.md), 16384 from a block per program (MAX_PROGS)
+    up: 4x the bytes in flight per SM (at world size 1 on H100, GEMM + push after it took 1.05x
+    the time of cuBLAS + Inductor's residual + norm, against 1.22x with blocks of 4096:
+    compute_parity_h100x1.md); with a norm at least 1024 (its rows go
     to 4 warps, not 1: faster at M=1, all_reduce_h200x8_push_remote_ready.md); fewer programs than SMs (the kernel
     waits on its own programs: all must be resident). block, warps, progs: a plan's choice (0:
     by size)."""
     per_rank = cdiv(numel, world)
     small = max(1024 if norm else 256,
                 min(1024, next_power_of_2(per_rank // 32 + 1) // 2))
-    block = block or (4096 if per_rank >= 64 * 4096 else small)
-    warps = warps or max(1, min(8, block // 256))
+    block = block or (_MAX_BLOCK if per_rank >= flags.MAX_PROGS * _MAX_BLOCK
+                      else 4096 if per_rank >= 64 * 4096 else small)
+    warps = warps or (32 if block >= _MAX_BLOCK else max(1, min(8, block // 256)))
     cap = min(progs or flags.MAX_PROGS, flags.MAX_PROGS, sms - 4)
     return max(1, min(cap, cdiv(per_rank, block))), block, warps
 
@@ -288,10 +293,11 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
         push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
         stream=side, CHUNKED=True, COPY=False, NORMALISE=False, **meta))
     # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
-    # programs (the COPY phase's condition), as many as fit at once (the norm's barrier)
+    # programs (the COPY phase's condition), as many as fit at once (the norm's barrier);
+    # CHUNKED as the REDUCE beside the GEMM: it left my own blocks to this launch
     copy_progs = progs * max(1, min(flags.MAX_PROGS, sms - 4) // progs)
     launch(push_kernel, (copy_progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
-           SEND=False, REDUCE=False, **meta)
+           CHUNKED=True, SEND=False, REDUCE=False, **meta)
 
 
 def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):

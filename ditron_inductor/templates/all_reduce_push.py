@@ -15,15 +15,20 @@ One launch per rank, P programs, all resident at once (P <= MAX_PROGS, fewer tha
    than one program). Then, for each of my blocks g = W*i + rank, i = pid, pid + P, ...
    sums the W partials in fp32 (read from the peers' buffers, or with SCATTER from my own
    slots: no network read), rounds to the dtype (the all-reduce's own rounding, as in the
-   reference) and stores the sum into block g of every rank's buffer: a push, whose stores need
-   no reply. Then it raises PUSHED[pid][rank] on every rank.
+   reference) and stores the sum into block g of every other rank's buffer: a push, whose
+   stores need no reply. My own block it finishes from registers: h = sum + my residual (and y,
+   below), with no round trip through my buffer (not CHUNKED: there the sums go into my buffer
+   too, for the COPY launch on every SM). Then it raises PUSHED[pid][rank] on every rank.
 3. COPY: program pid waits for PUSHED[pid][q] of every rank q: block rows pid, pid + P, ... of my
-   buffer then hold every owner's sums; it copies them to h, adding my residual.
+   buffer then hold the other owners' sums; it copies them to h, adding my residual (each rank
+   its own residual: h is the reference's on every rank, whatever the residuals).
 4. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
    (h is whole), then normalises rows pid, pid + P, ... of h into y. Where a block holds whole
-   rows (ROW_BLOCK = N, a power of two dividing BLOCK), COPY normalises each block's rows as it
-   writes them instead: one pass over h, no barrier (4 passes of M x N at world size 1, as
-   Inductor's residual + norm kernel makes, against 5 with the phase apart).
+   rows (ROW_BLOCK = N, a power of two dividing BLOCK), REDUCE and COPY normalise each block's
+   rows as they write them instead: no second pass over h, no barrier. At world size 1 that is
+   4 passes of M x N after the GEMM (read the partial and the residual, write h and y), as
+   Inductor's residual + norm kernel makes (CHUNKED: 6); 1/W of the sums skip my buffer at
+   world size W.
 The last program through advances the epoch (the epoch words: all_reduce.py).
 
 Per rank 2 (W-1)/W of the partial crosses NVLink (push: once each way; push_scatter: twice
@@ -142,6 +147,19 @@ def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.c
 
 
 @triton.jit
+def finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
+                 NORM: tl.constexpr, W_FP32: tl.constexpr, BLOCK: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr):
+    """A block of all-reduced sums s into h (+ residual), and where the block holds whole rows
+    (ROW_BLOCK) into y too."""
+    if NORM and ROW_BLOCK > 0:
+        store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES, W_FP32, BLOCK,
+                      ROW_BLOCK)
+    else:
+        store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
+
+
+@triton.jit
 def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, WROTE_H: tl.constexpr, NORM: tl.constexpr, NORMALISE: tl.constexpr,
                 W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -168,6 +186,12 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 REDUCE: tl.constexpr = True, COPY: tl.constexpr = True,
                 NORMALISE: tl.constexpr = True, ROW_BLOCK: tl.constexpr = 0):
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
+    # REDUCE finishes my own blocks (`own`) where the launch runs COPY on the same programs:
+    # not beside the GEMM (CHUNKED), whose few programs would then carry all of a world-1 norm
+    if CHUNKED:
+        own = -1  # no rank's blocks: the sums go into every buffer, COPY finishes them all
+    else:
+        own = rank
     dtype = h_ptr.dtype.element_ty
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)
@@ -211,7 +235,11 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 acc += part.to(tl.float32)
             total = acc.to(dtype)
             for q in tl.static_range(WORLD):
-                tl.store(peer_ptr(data_table, q, dtype, True) + idx, total, mask=mask)
+                tl.store(peer_ptr(data_table, q, dtype, True) + idx, total,
+                         mask=mask & (offs * 0 + q != own))
+            if not CHUNKED:  # my own block, from registers
+                finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, total, eps, HAS_RES, NORM,
+                             W_FP32, BLOCK, ROW_BLOCK)
         tl.debug_barrier()  # every thread's stores, then the signal that releases them
         tl.atomic_xchg(peer_flags + K_PUSHED + pid * WORLD + rank, epoch, mask=ranks < WORLD,
                        sem="release", scope="sys")
@@ -220,16 +248,14 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                  limit, err_ptr, K_ERR_PUSHED)
         tl.debug_barrier()
         for i in range(pid, block_rows, nprog):
-            for q in tl.static_range(WORLD):
+            for q in tl.static_range(WORLD):  # all but my own blocks, finished by REDUCE
                 idx = owned_block(i, q, WORLD) * BLOCK + offs
-                mask = idx < numel
+                mask = (idx < numel) & (offs * 0 + q != own)
                 s = tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg")
-                if NORM and ROW_BLOCK > 0:
-                    store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES,
-                                  W_FP32, BLOCK, ROW_BLOCK)
-                else:
-                    store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
-    # ROW_BLOCK: COPY normalised its rows itself, no NORMALISE phase (nor its barrier) follows
+                finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES, NORM,
+                             W_FP32, BLOCK, ROW_BLOCK)
+    # ROW_BLOCK: REDUCE and COPY normalised their rows themselves, no NORMALISE phase (nor its
+    # barrier) follows
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, COPY, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)
 
