@@ -526,6 +526,10 @@ def _all_gather_bytes(x: Tensor, gather_dim: int, group_name: str, world_size: i
 
 
 def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    # rowwise scales with stride 1 along their size-1 dim, which _scaled_mm checks and a layout
+    # that Inductor chose for them need not have
+    if scale_a.numel() > 1:
+        scale_a, scale_b = scale_a.reshape(-1).unsqueeze(1), scale_b.reshape(-1).unsqueeze(0)
     return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
                             use_fast_accum=use_fast_accum)
 

@@ -352,14 +352,15 @@ def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
     if len(scaled) != len(match.matmuls):
         return f"the gathered activation feeds both _scaled_mm and mm ({names})"
     first = scaled[0]
+    match.scale_a = first.scale_a  # for the Task, whatever the problem
     if any((m.scale_a, m.out_dtype, m.use_fast_accum)
            != (first.scale_a, first.out_dtype, first.use_fast_accum) for m in scaled):
         return f"the _scaled_mm calls {names} differ in scale_a, out_dtype or use_fast_accum"
     scale = first.scale_a
     if fake(scale).numel() == 1:
-        match.scale_a = scale
         return None
-    wait, gather = scale, getattr(scale, "args", [None])[0]
+    wait = scale
+    gather = wait.args[0] if is_call(wait, c10d.wait_tensor.default) else None
     rows = numel(fake(match.a_shard).shape[:-1])
     if not (is_call(wait, c10d.wait_tensor.default)
             and is_call(gather, c10d.all_gather_into_tensor.default)
