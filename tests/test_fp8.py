@@ -349,38 +349,45 @@ def compile_torchao_mlp(sequence_parallel: bool, fake: bool = False, rank: int =
         convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         return m
 
-    ref, tp = mlp(), mlp()
     mesh = init_device_mesh("cpu", (world,))
     sp = dict(input_layouts=Shard(1)), dict(output_layouts=Shard(1))
-    parallelize_module(tp, mesh, {"0": Float8ColwiseParallel(**(sp[0] if sequence_parallel else {})),
-                                  "2": Float8RowwiseParallel(**(sp[1] if sequence_parallel else {}))})
-    start = len(graph_pass.reports)
-    compiled = torch.compile(tp, backend="ditron", dynamic=False)
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(BF16)
     dy = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2)).to(BF16)
-    rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
-    x_tp = (x[:, rows] if sequence_parallel else x).clone().requires_grad_(True)
-    y = compiled(x_tp)
-    y.backward(dy[:, rows] if sequence_parallel else dy)
+    rows = slice(rank * 16 // world, (rank + 1) * 16 // world) if sequence_parallel else slice(None)
+
+    def run_tp(backend: str):
+        """(output, input grad, w1's full grad, {graph kind: ditron ops}) of the TP model."""
+        tp = mlp()
+        parallelize_module(tp, mesh, {
+            "0": Float8ColwiseParallel(**(sp[0] if sequence_parallel else {})),
+            "2": Float8RowwiseParallel(**(sp[1] if sequence_parallel else {}))})
+        start = len(graph_pass.reports)
+        x_tp = x[:, rows].clone().requires_grad_(True)
+        y = torch.compile(tp, backend=backend, dynamic=False)(x_tp)
+        y.backward(dy[:, rows])
+        ops_by_graph = {r.graph.split()[-1]: sorted(c.op for c in r.candidates if c.fused)
+                        for r in list(graph_pass.reports)[start:]}
+        return y, x_tp.grad, tp[0].weight.grad.full_tensor(), ops_by_graph
+
+    y, dx, dw1, ops_by_graph = run_tp("ditron")
     if fake:
-        return {r.graph.split()[-1]: [c.op for c in r.candidates if c.fused]
-                for r in list(graph_pass.reports)[start:]}
+        return ops_by_graph
+    ref = mlp()
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)
     y_ref.backward(dy)
-    want_y, want_dx = y_ref[:, rows], x_ref.grad[:, rows]
+    # eager float8 on one process: two float8 roundings of the same values, bf16 sums in another
+    # order; Inductor's own graph (where gloo runs it: no float8 all-gather) the same math
+    wants = [("eager", (y_ref[:, rows], x_ref.grad[:, rows], ref[0].weight.grad), 0.05)]
     if not sequence_parallel:
-        want_y, want_dx = y_ref, x_ref.grad
-    dw1 = tp[0].weight.grad.full_tensor()
+        wants.append(("inductor", run_tp("inductor")[:3], 0.02))
     errors = []
-    for what, got, want in [("output", y, want_y), ("grad x", x_tp.grad, want_dx),
-                            ("grad w1", dw1, ref[0].weight.grad)]:
-        try:  # two float8 roundings of the same values; bf16 sums in another order
-            torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
-        except AssertionError as e:
-            errors.append(f"{what}: {e}")
-    ops_by_graph = {r.graph.split()[-1]: sorted(c.op for c in r.candidates if c.fused)
-                    for r in list(graph_pass.reports)[start:]}
+    for who, want, tol in wants:
+        for what, got, w in zip(("output", "grad x", "grad w1"), (y, dx, dw1), want):
+            try:
+                torch.testing.assert_close(got.float(), w.float(), rtol=tol, atol=tol)
+            except AssertionError as e:
+                errors.append(f"{what} vs {who}: {e}")
     return {"errors": errors, "ops": ops_by_graph}
 
 
