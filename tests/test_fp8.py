@@ -201,6 +201,20 @@ return getitem_1
                          "add sums _scaled_mm products (_scaled_mm + _scaled_mm_1): each has "
                          "scales of its own")
 
+    def test_symbolic_rows_rowwise(self):
+        # dynamic token count: the rowwise scales' rows are symbolic, and no guard is taken
+        from tests.test_lowering import make_fx_symbolic
+
+        def mlp(x, s_x, w1, s_w1):
+            return torch._scaled_mm(gather(x, 2), w1, gather(s_x, 2), s_w1, out_dtype=BF16)
+
+        with fake_group(2):
+            gm = make_fx_symbolic(mlp, fp8(6, 16), scale(6, 1), col_major(fp8(32, 16)),
+                                  scale(1, 32))
+            report = rewrite(gm)
+        self.assertTrue(report.candidates[0].fused, report.candidates[0].reason)
+        self.assertRegex(report.candidates[0].task, r"all_gather_scaled_mm M=2\*s\d+ .* rowwise")
+
 
 @needs_torchao
 def test_torchao_float8_tp_model_compiles_to_the_fp8_ops_forward_and_backward():

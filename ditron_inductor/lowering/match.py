@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from .. import config
 from ..scheduler.task import (
@@ -357,7 +358,7 @@ def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
            != (first.scale_a, first.out_dtype, first.use_fast_accum) for m in scaled):
         return f"the _scaled_mm calls {names} differ in scale_a, out_dtype or use_fast_accum"
     scale = first.scale_a
-    if fake(scale).numel() == 1:
+    if statically_known_true(fake(scale).numel() == 1):
         return None
     wait = scale
     gather = wait.args[0] if is_call(wait, c10d.wait_tensor.default) else None
@@ -366,7 +367,7 @@ def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
             and is_call(gather, c10d.all_gather_into_tensor.default)
             and list(gather.args[1:3]) == [match.world_size, match.group_name]
             and match.gather_dim == 0 and match.chunk_cat is None
-            and list(fake(gather.args[0]).shape) == [rows, 1]):
+            and statically_known_true(sym_eq(fake(gather.args[0]).shape, (rows, 1)))):
         return (f"scale_a {scale.name} of {first.node.name} holds a scale per row, but is not "
                 f"the all-gather on dim 0 of the shard's [{rows}, 1] scales over group "
                 f"{match.group_name}")

@@ -12,13 +12,14 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .graph_edit import erase_unused, insert_call, insert_getitem
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
+from .nodes import fake
 from .reorder import SWAP_FIRST_TWO, RowOrder
 from ..scheduler.task import REDUCE_SCATTER_PATTERNS
-from .nodes import fake
 
 aten = torch.ops.aten
 ditron = torch.ops.ditron
@@ -83,7 +84,8 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
     operands = (mm.bias,)  # after a and b
     if mm.scaled:  # scale_a, scale_b, bias, out_dtype, use_fast_accum
         scale_a = mm.scale_a
-        if order is not None and fake(scale_a).numel() > 1:  # rowwise: one scale per row of a
+        # rowwise: one scale per row of a, permuted with them
+        if order is not None and not statically_known_true(fake(scale_a).numel() == 1):
             scale_a = _to_rank_major(graph, scale_a, order)
         operands = mm.scaled_args(scale_a)
     if match.op in REDUCE_SCATTER_PATTERNS:

@@ -198,10 +198,13 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
 
 def scale_kind(scale_a, scale_b) -> str:
     """How _scaled_mm's operands are scaled, from the scales' shapes (A [M, K], B [K, N])."""
-    if scale_a.numel() == 1 and scale_b.numel() == 1:
+    def one(size) -> bool:  # a symbolic size counts as > 1: no guard from a Task
+        return statically_known_true(size == 1)
+
+    if one(scale_a.numel()) and one(scale_b.numel()):
         return "tensorwise"
-    if (scale_a.dim() == 2 and scale_a.shape[1] == 1 and scale_b.dim() == 2
-            and scale_b.shape[0] == 1):
+    if scale_a.dim() == 2 and one(scale_a.shape[1]) and scale_b.dim() == 2 and one(
+            scale_b.shape[0]):
         return "rowwise"
     return f"scales {list(scale_a.shape)}x{list(scale_b.shape)}"
 
