@@ -43,10 +43,10 @@ from ..scheduler.task import (
     Task,
     all_gather_matmul_task,
     all_gather_scaled_mm_task,
-    scaled_mm_collective_task,
     chunks_contiguous,
     matmul_collective_task,
     numel,
+    scaled_mm_collective_task,
 )
 from .moe import find_moe_matches
 from .nodes import RESHAPES, fake, is_call, output_among_inputs
@@ -74,7 +74,9 @@ _SCALED_MM_DEFAULTS = {"bias": None, "scale_result": None, "out_dtype": None,
 
 def scaled_mm_arg(node: Node, name: str):
     i = _SCALED_MM_ARGS.index(name)
-    return node.args[i] if i < len(node.args) else node.kwargs.get(name, _SCALED_MM_DEFAULTS.get(name))
+    if i < len(node.args):
+        return node.args[i]
+    return node.kwargs.get(name, _SCALED_MM_DEFAULTS.get(name))
 
 
 @dataclasses.dataclass

@@ -412,7 +412,8 @@ def has_fused_plan(op: str) -> bool:
 
 def scaled_mm_plan(task: Task) -> tuple[None, str]:
     """(None, why) for the FP8 ops: what runs instead, and how to ask for the rest."""
-    keep = "the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's reference"
+    keep = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
+            "reference")
     if task.op == ALL_GATHER_SCALED_MM:
         return None, (f"the fp8 plan ({FP8_AG_LABEL}: _scaled_mm per group of gathered chunks) "
                       f"is not measured on a GPU yet: {keep}, DITRON_PLAN=fused that plan)")

@@ -68,8 +68,9 @@ def _cases(group_name, world, gen):
     s_a = torch.rand(64, 1, generator=gen, device="cuda") + 0.5
     s_b = torch.rand(1, 128, generator=gen, device="cuda") + 0.5
     served = stats["all_gather_scaled_mm"]
+    plan = _plan(world, 64 * world, 256, 128)
     out = torch.ops.ditron.all_gather_scaled_mm(a, s_a, [w], [s_b], [None], BF16, False, 0,
-                                                group_name, world, _plan(world, 64 * world, 256, 128))
+                                                group_name, world, plan)
     ref = all_gather_scaled_mm_reference(a, s_a, [w], [s_b], [None], BF16, False, 0, group_name,
                                          world)
     assert stats["all_gather_scaled_mm"] == served
