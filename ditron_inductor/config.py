@@ -39,7 +39,9 @@ SYMM_MEM_BACKENDS = ("auto", "nvshmem", "torch")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # Dtypes the ditron ops serve; other dtypes are left to Inductor.
-dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
+# (the float8 ones: the operands of torch._scaled_mm, whose output is one of the others)
+dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16,
+                                            torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 class OptionError(ShortenTraceback, ValueError):

@@ -7,7 +7,9 @@ included) and is the ground truth in tests. The ops are registered with `Library
 rather than `torch.library.custom_op`, whose per-call Python wrapping (dynamo guard, alias checks
 of the outputs) cost more host time than the rest of a call. The pass puts the ops in post-grad
 graphs, where autograd has run; only the MoE ops have an autograd formula (each one's backward is
-the other's transposed sequence), for a training step that calls them itself.
+the other's transposed sequence), for a training step that calls them itself. The scaled (FP8)
+ops have none: torch._scaled_mm has none either (float8 training defines its backward as more
+_scaled_mm calls, which the pass finds in the backward graph).
 
 The fused CUDA implementations come from one place, `runtime.FUSED_IMPLS`. An op whose plan asks
 for a fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
@@ -29,6 +31,11 @@ from .log_names import LOGGER_NAME
 from .scheduler.plan import FUSED, decode
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
+    ALL_GATHER_SCALED_MM,
+    SCALED_MM_ALL_REDUCE,
+    SCALED_MM_REDUCE_SCATTER,
+    all_gather_scaled_mm_task,
+    scaled_mm_collective_task,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_REDUCE,
@@ -112,6 +119,13 @@ _TASK_BUILDERS: dict[str, Callable] = {
                                *group, has_residual=residual is not None),
     ALL_TO_ALL_GROUPED_MM: all_to_all_grouped_mm_task,
     GROUPED_MM_ALL_TO_ALL: grouped_mm_all_to_all_task,
+    ALL_GATHER_SCALED_MM: all_gather_scaled_mm_task,
+    SCALED_MM_REDUCE_SCATTER: functools.partial(scaled_mm_collective_task,
+                                                SCALED_MM_REDUCE_SCATTER),
+    SCALED_MM_ALL_REDUCE:
+        lambda a, b, scale_a, scale_b, bias, out_dtype, fast, out_shape, reduce_op, *group:
+        scaled_mm_collective_task(SCALED_MM_ALL_REDUCE, a, b, scale_a, scale_b, bias, out_dtype,
+                                  fast, out_shape, 0, reduce_op, *group),
 }
 
 
@@ -470,3 +484,173 @@ _define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets,
         "SymInt[] input_split_sizes, str group_name, SymInt world_size, str plan) -> Tensor",
         grouped_mm_all_to_all, _grouped_mm_all_to_all_fake, _grouped_mm_all_to_all_backward,
         _grouped_mm_all_to_all_setup)
+
+
+# ------------------------------------------------------------------------ FP8: the scaled ops
+# torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=, use_fast_accum=): a [M, K] and
+# b [K, N] in a float8 dtype, dequantised by float32 scales, tensorwise (one each) or rowwise
+# (scale_a [M, 1], scale_b [1, N]), the product (+ bias) in out_dtype (None: a's dtype).
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                    bias: Optional[Tensor], what: str, rows: Optional[int] = None) -> None:
+    """Fail before any collective, naming the problem, where _scaled_mm would fail after it (or
+    on some ranks only). rows: the rows a rowwise scale_a has (default: a's)."""
+    problem = None
+    rows = a.shape[0] if rows is None else rows
+    if a.dtype not in FLOAT8_DTYPES or b.dtype not in FLOAT8_DTYPES:
+        problem = f"operands must be float8 (e4m3fn or e5m2), got {a.dtype} and {b.dtype}"
+    elif a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        problem = f"a {list(a.shape)} @ b {list(b.shape)} is not a [M, K] @ [K, N] product"
+    elif scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        problem = f"scales must be float32, got {scale_a.dtype} and {scale_b.dtype}"
+    elif not ((scale_a.numel() == 1 and scale_b.numel() == 1)
+              or (list(scale_a.shape) == [rows, 1] and list(scale_b.shape) == [1, b.shape[1]])):
+        problem = (f"scales {list(scale_a.shape)} and {list(scale_b.shape)} are neither "
+                   f"tensorwise (one element each) nor rowwise ([{rows}, 1] and "
+                   f"[1, {b.shape[1]}])")
+    elif bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        problem = f"bias {list(bias.shape)} is not one value per column ({b.shape[1]})"
+    if problem:
+        raise ValueError(f"ditron.{what}: {problem}")
+
+
+def _all_gather_bytes(x: Tensor, gather_dim: int, group_name: str, world_size: int) -> Tensor:
+    """_all_gather of a float8 tensor as its bytes: gloo has no float8 dtypes (nor has CPU cat
+    of them), and the bytes are what moves anyway."""
+    if x.dtype not in FLOAT8_DTYPES:
+        return _all_gather(x, gather_dim, group_name, world_size)
+    return _all_gather(x.view(torch.uint8), gather_dim, group_name, world_size).view(x.dtype)
+
+
+def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    # rowwise scales with stride 1 along their size-1 dim, which _scaled_mm checks and a layout
+    # that Inductor chose for them need not have
+    if scale_a.numel() > 1:
+        scale_a, scale_b = scale_a.reshape(-1).unsqueeze(1), scale_b.reshape(-1).unsqueeze(0)
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+def all_gather_scaled_mm_reference(a_shard, scale_a, weights, scales_b, biases, out_dtype,
+                                   use_fast_accum, gather_dim, group_name, world_size):
+    gathered = _all_gather_bytes(a_shard, gather_dim, group_name, world_size)
+    a = gathered.reshape(-1, gathered.shape[-1])
+    if scale_a.numel() > 1:  # rowwise: the shard's rows' scales, gathered like its rows
+        scale_a = _all_gather(scale_a, 0, group_name, world_size)
+    return [gathered] + [_scaled_mm(a, w, scale_a, s, b, out_dtype, use_fast_accum)
+                         for w, s, b in zip(weights, scales_b, biases)]
+
+
+def _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gather_dim):
+    if not len(weights) == len(scales_b) == len(biases) or not weights:
+        raise ValueError(f"ditron.all_gather_scaled_mm: {len(weights)} weights, "
+                         f"{len(scales_b)} scales_b and {len(biases)} biases: one of each per "
+                         "product, at least one")
+    if scale_a.numel() > 1 and gather_dim != 0:
+        raise ValueError("ditron.all_gather_scaled_mm: a rowwise scale_a is gathered on dim 0 "
+                         f"with the rows, but gather_dim is {gather_dim}")
+    a2d = a_shard.reshape(-1, a_shard.shape[-1])
+    for w, s, b in zip(weights, scales_b, biases):
+        check_scaled_mm(a2d, w, scale_a, s, b, "all_gather_scaled_mm")
+
+
+def all_gather_scaled_mm(a_shard: Tensor, scale_a: Tensor, weights: list[Tensor],
+                         scales_b: list[Tensor], biases: list[Optional[Tensor]],
+                         out_dtype: Optional[torch.dtype], use_fast_accum: bool, gather_dim: int,
+                         group_name: str, world_size: int, plan: str) -> list[Tensor]:
+    """all_gather_matmul for float8: gather the float8 `a_shard` along `gather_dim` (one byte
+    an element on the wire), flatten it to [M, K] and _scaled_mm it by each weight [K, N_i]
+    with scale_a and scales_b[i] (+ biases[i]) into out_dtype. scale_a: one element
+    (tensorwise), or the shard's rows' scales [rows, 1] (rowwise, gather_dim 0), gathered too.
+
+    Returns [gathered activation (float8, N-d), product 0, product 1, ...]."""
+    _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gather_dim)
+    return _dispatch(ALL_GATHER_SCALED_MM, plan, a_shard.is_cuda,
+                     all_gather_scaled_mm_reference, a_shard, scale_a, weights, scales_b, biases,
+                     out_dtype, use_fast_accum, gather_dim, group_name, world_size)
+
+
+def _all_gather_scaled_mm_fake(a_shard, scale_a, weights, scales_b, biases, out_dtype,
+                               use_fast_accum, gather_dim, group_name, world_size, plan):
+    shape = list(a_shard.shape)
+    shape[gather_dim] = shape[gather_dim] * world_size
+    gathered = a_shard.new_empty(shape)
+    rows = gathered.numel() // shape[-1]
+    return [gathered] + [a_shard.new_empty([rows, w.shape[1]], dtype=out_dtype or a_shard.dtype)
+                         for w in weights]
+
+
+_define("all_gather_scaled_mm(Tensor a_shard, Tensor scale_a, Tensor[] weights, "
+        "Tensor[] scales_b, Tensor?[] biases, ScalarType? out_dtype, bool use_fast_accum, "
+        "SymInt gather_dim, str group_name, SymInt world_size, str plan) -> Tensor[]",
+        all_gather_scaled_mm, _all_gather_scaled_mm_fake)
+
+
+def scaled_mm_reduce_scatter_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                       out_shape, scatter_dim, reduce_op, group_name,
+                                       world_size):
+    out = _as_nd(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum), out_shape)
+    if scatter_dim != 0:
+        out = torch.cat(out.chunk(world_size, dim=scatter_dim), dim=0)
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(out.contiguous(), reduce_op, world_size,
+                                                       group_name))
+
+
+def scaled_mm_reduce_scatter(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                             bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+                             use_fast_accum: bool, out_shape: Sequence[int], scatter_dim: int,
+                             reduce_op: str, group_name: str, world_size: int,
+                             plan: str) -> Tensor:
+    """matmul_reduce_scatter for float8: _scaled_mm(a, b, scale_a, scale_b, bias) in out_dtype,
+    viewed as `out_shape`, reduce-scattered along `scatter_dim` (in out_dtype: the partial
+    sums are not float8)."""
+    check_scaled_mm(a, b, scale_a, scale_b, bias, "scaled_mm_reduce_scatter")
+    return _dispatch(SCALED_MM_REDUCE_SCATTER, plan, a.is_cuda,
+                     scaled_mm_reduce_scatter_reference, a, b, scale_a, scale_b, bias, out_dtype,
+                     use_fast_accum, out_shape, scatter_dim, reduce_op, group_name, world_size)
+
+
+def _scaled_mm_reduce_scatter_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                   out_shape, scatter_dim, reduce_op, group_name, world_size,
+                                   plan):
+    shape = _full_shape(a, b, out_shape)
+    shape[scatter_dim] = shape[scatter_dim] // world_size
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+_define("scaled_mm_reduce_scatter(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+        "Tensor? bias, ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, "
+        "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
+        scaled_mm_reduce_scatter, _scaled_mm_reduce_scatter_fake)
+
+
+def scaled_mm_all_reduce_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                   out_shape, reduce_op, group_name, world_size):
+    out = _as_nd(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum), out_shape)
+    return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
+
+
+def scaled_mm_all_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                         bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+                         use_fast_accum: bool, out_shape: Sequence[int], reduce_op: str,
+                         group_name: str, world_size: int, plan: str) -> Tensor:
+    """matmul_all_reduce for float8: _scaled_mm(a, b, scale_a, scale_b, bias) in out_dtype,
+    viewed as `out_shape`, all-reduced over the group."""
+    check_scaled_mm(a, b, scale_a, scale_b, bias, "scaled_mm_all_reduce")
+    return _dispatch(SCALED_MM_ALL_REDUCE, plan, a.is_cuda, scaled_mm_all_reduce_reference,
+                     a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out_shape,
+                     reduce_op, group_name, world_size)
+
+
+def _scaled_mm_all_reduce_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                               out_shape, reduce_op, group_name, world_size, plan):
+    return a.new_empty(_full_shape(a, b, out_shape), dtype=out_dtype or a.dtype)
+
+
+_define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, "
+        "ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, str reduce_op, "
+        "str group_name, SymInt world_size, str plan) -> Tensor",
+        scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)

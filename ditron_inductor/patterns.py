@@ -13,5 +13,14 @@ MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
 ALL_TO_ALL_GROUPED_MM = "all_to_all_grouped_mm"
 GROUPED_MM_ALL_TO_ALL = "grouped_mm_all_to_all"
 MOE_PATTERNS = (ALL_TO_ALL_GROUPED_MM, GROUPED_MM_ALL_TO_ALL)
+# FP8: the all-gather, reduce-scatter and all-reduce shapes around torch._scaled_mm (torchao's
+# float8 training, DTensor's fp8 tensor parallelism), scales, bias and output dtype carried.
+ALL_GATHER_SCALED_MM = "all_gather_scaled_mm"
+SCALED_MM_REDUCE_SCATTER = "scaled_mm_reduce_scatter"
+SCALED_MM_ALL_REDUCE = "scaled_mm_all_reduce"
+SCALED_MM_PATTERNS = (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE)
 PATTERNS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-            MATMUL_ALL_REDUCE_RMSNORM) + MOE_PATTERNS
+            MATMUL_ALL_REDUCE_RMSNORM) + MOE_PATTERNS + SCALED_MM_PATTERNS
+# by the collective they end or start with
+ALL_GATHER_PATTERNS = (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM)
+REDUCE_SCATTER_PATTERNS = (MATMUL_REDUCE_SCATTER, SCALED_MM_REDUCE_SCATTER)

@@ -12,6 +12,13 @@ Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
   mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
   all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
+FP8: _scaled_mm takes the place of mm / addmm in the first three (the ops all_gather_scaled_mm,
+scaled_mm_reduce_scatter, scaled_mm_all_reduce), its scales, bias, out_dtype and use_fast_accum
+carried. As torchao's float8 tensor parallelism leaves them: the float8 activation (tensorwise
+scaled) gathered, its pieces moved along the gather dim as bytes (view(uint8) -> cat ->
+view(float8)); a rowwise scale_a of the gathered rows is itself an all-gather of the shard's
+scales on dim 0; the product (bf16) reduce-scattered or all-reduced.
+
 Candidates that no op serves are matches too, with the problem (a collective of a sum of matmuls,
 a gathered activation no matmul takes as its left operand), so that the log names them.
 """
@@ -24,17 +31,22 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from .. import config
 from ..scheduler.task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
+    SCALED_MM_ALL_REDUCE,
+    SCALED_MM_REDUCE_SCATTER,
     Task,
     all_gather_matmul_task,
+    all_gather_scaled_mm_task,
     chunks_contiguous,
     matmul_collective_task,
     numel,
+    scaled_mm_collective_task,
 )
 from .moe import find_moe_matches
 from .nodes import RESHAPES, fake, is_call, output_among_inputs
@@ -53,9 +65,24 @@ def other_users(node: Node, allowed: Sequence[Node]) -> list[Node]:
     return [u for u in node.users if u not in allowed]
 
 
+# torch._scaled_mm's arguments in schema order, and the defaults of those that have one
+_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
+                   "use_fast_accum")
+_SCALED_MM_DEFAULTS = {"bias": None, "scale_result": None, "out_dtype": None,
+                       "use_fast_accum": False}
+
+
+def scaled_mm_arg(node: Node, name: str):
+    i = _SCALED_MM_ARGS.index(name)
+    if i < len(node.args):
+        return node.args[i]
+    return node.kwargs.get(name, _SCALED_MM_DEFAULTS.get(name))
+
+
 @dataclasses.dataclass
 class MatmulUse:
-    """One mm/addmm whose left operand is the gathered activation (or that feeds a collective).
+    """One mm/addmm/_scaled_mm whose left operand is the gathered activation (or that feeds a
+    collective).
 
     The operands are read from the node when asked: an earlier rewrite in the same pass may have
     replaced one of them (a matmul fed by another fused matmul)."""
@@ -63,24 +90,63 @@ class MatmulUse:
     node: Node
 
     @property
-    def has_bias(self) -> bool:
+    def scaled(self) -> bool:
+        """A _scaled_mm of float8 operands, with the scales, out_dtype and use_fast_accum below."""
+        return self.node.target is aten._scaled_mm.default
+
+    @property
+    def _addmm(self) -> bool:
         return self.node.target is aten.addmm.default
 
     @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+    @property
     def a(self) -> Node:
-        return self.node.args[1 if self.has_bias else 0]
+        if self.scaled:
+            return scaled_mm_arg(self.node, "self")
+        return self.node.args[1 if self._addmm else 0]
 
     @property
     def weight(self) -> Node:
-        return self.node.args[2 if self.has_bias else 1]
+        if self.scaled:
+            return scaled_mm_arg(self.node, "mat2")
+        return self.node.args[2 if self._addmm else 1]
 
     @property
     def bias(self) -> Optional[Node]:
-        return self.node.args[0] if self.has_bias else None
+        if self.scaled:
+            return scaled_mm_arg(self.node, "bias")
+        return self.node.args[0] if self._addmm else None
+
+    @property
+    def scale_a(self) -> Node:
+        return scaled_mm_arg(self.node, "scale_a")
+
+    @property
+    def scale_b(self) -> Node:
+        return scaled_mm_arg(self.node, "scale_b")
+
+    @property
+    def out_dtype(self) -> Optional[torch.dtype]:
+        return scaled_mm_arg(self.node, "out_dtype")
+
+    @property
+    def use_fast_accum(self) -> bool:
+        return bool(scaled_mm_arg(self.node, "use_fast_accum"))
+
+    def scaled_args(self, scale_a: Optional[Node] = None) -> tuple:
+        """The scaled ops' (scale_a, scale_b, bias, out_dtype, use_fast_accum)."""
+        return (self.scale_a if scale_a is None else scale_a, self.scale_b, self.bias,
+                self.out_dtype, self.use_fast_accum)
 
 
 def as_matmul(node: Node) -> Optional[MatmulUse]:
     if is_call(node, aten.mm.default):
+        return MatmulUse(node)
+    # scale_result scales a float8 output, which no op here produces
+    if is_call(node, aten._scaled_mm.default) and scaled_mm_arg(node, "scale_result") is None:
         return MatmulUse(node)
     # Only a per-column bias: the ops add a bias of shape [N] (broadcast over rows).
     if (is_call(node, aten.addmm.default) and not node.kwargs and len(node.args) == 3
@@ -121,16 +187,34 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
         pieces = inner = slices
     else:
         return None
+    if pieces is slices and not _slices_tile_in_order(pieces):
+        return None
+    as_bytes = _byte_views(pieces)
+    if as_bytes:
+        pieces, inner = as_bytes, inner + as_bytes
     cats = {u for p in pieces for u in p.users}
     if len(cats) != 1 or any(len(p.users) != 1 for p in pieces):
         return None
     cat = cats.pop()
     if not is_call(cat, aten.cat.default) or list(cat.args[0]) != pieces:
         return None
-    if pieces is slices and not _slices_tile_in_order(pieces):
-        return None
     cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if as_bytes:  # the concatenated bytes viewed back as src's dtype
+        back = list(cat.users)
+        if len(back) != 1 or not is_call(back[0], aten.view.dtype) or (
+                back[0].args[1] != fake(src).dtype):
+            return None
+        inner, cat = inner + [cat], back[0]
     return ChunkCat(cat, normalize_dim(cat_dim, ndim), list(inner))
+
+
+def _byte_views(pieces: list[Node]) -> Optional[list[Node]]:
+    """piece.view(uint8) of each piece, the piece's only user, or None: how DTensor moves the
+    pieces of a float8 tensor along a dim (there is no CPU cat of float8)."""
+    views = [next(iter(p.users)) if len(p.users) == 1 else None for p in pieces]
+    if all(is_call(v, aten.view.dtype) and v.args[1] == torch.uint8 for v in views):
+        return views
+    return None
 
 
 def _slices_tile_in_order(slices: list[Node]) -> bool:
@@ -188,17 +272,32 @@ class AllGatherMatmulMatch:
     # the graph permutes them back (lowering/reorder.py), to the gathered activation's sizes.
     row_order: Optional[RowOrder] = None
     gathered_sizes: Optional[list[int]] = None
+    # _scaled_mm: the scale_a the op takes (one element, or the shard's rowwise scales) and
+    # the all-gather of the rowwise scales (wait, gather) that the op replaces
+    scale_a: Optional[Node] = None
+    scale_gather: list[Node] = dataclasses.field(default_factory=list)
 
     @property
     def a_shard(self) -> Node:
         return self.gather.args[0]
 
+    @property
+    def scaled(self) -> bool:
+        return bool(self.matmuls) and self.matmuls[0].scaled
+
     def task(self) -> Task:
-        task = all_gather_matmul_task(
-            fake(self.a_shard), [fake(m.weight) for m in self.matmuls],
-            [None if m.bias is None else fake(m.bias) for m in self.matmuls],
-            self.gather_dim, self.group_name, self.world_size,
-        )
+        biases = [None if m.bias is None else fake(m.bias) for m in self.matmuls]
+        if self.scaled:
+            first = self.matmuls[0]
+            task = all_gather_scaled_mm_task(
+                fake(self.a_shard), fake(self.scale_a), [fake(m.weight) for m in self.matmuls],
+                [fake(m.scale_b) for m in self.matmuls], biases, first.out_dtype,
+                first.use_fast_accum, self.gather_dim, self.group_name, self.world_size)
+        else:
+            task = all_gather_matmul_task(
+                fake(self.a_shard), [fake(m.weight) for m in self.matmuls], biases,
+                self.gather_dim, self.group_name, self.world_size,
+            )
         if self.row_order is None:
             return task
         copied = sum((numel(fake(m.node).shape) for m in self.matmuls
@@ -238,12 +337,44 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
             match.problem = (f"the raw all-gather output {wait.name} is also used by "
                              f"{', '.join(u.name for u in extra)}")
     match.problem = match.problem or _matmul_depends_on_another(matmuls)
+    if match.scaled:
+        match.problem = match.problem or _scale_a_problem(match)
     if chunk_cat and _rows_interleave(fake(match.a_shard).shape, gather_dim):
         match.row_order, match.gathered_sizes, note = _rank_major(
             fake(match.a_shard).shape, fake(gathered).shape, gather_dim, world_size,
             [m.node for m in matmuls], folds_into_users, "gathered")
         match.notes.append(note)
     return match
+
+
+def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
+    """Sets the scale_a the op takes: the _scaled_mm calls' one scale, or for rowwise scales of
+    the gathered rows the shard's, whose all-gather the op replaces; or says why there is none."""
+    scaled = [m for m in match.matmuls if m.scaled]
+    names = ", ".join(m.node.name for m in match.matmuls)
+    if len(scaled) != len(match.matmuls):
+        return f"the gathered activation feeds both _scaled_mm and mm ({names})"
+    first = scaled[0]
+    match.scale_a = first.scale_a  # for the Task, whatever the problem
+    if any((m.scale_a, m.out_dtype, m.use_fast_accum)
+           != (first.scale_a, first.out_dtype, first.use_fast_accum) for m in scaled):
+        return f"the _scaled_mm calls {names} differ in scale_a, out_dtype or use_fast_accum"
+    scale = first.scale_a
+    if statically_known_true(fake(scale).numel() == 1):
+        return None
+    wait = scale
+    gather = wait.args[0] if is_call(wait, c10d.wait_tensor.default) else None
+    rows = numel(fake(match.a_shard).shape[:-1])
+    if not (is_call(wait, c10d.wait_tensor.default)
+            and is_call(gather, c10d.all_gather_into_tensor.default)
+            and list(gather.args[1:3]) == [match.world_size, match.group_name]
+            and match.gather_dim == 0 and match.chunk_cat is None
+            and statically_known_true(sym_eq(fake(gather.args[0]).shape, (rows, 1)))):
+        return (f"scale_a {scale.name} of {first.node.name} holds a scale per row, but is not "
+                f"the all-gather on dim 0 of the shard's [{rows}, 1] scales over group "
+                f"{match.group_name}")
+    match.scale_a, match.scale_gather = gather.args[0], [wait, gather]
+    return None
 
 
 def _rows_interleave(piece_shape, dim: int) -> bool:
@@ -276,7 +407,10 @@ def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
     found = []
     for a in matrices:
         for u in a.users:
-            if is_call(u, aten.mm.default, aten.addmm.default):
+            if is_call(u, aten._scaled_mm.default):
+                if MatmulUse(u).weight is a:
+                    found.append((u, "takes it as its right operand"))
+            elif is_call(u, aten.mm.default, aten.addmm.default):
                 served = as_matmul(u)
                 if served is not None and served.a is a:
                     continue
@@ -306,7 +440,7 @@ def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
 
 @dataclasses.dataclass
 class MatmulCollectiveMatch:
-    op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE or MATMUL_ALL_REDUCE_RMSNORM
+    op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM or SCALED_MM_*
     collective: Node
     wait: Node
     # One matmul, or the terms of a sum of matmul products (the input gradient of layers that
@@ -343,7 +477,12 @@ class MatmulCollectiveMatch:
         mm = self.matmul
         shape = fake(self.reshape).shape if self.reshape is not None else []
         bias = None if mm.bias is None else fake(mm.bias)
-        if self.norm:
+        if mm.scaled:
+            task = scaled_mm_collective_task(
+                self.op, fake(mm.a), fake(mm.weight), fake(mm.scale_a), fake(mm.scale_b), bias,
+                mm.out_dtype, mm.use_fast_accum, shape, self.dim, self.reduce_op,
+                self.group_name, self.world_size)
+        elif self.norm:
             task = matmul_collective_task(
                 MATMUL_ALL_REDUCE_RMSNORM, fake(mm.a), fake(mm.weight), bias, shape, 0,
                 self.reduce_op, self.group_name, self.world_size,
@@ -417,7 +556,9 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
             isinstance(s, (int, Node)) and not (isinstance(s, int) and s < 0)
             for s in reshape.args[1]):
         match.problem = match.problem or f"{reshape.name} infers a size (-1)"
-    if op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in config.patterns:
+    if matmuls[0].scaled:
+        match.op = SCALED_MM_REDUCE_SCATTER if op == MATMUL_REDUCE_SCATTER else SCALED_MM_ALL_REDUCE
+    elif op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in config.patterns:
         match.norm = find_rmsnorm_tail(match.wait)
         if match.norm is not None:
             match.op = MATMUL_ALL_REDUCE_RMSNORM
@@ -474,6 +615,8 @@ def _terms_problem(total: Node, matmuls: list[MatmulUse]) -> Optional[str]:
     if len(matmuls) < 2:
         return None
     names = " + ".join(m.node.name for m in matmuls)
+    if any(m.scaled for m in matmuls):
+        return f"{total.name} sums _scaled_mm products ({names}): each has scales of its own"
     if any(m.has_bias for m in matmuls):
         return f"{total.name} sums matmuls ({names}) of which one adds a bias"
     if len({tuple(fake(m.node).shape) for m in matmuls}) > 1 or any(

@@ -12,12 +12,14 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .graph_edit import erase_unused, insert_call, insert_getitem
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
+from .nodes import fake
 from .reorder import SWAP_FIRST_TWO, RowOrder
-from ..scheduler.task import MATMUL_REDUCE_SCATTER
+from ..scheduler.task import REDUCE_SCATTER_PATTERNS
 
 aten = torch.ops.aten
 ditron = torch.ops.ditron
@@ -29,16 +31,15 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
     k = shard.meta["val"].shape[-1]
     if order is not None:  # rank-major rows: a gather on dim 0 of the shard's matrix
         shard, gather_dim = insert_call(graph, aten.reshape.default, (shard, [-1, k])), 0
-    args = (
-        shard,
-        [m.weight for m in match.matmuls],
-        [m.bias for m in match.matmuls],
-        gather_dim,
-        match.group_name,
-        match.world_size,
-        plan,
-    )
-    op = insert_call(graph, ditron.all_gather_matmul.default, args)
+    weights, biases = [m.weight for m in match.matmuls], [m.bias for m in match.matmuls]
+    group = (gather_dim, match.group_name, match.world_size, plan)
+    if match.scaled:
+        first = match.matmuls[0]
+        op = insert_call(graph, ditron.all_gather_scaled_mm.default, (
+            shard, match.scale_a, weights, [m.scale_b for m in match.matmuls], biases,
+            first.out_dtype, first.use_fast_accum, *group))
+    else:
+        op = insert_call(graph, ditron.all_gather_matmul.default, (shard, weights, biases, *group))
     outputs = [insert_getitem(graph, op, i) for i in range(1 + len(match.matmuls))]
     gathered = outputs[:1]  # the gathered activation, and the nodes that make it
     if order is not None:
@@ -51,7 +52,8 @@ def rewrite_all_gather_matmul(graph: Graph, match: AllGatherMatmulMatch, plan: s
         mm.node.replace_all_uses_with(out)
     inner = match.chunk_cat.inner if match.chunk_cat else []
     erase_unused(graph, [m.node for m in match.matmuls] + match.views[::-1]
-                  + gathered + [match.gathered] + inner[::-1] + [match.wait, match.gather])
+                  + gathered + [match.gathered] + inner[::-1] + [match.wait, match.gather]
+                  + match.scale_gather)
     return op
 
 
@@ -78,18 +80,25 @@ def _to_rank_major(graph: Graph, node: Node, order: RowOrder) -> Node:
 
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
     a, b = _operands(graph, match)
-    norm, order = match.norm, match.row_order
-    if match.op == MATMUL_REDUCE_SCATTER:
-        target = ditron.matmul_reduce_scatter.default
+    norm, order, mm = match.norm, match.row_order, match.matmul
+    operands = (mm.bias,)  # after a and b
+    if mm.scaled:  # scale_a, scale_b, bias, out_dtype, use_fast_accum
+        scale_a = mm.scale_a
+        # rowwise: one scale per row of a, permuted with them
+        if order is not None and not statically_known_true(fake(scale_a).numel() == 1):
+            scale_a = _to_rank_major(graph, scale_a, order)
+        operands = mm.scaled_args(scale_a)
+    if match.op in REDUCE_SCATTER_PATTERNS:
+        target = (ditron.scaled_mm_reduce_scatter if mm.scaled
+                  else ditron.matmul_reduce_scatter).default
         extra = ([], 0) if order is not None else (match.out_shape, match.dim)
     elif norm is not None:
         target = ditron.matmul_all_reduce_rmsnorm.default
         extra = (match.out_shape, norm.residual, norm.weight, norm.eps, norm.weight_in_fp32)
     else:
-        target = ditron.matmul_all_reduce.default
+        target = (ditron.scaled_mm_all_reduce if mm.scaled else ditron.matmul_all_reduce).default
         extra = (match.out_shape,)
-    args = (a, b, match.matmul.bias, *extra, match.reduce_op, match.group_name,
-            match.world_size, plan)
+    args = (a, b, *operands, *extra, match.reduce_op, match.group_name, match.world_size, plan)
     op = insert_call(graph, target, args)
     tail: list[Node] = []  # the replaced nodes after the collective, users first
     if norm is not None:

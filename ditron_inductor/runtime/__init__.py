@@ -6,7 +6,7 @@ Imported lazily by `ops` on the first CUDA call with a fused plan (it imports tr
 where that backend is chosen), which takes FUSED_IMPLS from here; nothing here imports `ops`.
 """
 
-from .all_gather import all_gather_matmul_fused
+from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
 from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
 from .reduce_scatter import matmul_reduce_scatter_fused
@@ -17,6 +17,7 @@ FUSED_IMPLS = {
     "matmul_reduce_scatter": matmul_reduce_scatter_fused,
     "matmul_all_reduce": matmul_all_reduce_fused,
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
+    "all_gather_scaled_mm": all_gather_scaled_mm_fused,
 }
 
 

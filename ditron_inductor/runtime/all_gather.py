@@ -14,6 +14,10 @@ One call (epoch e, this rank r of W, A chunk c = rank c's shard):
   (plan transfer="sm", opt-in: one Triton kernel on a few SMs pulls every chunk instead of the
   copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
 
+FP8 (all_gather_scaled_mm): the same protocol on float8 bytes (half of bf16's on the wire), the
+cuBLAS plan only, each group's GEMM a torch._scaled_mm into its rows of the outputs; tensorwise
+scales only (a chunk's rows share A's one scale; a rowwise scale_a would need its own gather).
+
 Signals are 4-byte copy-engine copies of a word holding the epoch (driver.py, context.py): every
 stream operation is a ctypes driver call (~50 per fused call at W=8) because a torch op or a
 Triton launch costs 10-100x more host time on the benchmark machine.
@@ -21,9 +25,12 @@ Triton launch costs 10-100x more host time on the benchmark machine.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 
-from ..scheduler.plan import SM, TRITON, AllGatherPlan
+from ..scheduler.plan import CUBLAS, SM, TRITON, AllGatherPlan
 from ..scheduler.task import Task
 from . import driver
 from .context import OpContext, get_context, wait_polls
@@ -40,7 +47,35 @@ from .launch import (
 )
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
-stats = {"all_gather_matmul": 0}
+stats = {"all_gather_matmul": 0, "all_gather_scaled_mm": 0}
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """What makes each GEMM a torch._scaled_mm: A's one scale, each weight's, the output dtype."""
+
+    scale_a: torch.Tensor
+    scales_b: list
+    out_dtype: torch.dtype
+    use_fast_accum: bool
+
+    def matmul_into(self, a_rows, i: int, w, bias, out) -> None:
+        torch._scaled_mm(a_rows, w, self.scale_a, self.scales_b[i], bias=bias,
+                         out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum, out=out)
+
+
+def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a, weights,
+                               scales_b, biases, out_dtype, use_fast_accum, gather_dim,
+                               group_name, world_size):
+    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
+    if plan.gemm != CUBLAS or plan.transfer == SM:
+        return decline("fp8: the cuBLAS plan only (_scaled_mm per group of chunks)")
+    if scale_a.numel() != 1 or any(s.numel() != 1 for s in scales_b):
+        return decline(f"fp8: {task.scales} scales (tensorwise only)")
+    scaled = Scaled(scale_a, list(scales_b), out_dtype or a_shard.dtype, use_fast_accum)
+    return all_gather_matmul_fused(task, plan, a_shard, weights, biases, gather_dim, group_name,
+                                   world_size, scaled)
 
 
 def chunk_runs(chunks: list[int]) -> list[tuple[int, int]]:
@@ -70,7 +105,7 @@ def chunk_groups(order: list[int], sizes) -> list[list[int]]:
 
 
 def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, biases, gather_dim,
-                            group_name, world_size):
+                            group_name, world_size, scaled: Optional[Scaled] = None):
     if torch.cuda.is_current_stream_capturing():
         return decline("CUDA graph capture (epochs are host values)")
     if gather_dim != 0:
@@ -79,17 +114,19 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         # every dim before gather_dim has size 1: the same rows as a gather on dim 0
         lead = list(a_shard.shape[:gather_dim])
         outs = all_gather_matmul_fused(task, plan, a_shard.reshape(a_shard.shape[gather_dim:]),
-                                       weights, biases, 0, group_name, world_size)
+                                       weights, biases, 0, group_name, world_size, scaled)
         if outs is not None:
             outs[0] = outs[0].view(lead + list(outs[0].shape))
         return outs
-    if a_shard.dtype not in DTYPES or a_shard.dim() < 2:
+    if a_shard.dtype not in (FLOAT8 if scaled else DTYPES) or a_shard.dim() < 2:
         return decline(f"dtype {a_shard.dtype} / rank {a_shard.dim()}")
     k = a_shard.shape[-1]
+    out_dtype = scaled.out_dtype if scaled else a_shard.dtype
     for w, b in zip(weights, biases):
-        if w.dim() != 2 or w.shape[0] != k or w.dtype != a_shard.dtype or not w.is_cuda:
+        w_dtype_ok = w.dtype in FLOAT8 if scaled else w.dtype == a_shard.dtype
+        if w.dim() != 2 or w.shape[0] != k or not w_dtype_ok or not w.is_cuda:
             return decline("weight shape/dtype")
-        if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != w.dtype
+        if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != out_dtype
                               or b.stride(0) != 1):
             return decline("bias shape/dtype")
     rows = a_shard.numel() // k
@@ -194,7 +231,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     driver.record(ctx.ev_end, sides[0])
 
     # 3. the GEMM(s), overlapping the transfers
-    outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+    outs = [torch.empty((M, w.shape[1]), dtype=out_dtype, device=a_shard.device)
             for w in weights]
     if use_triton:
         try:
@@ -214,19 +251,23 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                     for c in range(c0, c1 + 1):
                         driver.stream_wait(main, ctx.ev_chunks[c])
                     a_rows = gathered[lo:hi]
-                for w, b, out in zip(weights, biases, outs):
-                    matmul_into(a_rows, w, b, out[lo:hi])
+                for i, (w, b, out) in enumerate(zip(weights, biases, outs)):
+                    if scaled:
+                        scaled.matmul_into(a_rows, i, w, b, out[lo:hi])
+                    else:
+                        matmul_into(a_rows, w, b, out[lo:hi])
         if local != main:  # my rows of the gathered A
             driver.stream_wait(main, ctx.ev_chunks[r])
-    return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
+    return _all_gather_done(ctx, plan, main, a_shard, gathered, outs, scaled is not None)
 
 
 def _all_gather_done(ctx: OpContext, plan: AllGatherPlan, main: int, a_shard, gathered,
-                     outs) -> list:
+                     outs, scaled: bool = False) -> list:
     """Join the transfer streams, surface kernel-side errors, and shape the op's outputs."""
+    op = "all_gather_scaled_mm" if scaled else "all_gather_matmul"
     driver.stream_wait(main, ctx.ev_end)
-    check_errors(ctx, plan, "all_gather_matmul")
-    stats["all_gather_matmul"] += 1
+    check_errors(ctx, plan, op)
+    stats[op] += 1
     shape = list(a_shard.shape)
     shape[0] *= ctx.world
     return [gathered.view(shape)] + outs

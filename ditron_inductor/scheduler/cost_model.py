@@ -33,6 +33,8 @@ from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, ReduceScatterPlan, f
                    from_params)
 from .task import (
     ALL_GATHER_MATMUL,
+    ALL_GATHER_SCALED_MM,
+    SCALED_MM_PATTERNS,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
@@ -262,6 +264,10 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     none that names the kind (gemm for AG/RS, algo for the all-reduce), the task's default (the
     best validated candidate, or the all-reduce plan by M) with them on top; else those alone."""
     params = dict(params or {})
+    if task.op == ALL_GATHER_SCALED_MM:
+        label = "" if "gemm" in params else FP8_AG_LABEL
+        merged = {**({} if "gemm" in params else FP8_AG_PARAMS), **params}
+        return from_params(AllGatherPlan, merged, label=label).for_world(task.world_size)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         cls, selector, label = AllReducePlan, "algo", ""
         base = {} if selector in params else all_reduce_params(task)
@@ -390,9 +396,35 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
                   f"{predicted})")
 
 
+# FP8 (the scaled ops): the all-gather's cuBLAS plan runs _scaled_mm on groups of chunks in
+# arrival order (runtime/all_gather.py), moving one byte an element; none of it is measured on a
+# GPU yet, so the scheduler never chooses it (DITRON_PLAN=fused does). The reduce-scatter and the
+# all-reduce have no fused kernel.
+FP8_AG_LABEL, FP8_AG_PARAMS = "cublas_scaled_mm", dict(gemm="cublas")
+_FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
+                   MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM)
+
+
+def has_fused_plan(op: str) -> bool:
+    """Whether some fused plan runs the op on CUDA (one the scheduler may not choose yet)."""
+    return op in _FUSED_PLAN_OPS
+
+
+def scaled_mm_plan(task: Task) -> tuple[None, str]:
+    """(None, why) for the FP8 ops: what runs instead, and how to ask for the rest."""
+    keep = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
+            "reference")
+    if task.op == ALL_GATHER_SCALED_MM:
+        return None, (f"the fp8 plan ({FP8_AG_LABEL}: _scaled_mm per group of gathered chunks) "
+                      f"is not measured on a GPU yet: {keep}, DITRON_PLAN=fused that plan)")
+    return None, f"no fused CUDA kernel for {task.op} yet: {keep})"
+
+
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
     cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
+    if task.op in SCALED_MM_PATTERNS:
+        return scaled_mm_plan(task)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         return all_reduce_plan(task, cuda_graphs)
     # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still

@@ -13,9 +13,9 @@ from typing import Optional
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import config
-from .cost_model import choose_device_plan, fused_plan
+from .cost_model import choose_device_plan, fused_plan, has_fused_plan
 from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
-from .task import MATMUL_REDUCE_SCATTER, MOE_PATTERNS, Task
+from .task import REDUCE_SCATTER_PATTERNS, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def decide(task: Task) -> Decision:
     if task.dtype not in config.dtypes:
         return reject(f"dtype {task.dtype} is not supported")
     if (
-        task.op == MATMUL_REDUCE_SCATTER
+        task.op in REDUCE_SCATTER_PATTERNS
         and task.dim_size is not None
         and statically_known_true(task.dim_size % task.world_size != 0)
     ):
@@ -81,7 +81,7 @@ def decide(task: Task) -> Decision:
                     f"not {task.device_type}")
         return Decision(True, why, REFERENCE_PLAN)
     plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
-    if config.force_plan == FUSED and plan is None and task.op not in MOE_PATTERNS:
+    if config.force_plan == FUSED and plan is None and has_fused_plan(task.op):
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:
         return reject(why)

@@ -17,12 +17,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Task
     ALL_GATHER_MATMUL,
+    ALL_GATHER_PATTERNS,
+    ALL_GATHER_SCALED_MM,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
     MOE_PATTERNS,
+    REDUCE_SCATTER_PATTERNS,
+    SCALED_MM_ALL_REDUCE,
+    SCALED_MM_PATTERNS,
+    SCALED_MM_REDUCE_SCATTER,
 )
 
 SymOrInt = Union[int, torch.SymInt]
@@ -55,6 +61,12 @@ class Task:
     tokens: the (token, expert) rows this rank routes, T x top-k, which the dispatch sends and
     the combine receives back. rows_permuted: the experts read (write) the exchanged rows
     through an index, expert-major, rather than in the all-to-all's rank-major order.
+
+    The scaled (FP8) ops: dtype is the operands' float8 dtype (what an all-gather moves: one
+    byte an element), out_dtype the product's; scales is how they are scaled (`scale_kind`):
+    "tensorwise" (one scale per operand), "rowwise" (one per row of A, one per column of B),
+    else the scales' shapes; for the all-gather, a rowwise scale of A is gathered with A.
+    fast_accum: _scaled_mm's use_fast_accum.
     """
 
     op: str
@@ -78,6 +90,9 @@ class Task:
     experts: SymOrInt = 0
     tokens: SymOrInt = 0
     rows_permuted: bool = False
+    out_dtype: Optional[torch.dtype] = None
+    scales: str = ""
+    fast_accum: bool = False
 
     # The cross-rank schedule, which the kernels compute with templates/schedule.py's helpers
     # (the interpreter tests compare the two).
@@ -119,6 +134,9 @@ class Task:
                       else f", {self.terms} matmuls concatenated along K")
         if self.copy_elems:
             extra += f", copies {self.copy_elems} elements"
+        if self.out_dtype is not None:
+            out = str(self.out_dtype).replace("torch.", "")
+            dtype += f" {self.scales}{' fast-accum' if self.fast_accum else ''} -> {out}"
         return (
             f"{self.op} M={self.m} K={self.k} N={ns} {dtype} world={self.world_size}"
             f" group={self.group_name}{extra}"
@@ -172,10 +190,47 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
     return Task(
         op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],
         ns=(b.shape[1],), dtype=a.dtype, device_type=a.device.type, dim=dim,
-        dim_size=shape[dim] if op == MATMUL_REDUCE_SCATTER else None,
+        dim_size=shape[dim] if op in REDUCE_SCATTER_PATTERNS else None,
         reduce_op=reduce_op, has_bias=(bias is not None,),
         rank_chunks_contiguous=chunks_contiguous(shape, dim), has_residual=has_residual,
     )
+
+
+def scale_kind(scale_a, scale_b) -> str:
+    """How _scaled_mm's operands are scaled, from the scales' shapes (A [M, K], B [K, N])."""
+    def one(size) -> bool:  # a symbolic size counts as > 1: no guard from a Task
+        return statically_known_true(size == 1)
+
+    if one(scale_a.numel()) and one(scale_b.numel()):
+        return "tensorwise"
+    if scale_a.dim() == 2 and one(scale_a.shape[1]) and scale_b.dim() == 2 and one(
+            scale_b.shape[0]):
+        return "rowwise"
+    return f"scales {list(scale_a.shape)}x{list(scale_b.shape)}"
+
+
+def _scaled(task: Task, op: str, scale_a, scale_b, out_dtype, use_fast_accum: bool) -> Task:
+    return dataclasses.replace(task, op=op, out_dtype=out_dtype or task.dtype,
+                               scales=scale_kind(scale_a, scale_b), fast_accum=use_fast_accum)
+
+
+def all_gather_scaled_mm_task(a_shard, scale_a, weights, scales_b, biases, out_dtype,
+                              use_fast_accum: bool, gather_dim: int, group_name: str,
+                              world_size: int) -> Task:
+    """all_gather_matmul's Task for fp8 operands; a rowwise scale_a is the shard's ([rows, 1]),
+    its kind read as the gathered one's."""
+    task = all_gather_matmul_task(a_shard, weights, biases, gather_dim, group_name, world_size)
+    return _scaled(task, ALL_GATHER_SCALED_MM, scale_a, scales_b[0], out_dtype, use_fast_accum)
+
+
+def scaled_mm_collective_task(op: str, a, b, scale_a, scale_b, bias, out_dtype,
+                              use_fast_accum: bool, out_shape, dim: int, reduce_op: str,
+                              group_name: str, world_size: int) -> Task:
+    """matmul_collective_task's for _scaled_mm (op: SCALED_MM_REDUCE_SCATTER or _ALL_REDUCE)."""
+    plain = MATMUL_REDUCE_SCATTER if op == SCALED_MM_REDUCE_SCATTER else MATMUL_ALL_REDUCE
+    task = matmul_collective_task(plain, a, b, bias, out_shape, dim, reduce_op, group_name,
+                                  world_size)
+    return _scaled(task, op, scale_a, scale_b, out_dtype, use_fast_accum)
 
 
 def all_to_all_grouped_mm_task(x, output_split_sizes, input_split_sizes, row_index, weights,
