@@ -28,7 +28,7 @@ from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM, GROUPED_MM_ALL
 from ditron_inductor.templates import grouped_gemm  # noqa: E402
 
 F16 = torch.float16
-PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, warps=4, stages=2, progs=3)
+PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, group_m=2, warps=4, stages=2, progs=3)
 LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
 
 
@@ -203,7 +203,7 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     their expert-major positions (experts 0-1 on rank 0, 2-3 on rank 1: rank 0's expert 1 gets
     no row), counting them per destination tile; each rank's GEMM waits on its tiles' counters
     (expected: the previous call's count plus this call's rows) and reads the buffer. Then a
-    call whose peer never pushed: the bounded wait reports ERR_ROWS instead of hanging."""
+    call with one tile's rows missing: its bounded wait reports ERR_ROWS instead of hanging."""
     world, local_experts, k, n, bm = 2, 2, 32, 24, 16
     gen = torch.Generator().manual_seed(5)
     ws = [weights(local_experts, k, n, gen) for _ in range(world)]
@@ -259,21 +259,39 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
                 rank.err, m, n, k, local_experts, rank.recv.stride(0), rank.recv.stride(1),
                 *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
                 GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False,
-                WAIT=True, BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, E_P2=2, NUM_PROGS=3)
+                WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
             assert int(rank.err) == 0
             received = torch.stack([xs[p][i] for p, i in rows]).float()
             assert torch.equal(rank.recv[:m].float(), received)
             ref = torch._grouped_mm(received, ws[q].float(), offs=offsets)
             assert rel_err(out, ref) < 2e-3, (call, q)
             previous[q] = expect
-    # a third call on rank 0 whose rows never came: the wait gives up and says so
-    rank = ranks[0]
-    expect = previous[0] + 1
-    out = torch.zeros(bm, n, dtype=F16)
-    grouped_gemm.grouped_gemm_kernel[(1,)](
-        rank.recv, out, ws[0], torch.tensor([bm, bm], dtype=torch.int32), out, out, out, out,
-        rank.counts, expect, rank.err, bm, n, k, local_experts, rank.recv.stride(0), 1,
-        *ws[0].stride(), out.stride(0), 1, LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False,
-        SCALE=False, ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, E_P2=2,
-        NUM_PROGS=1)
+    # a third call on rank 1 in which one tile's rows never came (its counter one short, its
+    # rows not there): that tile's wait gives up and says so, the tile is left unwritten, and
+    # every other tile, whose counter is complete, is computed (a tile waiting on another
+    # tile's counter fails here)
+    q = 1
+    rank = ranks[q]
+    rows, tile_rows, offsets = layouts[q]
+    m = len(rows)
+    missing = len(tile_rows) - 2  # a tile of the first expert or the second
+    expect = rank.counts.clone()
+    expect[:len(tile_rows)] += torch.tensor(tile_rows, dtype=torch.int32)
+    counts = expect.clone()
+    counts[missing] -= 1
+    first_row = sum(tile_rows[:missing])
+    recv = rank.recv.clone()
+    recv[first_row:first_row + tile_rows[missing]] = float("nan")
+    out = torch.full((m, n), float("nan"), dtype=F16)
+    grouped_gemm.grouped_gemm_kernel[(3,)](
+        recv, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, m, n, k,
+        local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
+        out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
+        ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
+        GROUP_M=2)
     assert int(rank.err) == grouped_gemm.ERR_ROWS
+    skipped = torch.zeros(m, dtype=torch.bool)
+    skipped[first_row:first_row + tile_rows[missing]] = True
+    assert out[skipped].isnan().all()
+    ref = torch._grouped_mm(rank.recv[:m].float(), ws[q].float(), offs=offsets)
+    assert rel_err(out[~skipped], ref[~skipped]) < 2e-3

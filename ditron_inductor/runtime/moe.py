@@ -74,7 +74,8 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            GATHER=a_index is not None, WRITE_ROWS=rows_out is not None,
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
            WAIT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=plan.block_k,
-           E_P2=next_power_of_2(experts), NUM_PROGS=progs, num_warps=plan.warps,
+           E_P2=next_power_of_2(experts), NUM_PROGS=progs, GROUP_M=plan.group_m,
+           num_warps=plan.warps,
            num_stages=plan.stages)
 
 

@@ -190,6 +190,7 @@ class GroupedMmPlan(FusedPlan):
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
+    group_m: int = 8  # swizzle within an expert: m-tiles per group over the n-tiles
     stages: int = 3
     warps: int = 8
     progs: int = 0

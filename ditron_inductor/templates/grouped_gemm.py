@@ -9,8 +9,9 @@ without rows; its last one partial), numbered expert after expert (`expert_of_ti
 every program from the offsets with one vector load and a cumsum, so no host sync and no
 per-call tile table). The grid is persistent over an upper bound of the m-tiles, ceil(M /
 BLOCK_M) + E (each expert adds at most one partial tile; the rows past the last offset, if
-any, one more), times the n-tiles; tiles past the call's own count do nothing. Within an m-tile the n-tiles are consecutive, so programs that run
-together share the tile's rows (and their expert's weight) in L2.
+any, one more), times the n-tiles; tiles past the call's own count do nothing. Within an
+expert the tiles go GROUP_M m-tiles at a time over the n-tiles (the usual grouped order), so
+programs that run together share rows and the expert's weight in L2.
 
   prologue  GATHER: GEMM row i is row a_index[i] of A (the dispatch at world size 1: the
             all-to-all is the identity over ranks, so the dispatch is a gather of x's rows by
@@ -79,17 +80,29 @@ def grouped_gemm_kernel(
     GATHER: tl.constexpr, WRITE_ROWS: tl.constexpr, SCATTER: tl.constexpr,
     SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    E_P2: tl.constexpr, NUM_PROGS: tl.constexpr,
+    E_P2: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr = 8,
 ):
     pid = tl.program_id(0)
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     max_m_tiles = (M + BLOCK_M - 1) // BLOCK_M + E  # + the rows past the last expert's
     for tile in range(pid, max_m_tiles * num_pid_n, NUM_PROGS):
-        m_tile = tile // num_pid_n
-        pid_n = tile % num_pid_n
-        expert, start, count, t = expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M, E_P2)
-        if expert < E:
-            if WAIT:  # every row of this tile has landed (the peers' pushes counted them)
+        expert, start, count, t = expert_of_tile(offsets_ptr, tile // num_pid_n, M, E, BLOCK_M,
+                                                 E_P2)
+        # the expert's tiles are [first * num_pid_n, (first + its m-tiles) * num_pid_n): within
+        # them, GROUP_M m-tiles at a time over every n-tile (the expert's weight read once per
+        # GROUP_M m-tiles from L2, not once per m-tile)
+        first = tile // num_pid_n - t
+        nth = tile - first * num_pid_n
+        in_group = GROUP_M * num_pid_n
+        group_first = nth // in_group * GROUP_M
+        group_size = tl.minimum((count + BLOCK_M - 1) // BLOCK_M - group_first, GROUP_M)
+        group_size = tl.maximum(group_size, 1)  # past the last expert: no tile, any size
+        t = group_first + (nth % in_group) % group_size
+        pid_n = (nth % in_group) // group_size
+        m_tile = first + t  # its index among all the call's m-tiles (its arrival counter)
+        ready = expert < E
+        if WAIT:  # every row of this tile has landed (the peers' pushes counted them)
+            if ready:
                 want = tl.load(expect_ptr + m_tile)
                 v = load_acquire(count_ptr + m_tile)
                 n = 0
@@ -97,6 +110,8 @@ def grouped_gemm_kernel(
                     v = load_acquire(count_ptr + m_tile)
                     n += 1
                 record_give_up(v < want, 0, err_ptr, K_ERR_ROWS)
+                ready = v >= want  # a bounded wait that gave up: the tile is left unwritten
+        if ready:
             local = t * BLOCK_M + tl.arange(0, BLOCK_M)  # rows within the expert
             row_ok = local < count
             rows = start + local  # GEMM rows
@@ -136,7 +151,7 @@ def grouped_gemm_kernel(
                 tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
             else:
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        elif WRITE_ROWS:  # rows past the last expert: no product, but the rows output
+        elif WRITE_ROWS & (expert == E):  # rows past the last expert: no product, but the rows output
             if pid_n == 0:
                 rows = start + t * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = rows < M
