@@ -111,7 +111,7 @@ def variants():
                     K="i32", E="i32", stride_am="i32", stride_ak="i32", stride_be="i32",
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
-    moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132)
+    moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8)
     for gather, scatter, scale, wait in ((True, False, False, False), (False, False, False, False),
                                          (False, True, False, False), (False, True, True, False),
                                          (False, False, False, True)):
