@@ -59,9 +59,11 @@ def _cases(group_name, dtype, gen):
     dev = torch.device("cuda")
     ops = torch.ops.ditron
     count = 0
+    # every tile on the first case, the default tile on the others (each (tile, experts rounded
+    # up to a power of 2, dtype, variant) is one more kernel to compile)
     for tokens, experts, top_k, k, n, case in (
             (37, 4, 2, 256, 384, "empty_expert"), (300, 8, 2, 512, 264, "random"),
-            (129, 8, 1, 128, 136, "random"), (64, 16, 2, 512, 1024, "one_expert"),
+            (129, 8, 1, 128, 136, "random"), (64, 8, 2, 512, 1024, "one_expert"),
             (1000, 32, 8, 1024, 512, "random"), (0, 4, 2, 128, 128, "random")):
         order, offsets = _routing(tokens, experts, top_k, case, gen)
         order, offsets = order.to(dev), offsets.to(dev)
@@ -72,14 +74,18 @@ def _cases(group_name, dtype, gen):
         up = torch.randn(experts, k, n, device=dev, dtype=dtype) / k ** 0.5
         down = (torch.randn(experts, k, n, device=dev, dtype=dtype) / n ** 0.5).transpose(-2, -1)
         h = torch.randn(rows, n, device=dev, dtype=dtype)
-        for tile in TILES:
+        for tile in (TILES if count == 0 else TILES[:1]):
             tag = f"tokens={tokens} E={experts} top{top_k} k={k} n={n} {case} {dtype} {tile}"
             plan = _plan(ALL_TO_ALL_GROUPED_MM, **tile)
             served = stats[ALL_TO_ALL_GROUPED_MM]
             args = (x, [tokens], [tokens], row_index, [gate, up], offsets, group_name, 1)
             out = ops.all_to_all_grouped_mm(*args, plan)
-            ref = all_to_all_grouped_mm_reference(*args)
             assert stats[ALL_TO_ALL_GROUPED_MM] == served + 1, f"{tag}: dispatch not fused"
+            if not rows:  # no token: empty outputs (the reference's collectives not run)
+                assert [tuple(o.shape) for o in out] == [(0, k), (0, n), (0, n)], tag
+                count += 1
+                continue
+            ref = all_to_all_grouped_mm_reference(*args)
             assert torch.equal(out[0], ref[0]), f"{tag}: rows differ"
             if rows:
                 for o, r in zip(out[1:], ref[1:]):
@@ -91,10 +97,7 @@ def _cases(group_name, dtype, gen):
                 out = ops.grouped_mm_all_to_all(*args, _plan(GROUPED_MM_ALL_TO_ALL, **tile))
                 ref = grouped_mm_all_to_all_reference(*args)
                 assert stats[GROUPED_MM_ALL_TO_ALL] == served + 1, f"{tag}: combine not fused"
-                if rows:
-                    _check(f"combine index={index is not None} acc={accumulate} {tag}", out, ref)
-                else:
-                    assert out.shape == ref.shape
+                _check(f"combine index={index is not None} acc={accumulate} {tag}", out, ref)
             count += 1
     return count
 
