@@ -295,3 +295,45 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     assert out[skipped].isnan().all()
     ref = torch._grouped_mm(rank.recv[:m].float(), ws[q].float(), offs=offsets)
     assert rel_err(out[~skipped], ref[~skipped]) < 2e-3
+
+
+def test_ops_take_the_fused_path_and_match_their_reference():
+    """Both ops through their dispatch as a CUDA call would take it (the plan text decoded, the
+    runtime's implementation looked up, the Task built) on a world-1 gloo group, against their
+    reference composition, which runs the all-to-all: the fused path keeps the ops' semantics,
+    the exchange included."""
+    import torch.distributed as dist
+
+    from ditron_inductor import ops
+    from ditron_inductor.scheduler.decide import plan_for
+
+    gen = torch.Generator().manual_seed(6)
+    tokens, experts, top_k, k, n = 19, 4, 2, 32, 48
+    row_index, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    x = torch.randn(tokens, k, generator=gen).to(F16)
+    gate, up = weights(experts, k, n, gen, transposed=True), weights(experts, k, n, gen)
+    down = weights(experts, n, k, gen, transposed=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        task = task_of(ALL_TO_ALL_GROUPED_MM, x, [tokens], [tokens], row_index, [gate, up],
+                       offsets, group, 1)
+        text = plan_for(task, block_m=16, block_n=32, block_k=32, group_m=2, warps=4,
+                        progs=3).encode()
+        args = (x, [tokens], [tokens], row_index, [gate, up], offsets, group, 1)
+        served = dict(moe.stats)
+        rows, *outs = ops._dispatch(ALL_TO_ALL_GROUPED_MM, text, True,
+                                    ops.all_to_all_grouped_mm_reference, *args)
+        ref_rows, *refs = ops.all_to_all_grouped_mm_reference(*args)
+        assert torch.equal(rows, ref_rows)
+        for out, ref in zip(outs, refs):
+            assert rel_err(out, ref) < 5e-3
+        h = torch.randn(tokens * top_k, n, generator=gen).to(F16)
+        args = ([h], [down], offsets, row_index, True, [tokens], [tokens], group, 1)
+        out = ops._dispatch(GROUPED_MM_ALL_TO_ALL, text, True,
+                            ops.grouped_mm_all_to_all_reference, *args)
+        assert rel_err(out, ops.grouped_mm_all_to_all_reference(*args)) < 5e-3
+        assert {op: moe.stats[op] - served[op] for op in served} == {
+            ALL_TO_ALL_GROUPED_MM: 1, GROUPED_MM_ALL_TO_ALL: 1}
+    finally:
+        dist.destroy_process_group()
