@@ -86,6 +86,8 @@ PLANS = {
     "128x128": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8),
     "128x256": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8),
     "64x128": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4),
+    # the weights through TMA descriptors (their layout allows it at every model's shapes)
+    "128x128_tma": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8, tma_b=True),
 }
 TINY_PLANS = {"16x32": dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4)}
 STAGES = ("gate+up", "down")

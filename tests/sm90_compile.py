@@ -111,7 +111,8 @@ def variants():
                     K="i32", E="i32", stride_am="i32", stride_ak="i32", stride_be="i32",
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
-    moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8)
+    moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8,
+                     B_DESC=0)
     for gather, scatter, scale, wait in ((True, False, False, False), (False, False, False, False),
                                          (False, True, False, False), (False, True, True, False),
                                          (False, False, False, True)):
@@ -119,6 +120,11 @@ def variants():
                dict(moe_args, c_ptr="*fp32" if scale else "*bf16"),
                dict(moe_tiles, GATHER=gather, WRITE_ROWS=gather, SCATTER=scatter, SCALE=scale,
                     ACCUMULATE=scale, WAIT=wait), 8)
+    for b_desc, block in ((1, "64,128"), (2, "128,64")):  # the weights through TMA
+        yield (grouped_gemm.grouped_gemm_kernel,
+               dict(moe_args, b_ptr=f"tensordesc<bf16[{block}]>"),
+               dict(moe_tiles, GATHER=True, WRITE_ROWS=True, SCATTER=False, SCALE=False,
+                    ACCUMULATE=False, WAIT=False) | dict(B_DESC=b_desc), 8)
     yield (grouped_gemm.dispatch_put_kernel,
            dict(x_ptr="*bf16", dst_rank_ptr="*i32", dst_row_ptr="*i32", dst_tile_ptr="*i32",
                 data_table="*i64", count_table="*i64", rows="i32", K="i32"),

@@ -337,3 +337,27 @@ def test_ops_take_the_fused_path_and_match_their_reference():
             ALL_TO_ALL_GROUPED_MM: 1, GROUPED_MM_ALL_TO_ALL: 1}
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weights_through_tma_descriptors(transposed):
+    """tma_b: the weights through a TMA descriptor over their 2-d view ([E * K, N], or [E * N,
+    K] for nn.Linear's layout, whose N tail reaches into the next expert's rows); an expert
+    with no rows between two with rows; the same products as through pointers."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, experts, top_k, k, n = 21, 4, 2, 64, 40
+    row_index, offsets, _, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    x = torch.randn(tokens, k, generator=gen).to(F16)
+    w = weights(experts, k, n, gen, transposed=transposed)
+    tma = dataclasses.replace(PLAN, tma_b=True)
+    assert moe.weight_descriptor(w, tma)[1] == (2 if transposed else 1)
+    args = (x, [tokens], [tokens], row_index, [w], offsets, "0", 1)
+    rows, out = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), tma,
+                                                *args)
+    ref = torch._grouped_mm(x[row_index].float(), w.float(), offs=offsets)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 2e-3
+    # K no multiple of the block in [E, K, N]: pointers instead
+    assert moe.weight_descriptor(weights(experts, 40, n, gen), tma)[1] == 0

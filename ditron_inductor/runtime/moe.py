@@ -64,8 +64,11 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
     tiles = (cdiv(rows, bm) + experts) * cdiv(n, bn)
     progs = max(1, min(_programs(plan, a.device), tiles))
     unused = c  # pointer arguments a variant does not read
+    b, b_desc = weight, 0
+    if plan.tma_b:
+        b, b_desc = weight_descriptor(weight, plan)
     launch(grouped_gemm_kernel(), (progs,),
-           a, unused if a_index is None else a_index, weight, offsets, c,
+           a, unused if a_index is None else a_index, b, offsets, c,
            unused if c_index is None else c_index, unused if scale is None else scale,
            unused if rows_out is None else rows_out, offsets, offsets, offsets,
            rows, n, k, experts,
@@ -75,8 +78,31 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
            WAIT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=plan.block_k,
            E_P2=next_power_of_2(experts), NUM_PROGS=progs, GROUP_M=plan.group_m,
-           num_warps=plan.warps,
+           B_DESC=b_desc, num_warps=plan.warps,
            num_stages=plan.stages)
+
+
+def weight_descriptor(weight, plan: GroupedMmPlan):
+    """(a TMA descriptor over the weight's 2-d view, its B_DESC kind) where its layout allows:
+    [E, K, N] row-major as [E * K, N] when K is a multiple of block_k (a K block never reaches
+    into the next expert), or a transposed [E, N, K] (nn.Linear's) as [E * N, K]; TMA needs
+    16-byte aligned rows and base. Else (weight, 0): pointers."""
+    from ..templates.grouped_gemm import B_ROWS_K, B_ROWS_N
+
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return weight, 0
+    e, k, n = weight.shape
+    if weight.data_ptr() % 16 or e * max(k, n) >= 2 ** 31:
+        return weight, 0
+    if weight.stride() == (k * n, n, 1) and n % 8 == 0 and k % plan.block_k == 0:
+        return (TensorDescriptor.from_tensor(weight.reshape(e * k, n),
+                                             [plan.block_k, plan.block_n]), B_ROWS_K.value)
+    if weight.stride() == (k * n, 1, k) and k % 8 == 0:
+        return (TensorDescriptor.from_tensor(weight.transpose(-2, -1).reshape(e * n, k),
+                                             [plan.block_n, plan.block_k]), B_ROWS_N.value)
+    return weight, 0
 
 
 def grouped_gemm_kernel():

@@ -194,6 +194,7 @@ class GroupedMmPlan(FusedPlan):
     stages: int = 3
     warps: int = 8
     progs: int = 0
+    tma_b: bool = False  # the weights through a TMA descriptor where their layout allows
 
 
 def family(plan: FusedPlan) -> str:

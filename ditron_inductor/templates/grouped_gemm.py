@@ -35,7 +35,10 @@ threads, so that the rows are visible before the count). Counters only grow: a c
 each tile's counter at its previous value plus the rows of the tile this call (expect[], the
 receiver's), so nothing is reset between calls.
 
-Pointers, not TMA descriptors: the gathered and scattered rows are not one block of a tensor.
+A is read through pointers (the gathered rows are not one block of a tensor), B through pointers
+or (B_DESC) a Hopper TMA descriptor over the weights' 2-d view, [E * K, N] (K a multiple of
+BLOCK_K: a K block never reaches into the next expert) or [E * N, K] (nn.Linear's layout; the
+columns past N that reach into the next expert are not stored).
 (Ceil-divisions and zero fills are written out, as in ag_gemm.py, for the interpreter.)
 """
 
@@ -44,6 +47,9 @@ import triton.language as tl
 
 from .flags import load_acquire, polling, record_give_up
 
+# B_DESC: the weight through a TMA descriptor over its 2-d view, [E * K, N] or (a transposed
+# nn.Linear weight) [E * N, K]; 0: through pointers
+B_ROWS_K, B_ROWS_N = tl.constexpr(1), tl.constexpr(2)
 # error code (err word) of a tile whose rows never arrived (and the same for the kernels)
 ERR_ROWS = 8
 K_ERR_ROWS = tl.constexpr(ERR_ROWS)
@@ -81,6 +87,7 @@ def grouped_gemm_kernel(
     SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     E_P2: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr = 8,
+    B_DESC: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -122,21 +129,28 @@ def grouped_gemm_kernel(
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
-            b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
-                      + offs_n[None, :] * stride_bn)
+            if B_DESC == 0:
+                b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
+                          + offs_n[None, :] * stride_bn)
             r_ptrs = rows_out_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
             acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
             for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 k_left = K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
-                            other=0.0)
+                if B_DESC == B_ROWS_K:  # B [E * K, N]: rows expert * K + k (K % BLOCK_K == 0)
+                    b = b_ptr.load([expert * K + kk * BLOCK_K, pid_n * BLOCK_N])
+                elif B_DESC == B_ROWS_N:  # B^T [E * N, K]: rows expert * N + n
+                    b = b_ptr.load([expert * N + pid_n * BLOCK_N, kk * BLOCK_K]).T
+                else:
+                    b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
+                                other=0.0)
                 if WRITE_ROWS:
                     if pid_n == 0:
                         tl.store(r_ptrs, a, mask=row_ok[:, None] & (offs_k[None, :] < k_left))
                 acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+                if B_DESC == 0:
+                    b_ptrs += BLOCK_K * stride_bk
                 r_ptrs += BLOCK_K
             if SCALE:
                 s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)

@@ -21,7 +21,8 @@ from .test_fused_gpu import _check, _free_port
 pytestmark = pytest.mark.gpu
 
 TILES = ({}, dict(block_m=128, block_n=256), dict(block_m=64, block_n=128, stages=4, warps=4),
-         dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4, progs=7))
+         dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4, progs=7),
+         dict(tma_b=True), dict(block_m=64, block_n=64, block_k=64, warps=4, tma_b=True))
 
 
 def _plan(op, **params):
