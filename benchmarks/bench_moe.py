@@ -268,7 +268,7 @@ def run(args, group_name: str) -> list[dict]:
                 print(f"{layer.name} tokens={tokens} {stage}: grouped_mm "
                       f"{base['grouped_mm'][0]:.3f} ms, loop {base['loop'][0]:.3f} ms"
                       f"{' (host-bound)' if base['loop'][1] else ''}, best fused {best['plan']} "
-                      f"{best['fused_ms']:.3f} ms{' ' + best['error'][:80] if best['error'] else ''}"
+                      f"{best['fused_ms']:.3f} ms {best['error'][:80]}"
                       f" ({time.time() - t0:.0f} s)", flush=True)
                 with open(args.out + ".partial.json", "w") as fh:
                     json.dump(rows, fh)
@@ -284,12 +284,13 @@ def table(rows: list[dict]) -> str:
              "| loop ms | fused plan | fused ms | fused / grouped_mm | fused / loop | rel err |",
              "| --- " * 15 + "|"]
     for r in rows:
-        note = (r["error"][:50] or ("reference path" if not r["served"] else ""))
+        note = r["error"][:50] or ("reference path" if not r["served"] else "")
+        vs = _ms(r["vs_grouped_mm"]) if not note else note
         loop = _ms(r["loop_ms"]) + (" (host-bound)" if r["loop_note"] else "")
         lines.append(
             f"| {r['model']} | {r['experts']} | {r['hidden']} | {r['inter']} | {r['top_k']} "
             f"| {r['tokens']} | {r['rows']} | {r['stage']} | {_ms(r['grouped_mm_ms'])} | {loop} "
-            f"| {r['plan']} | {_ms(r['fused_ms'])} | {_ms(r['vs_grouped_mm']) if not note else note} "
+            f"| {r['plan']} | {_ms(r['fused_ms'])} | {vs} "
             f"| {_ms(r['vs_loop'])} | {r['rel_err']:.1e} |")
     return "\n".join(lines)
 

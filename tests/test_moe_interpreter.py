@@ -24,7 +24,10 @@ tl = pytest.importorskip("triton.language")
 from ditron_inductor.ops import task_of  # noqa: E402
 from ditron_inductor.runtime import moe  # noqa: E402
 from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
-from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM, GROUPED_MM_ALL_TO_ALL  # noqa: E402
+from ditron_inductor.scheduler.task import (  # noqa: E402
+    ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_TO_ALL,
+)
 from ditron_inductor.templates import grouped_gemm  # noqa: E402
 
 F16 = torch.float16

@@ -165,7 +165,7 @@ def grouped_gemm_kernel(
                 tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
             else:
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        elif WRITE_ROWS & (expert == E):  # rows past the last expert: no product, but the rows output
+        elif WRITE_ROWS & (expert == E):  # past the last expert: no product, the rows output
             if pid_n == 0:
                 rows = start + t * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = rows < M
