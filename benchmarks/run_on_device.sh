@@ -5,6 +5,9 @@
 # same world sizes (quick subset) and their benchmark on the bench world.
 # AR_ARGS: extra arguments of bench_all_reduce.py (e.g. "--verbose --ms 1,32").
 # FUSED_TESTS=0 / FUSED_BENCH=0 leave out the all-gather/reduce-scatter tests / benchmark.
+# MOE=1: the MoE kernels' GPU tests (one GPU) and their world-1 benchmark (bench_moe.py, MOE_ARGS:
+# its extra arguments), before the rest; MOE=tests or MOE=bench: one of the two (each can take
+# most of a 10-minute call: compiling the tiles).
 # Logs and results land in $OUT (the device tool brings them back).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -15,6 +18,14 @@ TESTS=$1; BENCH_W=$2; shift 2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 python3 -c "import nvshmem.core; print('nvshmem4py ok')" 2>&1 | tail -1
 nvidia-smi topo -m 2>&1 | head -12
+if [ "${MOE:-0}" = "1" ] || [ "${MOE:-0}" = "tests" ]; then
+  timeout -k 5 ${TEST_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee $OUT/moe_tests.log | grep -v "^$" | tail -6
+  echo "moe gpu tests: rc=$?"
+fi
+if [ "${MOE:-0}" = "1" ] || [ "${MOE:-0}" = "bench" ]; then
+  timeout -k 5 ${BENCH_TIMEOUT:-540} torchrun --nproc-per-node 1 benchmarks/bench_moe.py --out $OUT/moe_w1 ${MOE_ARGS:-} 2>&1 | tee $OUT/moe_bench.log | grep -v "Warning\|warn(\|^|" | tail -40
+  echo "moe bench rc=$?"
+fi
 for w in $TESTS; do
   [ "${FUSED_TESTS:-1}" = "0" ] && break
   K="world$w"; [ "$w" = "4" ] && K="world4 and torch"

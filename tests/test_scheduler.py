@@ -277,7 +277,8 @@ def test_calibration_by_world_picks_what_was_measured_best():
                         "cublas_triton_reduce", "nccl_cublas", "cublas_triton_reduce"]
 
 
-def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_fused_kernel(group4, monkeypatch):
+def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(group4, monkeypatch):
+    from ditron_inductor.scheduler.cost_model import MOE_NOT_FUSED
     from ditron_inductor.scheduler.task import all_to_all_grouped_mm_task
 
     x, w = torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16)
@@ -290,6 +291,13 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_fused_kernel(group4, m
     for forced in ("", "fused"):
         monkeypatch.setattr(config, "force_plan", forced)
         d = decide(on_cuda)
-        assert (d.fuse, d.reason) == (False, "no fused CUDA kernel for all_to_all_grouped_mm yet")
+        assert (d.fuse, d.reason) == (False, MOE_NOT_FUSED.format(op="all_to_all_grouped_mm"))
     monkeypatch.setattr(config, "force_plan", "reference")
     assert decide(on_cuda).plan.impl == REFERENCE
+    # a plan named for it (the world-1 benchmark, the GPU tests): the grouped GEMM's family
+    from ditron_inductor.scheduler.decide import plan_for
+    from ditron_inductor.scheduler.plan import GroupedMmPlan, decode, family
+
+    plan = plan_for(on_cuda, block_n=256)
+    assert isinstance(plan, GroupedMmPlan) and (plan.block_m, plan.block_n) == (128, 256)
+    assert decode(plan.encode()) == plan and family(plan) == "grouped_mm"

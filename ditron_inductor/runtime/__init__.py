@@ -1,6 +1,6 @@
 """Runtime of the fused ops: symmetric memory per process group (symm.py), per-op contexts
 (context.py), the CUDA driver calls of the hot path (driver.py), what the ops share (launch.py),
-and one module per op: all_gather.py, reduce_scatter.py, all_reduce.py.
+and one module per op: all_gather.py, reduce_scatter.py, all_reduce.py, moe.py (the MoE ops).
 
 Imported lazily by `ops` on the first CUDA call with a fused plan (it imports triton, and nvshmem
 where that backend is chosen), which takes FUSED_IMPLS from here; nothing here imports `ops`.
@@ -9,6 +9,7 @@ where that backend is chosen), which takes FUSED_IMPLS from here; nothing here i
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
 from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
+from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
 from .reduce_scatter import matmul_reduce_scatter_fused
 
 # op name -> fn(task, plan, *op_args) -> outputs, or None where the plan cannot serve the input
@@ -18,6 +19,8 @@ FUSED_IMPLS = {
     "matmul_all_reduce": matmul_all_reduce_fused,
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
     "all_gather_scaled_mm": all_gather_scaled_mm_fused,
+    "all_to_all_grouped_mm": all_to_all_grouped_mm_fused,
+    "grouped_mm_all_to_all": grouped_mm_all_to_all_fused,
 }
 
 

@@ -29,8 +29,8 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 from . import measured
-from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, ReduceScatterPlan, family,
-                   from_params)
+from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan, ReduceScatterPlan,
+                   family, from_params)
 from .task import (
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
@@ -38,6 +38,7 @@ from .task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
+    MOE_PATTERNS,
     Task,
     size_hint,
 )
@@ -268,6 +269,8 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         label = "" if "gemm" in params else FP8_AG_LABEL
         merged = {**({} if "gemm" in params else FP8_AG_PARAMS), **params}
         return from_params(AllGatherPlan, merged, label=label).for_world(task.world_size)
+    if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
+        return from_params(GroupedMmPlan, params, label=params.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         cls, selector, label = AllReducePlan, "algo", ""
         base = {} if selector in params else all_reduce_params(task)
@@ -420,6 +423,16 @@ def scaled_mm_plan(task: Task) -> tuple[None, str]:
     return None, f"no fused CUDA kernel for {task.op} yet: {keep})"
 
 
+# The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
+# world size 1, where a plan names it (benchmarks/bench_moe.py); its symmetric-memory dispatch
+# (the push into the peers' receive buffers with per-tile arrival counters) exists as kernels,
+# tested in the interpreter, with no runtime on several ranks yet, and no measurement says the
+# Triton grouped GEMM keeps up with torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
+MOE_NOT_FUSED = ("{op}: no fused multi-rank runtime for the MoE kernels yet (the grouped GEMM "
+                 "runs fused at world size 1 only, where a plan names it): NCCL all-to-all + "
+                 "torch._grouped_mm")
+
+
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
     cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
@@ -427,6 +440,8 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
         return scaled_mm_plan(task)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         return all_reduce_plan(task, cuda_graphs)
+    if task.op in MOE_PATTERNS:
+        return None, MOE_NOT_FUSED.format(op=task.op)
     # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still
     # schedule, rather than the same work hidden inside an opaque reference op.
     if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):

@@ -6,8 +6,9 @@ graph as the op's string argument (`encode`), so the compiled code (and Inductor
 the decision, and the runtime decodes each distinct text once (`decode`, cached).
 
 Families: `AllGatherPlan` (all-gather + GEMM), `ReduceScatterPlan` (GEMM + reduce-scatter),
-`AllReducePlan` (GEMM + all-reduce, with or without the RMSNorm); `ReferencePlan` for the
-decomposed collective + matmul.
+`AllReducePlan` (GEMM + all-reduce, with or without the RMSNorm), `GroupedMmPlan` (the MoE
+ops: all-to-all + the experts' grouped GEMM); `ReferencePlan` for the decomposed collective +
+matmul.
 """
 
 from __future__ import annotations
@@ -177,6 +178,25 @@ class AllReducePlan(FusedPlan):
                                    progs=self.progs or 32)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedMmPlan(FusedPlan):
+    """The MoE ops (templates/grouped_gemm.py): the experts' grouped GEMM as one persistent
+    Triton kernel over (expert, m-tile, n-tile) tiles, reading its rows through the dispatch's
+    index and writing them through the combine's. block_*/stages/warps: its tile program;
+    progs: its programs (0: one per SM)."""
+
+    kind: ClassVar[str] = "grouped_mm"
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8  # swizzle within an expert: m-tiles per group over the n-tiles
+    stages: int = 3
+    warps: int = 8
+    progs: int = 0
+    tma_b: bool = False  # the weights through a TMA descriptor where their layout allows
+
+
 def family(plan: FusedPlan) -> str:
     """What a plan runs, as the world-1 compute table (scheduler/measured.py) keys it: the GEMM
     engine and what moves the data, beside what the tile parameters change."""
@@ -184,12 +204,15 @@ def family(plan: FusedPlan) -> str:
         return plan.algo + (f"+overlap:{plan.gemm}" if plan.overlap else "")
     if isinstance(plan, ReduceScatterPlan) and plan.transfer == SM:
         return "pull"
+    if isinstance(plan, GroupedMmPlan):
+        return "grouped_mm"
     return plan.gemm + ("/sm" if getattr(plan, "transfer", COPY_ENGINE) == SM else "")
 
 
-Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan]
+Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan, GroupedMmPlan]
 REFERENCE_PLAN = ReferencePlan()
-PLAN_TYPES = {cls.kind: cls for cls in (AllGatherPlan, ReduceScatterPlan, AllReducePlan)}
+PLAN_TYPES = {cls.kind: cls for cls in (AllGatherPlan, ReduceScatterPlan, AllReducePlan,
+                                        GroupedMmPlan)}
 
 
 def default_groups(world: int) -> tuple[int, ...]:

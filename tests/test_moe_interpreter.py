@@ -1,0 +1,366 @@
+"""The MoE kernels (templates/grouped_gemm.py) and their runtime (runtime/moe.py) on CPU under the
+Triton interpreter, against the ops' reference composition: odd routings (an expert with no
+rows, every row to one expert, row counts that are no multiple of the tile, top-1 and top-2),
+the combine's scatter with and without accumulation, the routing weight in the epilogue, and
+the dispatch's push into the peers' receive buffers on two emulated ranks, the GEMM's tiles
+waiting on their arrival counters.
+
+fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
+bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Every output starts as NaN, so a row the
+kernel never wrote fails; the experts' weights differ, so a row multiplied by the wrong expert's
+weight (a wrong offset) fails.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from ditron_inductor.ops import task_of  # noqa: E402
+from ditron_inductor.runtime import moe  # noqa: E402
+from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
+from ditron_inductor.scheduler.task import (  # noqa: E402
+    ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_TO_ALL,
+)
+from ditron_inductor.templates import grouped_gemm  # noqa: E402
+
+F16 = torch.float16
+PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, group_m=2, warps=4, stages=2, progs=3)
+LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def routing(tokens: int, experts: int, top_k: int, case: str, gen):
+    """(x row of each (token, k) pair sorted by expert = row_index, offsets, the pairs' order)
+    as the MoE layer builds them (tests/moe_ep.py)."""
+    if case == "one_expert":
+        chosen = torch.full((tokens, top_k), 2)
+        chosen[:, 1:] = (torch.arange(1, top_k) + 2) % experts  # top-k distinct experts
+    else:
+        chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k]
+                              for _ in range(tokens)])
+        if case == "empty_expert":  # expert 1 gets nothing
+            chosen = torch.where(chosen == 1, (chosen + 2) % experts, chosen)
+            chosen = torch.where(chosen == 1, 0, chosen)
+    chosen = chosen.reshape(-1)
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.bincount(chosen, minlength=experts)
+    return order // top_k, torch.cumsum(counts, 0).to(torch.int32), order, counts
+
+
+def weights(experts, k, n, gen, transposed=False):
+    if transposed:  # nn.Linear's layout [E, N, K], seen as [E, K, N]
+        return (torch.randn(experts, n, k, generator=gen) / k ** 0.5).to(F16).transpose(-2, -1)
+    return (torch.randn(experts, k, n, generator=gen) / k ** 0.5).to(F16)
+
+
+CASES = [  # (tokens, experts, top_k, case)
+    (13, 4, 2, "empty_expert"),  # 26 rows, expert 1 with none
+    (21, 4, 1, "random"),  # top-1, 21 rows: no multiple of BLOCK_M
+    (18, 4, 2, "one_expert"),  # every token's first expert is expert 2: 18 rows in one
+    (7, 3, 1, "one_expert"),  # every row to one expert, the others empty
+]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,case", CASES)
+def test_dispatch_gathers_rows_by_expert(tokens, experts, top_k, case):
+    """all_to_all_grouped_mm at world size 1: rows = x[row_index], each weight's grouped GEMM
+    (a plain [E, K, N] weight and a transposed one, K and N no multiples of the blocks)."""
+    gen = torch.Generator().manual_seed(tokens)
+    k, ns = 40, (48, 33)
+    x = torch.randn(tokens, k, generator=gen).to(F16)
+    row_index, offsets, _, counts = routing(tokens, experts, top_k, case, gen)
+    ws = [weights(experts, k, ns[0], gen), weights(experts, k, ns[1], gen, transposed=True)]
+    args = (x, [tokens], [tokens], row_index, ws, offsets, "0", 1)
+    before = moe.stats[ALL_TO_ALL_GROUPED_MM]
+    rows, *outs = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
+                                                  *args)
+    assert moe.stats[ALL_TO_ALL_GROUPED_MM] == before + 1
+    assert torch.equal(rows, x[row_index])
+    ref_rows = x[row_index].float()
+    for w, out in zip(ws, outs):
+        ref = torch._grouped_mm(ref_rows, w.float(), offs=offsets)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < 2e-3, case
+        for e in range(experts):  # each expert's rows by its own weight
+            lo, hi = int(offsets[e]) - int(counts[e]), int(offsets[e])
+            if hi > lo:
+                assert rel_err(out[lo:hi], ref_rows[lo:hi] @ w[e].float()) < 2e-3
+
+
+def test_dispatch_in_arrival_order_and_rows_past_the_last_offset():
+    """row_index None: the rows as received; rows past offsets[-1] belong to no expert but are
+    still the op's rows output."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 24, generator=gen).to(F16)
+    offsets = torch.tensor([5, 5, 30], dtype=torch.int32)
+    w = weights(3, 24, 16, gen)
+    args = (x, [37], [37], None, [w], offsets, "0", 1)
+    rows, out = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
+                                                *args)
+    assert torch.equal(rows, x)
+    ref = torch._grouped_mm(x.float(), w.float(), offs=offsets)
+    assert rel_err(out[:30], ref[:30]) < 2e-3
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("tokens,experts,top_k,case", CASES[:3])
+def test_combine_scatters_rows_back(tokens, experts, top_k, case, accumulate):
+    """grouped_mm_all_to_all at world size 1: y = grouped_mm(left, W), row j to row
+    row_index[j] of zeros (summed where a token's top-k rows land on it, accumulate), as the
+    reference's index_put. Without accumulate the index is the (permutation) order of the
+    pairs; with it, the token of each pair, so that top-2 sums two rows on one."""
+    gen = torch.Generator().manual_seed(tokens + 100)
+    k, n = 36, 40  # K no multiple of BLOCK_K (the reference wants 16-byte fp32 rows)
+    _, offsets, order, _ = routing(tokens, experts, top_k, case, gen)
+    rows = tokens * top_k
+    left = torch.randn(rows, k, generator=gen).to(F16)
+    w = weights(experts, k, n, gen, transposed=True)
+    index = order // top_k if accumulate else order
+    sent = tokens if accumulate else rows
+    args = ([left], [w], offsets, index, accumulate, [sent], [sent], "0", 1)
+    out = moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), PLAN, *args)
+    y = torch._grouped_mm(left.float(), w.float(), offs=offsets)
+    ref = torch.zeros(sent, n).index_put_((index,), y, accumulate=accumulate)
+    assert out.dtype == F16 and out.shape == (sent, n)
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_combine_without_index_and_a_sum_declined():
+    gen = torch.Generator().manual_seed(3)
+    left = torch.randn(19, 32, generator=gen).to(F16)
+    w = weights(2, 32, 32, gen)
+    offsets = torch.tensor([0, 19], dtype=torch.int32)
+    args = ([left], [w], offsets, None, False, [19], [19], "0", 1)
+    out = moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), PLAN, *args)
+    assert rel_err(out, torch._grouped_mm(left.float(), w.float(), offs=offsets)) < 2e-3
+    two = ([left, left], [w, w], offsets, None, False, [19], [19], "0", 1)
+    assert moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *two), PLAN,
+                                           *two) is None
+
+
+def test_epilogue_applies_the_routing_weight_and_sums_a_tokens_experts():
+    """The kernel's combine epilogue with the routing weight: out[token] = sum over its top-k
+    of score * (row @ W_expert), the whole MoE output of world size 1 in one kernel after the
+    gather."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, experts, top_k, k, n = 23, 4, 2, 32, 24
+    row_index, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    scores = torch.rand(tokens * top_k, generator=gen)  # per (token, k) pair, in pair order
+    left = torch.randn(tokens * top_k, k, generator=gen).to(F16)
+    w = weights(experts, k, n, gen)
+    out = torch.zeros(tokens, n)
+    scale = scores[order].contiguous()
+    moe.grouped_gemm(PLAN, left, w, offsets, out, rows=left.shape[0], c_index=row_index,
+                     scale=scale, accumulate=True)
+    y = torch._grouped_mm(left.float(), w.float(), offs=offsets) * scale[:, None]
+    ref = torch.zeros(tokens, n).index_put_((row_index,), y, accumulate=True)
+    assert rel_err(out, ref) < 2e-3
+
+
+@triton.jit
+def tile_map(offsets_ptr, out_ptr, M, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+    t = tl.program_id(0)
+    expert, start, count, i = grouped_gemm.expert_of_tile(offsets_ptr, t, M, E, BLOCK_M, E_P2)
+    tl.store(out_ptr + 4 * t, expert)
+    tl.store(out_ptr + 4 * t + 1, start)
+    tl.store(out_ptr + 4 * t + 2, count)
+    tl.store(out_ptr + 4 * t + 3, i)
+
+
+def test_experts_of_tiles():
+    """The tile -> expert map the kernel computes, against the host's: experts with 0 rows own
+    no tile, a partial last tile each, then the rows past the last offset."""
+    offsets = torch.tensor([0, 17, 17, 40, 41], dtype=torch.int32)
+    m, bm = 45, 16
+
+    tiles = 3 + 5
+    out = torch.zeros(tiles, 4, dtype=torch.int32)
+    tile_map[(tiles,)](offsets, out, m, 5, BLOCK_M=bm, E_P2=8)
+    # expert 1: 17 rows in 2 tiles; expert 3: 23 rows in 2; expert 4: 1 row; then rows 41..44
+    expected = [[1, 0, 17, 0], [1, 0, 17, 1], [3, 17, 23, 0], [3, 17, 23, 1], [4, 40, 1, 0],
+                [5, 41, 4, 0], [5, 41, 4, 1], [5, 41, 4, 2]]
+    assert out.tolist() == expected
+
+
+class Rank:
+    """An emulated rank's receive buffer and per-tile arrival counters."""
+
+    def __init__(self, rows, k, tiles):
+        self.recv = torch.full((rows, k), float("nan"), dtype=F16)
+        self.counts = torch.zeros(tiles, dtype=torch.int32)
+        self.err = torch.zeros(1, dtype=torch.int32)
+
+
+def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
+    """World size 2, two calls: each rank pushes its rows into the peers' receive buffers, at
+    their expert-major positions (experts 0-1 on rank 0, 2-3 on rank 1: rank 0's expert 1 gets
+    no row), counting them per destination tile; each rank's GEMM waits on its tiles' counters
+    (expected: the previous call's count plus this call's rows) and reads the buffer. Then a
+    call with one tile's rows missing: its bounded wait reports ERR_ROWS instead of hanging."""
+    world, local_experts, k, n, bm = 2, 2, 32, 24, 16
+    gen = torch.Generator().manual_seed(5)
+    ws = [weights(local_experts, k, n, gen) for _ in range(world)]
+    max_rows, max_tiles = 64, 8
+    ranks = [Rank(max_rows, k, max_tiles) for _ in range(world)]
+    data_table = torch.tensor([r.recv.data_ptr() for r in ranks], dtype=torch.int64)
+    count_table = torch.tensor([r.counts.data_ptr() for r in ranks], dtype=torch.int64)
+    previous = [torch.zeros(max_tiles, dtype=torch.int32) for _ in range(world)]
+    for call, tokens in enumerate(((11, 20), (25, 3))):
+        # each rank's tokens and their global expert (top-1); rank 0's expert 1 gets none
+        xs, experts_of = [], []
+        for r in range(world):
+            xs.append(torch.randn(tokens[r], k, generator=gen).to(F16))
+            e = torch.randint(0, 4, (tokens[r],), generator=gen)
+            experts_of.append(torch.where(e == 1, 0, e))
+        # receiver q's expert-major layout: per local expert, source rank order, then the
+        # sender's order (moe_ep.expert_major_order)
+        layouts = []
+        for q in range(world):
+            rows, tile_rows, offsets, start = [], [], [], 0
+            for le in range(local_experts):
+                ge = q * local_experts + le
+                for p in range(world):
+                    rows += [(p, int(i)) for i in torch.nonzero(experts_of[p] == ge).flatten()]
+                count = len(rows) - start
+                tile_rows += [min(bm, count - t * bm) for t in range(-(-count // bm))]
+                start = len(rows)
+                offsets.append(start)
+            layouts.append((rows, tile_rows, torch.tensor(offsets, dtype=torch.int32)))
+        # each sender's destination rank, row and tile per row (the runtime's job, from counts)
+        for p in range(world):
+            dst = torch.full((tokens[p], 3), -1, dtype=torch.int32)
+            for q, (rows, tile_rows, offsets) in enumerate(layouts):
+                starts = [0] + offsets.tolist()[:-1]
+                for pos, (src, i) in enumerate(rows):
+                    if src == p:
+                        le = sum(pos >= o for o in offsets.tolist())
+                        tiles_before = sum(-(-(offsets[j] - starts[j]).item() // bm)
+                                           for j in range(le))
+                        dst[i] = torch.tensor([q, pos, tiles_before + (pos - starts[le]) // bm])
+            grouped_gemm.dispatch_put_kernel[(triton.cdiv(tokens[p], 8),)](
+                xs[p], dst[:, 0].contiguous(), dst[:, 1].contiguous(), dst[:, 2].contiguous(),
+                data_table, count_table, tokens[p], k, BLOCK_R=8, BLOCK_K=16, WORLD=world)
+        for q, (rows, tile_rows, offsets) in enumerate(layouts):
+            rank = ranks[q]
+            expect = previous[q].clone()
+            expect[:len(tile_rows)] += torch.tensor(tile_rows, dtype=torch.int32)
+            assert torch.equal(rank.counts, expect), (call, q)
+            m = len(rows)
+            out = torch.full((m, n), float("nan"), dtype=F16)
+            grouped_gemm.grouped_gemm_kernel[(3,)](
+                rank.recv, out, ws[q], offsets, out, out, out, out, rank.counts, expect,
+                rank.err, m, n, k, local_experts, rank.recv.stride(0), rank.recv.stride(1),
+                *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
+                GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False,
+                WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
+            assert int(rank.err) == 0
+            received = torch.stack([xs[p][i] for p, i in rows]).float()
+            assert torch.equal(rank.recv[:m].float(), received)
+            ref = torch._grouped_mm(received, ws[q].float(), offs=offsets)
+            assert rel_err(out, ref) < 2e-3, (call, q)
+            previous[q] = expect
+    # a third call on rank 1 in which one tile's rows never came (its counter one short, its
+    # rows not there): that tile's wait gives up and says so, the tile is left unwritten, and
+    # every other tile, whose counter is complete, is computed (a tile waiting on another
+    # tile's counter fails here)
+    q = 1
+    rank = ranks[q]
+    rows, tile_rows, offsets = layouts[q]
+    m = len(rows)
+    missing = len(tile_rows) - 2  # a tile of the first expert or the second
+    expect = rank.counts.clone()
+    expect[:len(tile_rows)] += torch.tensor(tile_rows, dtype=torch.int32)
+    counts = expect.clone()
+    counts[missing] -= 1
+    first_row = sum(tile_rows[:missing])
+    recv = rank.recv.clone()
+    recv[first_row:first_row + tile_rows[missing]] = float("nan")
+    out = torch.full((m, n), float("nan"), dtype=F16)
+    grouped_gemm.grouped_gemm_kernel[(3,)](
+        recv, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, m, n, k,
+        local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
+        out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
+        ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
+        GROUP_M=2)
+    assert int(rank.err) == grouped_gemm.ERR_ROWS
+    skipped = torch.zeros(m, dtype=torch.bool)
+    skipped[first_row:first_row + tile_rows[missing]] = True
+    assert out[skipped].isnan().all()
+    ref = torch._grouped_mm(rank.recv[:m].float(), ws[q].float(), offs=offsets)
+    assert rel_err(out[~skipped], ref[~skipped]) < 2e-3
+
+
+def test_ops_take_the_fused_path_and_match_their_reference():
+    """Both ops through their dispatch as a CUDA call would take it (the plan text decoded, the
+    runtime's implementation looked up, the Task built) on a world-1 gloo group, against their
+    reference composition, which runs the all-to-all: the fused path keeps the ops' semantics,
+    the exchange included."""
+    import torch.distributed as dist
+
+    from ditron_inductor import ops
+    from ditron_inductor.scheduler.decide import plan_for
+
+    gen = torch.Generator().manual_seed(6)
+    tokens, experts, top_k, k, n = 19, 4, 2, 32, 48
+    row_index, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    x = torch.randn(tokens, k, generator=gen).to(F16)
+    gate, up = weights(experts, k, n, gen, transposed=True), weights(experts, k, n, gen)
+    down = weights(experts, n, k, gen, transposed=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        task = task_of(ALL_TO_ALL_GROUPED_MM, x, [tokens], [tokens], row_index, [gate, up],
+                       offsets, group, 1)
+        text = plan_for(task, block_m=16, block_n=32, block_k=32, group_m=2, warps=4,
+                        progs=3).encode()
+        args = (x, [tokens], [tokens], row_index, [gate, up], offsets, group, 1)
+        served = dict(moe.stats)
+        rows, *outs = ops._dispatch(ALL_TO_ALL_GROUPED_MM, text, True,
+                                    ops.all_to_all_grouped_mm_reference, *args)
+        ref_rows, *refs = ops.all_to_all_grouped_mm_reference(*args)
+        assert torch.equal(rows, ref_rows)
+        for out, ref in zip(outs, refs):
+            assert rel_err(out, ref) < 5e-3
+        h = torch.randn(tokens * top_k, n, generator=gen).to(F16)
+        args = ([h], [down], offsets, row_index, True, [tokens], [tokens], group, 1)
+        out = ops._dispatch(GROUPED_MM_ALL_TO_ALL, text, True,
+                            ops.grouped_mm_all_to_all_reference, *args)
+        assert rel_err(out, ops.grouped_mm_all_to_all_reference(*args)) < 5e-3
+        assert {op: moe.stats[op] - served[op] for op in served} == {
+            ALL_TO_ALL_GROUPED_MM: 1, GROUPED_MM_ALL_TO_ALL: 1}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weights_through_tma_descriptors(transposed):
+    """tma_b: the weights through a TMA descriptor over their 2-d view ([E * K, N], or [E * N,
+    K] for nn.Linear's layout, whose N tail reaches into the next expert's rows); an expert
+    with no rows between two with rows; the same products as through pointers."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, experts, top_k, k, n = 21, 4, 2, 64, 40
+    row_index, offsets, _, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    x = torch.randn(tokens, k, generator=gen).to(F16)
+    w = weights(experts, k, n, gen, transposed=transposed)
+    tma = dataclasses.replace(PLAN, tma_b=True)
+    assert moe.weight_descriptor(w, tma)[1] == (2 if transposed else 1)
+    args = (x, [tokens], [tokens], row_index, [w], offsets, "0", 1)
+    rows, out = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), tma,
+                                                *args)
+    ref = torch._grouped_mm(x[row_index].float(), w.float(), offs=offsets)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 2e-3
+    # K no multiple of the block in [E, K, N]: pointers instead
+    assert moe.weight_descriptor(weights(experts, 40, n, gen), tma)[1] == 0
