@@ -15,9 +15,8 @@ programs that run together share rows and the expert's weight in L2.
 
   prologue  GATHER: GEMM row i is row a_index[i] of A (the dispatch at world size 1: the
             all-to-all is the identity over ranks, so the dispatch is a gather of x's rows by
-            expert); else row i of A. WRITE_ROWS: the n-tile-0 programs store the rows they read
-            into rows_out (the op's first output, the rows the experts read), so the gather costs
-            no pass of its own.
+            expert); else row i of A. WRITE_ROWS: the n-tile-0 programs copy their rows into
+            rows_out (the op's first output, the rows the experts read) after their K loop.
   WAIT      (world size > 1) tile (e, t) first waits until its arrival counter, which the
             peers' dispatch (`dispatch_put_kernel`) raises, reaches expect[tile]: its rows have
             all landed in this rank's receive buffer (A).
@@ -76,6 +75,20 @@ def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.co
     return expert, start, count, m_tile - first_tile
 
 
+@triton.jit
+def copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
+              BLOCK_K: tl.constexpr):
+    """rows_out[rows] = A[src] (WRITE_ROWS), in a loop of its own: stored from inside the GEMM's
+    pipelined K loop, the A tiles corrupted the product on H100 (Triton 3.6, 128x128 tiles, 3
+    stages: relative error 0.1-0.3; right with 1 stage), so the rows are read a second time
+    (from L2, just read by the loop)."""
+    for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        cols = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = row_ok[:, None] & (cols[None, :] < K)
+        v = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ak, mask=m)
+        tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v, mask=m)
+
+
 @triton.jit(do_not_specialize=["M", "limit"])
 def grouped_gemm_kernel(
     a_ptr, a_index_ptr, b_ptr, offsets_ptr, c_ptr, c_index_ptr, scale_ptr, rows_out_ptr,
@@ -132,7 +145,6 @@ def grouped_gemm_kernel(
             if B_DESC == 0:
                 b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
                           + offs_n[None, :] * stride_bn)
-            r_ptrs = rows_out_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
             acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
             for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 k_left = K - kk * BLOCK_K
@@ -144,14 +156,14 @@ def grouped_gemm_kernel(
                 else:
                     b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
                                 other=0.0)
-                if WRITE_ROWS:
-                    if pid_n == 0:
-                        tl.store(r_ptrs, a, mask=row_ok[:, None] & (offs_k[None, :] < k_left))
                 acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K * stride_ak
                 if B_DESC == 0:
                     b_ptrs += BLOCK_K * stride_bk
-                r_ptrs += BLOCK_K
+            if WRITE_ROWS:
+                if pid_n == 0:
+                    copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
+                              BLOCK_K)
             if SCALE:
                 s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
                 acc = acc * s[:, None].to(tl.float32)
@@ -173,13 +185,8 @@ def grouped_gemm_kernel(
                     src = tl.load(a_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
                 else:
                     src = rows.to(tl.int64)
-                for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-                    cols = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-                    m = row_ok[:, None] & (cols[None, :] < K)
-                    v = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :] * stride_ak,
-                                mask=m)
-                    tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v,
-                             mask=m)
+                copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
+                          BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["rows", "K"])
