@@ -52,8 +52,9 @@ split into the compiled call's parts (outside AOTAutograd: nn.Module's call, Dyn
 guards; AOTAutograd's runtime wrappers, where DTensor parameters are unwrapped; Inductor's call,
 the CUDA graph replay) and generate()'s loop around it, with the Python calls per step, then
 cProfile's top entries. `--skip-guard-eval` times the calls after the first with Dynamo running
-only the guards that tell its graphs apart. `--profile-device N`: the device time of N bare
-steps by kernel kind. Times are the maximum over ranks. `--json PATH` writes the rows, the
+only the guards that tell its graphs apart. `--compile-options JSON` compiles with those options
+instead of `mode="reduce-overhead"` (e.g. Inductor's CUDA graphs without the trees).
+`--profile-device N`: the device time of N bare steps by kernel kind. Times are the maximum over ranks. `--json PATH` writes the rows, the
 ditron lines and the command; a markdown table is printed last.
 """
 
