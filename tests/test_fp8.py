@@ -18,6 +18,7 @@ torchao SP does not run there at all; the ditron ops gather the bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import warnings
@@ -284,8 +285,6 @@ def test_fake_shapes_and_dtypes():
 
 
 def cuda(task):
-    import dataclasses
-
     return dataclasses.replace(task, device_type="cuda")
 
 
@@ -306,13 +305,16 @@ def test_on_cuda_unmeasured_fp8_plans_are_not_chosen_and_the_log_says_what_runs(
     with fake_group(2):
         decisions = {op: decide(t) for op, t in fp8_tasks().items()}
     assert not any(d.fuse for d in decisions.values())
-    assert decisions[ALL_GATHER_SCALED_MM].reason == (
-        "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered chunks) is not "
-        "measured on a GPU yet: the graph keeps the collective + _scaled_mm (DITRON_PLAN="
-        "reference runs the op's reference, DITRON_PLAN=fused that plan)")
-    assert decisions[SCALED_MM_ALL_REDUCE].reason == (
-        "no fused CUDA kernel for scaled_mm_all_reduce yet: the graph keeps the collective + "
-        "_scaled_mm (DITRON_PLAN=reference runs the op's reference)")
+    keep = ("is not measured against NCCL on GPUs yet: the graph keeps the collective + "
+            "_scaled_mm (DITRON_PLAN=reference runs the op's reference, DITRON_PLAN=fused that "
+            "plan)")
+    assert {op: d.reason for op, d in decisions.items()} == {
+        ALL_GATHER_SCALED_MM: "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered "
+                              f"chunks) {keep}",
+        SCALED_MM_REDUCE_SCATTER: "the fp8 plan (cublas_scaled_mm: _scaled_mm per rank's rows, "
+                                  f"each pushed by the copy engine) {keep}",
+        SCALED_MM_ALL_REDUCE: "the fp8 plan (cublas_scaled_mm: _scaled_mm into the partial, "
+                              f"then the all-reduce kernel for M) {keep}"}
 
 
 def test_forced_plans_for_fp8(monkeypatch):
@@ -324,9 +326,27 @@ def test_forced_plans_for_fp8(monkeypatch):
         reference = {op: decide(t) for op, t in tasks.items()}
     ag = forced[ALL_GATHER_SCALED_MM]
     assert ag.fuse and isinstance(ag.plan, AllGatherPlan) and ag.plan.gemm == "cublas"
-    assert ag.plan.groups == (1, 1) and ag.plan.label == "cublas_scaled_mm"
-    assert not forced[SCALED_MM_REDUCE_SCATTER].fuse  # no fused kernel: left as it was
+    assert {op: d.plan.describe() for op, d in forced.items()} == {
+        ALL_GATHER_SCALED_MM: "fused cublas_scaled_mm gemm=cublas groups=1,1",
+        # the copy-engine plan with cuBLAS (gemm="cublas" is the family's default)
+        SCALED_MM_REDUCE_SCATTER: "fused cublas_scaled_mm reduce=triton pull_block=16384",
+        # M=4096 on 2 ranks: push beside the GEMM (all_reduce_params), the GEMM cuBLAS in 2W
+        # row chunks, not the persistent Triton GEMM's 16
+        SCALED_MM_ALL_REDUCE: "fused push overlap=True chunks=4 progs=16 block=16384 warps=32"}
     assert all(d.fuse and d.plan.impl == "reference" for d in reference.values())
+
+
+def test_forced_fp8_all_reduce_plan_by_m_is_the_bf16_one_with_cublas():
+    from ditron_inductor.scheduler.cost_model import all_reduce_params, fused_plan
+
+    task = fp8_tasks()[SCALED_MM_ALL_REDUCE]
+    for m, world in ((1, 2), (8, 8), (64, 4), (512, 8), (4096, 8), (2048, 4)):
+        t = dataclasses.replace(task, m=m, world_size=world)
+        plan = fused_plan(t)
+        bf16 = all_reduce_params(t)
+        assert (plan.algo, plan.overlap, plan.gemm) == (
+            bf16["algo"], bf16.get("overlap", False), "cublas"), (m, world)
+    assert fused_plan(task, {"algo": "push_all"}).describe() == "fused push_all algo=push_all"
 
 
 def test_fp8_patterns_can_be_turned_off(monkeypatch):
@@ -335,6 +355,120 @@ def test_fp8_patterns_can_be_turned_off(monkeypatch):
         d = decide(fp8_tasks()[ALL_GATHER_SCALED_MM])
     assert d.reason == ("pattern all_gather_scaled_mm is disabled (ditron.patterns / "
                         "DITRON_PATTERNS)")
+
+
+# ------------------------------------------------------- runtime on CPU: GEMM object, declines
+
+
+def test_scaled_gemm_slices_a_rowwise_scale_a_with_the_rows(monkeypatch):
+    """Scaled.matmul_into: a rowwise scale_a's rows first_row.. go with A's rows, scale_b whole
+    (the real CPU _scaled_mm, row chunk by row chunk, equals the whole product); the plain
+    matmul_into never calls _scaled_mm."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime.launch import matmul_into
+    from ditron_inductor.runtime.scaled import Scaled
+
+    a, b = fp8(12, 32), col_major(fp8(16, 32))
+    s_a, s_b = scale(12, 1, seed=1), scale(1, 16, seed=2)
+    want = ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
+    calls, real = [], torch._scaled_mm
+
+    def spy(a_, b_, scale_a, scale_b, **kw):
+        calls.append((a_.shape[0], scale_a.flatten().tolist(), scale_b is gemm.scale_b))
+        return real(a_, b_, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    # a layout Inductor may give a rowwise scale_b: [1, N] with a stride that is not 1
+    gemm = Scaled.of(s_a, s_b.t().contiguous().t(), None, BF16, False)
+    out = torch.full((12, 16), float("nan"), dtype=BF16)
+    for lo, hi in ((0, 5), (5, 12)):
+        matmul_into(a[lo:hi], b, None, out[lo:hi], scaled=gemm, first_row=lo)
+    assert torch.equal(out, want)
+    assert calls == [(5, s_a[:5].flatten().tolist(), True), (7, s_a[5:].flatten().tolist(), True)]
+    one = Scaled.of(scale(()), scale(()), torch.float16, E4M3, True)
+    matmul_into(a[4:8], b, None, out16 := torch.empty(4, 16, dtype=torch.float16), scaled=one,
+                first_row=4)
+    assert calls[-1][1] == [one.scale_a.item()] and out16.dtype == torch.float16
+    calls.clear()
+    matmul_into(a.float(), b.float(), None, torch.empty(12, 16))  # bf16 / fp32: plain mm
+    assert calls == []
+
+
+def scaled_rs_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
+    return (a, b, s_a, s_b, bias, out_dtype, False, [], 0, "sum", "0", world)
+
+
+def scaled_ar_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
+    return (a, b, s_a, s_b, bias, out_dtype, False, [], "sum", "0", world)
+
+
+@pytest.fixture
+def no_protocol(monkeypatch):
+    """Every first protocol step of the reduce-scatter and all-reduce runtimes fails the test."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import all_reduce, reduce_scatter
+
+    def touched(*args, **kwargs):
+        raise AssertionError("a declined call touched the protocol")
+
+    for module in (reduce_scatter, all_reduce):
+        monkeypatch.setattr(module, "get_context", touched)
+        monkeypatch.setattr(module, "current_stream", touched)
+        monkeypatch.setattr(module, "matmul_into", touched)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return reduce_scatter, all_reduce
+
+
+def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol, caplog):
+    """Triton GEMMs, an fp8 output, rowwise with fp16, shapes _scaled_mm cannot take, CPU
+    tensors: each declined with its reason, before any context, stream or GEMM."""
+    import logging
+
+    from ditron_inductor.log_names import LOGGER_NAME
+    from ditron_inductor.scheduler.decide import plan_for
+
+    reduce_scatter, all_reduce = no_protocol
+    tasks = fp8_tasks()
+    rs_task, ar_task = tasks[SCALED_MM_REDUCE_SCATTER], tasks[SCALED_MM_ALL_REDUCE]
+    a, b, t = fp8(64, 32), col_major(fp8(48, 32)), scale(())
+    rowwise = (scale(64, 1), scale(1, 48))
+    triton_gemm = ("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; the "
+                   "Triton GEMMs take no float8)")
+    cases = [
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task, gemm="triton"),
+         scaled_rs_args(a, b, t, t), triton_gemm),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused,
+         plan_for(rs_task, gemm="triton", transfer="sm"), scaled_rs_args(a, b, t, t),
+         triton_gemm),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, t, t, out_dtype=None),
+         "fp8: output dtype torch.float8_e4m3fn (the fused partials and sums are bf16 or fp16)"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, *rowwise, out_dtype=torch.float16),
+         "fp8: rowwise scales with a bf16 output only"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(fp8(64, 24), col_major(fp8(48, 24)), t, t),
+         "fp8: K=24, N=48 and layouts _scaled_mm cannot take"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, *rowwise), "fp8: operands not on CUDA"),
+        (all_reduce.scaled_mm_all_reduce_fused,
+         plan_for(ar_task, algo="push", overlap=True, gemm="triton"), scaled_ar_args(a, b, t, t),
+         "fp8: the persistent Triton GEMM beside push takes no float8"),
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
+         scaled_ar_args(a, b, t, t, bias=torch.zeros(48)), "fp8: bias shape/dtype"),
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
+         scaled_ar_args(a, b.contiguous(), t, t), "fp8: K=32, N=48 and layouts"),  # B row-major
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task, algo="lamport"),
+         scaled_ar_args(a, b, *rowwise), "fp8: operands not on CUDA"),
+    ]
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    for fused, plan, args, reason in cases:
+        caplog.clear()
+        task = rs_task if fused is reduce_scatter.scaled_mm_reduce_scatter_fused else ar_task
+        assert fused(task, plan, *args) is None
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and messages[0].startswith(f"fused path declined: {reason}"), (
+            plan.describe(), messages)
 
 
 # ------------------------------------------------------------------------- gloo, 2 CPU ranks
