@@ -18,10 +18,13 @@ torchao SP does not run there at all; the ditron ops gather the bytes).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import importlib.util
+import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -469,6 +472,152 @@ def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol
         messages = [r.getMessage() for r in caplog.records]
         assert len(messages) == 1 and messages[0].startswith(f"fused path declined: {reason}"), (
             plan.describe(), messages)
+
+
+class HostBuffer:
+    """A rank's symmetric buffer as host memory (the runtime's view(rank, dtype, shape))."""
+
+    def __init__(self, nbytes):
+        self.local = torch.zeros(nbytes, dtype=torch.uint8)
+        self.nbytes, self.ptr_table = nbytes, None
+
+    def view(self, rank, dtype, shape, byte_offset=0):
+        return self.local[byte_offset:].view(dtype)[:math.prod(shape)].view(shape)
+
+
+class HostContext:
+    """What the runtimes read of an OpContext, on host memory: data and flag words behind real
+    addresses, so that the runtime's copies (driver.memcpy / write) move real bytes."""
+
+    READY, DONE = 0, 8
+
+    def __init__(self, world, rank, nbytes):
+        self.world, self.rank, self.epoch, self.device = world, rank, 0, "cpu"
+        self.data = HostBuffer(nbytes)
+        self.flag_words = torch.zeros(64, dtype=torch.int32)
+        self.tape = torch.zeros(8, dtype=torch.int32)
+        self.side = SimpleNamespace(cuda_stream=0)
+        self.ev_start = self.ev_end = 0
+        self.ev_chunks = [0] * world
+        self.flags = SimpleNamespace(ptr_table=None, words=self.flag_words)
+        self.err = None
+
+    def connect(self, ranks):
+        self.data_addrs = [r.data.local.data_ptr() for r in ranks]
+        self.flag_bases = [r.flag_words.data_ptr() for r in ranks]
+
+    def next_epoch(self):
+        self.epoch += 1
+        return self.epoch
+
+    def flag_addr(self, idx):
+        return self.flag_bases[self.rank] + 4 * idx
+
+    def peer_flag_addr(self, peer, idx):
+        return self.flag_bases[peer] + 4 * idx
+
+    def tape_addr(self, role, epoch):
+        return self.tape.data_ptr() + 4 * (role * 4 + epoch % 4)
+
+    def signal(self, stream, role, epoch, dst_addrs):
+        for dst in dst_addrs:
+            ctypes.c_int32.from_address(dst).value = epoch
+
+
+def host_driver(module, monkeypatch):
+    """The runtime module's stream operations on host memory: copies and writes done at once,
+    events and waits no-ops (the emulated ranks run one after the other)."""
+    fake = SimpleNamespace(record=lambda *a: None, stream_wait=lambda *a: None,
+                           memcpy=lambda dst, src, n, stream: ctypes.memmove(dst, src, n),
+                           write=lambda stream, addr, v: setattr(
+                               ctypes.c_int32.from_address(addr), "value", v))
+    monkeypatch.setattr(module, "driver", fake)
+    monkeypatch.setattr(module, "current_stream", lambda: 0)
+    monkeypatch.setattr(module, "check_errors", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch):
+    """The copy-engine plan's data path with the Scaled GEMM, on 2 ranks emulated in host
+    memory (run 1, 0, 1: each rank's slots are filled by the other's earlier run): each rank
+    pushes _scaled_mm of the peer's rows (rowwise scale_a sliced alike) in bf16 into the peer's
+    slot and sums its own; every rank's output is the sum of the ranks' products' rows."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import reduce_scatter
+    from ditron_inductor.runtime.scaled import Scaled
+    from ditron_inductor.scheduler.decide import plan_for
+
+    world, m, k, n = 2, 32, 32, 16
+    ins = [(fp8(m, k, seed=10 + q), col_major(fp8(n, k, seed=20 + q)), scale(m, 1, seed=30 + q),
+            scale(1, n, seed=40 + q)) for q in range(world)]
+    products = [ops._scaled_mm(a, b, s_a, s_b, None, BF16, False) for a, b, s_a, s_b in ins]
+    ctxs = [HostContext(world, r, world * (m // world) * n * 2) for r in range(world)]
+    for c in ctxs:
+        c.connect(ctxs)
+    host_driver(reduce_scatter, monkeypatch)
+    monkeypatch.setattr(reduce_scatter, "wait_geq", lambda *a: None)
+    a, b, s_a, s_b = ins[0]
+    task = scaled_mm_collective_task(SCALED_MM_REDUCE_SCATTER, a, b, s_a, s_b, None, BF16, False,
+                                     [], 0, "sum", "0", world)
+    plan = plan_for(task, gemm="cublas")  # torch.sum reduces the slots (no Triton launch)
+    outs = {}
+    served = reduce_scatter.stats["scaled_mm_reduce_scatter"]
+    for r in (1, 0, 1):
+        monkeypatch.setattr(reduce_scatter, "get_context", lambda *args, r=r: ctxs[r])
+        a, b, s_a, s_b = ins[r]
+        outs[r] = reduce_scatter.matmul_reduce_scatter_fused(
+            task, plan, a, b, None, [], 0, "sum", "0", world,
+            Scaled.of(s_a, s_b, BF16, a.dtype, False))
+    assert reduce_scatter.stats["scaled_mm_reduce_scatter"] == served + 3
+    rows = m // world
+    for r in range(world):
+        want = torch.stack([p[r * rows:(r + 1) * rows] for p in products]).sum(0)
+        assert outs[r].dtype == BF16 and torch.equal(outs[r], want), r
+
+
+@pytest.mark.parametrize("params", [dict(algo="push"), dict(algo="push_scatter"),
+                                    dict(algo="push_all"), dict(algo="lamport"),
+                                    dict(algo="push", overlap=True, chunks=3)])
+def test_fp8_all_reduce_partial_is_the_scaled_product_in_the_output_dtype(monkeypatch, params):
+    """Each all-reduce plan's GEMM writes _scaled_mm (rowwise, row chunks with their scales
+    beside push) into the partial of the symmetric buffer, in bf16, before its kernel; the
+    overlapped cuBLAS plan raises READY after each chunk."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import all_reduce
+    from ditron_inductor.runtime.scaled import Scaled
+    from ditron_inductor.scheduler.decide import plan_for
+
+    m, k, n = 20, 32, 16
+    a, b, s_a, s_b = fp8(m, k), col_major(fp8(n, k, seed=1)), scale(m, 1), scale(1, n, seed=2)
+    task = scaled_mm_collective_task(SCALED_MM_ALL_REDUCE, a, b, s_a, s_b, None, BF16, False, [],
+                                     0, "sum", "0", 2)
+    ctx = HostContext(2, 0, 1 << 22)
+    ctx.connect([ctx, HostContext(2, 1, 16)])
+    host_driver(all_reduce, monkeypatch)
+    launched = []
+    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
+    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
+        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None, side=None))
+    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
+    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
+    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: launched.append(
+        (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel),
+         torch.equal(partial(), want))))
+    monkeypatch.setattr(all_reduce, "gemm_beside",
+                        lambda ctx_, dev, queue_gemm, side_kernel: (queue_gemm(), side_kernel(1)))
+    want = ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
+
+    def partial():
+        return ctx.data.view(-1, BF16, (m, n))
+
+    plan = plan_for(task, **params)
+    h = all_reduce.all_reduce_fused(task, plan, a, b, None, [], None, None, 0.0, False, "sum",
+                                    Scaled.of(s_a, s_b, BF16, a.dtype, False))[0]
+    assert h.dtype == BF16 and h.shape == (m, n)
+    assert torch.equal(partial(), want)
+    assert launched and all(ok for _, ok in launched), launched  # the GEMM ran before the kernel
+    if plan.overlap:  # READY[j] = the device epoch word (7) after each of the 3 row chunks
+        assert ctx.flag_words[:4].tolist() == [7, 7, 7, 0]
 
 
 # ------------------------------------------------------------------------- gloo, 2 CPU ranks
