@@ -1,5 +1,7 @@
-"""FP8 compute parity at world size 1: ditron.all_gather_scaled_mm's fused plan beside the
-torch._scaled_mm calls it replaces, at the all-gather sites of a Llama training step.
+"""FP8 compute parity at world size 1: the fp8 ops' fused plans (ditron.all_gather_scaled_mm,
+scaled_mm_reduce_scatter, scaled_mm_all_reduce) beside the torch._scaled_mm calls they replace,
+at the all-gather and reduce-scatter sites of a Llama training step and the all-reduce sites of
+plain TP.
 
     torchrun --nproc-per-node 1 benchmarks/bench_fp8_parity.py \
         --out benchmarks/results/fp8_parity_h100x1                  # one GPU
@@ -13,7 +15,12 @@ A plan slower than _scaled_mm here spends the communication it hides on slower c
 Rows: the all-gather sites of benchmarks/llama_sites.py (workload "train", sequence parallel) at
 --tp's per-rank shapes, as float8: A e4m3 (e5m2 for the backward's output-gradient gathers),
 weights e4m3 column-major, tensorwise scales, bf16 output, use_fast_accum as torchao's forward
-(True) and backward (False) call it. Per row:
+(True) and backward (False) call it; then the forward's o and down reduce-scatters (workload
+"train") and the o and down all-reduces of plain TP (workload "prefill", without the RMSNorm:
+the fp8 all-reduce fuses none), e4m3 with fast accumulation, each with the plan DITRON_PLAN=fused
+gives it (the copy-engine RS plan with cuBLAS; the AR plan by M with a cuBLAS GEMM). At world
+size 1 the RS plan's GEMM writes its one slot and the reduction copies it out; the AR plan's
+kernel runs on the partial. Per row:
   scaled_mm  torch._scaled_mm per weight (what the graph computes beside its all-gather)
   plan       torch.ops.ditron.all_gather_scaled_mm with each plan of --plans (the default: the
              plan DITRON_PLAN=fused gives the site; the scheduler chooses none on its own yet)
@@ -48,7 +55,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_compute_parity import timed  # noqa: E402
 from benchmarks.llama_sites import sites  # noqa: E402
 from ditron_inductor.scheduler.decide import plan_for  # noqa: E402
-from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM  # noqa: E402
+from ditron_inductor.scheduler.task import (  # noqa: E402
+    ALL_GATHER_MATMUL,
+    ALL_GATHER_SCALED_MM,
+    MATMUL_ALL_REDUCE_RMSNORM,
+    MATMUL_REDUCE_SCATTER,
+    SCALED_MM_ALL_REDUCE,
+    SCALED_MM_REDUCE_SCATTER,
+)
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 # label -> plan parameters (AllGatherPlan's fields); {}: what DITRON_PLAN=fused gives the site
@@ -59,9 +73,14 @@ def rel_err(x, ref) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
 
-def served_count() -> int:
-    runtime = sys.modules.get("ditron_inductor.runtime.all_gather")
-    return runtime.stats["all_gather_scaled_mm"] if runtime else 0
+# op -> the runtime module whose stats count its fused calls
+RUNTIMES = {ALL_GATHER_SCALED_MM: "all_gather", SCALED_MM_REDUCE_SCATTER: "reduce_scatter",
+            SCALED_MM_ALL_REDUCE: "all_reduce"}
+
+
+def served_count(op: str = ALL_GATHER_SCALED_MM) -> int:
+    runtime = sys.modules.get(f"ditron_inductor.runtime.{RUNTIMES[op]}")
+    return runtime.stats[op] if runtime else 0
 
 
 def measure(site, plans: dict, group_name: str, args) -> list[dict]:
@@ -117,10 +136,58 @@ def measure(site, plans: dict, group_name: str, args) -> list[dict]:
     return rows
 
 
+def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
+    """One row: the fp8 reduce-scatter or all-reduce op's fused plan at world size 1 against
+    _scaled_mm (forward: e4m3, fast accumulation)."""
+    task, dev = site.task, args.device
+    (m, k), n = (task.m, task.k), task.ns[0]
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def fp8(*shape):
+        return (torch.randn(*shape, generator=gen, device=dev) * 4).to(E4M3)
+
+    inputs = [(fp8(m, k), fp8(n, k).t(), torch.rand((), generator=gen, device=dev) + 0.5,
+               torch.rand((), generator=gen, device=dev) + 0.5) for _ in range(2)]
+
+    def scaled_mm(a, b, s_a, s_b):
+        return torch._scaled_mm(a, b, s_a, s_b, out_dtype=BF16, use_fast_accum=True)
+
+    def bf16_mm(a, b, s_a, s_b):
+        return torch.mm(a, b)
+
+    fp8_task = dataclasses.replace(task, op=op, world_size=1, dtype=E4M3, out_dtype=BF16,
+                                   scales="tensorwise", fast_accum=True, has_residual=False)
+    plan = plan_for(fp8_task)
+    text = plan.encode()
+    ditron_op = getattr(torch.ops.ditron, op)
+    dim = [0] if op == SCALED_MM_REDUCE_SCATTER else []  # the scatter dim
+
+    def fused(a, b, s_a, s_b):
+        return ditron_op(a, b, s_a, s_b, None, BF16, True, [], *dim, "sum", group_name, 1, text)
+
+    base_ms, base_host = timed(scaled_mm, inputs, dev, args.iters, args.reps)
+    bf16_inputs = [(a.to(BF16), b.to(BF16), s_a, s_b) for a, b, s_a, s_b in inputs]
+    bf16_ms, _ = timed(bf16_mm, bf16_inputs, dev, args.iters, args.reps)
+    before = served_count(op)
+    out = fused(*inputs[0])
+    served = served_count(op) > before
+    err = rel_err(out, scaled_mm(*inputs[0]))
+    ms, host = timed(fused, inputs, dev, args.iters, args.reps)
+    name = site.name.replace(" + norm", "")
+    print(f"{name:28s} M={m} K={k} N={n} {plan.label:16s} served={served} err={err:.1e} "
+          f"scaled_mm {base_ms:.3f} ms  fused {ms:.3f} ms  ratio {ms / base_ms:.3f}  "
+          f"(bf16 mm {bf16_ms:.3f} ms)", flush=True)
+    return [dict(site=name, M=m, K=k, N=[n], a_dtype="float8_e4m3fn", fast_accum=True,
+                 plan="fused", plan_text=plan.describe(), served=served, rel_err=err,
+                 scaled_mm_ms=base_ms, fused_ms=ms, ratio=ms / base_ms, bf16_mm_ms=bf16_ms,
+                 scaled_mm_host_ms=base_host, fused_host_ms=host)]
+
+
 def table(rows: list[dict], meta: dict) -> str:
-    lines = [f"# FP8 all-gather compute parity at world size 1 ({meta['device_name']})", "",
+    lines = [f"# FP8 compute parity at world size 1 ({meta['device_name']})", "",
              f"torch {meta['torch']}, {meta['date']}, Llama-3-{meta['model']} TP {meta['tp']} "
-             f"training-step gathers, {meta['tokens']} tokens; median ms per call; ratio = "
+             f"training-step gathers and forward scatters, plain-TP all-reduces, "
+             f"{meta['tokens']} tokens; median ms per call; ratio = "
              "plan / _scaled_mm; served = the fused path ran (else the reference did)", "",
              "| site | M | K | N | A | plan | served | rel err | _scaled_mm | plan ms | ratio "
              "| bf16 mm |", "|" + " --- |" * 12]
@@ -129,10 +196,13 @@ def table(rows: list[dict], meta: dict) -> str:
                      f"{r['a_dtype']} | {r['plan']} | {r['served']} | {r['rel_err']:.1e} | "
                      f"{r['scaled_mm_ms']:.3f} | {r['fused_ms']:.3f} | {r['ratio']:.3f} | "
                      f"{r['bf16_mm_ms']:.3f} |")
-    fused = [r["ratio"] for r in rows if r["plan"] == "fused" and r["served"]]
-    if fused:
-        geo = math.exp(sum(math.log(x) for x in fused) / len(fused))
-        lines += ["", f"Geometric mean ratio of the `fused` rows: {geo:.3f}"]
+    lines.append("")
+    for kind in ("gather", "scatter", "all-reduce"):  # one geometric mean per op
+        fused = [r["ratio"] for r in rows
+                 if r["plan"] == "fused" and r["served"] and kind in r["site"]]
+        if fused:
+            geo = math.exp(sum(math.log(x) for x in fused) / len(fused))
+            lines.append(f"Geometric mean ratio of the served `fused` {kind} rows: {geo:.3f}")
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +232,12 @@ def main() -> None:
     for site in sites(args.model, args.tp, "train", args.tokens):
         if site.task.op == ALL_GATHER_MATMUL:
             rows += measure(site, PLANS, group_name, args)
+    for site in sites(args.model, args.tp, "train", args.tokens):  # the forward's scatters
+        if site.task.op == MATMUL_REDUCE_SCATTER and site.name in ("o scatter", "down scatter"):
+            rows += measure_reduction(site, SCALED_MM_REDUCE_SCATTER, group_name, args)
+    for site in sites(args.model, args.tp, "prefill", args.tokens):
+        if site.task.op == MATMUL_ALL_REDUCE_RMSNORM:
+            rows += measure_reduction(site, SCALED_MM_ALL_REDUCE, group_name, args)
     meta = dict(model=args.model, tp=args.tp, tokens=args.tokens, torch=torch.__version__,
                 date=datetime.date.today().isoformat(),
                 device_name=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"))

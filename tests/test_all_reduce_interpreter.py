@@ -464,7 +464,7 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
     from ditron_inductor.runtime import all_reduce as runtime
 
     seen, flags = [], []
-    monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out: seen.append(
+    monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out, **kw: seen.append(
         (out.shape[0], torch._C._get_sm_carveout_experimental())))
     monkeypatch.setattr(runtime.driver, "memcpy", lambda dst, src, n, stream: flags.append(dst))
     monkeypatch.setattr(runtime, "current_stream", lambda: 0)
@@ -478,7 +478,7 @@ def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
     seen.clear()
     runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4)  # no carve-out asked: none set
     assert [c for _, c in seen] == [None, None, None]
-    monkeypatch.setattr(runtime, "matmul_into", lambda *args: 1 / 0)
+    monkeypatch.setattr(runtime, "matmul_into", lambda *args, **kw: 1 / 0)
     torch._C._set_sm_carveout_experimental(8)
     with pytest.raises(ZeroDivisionError):
         runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
@@ -523,7 +523,7 @@ def test_push_beside_the_gemm_leaves_every_block_to_the_copy_launch(monkeypatch,
         (kernel, meta)))
     monkeypatch.setattr(runtime, "gemm_beside",
                         lambda ctx, dev, queue_gemm, side_kernel: side_kernel("side"))
-    monkeypatch.setattr(runtime, "matmul_into", lambda *args: None)
+    monkeypatch.setattr(runtime, "matmul_into", lambda *args, **kw: None)
     monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
     ctx = SimpleNamespace(world=2, rank=1, data=torch.zeros(1 << 16))
     a, b, partial = torch.zeros(64, 8), torch.zeros(8, 16), torch.zeros(64, 16)

@@ -18,9 +18,13 @@ torchao SP does not run there at all; the ditron ops gather the bytes).
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import importlib.util
+import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -284,8 +288,6 @@ def test_fake_shapes_and_dtypes():
 
 
 def cuda(task):
-    import dataclasses
-
     return dataclasses.replace(task, device_type="cuda")
 
 
@@ -306,13 +308,16 @@ def test_on_cuda_unmeasured_fp8_plans_are_not_chosen_and_the_log_says_what_runs(
     with fake_group(2):
         decisions = {op: decide(t) for op, t in fp8_tasks().items()}
     assert not any(d.fuse for d in decisions.values())
-    assert decisions[ALL_GATHER_SCALED_MM].reason == (
-        "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered chunks) is not "
-        "measured on a GPU yet: the graph keeps the collective + _scaled_mm (DITRON_PLAN="
-        "reference runs the op's reference, DITRON_PLAN=fused that plan)")
-    assert decisions[SCALED_MM_ALL_REDUCE].reason == (
-        "no fused CUDA kernel for scaled_mm_all_reduce yet: the graph keeps the collective + "
-        "_scaled_mm (DITRON_PLAN=reference runs the op's reference)")
+    keep = ("is not measured against NCCL on GPUs yet: the graph keeps the collective + "
+            "_scaled_mm (DITRON_PLAN=reference runs the op's reference, DITRON_PLAN=fused that "
+            "plan)")
+    assert {op: d.reason for op, d in decisions.items()} == {
+        ALL_GATHER_SCALED_MM: "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered "
+                              f"chunks) {keep}",
+        SCALED_MM_REDUCE_SCATTER: "the fp8 plan (cublas_scaled_mm: _scaled_mm per rank's rows, "
+                                  f"each pushed by the copy engine) {keep}",
+        SCALED_MM_ALL_REDUCE: "the fp8 plan (cublas_scaled_mm: _scaled_mm into the partial, "
+                              f"then the all-reduce kernel for M) {keep}"}
 
 
 def test_forced_plans_for_fp8(monkeypatch):
@@ -324,9 +329,27 @@ def test_forced_plans_for_fp8(monkeypatch):
         reference = {op: decide(t) for op, t in tasks.items()}
     ag = forced[ALL_GATHER_SCALED_MM]
     assert ag.fuse and isinstance(ag.plan, AllGatherPlan) and ag.plan.gemm == "cublas"
-    assert ag.plan.groups == (1, 1) and ag.plan.label == "cublas_scaled_mm"
-    assert not forced[SCALED_MM_REDUCE_SCATTER].fuse  # no fused kernel: left as it was
+    assert {op: d.plan.describe() for op, d in forced.items()} == {
+        ALL_GATHER_SCALED_MM: "fused cublas_scaled_mm gemm=cublas groups=1,1",
+        # the copy-engine plan with cuBLAS (gemm="cublas" is the family's default)
+        SCALED_MM_REDUCE_SCATTER: "fused cublas_scaled_mm reduce=triton pull_block=16384",
+        # M=4096 on 2 ranks: push beside the GEMM (all_reduce_params), the GEMM cuBLAS in 2W
+        # row chunks, not the persistent Triton GEMM's 16
+        SCALED_MM_ALL_REDUCE: "fused push overlap=True chunks=4 progs=16 block=16384 warps=32"}
     assert all(d.fuse and d.plan.impl == "reference" for d in reference.values())
+
+
+def test_forced_fp8_all_reduce_plan_by_m_is_the_bf16_one_with_cublas():
+    from ditron_inductor.scheduler.cost_model import all_reduce_params, fused_plan
+
+    task = fp8_tasks()[SCALED_MM_ALL_REDUCE]
+    for m, world in ((1, 2), (8, 8), (64, 4), (512, 8), (4096, 8), (2048, 4)):
+        t = dataclasses.replace(task, m=m, world_size=world)
+        plan = fused_plan(t)
+        bf16 = all_reduce_params(t)
+        assert (plan.algo, plan.overlap, plan.gemm) == (
+            bf16["algo"], bf16.get("overlap", False), "cublas"), (m, world)
+    assert fused_plan(task, {"algo": "push_all"}).describe() == "fused push_all algo=push_all"
 
 
 def test_fp8_patterns_can_be_turned_off(monkeypatch):
@@ -335,6 +358,266 @@ def test_fp8_patterns_can_be_turned_off(monkeypatch):
         d = decide(fp8_tasks()[ALL_GATHER_SCALED_MM])
     assert d.reason == ("pattern all_gather_scaled_mm is disabled (ditron.patterns / "
                         "DITRON_PATTERNS)")
+
+
+# ------------------------------------------------------- runtime on CPU: GEMM object, declines
+
+
+def test_scaled_gemm_slices_a_rowwise_scale_a_with_the_rows(monkeypatch):
+    """Scaled.matmul_into: a rowwise scale_a's rows first_row.. go with A's rows, scale_b whole
+    (the real CPU _scaled_mm, row chunk by row chunk, equals the whole product); the plain
+    matmul_into never calls _scaled_mm."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime.launch import matmul_into
+    from ditron_inductor.runtime.scaled import Scaled
+
+    a, b = fp8(12, 32), col_major(fp8(16, 32))
+    s_a, s_b = scale(12, 1, seed=1), scale(1, 16, seed=2)
+    want = ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
+    calls, real = [], torch._scaled_mm
+
+    def spy(a_, b_, scale_a, scale_b, **kw):
+        calls.append((a_.shape[0], scale_a.flatten().tolist(), scale_b is gemm.scale_b))
+        return real(a_, b_, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    # a layout Inductor may give a rowwise scale_b: [1, N] with a stride that is not 1
+    gemm = Scaled.of(s_a, s_b.t().contiguous().t(), None, BF16, False)
+    out = torch.full((12, 16), float("nan"), dtype=BF16)
+    for lo, hi in ((0, 5), (5, 12)):
+        matmul_into(a[lo:hi], b, None, out[lo:hi], scaled=gemm, first_row=lo)
+    assert torch.equal(out, want)
+    assert calls == [(5, s_a[:5].flatten().tolist(), True), (7, s_a[5:].flatten().tolist(), True)]
+    one = Scaled.of(scale(()), scale(()), torch.float16, E4M3, True)
+    matmul_into(a[4:8], b, None, out16 := torch.empty(4, 16, dtype=torch.float16), scaled=one,
+                first_row=4)
+    assert calls[-1][1] == [one.scale_a.item()] and out16.dtype == torch.float16
+    calls.clear()
+    matmul_into(a.float(), b.float(), None, torch.empty(12, 16))  # bf16 / fp32: plain mm
+    assert calls == []
+
+
+def scaled_rs_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
+    return (a, b, s_a, s_b, bias, out_dtype, False, [], 0, "sum", "0", world)
+
+
+def scaled_ar_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
+    return (a, b, s_a, s_b, bias, out_dtype, False, [], "sum", "0", world)
+
+
+@pytest.fixture
+def no_protocol(monkeypatch):
+    """Every first protocol step of the reduce-scatter and all-reduce runtimes fails the test."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import all_reduce, reduce_scatter
+
+    def touched(*args, **kwargs):
+        raise AssertionError("a declined call touched the protocol")
+
+    for module in (reduce_scatter, all_reduce):
+        monkeypatch.setattr(module, "get_context", touched)
+        monkeypatch.setattr(module, "current_stream", touched)
+        monkeypatch.setattr(module, "matmul_into", touched)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return reduce_scatter, all_reduce
+
+
+def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol, caplog):
+    """Triton GEMMs, an fp8 output, rowwise with fp16, shapes _scaled_mm cannot take, CPU
+    tensors: each declined with its reason, before any context, stream or GEMM."""
+    import logging
+
+    from ditron_inductor.log_names import LOGGER_NAME
+    from ditron_inductor.scheduler.decide import plan_for
+
+    reduce_scatter, all_reduce = no_protocol
+    tasks = fp8_tasks()
+    rs_task, ar_task = tasks[SCALED_MM_REDUCE_SCATTER], tasks[SCALED_MM_ALL_REDUCE]
+    a, b, t = fp8(64, 32), col_major(fp8(48, 32)), scale(())
+    rowwise = (scale(64, 1), scale(1, 48))
+    triton_gemm = ("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; the "
+                   "Triton GEMMs take no float8)")
+    cases = [
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task, gemm="triton"),
+         scaled_rs_args(a, b, t, t), triton_gemm),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused,
+         plan_for(rs_task, gemm="triton", transfer="sm"), scaled_rs_args(a, b, t, t),
+         triton_gemm),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, t, t, out_dtype=None),
+         "fp8: output dtype torch.float8_e4m3fn (the fused partials and sums are bf16 or fp16)"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, *rowwise, out_dtype=torch.float16),
+         "fp8: rowwise scales with a bf16 output only"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(fp8(64, 24), col_major(fp8(48, 24)), t, t),
+         "fp8: K=24, N=48 and layouts _scaled_mm cannot take"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, *rowwise), "fp8: operands not on CUDA"),
+        (all_reduce.scaled_mm_all_reduce_fused,
+         plan_for(ar_task, algo="push", overlap=True, gemm="triton"), scaled_ar_args(a, b, t, t),
+         "fp8: the persistent Triton GEMM beside push takes no float8"),
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
+         scaled_ar_args(a, b, t, t, bias=torch.zeros(48)), "fp8: bias shape/dtype"),
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
+         scaled_ar_args(a, b.contiguous(), t, t), "fp8: K=32, N=48 and layouts"),  # B row-major
+        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task, algo="lamport"),
+         scaled_ar_args(a, b, *rowwise), "fp8: operands not on CUDA"),
+    ]
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    for fused, plan, args, reason in cases:
+        caplog.clear()
+        task = rs_task if fused is reduce_scatter.scaled_mm_reduce_scatter_fused else ar_task
+        assert fused(task, plan, *args) is None
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and messages[0].startswith(f"fused path declined: {reason}"), (
+            plan.describe(), messages)
+
+
+class HostBuffer:
+    """A rank's symmetric buffer as host memory (the runtime's view(rank, dtype, shape))."""
+
+    def __init__(self, nbytes):
+        self.local = torch.zeros(nbytes, dtype=torch.uint8)
+        self.nbytes, self.ptr_table = nbytes, None
+
+    def view(self, rank, dtype, shape, byte_offset=0):
+        return self.local[byte_offset:].view(dtype)[:math.prod(shape)].view(shape)
+
+
+class HostContext:
+    """What the runtimes read of an OpContext, on host memory: data and flag words behind real
+    addresses, so that the runtime's copies (driver.memcpy / write) move real bytes."""
+
+    READY, DONE = 0, 8
+
+    def __init__(self, world, rank, nbytes):
+        self.world, self.rank, self.epoch, self.device = world, rank, 0, "cpu"
+        self.data = HostBuffer(nbytes)
+        self.flag_words = torch.zeros(64, dtype=torch.int32)
+        self.tape = torch.zeros(8, dtype=torch.int32)
+        self.side = SimpleNamespace(cuda_stream=0)
+        self.ev_start = self.ev_end = 0
+        self.ev_chunks = [0] * world
+        self.flags = SimpleNamespace(ptr_table=None, words=self.flag_words)
+        self.err = None
+
+    def connect(self, ranks):
+        self.data_addrs = [r.data.local.data_ptr() for r in ranks]
+        self.flag_bases = [r.flag_words.data_ptr() for r in ranks]
+
+    def next_epoch(self):
+        self.epoch += 1
+        return self.epoch
+
+    def flag_addr(self, idx):
+        return self.flag_bases[self.rank] + 4 * idx
+
+    def peer_flag_addr(self, peer, idx):
+        return self.flag_bases[peer] + 4 * idx
+
+    def tape_addr(self, role, epoch):
+        return self.tape.data_ptr() + 4 * (role * 4 + epoch % 4)
+
+    def signal(self, stream, role, epoch, dst_addrs):
+        for dst in dst_addrs:
+            ctypes.c_int32.from_address(dst).value = epoch
+
+
+def host_driver(module, monkeypatch):
+    """The runtime module's stream operations on host memory: copies and writes done at once,
+    events and waits no-ops (the emulated ranks run one after the other)."""
+    fake = SimpleNamespace(record=lambda *a: None, stream_wait=lambda *a: None,
+                           memcpy=lambda dst, src, n, stream: ctypes.memmove(dst, src, n),
+                           write=lambda stream, addr, v: setattr(
+                               ctypes.c_int32.from_address(addr), "value", v))
+    monkeypatch.setattr(module, "driver", fake)
+    monkeypatch.setattr(module, "current_stream", lambda: 0)
+    monkeypatch.setattr(module, "check_errors", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch):
+    """The copy-engine plan's data path with the Scaled GEMM, on 2 ranks emulated in host
+    memory (run 1, 0, 1: each rank's slots are filled by the other's earlier run): each rank
+    pushes _scaled_mm of the peer's rows (rowwise scale_a sliced alike) in bf16 into the peer's
+    slot and sums its own; every rank's output is the sum of the ranks' products' rows."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import reduce_scatter
+    from ditron_inductor.runtime.scaled import Scaled
+    from ditron_inductor.scheduler.decide import plan_for
+
+    world, m, k, n = 2, 32, 32, 16
+    ins = [(fp8(m, k, seed=10 + q), col_major(fp8(n, k, seed=20 + q)), scale(m, 1, seed=30 + q),
+            scale(1, n, seed=40 + q)) for q in range(world)]
+    products = [ops._scaled_mm(a, b, s_a, s_b, None, BF16, False) for a, b, s_a, s_b in ins]
+    ctxs = [HostContext(world, r, world * (m // world) * n * 2) for r in range(world)]
+    for c in ctxs:
+        c.connect(ctxs)
+    host_driver(reduce_scatter, monkeypatch)
+    monkeypatch.setattr(reduce_scatter, "wait_geq", lambda *a: None)
+    a, b, s_a, s_b = ins[0]
+    task = scaled_mm_collective_task(SCALED_MM_REDUCE_SCATTER, a, b, s_a, s_b, None, BF16, False,
+                                     [], 0, "sum", "0", world)
+    plan = plan_for(task, gemm="cublas")  # torch.sum reduces the slots (no Triton launch)
+    outs = {}
+    served = reduce_scatter.stats["scaled_mm_reduce_scatter"]
+    for r in (1, 0, 1):
+        monkeypatch.setattr(reduce_scatter, "get_context", lambda *args, r=r: ctxs[r])
+        a, b, s_a, s_b = ins[r]
+        outs[r] = reduce_scatter.matmul_reduce_scatter_fused(
+            task, plan, a, b, None, [], 0, "sum", "0", world,
+            Scaled.of(s_a, s_b, BF16, a.dtype, False))
+    assert reduce_scatter.stats["scaled_mm_reduce_scatter"] == served + 3
+    rows = m // world
+    for r in range(world):
+        want = torch.stack([p[r * rows:(r + 1) * rows] for p in products]).sum(0)
+        assert outs[r].dtype == BF16 and torch.equal(outs[r], want), r
+
+
+@pytest.mark.parametrize("params", [dict(algo="push"), dict(algo="push_scatter"),
+                                    dict(algo="push_all"), dict(algo="lamport"),
+                                    dict(algo="push", overlap=True, chunks=3)])
+def test_fp8_all_reduce_partial_is_the_scaled_product_in_the_output_dtype(monkeypatch, params):
+    """Each all-reduce plan's GEMM writes _scaled_mm (rowwise, row chunks with their scales
+    beside push) into the partial of the symmetric buffer, in bf16, before its kernel; the
+    overlapped cuBLAS plan raises READY after each chunk."""
+    pytest.importorskip("triton")
+    from ditron_inductor.runtime import all_reduce
+    from ditron_inductor.runtime.scaled import Scaled
+    from ditron_inductor.scheduler.decide import plan_for
+
+    m, k, n = 20, 32, 16
+    a, b, s_a, s_b = fp8(m, k), col_major(fp8(n, k, seed=1)), scale(m, 1), scale(1, n, seed=2)
+    task = scaled_mm_collective_task(SCALED_MM_ALL_REDUCE, a, b, s_a, s_b, None, BF16, False, [],
+                                     0, "sum", "0", 2)
+    ctx = HostContext(2, 0, 1 << 22)
+    ctx.connect([ctx, HostContext(2, 1, 16)])
+    host_driver(all_reduce, monkeypatch)
+    launched = []
+    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
+    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
+        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None, side=None))
+    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
+    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
+    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: launched.append(
+        (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel),
+         torch.equal(partial(), want))))
+    monkeypatch.setattr(all_reduce, "gemm_beside",
+                        lambda ctx_, dev, queue_gemm, side_kernel: (queue_gemm(), side_kernel(1)))
+    want = ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
+
+    def partial():
+        return ctx.data.view(-1, BF16, (m, n))
+
+    plan = plan_for(task, **params)
+    h = all_reduce.all_reduce_fused(task, plan, a, b, None, [], None, None, 0.0, False, "sum",
+                                    Scaled.of(s_a, s_b, BF16, a.dtype, False))[0]
+    assert h.dtype == BF16 and h.shape == (m, n)
+    assert torch.equal(partial(), want)
+    assert launched and all(ok for _, ok in launched), launched  # the GEMM ran before the kernel
+    if plan.overlap:  # READY[j] = the device epoch word (7) after each of the 3 row chunks
+        assert ctx.flag_words[:4].tolist() == [7, 7, 7, 0]
 
 
 # ------------------------------------------------------------------------- gloo, 2 CPU ranks

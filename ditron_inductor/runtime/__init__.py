@@ -7,10 +7,14 @@ where that backend is chosen), which takes FUSED_IMPLS from here; nothing here i
 """
 
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
-from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
+from .all_reduce import (
+    matmul_all_reduce_fused,
+    matmul_all_reduce_rmsnorm_fused,
+    scaled_mm_all_reduce_fused,
+)
 from .context import clear_contexts
 from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
-from .reduce_scatter import matmul_reduce_scatter_fused
+from .reduce_scatter import matmul_reduce_scatter_fused, scaled_mm_reduce_scatter_fused
 
 # op name -> fn(task, plan, *op_args) -> outputs, or None where the plan cannot serve the input
 FUSED_IMPLS = {
@@ -19,6 +23,8 @@ FUSED_IMPLS = {
     "matmul_all_reduce": matmul_all_reduce_fused,
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
     "all_gather_scaled_mm": all_gather_scaled_mm_fused,
+    "scaled_mm_reduce_scatter": scaled_mm_reduce_scatter_fused,
+    "scaled_mm_all_reduce": scaled_mm_all_reduce_fused,
     "all_to_all_grouped_mm": all_to_all_grouped_mm_fused,
     "grouped_mm_all_to_all": grouped_mm_all_to_all_fused,
 }

@@ -25,7 +25,6 @@ Triton launch costs 10-100x more host time on the benchmark machine.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -45,24 +44,10 @@ from .launch import (
     triton_gemm,
     wait_geq,
 )
+from .scaled import FLOAT8, Scaled
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
 stats = {"all_gather_matmul": 0, "all_gather_scaled_mm": 0}
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scaled:
-    """What makes each GEMM a torch._scaled_mm: A's one scale, each weight's, the output dtype."""
-
-    scale_a: torch.Tensor
-    scales_b: list
-    out_dtype: torch.dtype
-    use_fast_accum: bool
-
-    def matmul_into(self, a_rows, i: int, w, bias, out) -> None:
-        torch._scaled_mm(a_rows, w, self.scale_a, self.scales_b[i], bias=bias,
-                         out_dtype=self.out_dtype, use_fast_accum=self.use_fast_accum, out=out)
 
 
 def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a, weights,
@@ -73,7 +58,7 @@ def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a
         return decline("fp8: the cuBLAS plan only (_scaled_mm per group of chunks)")
     if scale_a.numel() != 1 or any(s.numel() != 1 for s in scales_b):
         return decline(f"fp8: {task.scales} scales (tensorwise only)")
-    scaled = Scaled(scale_a, list(scales_b), out_dtype or a_shard.dtype, use_fast_accum)
+    scaled = [Scaled.of(scale_a, s, out_dtype, a_shard.dtype, use_fast_accum) for s in scales_b]
     return all_gather_matmul_fused(task, plan, a_shard, weights, biases, gather_dim, group_name,
                                    world_size, scaled)
 
@@ -105,7 +90,8 @@ def chunk_groups(order: list[int], sizes) -> list[list[int]]:
 
 
 def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, biases, gather_dim,
-                            group_name, world_size, scaled: Optional[Scaled] = None):
+                            group_name, world_size, scaled: Optional[list[Scaled]] = None):
+    """scaled: the scaled op's GEMM of each weight (float8 operands), else None."""
     if torch.cuda.is_current_stream_capturing():
         return decline("CUDA graph capture (epochs are host values)")
     if gather_dim != 0:
@@ -121,7 +107,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if a_shard.dtype not in (FLOAT8 if scaled else DTYPES) or a_shard.dim() < 2:
         return decline(f"dtype {a_shard.dtype} / rank {a_shard.dim()}")
     k = a_shard.shape[-1]
-    out_dtype = scaled.out_dtype if scaled else a_shard.dtype
+    out_dtype = scaled[0].out_dtype if scaled else a_shard.dtype
     for w, b in zip(weights, biases):
         w_dtype_ok = w.dtype in FLOAT8 if scaled else w.dtype == a_shard.dtype
         if w.dim() != 2 or w.shape[0] != k or not w_dtype_ok or not w.is_cuda:
@@ -252,10 +238,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                         driver.stream_wait(main, ctx.ev_chunks[c])
                     a_rows = gathered[lo:hi]
                 for i, (w, b, out) in enumerate(zip(weights, biases, outs)):
-                    if scaled:
-                        scaled.matmul_into(a_rows, i, w, b, out[lo:hi])
-                    else:
-                        matmul_into(a_rows, w, b, out[lo:hi])
+                    matmul_into(a_rows, w, b, out[lo:hi], scaled=scaled[i] if scaled else None)
         if local != main:  # my rows of the gathered A
             driver.stream_wait(main, ctx.ev_chunks[r])
     return _all_gather_done(ctx, plan, main, a_shard, gathered, outs, scaled is not None)

@@ -27,12 +27,18 @@ calls, and a call captured in a CUDA graph replays correctly. The context must e
 capture (its setup is collective and synchronises): a call captured before any eager call of its
 size class takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which
 creates it.
+
+FP8 (scaled_mm_all_reduce; the matcher fuses no RMSNorm tail into it): the same plans, the
+GEMM a torch._scaled_mm (runtime/scaled.py) into the partial, which holds the output dtype
+(bf16/fp16), the row chunks of the overlapped cuBLAS plan with their rows of a rowwise scale_a.
+The overlapped plan with the persistent Triton GEMM declines.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from typing import Optional
 
 import torch
 
@@ -65,9 +71,10 @@ from .launch import (
     tma_ok,
 )
 from .kernel_launch import current_stream, launch
+from .scaled import Scaled
 from .symm import group_barrier
 
-stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
+stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0, "scaled_mm_all_reduce": 0}
 _CONTEXT = "all_reduce"
 
 
@@ -110,25 +117,30 @@ def _block_n(n: int) -> int:
     return min(4096, next_power_of_2(n))
 
 
-def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape):
-    """Why the fused path cannot serve these inputs, or None."""
+def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape,
+              scaled=None):
+    """Why the fused path cannot serve these inputs, or None (a scaled GEMM's operands and
+    output dtype: Scaled.declines)."""
     if reduce_op != "sum":
         return f"reduce_op {reduce_op}"
-    if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
-        return f"dtype {a.dtype} / operands not 2-d"
+    if scaled is None and (a.dtype not in DTYPES or b.dtype != a.dtype):
+        return f"dtype {a.dtype} @ {b.dtype}"
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands not 2-d"
+    dtype = scaled.out_dtype if scaled else a.dtype  # the partial's and the output's
     m, n = a.shape[0], b.shape[1]
     if m == 0 or n == 0 or a.shape[1] == 0:
         return "empty"
-    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype or bias.shape[0] != n):
+    if bias is not None and (bias.dim() != 1 or bias.dtype != dtype or bias.shape[0] != n):
         return "bias"
-    if residual is not None and (residual.dtype != a.dtype or residual.numel() != m * n
+    if residual is not None and (residual.dtype != dtype or residual.numel() != m * n
                                  or not residual.is_contiguous()):
         return "residual dtype/shape/layout"
     if norm_weight is not None:
         if norm_weight.dim() != 1 or norm_weight.shape[0] != n or not norm_weight.is_contiguous():
             return "norm weight shape"
-        if norm_weight.dtype != a.dtype and not (weight_in_fp32
-                                                  and norm_weight.dtype == torch.float32):
+        if norm_weight.dtype != dtype and not (weight_in_fp32
+                                                and norm_weight.dtype == torch.float32):
             return "norm weight dtype (the reference would return another dtype)"
     if shape[-1] != n:
         return "out_shape does not end in N"
@@ -136,30 +148,33 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
 
 
 def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
-                     weight_in_fp32, reduce_op):
-    """(h, y) (y None without norm_weight), or None for inputs this path does not serve."""
+                     weight_in_fp32, reduce_op, scaled: Optional[Scaled] = None):
+    """(h, y) (y None without norm_weight), or None for inputs this path does not serve.
+    scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines), else None."""
     m, n = a.shape[0], b.shape[1]
     shape = list(out_shape) if len(out_shape) else [m, n]
-    why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape)
+    why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape, scaled)
     if why:
         return decline(why)
+    dtype = scaled.out_dtype if scaled else a.dtype
     algo = plan.algo
     if task.world_size > flags.MAX_WORLD:
         return decline(f"the all-reduce kernels' flags serve up to {flags.MAX_WORLD} ranks")
     context, elems = _buffer_elements(algo, m * n, task.world_size)
-    if size_class(elems * a.element_size()) // a.element_size() >= 2 ** 31:
+    esize = dtype.itemsize
+    if size_class(elems * esize) // esize >= 2 ** 31:
         return decline("more than 2**31 elements in the buffers (32-bit offsets)")
     capturing = torch.cuda.is_current_stream_capturing()
-    ctx = get_context(context, task.group_name, plan.symm_mem_backend, elems * a.element_size(),
+    ctx = get_context(context, task.group_name, plan.symm_mem_backend, elems * esize,
                       flag_words=flags.FLAG_WORDS, create=not capturing)
     if ctx is None:
         return decline("CUDA graph capture before any eager call of this size class")
     dev = device_epoch(ctx)
-    partial = ctx.data.view(-1, a.dtype, (m, n))
+    partial = ctx.data.view(-1, dtype, (m, n))
     b_trans = tma_ok(a, b, partial) if plan.overlap and plan.gemm == TRITON else None
     if plan.overlap and plan.gemm == TRITON and b_trans is None:
         return decline("the Triton GEMM beside push: operands TMA cannot take")
-    h = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.words,
               dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
@@ -167,11 +182,11 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **flags.world_constants(ctx.world))
     if algo == "push_all":
-        _push_all(ctx, plan, a, b, bias, partial, common, consts, float(eps))
+        _push_all(ctx, plan, a, b, bias, partial, common, consts, float(eps), scaled)
     elif algo in ("lamport", "lamport_all"):
-        _lamport(ctx, plan, a, b, bias, partial, common, consts, float(eps))
+        _lamport(ctx, plan, a, b, bias, partial, common, consts, float(eps), scaled)
     else:
-        _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps))
+        _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps), scaled)
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
@@ -184,11 +199,12 @@ def _row_chunks(plan: AllReducePlan, m):
     return cdiv(m, rows), rows
 
 
-def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
+def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None, scaled=None):
     """The GEMM in row chunks on the main stream, chunk 0 first on every rank (the order the
     reduction takes them in), READY[j] raised after chunk j by a 4-byte copy from the device
     epoch word. carveout: SMs cuBLAS leaves free (PyTorch's experimental SM carve-out, for the
-    push beside it; None: cuBLAS takes every SM, the push programs wait for its waves)."""
+    push beside it; None: cuBLAS takes every SM, the push programs wait for its waves).
+    scaled: each chunk a _scaled_mm of its rows (runtime/scaled.py)."""
     m = partial.shape[0]
     main = current_stream()
     current_epoch = dev.epoch.data_ptr() + 4
@@ -199,7 +215,7 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, carveout=None):
     try:
         for j in range(cdiv(m, rows)):
             lo, hi = j * rows, min((j + 1) * rows, m)
-            matmul_into(a[lo:hi], b, bias, partial[lo:hi])
+            matmul_into(a[lo:hi], b, bias, partial[lo:hi], scaled=scaled, first_row=lo)
             driver.memcpy(ctx.flag_addr(flags.READY + j), current_epoch, 4, main)
     finally:
         if carve:
@@ -257,7 +273,8 @@ def _region(ctx, partial, algo):
     return region_elements(ctx.data.nbytes // partial.element_size(), algo, ctx.world)
 
 
-def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps):
+def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps,
+          scaled=None):
     """The GEMM, then the push kernel (templates/all_reduce_push.py) on the same stream. With
     overlap the push kernel's REDUCE runs beside the GEMM on the side stream, on `progs`
     programs (default 32): gemm="triton", the persistent GEMM on the other SMs, raising READY
@@ -275,7 +292,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
                 ROW_BLOCK=row_block(n, block) if consts["NORM"] else 0)
     slots = _region(ctx, partial, plan.algo)
     if not plan.overlap:
-        matmul_into(a, b, bias, partial)
+        matmul_into(a, b, bias, partial, scaled=scaled)
         launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, slots, polls,
                **meta)
         return
@@ -288,7 +305,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
         rows = _row_chunks(plan, m)[1]
         carveout = progs if plan.carveout else None
         queue_gemm = lambda: _cublas_chunks(  # noqa: E731
-            ctx, dev, a, b, bias, partial, rows, carveout)
+            ctx, dev, a, b, bias, partial, rows, carveout, scaled)
     gemm_beside(ctx, dev, queue_gemm, lambda side: launch(
         push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
         stream=side, CHUNKED=True, COPY=False, NORMALISE=False, **meta))
@@ -300,19 +317,19 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
            CHUNKED=True, SEND=False, REDUCE=False, **meta)
 
 
-def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
+def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, scaled=None):
     """The GEMM, then push_all_kernel: every rank's partial into a slot on every rank (the
     slots of this call's epoch parity), one wait, a local sum."""
     m, n = partial.shape
     progs, block, warps = push_grid(1, m * n, num_sms(a.device), plan.block, plan.warps,
                                     plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, "push_all")
-    matmul_into(a, b, bias, partial)
+    matmul_into(a, b, bias, partial, scaled=scaled)
     launch(push_all_kernel, (progs,), *common, m, n, eps, ctx.rank, stride, stride,
            wait_polls(plan), **_launch(consts, n, block, warps))
 
 
-def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps):
+def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, scaled=None):
     """The GEMM, then lamport_kernel or (lamport_all, push_all's grid: every rank handles
     every element) lamport_all_kernel (templates/all_reduce_lamport.py) on its context, whose
     words all hold the empty mark before the first call."""
@@ -324,7 +341,7 @@ def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps)
     progs, block, warps = push_grid(1 if one_shot else ctx.world, m * n, num_sms(a.device),
                                     plan.block, plan.warps, plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, plan.algo)
-    matmul_into(a, b, bias, partial)
+    matmul_into(a, b, bias, partial, scaled=scaled)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
     launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_polls(plan),
            **_launch(consts, n, block, warps))
@@ -342,6 +359,22 @@ def _mark_empty(ctx):
 def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,
                             group_name, world_size):
     out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op)
+    return None if out is None else out[0]
+
+
+def scaled_mm_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, scale_a, scale_b, bias,
+                               out_dtype, use_fast_accum, out_shape, reduce_op, group_name,
+                               world_size):
+    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
+    if plan.overlap and plan.gemm == TRITON:
+        return decline("fp8: the persistent Triton GEMM beside push takes no float8 (cuBLAS "
+                       "plans only)")
+    scaled = Scaled.of(scale_a, scale_b, out_dtype, a.dtype, use_fast_accum)
+    why = scaled.declines(a, b, bias)
+    if why:
+        return decline(why)
+    out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op,
+                           scaled)
     return None if out is None else out[0]
 
 

@@ -163,8 +163,12 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
     return out
 
 
-def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None):
-    """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given."""
+def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
+                first_row: int = 0):
+    """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given, or
+    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, a being A's rows from first_row on."""
+    if scaled is not None:
+        return scaled.matmul_into(a, b, bias, out, first_row)
     if tile is not None:
         return triton_gemm(a, b, bias, out, tile)
     if bias is None:

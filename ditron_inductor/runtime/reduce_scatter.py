@@ -22,6 +22,11 @@ captured in a CUDA graph replays correctly once the context exists.
 
 What this plan declines (operands TMA cannot take, slices that are not whole row-blocks of the
 GEMM's tile) takes the op's reference path.
+
+FP8 (scaled_mm_reduce_scatter): the copy-engine plan with cuBLAS, each rank's rows a
+torch._scaled_mm (runtime/scaled.py) into the same staging rows and receive slot, in the output
+dtype (bf16/fp16: what is pushed and summed); a rowwise scale_a is sliced with the rows. Plans
+with a Triton GEMM (gemm="triton", the SM pull) decline.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..scheduler.plan import SM, TRITON, ReduceScatterPlan
+from ..scheduler.plan import CUBLAS, SM, TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.reduce_scatter import pull_reduce_kernel
@@ -39,14 +44,32 @@ from .context import device_epoch, get_context, size_class, wait_polls
 from .kernel_launch import current_stream, launch
 from .launch import (DTYPES, WAIT_NAMES, cdiv, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
+from .scaled import Scaled
 
 CONTEXT = "matmul_reduce_scatter_pull"
 # calls served by the fused path, and those of them the SM pull served (tests check which ran)
-stats = {"matmul_reduce_scatter": 0, "pulled": 0}
+stats = {"matmul_reduce_scatter": 0, "pulled": 0, "scaled_mm_reduce_scatter": 0}
+
+
+def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, scale_a, scale_b,
+                                   bias, out_dtype, use_fast_accum, out_shape, scatter_dim,
+                                   reduce_op, group_name, world_size):
+    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
+    if plan.gemm != CUBLAS or plan.transfer == SM:
+        return decline("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; "
+                       "the Triton GEMMs take no float8)")
+    scaled = Scaled.of(scale_a, scale_b, out_dtype, a.dtype, use_fast_accum)
+    why = scaled.declines(a, b, bias)
+    if why:
+        return decline(why)
+    return matmul_reduce_scatter_fused(task, plan, a, b, bias, out_shape, scatter_dim, reduce_op,
+                                       group_name, world_size, scaled)
 
 
 def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,
-                                scatter_dim, reduce_op, group_name, world_size):
+                                scatter_dim, reduce_op, group_name, world_size,
+                                scaled: Optional[Scaled] = None):
+    """scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines), else None."""
     if reduce_op not in ("sum", "avg"):
         return decline(f"reduce_op {reduce_op}")
     if scatter_dim != 0:
@@ -55,13 +78,15 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         # every dim before scatter_dim has size 1: the same rows as a scatter on dim 0
         lead = list(out_shape[:scatter_dim])
         out = matmul_reduce_scatter_fused(task, plan, a, b, bias, list(out_shape[scatter_dim:]),
-                                          0, reduce_op, group_name, world_size)
+                                          0, reduce_op, group_name, world_size, scaled)
         return None if out is None else out.view(lead + list(out.shape))
-    if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
-        return decline("dtype or rank")
-    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype
-                             or bias.shape[0] != b.shape[1]):
-        return decline("bias")
+    if scaled is None:
+        if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
+            return decline("dtype or rank")
+        if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype
+                                 or bias.shape[0] != b.shape[1]):
+            return decline("bias")
+    dtype = scaled.out_dtype if scaled else a.dtype  # the partials', the sums' and the output's
     M, K = a.shape
     N = b.shape[1]
     W = world_size
@@ -80,7 +105,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     if torch.cuda.is_current_stream_capturing():
         return decline("CUDA graph capture (epochs are host values)")
     rows = M // W
-    esize = a.element_size()
+    esize = dtype.itemsize
     chunk_bytes = rows * N * esize
     ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
     r = ctx.rank
@@ -93,10 +118,10 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     driver.stream_wait(side, ctx.ev_start)
     tape = ctx.tape_addr(1, e)
     driver.write(side, tape, e)
-    staging = torch.empty((W - 1, rows, N), dtype=a.dtype, device=a.device)
+    staging = torch.empty((W - 1, rows, N), dtype=dtype, device=a.device)
     st0 = staging.data_ptr()
     for i, p in enumerate(task.ring_order(r)[1:], start=1):  # the chunk for rank+1 first
-        matmul_into(a[p * rows:(p + 1) * rows], b, bias, staging[i - 1], tile)
+        matmul_into(a[p * rows:(p + 1) * rows], b, bias, staging[i - 1], tile, scaled, p * rows)
         driver.record(ctx.ev_chunks[p], main)
         driver.stream_wait(side, ctx.ev_chunks[p])
         # p has reduced the last call: slot r is free
@@ -104,15 +129,15 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         driver.memcpy(ctx.data_addrs[p] + r * chunk_bytes, st0 + (i - 1) * chunk_bytes,
                       chunk_bytes, side)
         driver.memcpy(ctx.peer_flag_addr(p, ctx.READY + r), tape, 4, side)  # READY[r] = e on p
-    mine = ctx.data.view(-1, a.dtype, (W, rows, N))
-    matmul_into(a[r * rows:(r + 1) * rows], b, bias, mine[r], tile)
+    mine = ctx.data.view(-1, dtype, (W, rows, N))
+    matmul_into(a[r * rows:(r + 1) * rows], b, bias, mine[r], tile, scaled, r * rows)
     for q in range(W):
         if q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     if plan.reduce == TRITON:
         from ..templates.reduce import reduce_slots_kernel
 
-        out = torch.empty((rows, N), dtype=a.dtype, device=a.device)
+        out = torch.empty((rows, N), dtype=dtype, device=a.device)
         n = rows * N
         launch(reduce_slots_kernel, (cdiv(n, 4096),), mine, out, n, n, W,
                (1.0 / W) if reduce_op == "avg" else 1.0, BLOCK=4096, num_warps=8)
@@ -124,8 +149,8 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     ctx.signal(main, 0, e, [ctx.peer_flag_addr(q, ctx.DONE + r) for q in range(W) if q != r])
     driver.record(ctx.ev_end, side)
     driver.stream_wait(main, ctx.ev_end)
-    check_errors(ctx, plan, "matmul_reduce_scatter")
-    stats["matmul_reduce_scatter"] += 1
+    check_errors(ctx, plan, task.op)
+    stats[task.op] += 1
     return out.view(out_shape_scattered)
 
 

@@ -39,6 +39,8 @@ from .task import (
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
     MOE_PATTERNS,
+    SCALED_MM_ALL_REDUCE,
+    SCALED_MM_REDUCE_SCATTER,
     Task,
     size_hint,
 )
@@ -265,10 +267,16 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     none that names the kind (gemm for AG/RS, algo for the all-reduce), the task's default (the
     best validated candidate, or the all-reduce plan by M) with them on top; else those alone."""
     params = dict(params or {})
-    if task.op == ALL_GATHER_SCALED_MM:
-        label = "" if "gemm" in params else FP8_AG_LABEL
-        merged = {**({} if "gemm" in params else FP8_AG_PARAMS), **params}
-        return from_params(AllGatherPlan, merged, label=label).for_world(task.world_size)
+    if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER):
+        cls, default = ((AllGatherPlan, FP8_AG_PARAMS) if task.op == ALL_GATHER_SCALED_MM
+                        else (ReduceScatterPlan, FP8_RS_PARAMS))
+        label = "" if "gemm" in params else FP8_LABEL
+        merged = {**({} if "gemm" in params else default), **params}
+        return from_params(cls, merged, label=label).for_world(task.world_size)
+    if task.op == SCALED_MM_ALL_REDUCE:
+        merged = {**({} if "algo" in params else fp8_all_reduce_params(task)), **params}
+        return from_params(AllReducePlan, merged, label=merged["algo"]).for_world(
+            task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
         return from_params(GroupedMmPlan, params, label=params.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
@@ -399,13 +407,26 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
                   f"{predicted})")
 
 
-# FP8 (the scaled ops): the all-gather's cuBLAS plan runs _scaled_mm on groups of chunks in
-# arrival order (runtime/all_gather.py), moving one byte an element; none of it is measured on a
-# GPU yet, so the scheduler never chooses it (DITRON_PLAN=fused does). The reduce-scatter and the
-# all-reduce have no fused kernel.
-FP8_AG_LABEL, FP8_AG_PARAMS = "cublas_scaled_mm", dict(gemm="cublas")
+# FP8 (the scaled ops): the bf16 plans whose GEMM is cuBLAS, each GEMM a _scaled_mm into the
+# same buffers (runtime/scaled.py): the all-gather's on groups of chunks in arrival order (moving
+# one byte an element), the reduce-scatter's copy-engine plan per rank's rows (its reduce="triton"
+# preferred as RS_CANDIDATES's tie order does), the all-reduce's plan by M (all_reduce_params) with
+# a cuBLAS GEMM. Only the all-gather's is measured, at world size 1; none is measured against NCCL
+# on several GPUs, so the scheduler never chooses them (DITRON_PLAN=fused does).
+FP8_LABEL = "cublas_scaled_mm"
+FP8_AG_PARAMS, FP8_RS_PARAMS = dict(gemm="cublas"), dict(gemm="cublas", reduce="triton")
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-                   MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM)
+                   MATMUL_ALL_REDUCE_RMSNORM, *SCALED_MM_PATTERNS)
+
+
+def fp8_all_reduce_params(task: Task) -> dict:
+    """all_reduce_params with a cuBLAS GEMM (the persistent Triton GEMM takes no float8): beside
+    push (prefill sizes), cuBLAS in row chunks, as many as AllReducePlan.for_world gives it (the
+    chunks all_reduce_params names are the Triton GEMM's)."""
+    params = {**all_reduce_params(task), "gemm": "cublas"}
+    if params.get("overlap"):
+        del params["chunks"]
+    return params
 
 
 def has_fused_plan(op: str) -> bool:
@@ -414,13 +435,15 @@ def has_fused_plan(op: str) -> bool:
 
 
 def scaled_mm_plan(task: Task) -> tuple[None, str]:
-    """(None, why) for the FP8 ops: what runs instead, and how to ask for the rest."""
-    keep = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
-            "reference")
-    if task.op == ALL_GATHER_SCALED_MM:
-        return None, (f"the fp8 plan ({FP8_AG_LABEL}: _scaled_mm per group of gathered chunks) "
-                      f"is not measured on a GPU yet: {keep}, DITRON_PLAN=fused that plan)")
-    return None, f"no fused CUDA kernel for {task.op} yet: {keep})"
+    """(None, why) for the FP8 ops: what runs instead, and how to ask for the fused plan."""
+    fused = {ALL_GATHER_SCALED_MM: "_scaled_mm per group of gathered chunks",
+             SCALED_MM_REDUCE_SCATTER: "_scaled_mm per rank's rows, each pushed by the copy "
+                                       "engine",
+             SCALED_MM_ALL_REDUCE: "_scaled_mm into the partial, then the all-reduce kernel "
+                                   "for M"}[task.op]
+    return None, (f"the fp8 plan ({FP8_LABEL}: {fused}) is not measured against NCCL on GPUs "
+                  "yet: the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs "
+                  "the op's reference, DITRON_PLAN=fused that plan)")
 
 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at

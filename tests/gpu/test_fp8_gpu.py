@@ -1,7 +1,10 @@
 """FP8 on GPUs: ditron.all_gather_scaled_mm's fused plan (the float8 bytes gathered over symmetric
 memory, torch._scaled_mm per group of chunks) against its reference, on 1, 2 and 4 ranks, random
 data, tensorwise scales (rowwise and Triton plans decline: the reference serves them, which the
-test also checks), and the compiled path with DITRON_PLAN=fused.
+test also checks), and the compiled path with DITRON_PLAN=fused; likewise
+scaled_mm_reduce_scatter's copy-engine plan (_scaled_mm per rank's rows) and scaled_mm_all_reduce's
+plans (_scaled_mm into the partial, then push / push_all / lamport / push beside cuBLAS row
+chunks), tensorwise and rowwise, their Triton plans declining.
 
 Run on the GPU machine (needs sm_89+ for float8 _scaled_mm): pytest -m gpu tests/gpu/test_fp8_gpu.py
 """
@@ -24,12 +27,13 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
     os.environ.setdefault(_name, _value)
 
 
-def _plan(world, m, k, n, **params) -> str:
+def _plan(world, m, k, n, op="all_gather_scaled_mm", **params) -> str:
     from ditron_inductor.scheduler.decide import plan_for
-    from ditron_inductor.scheduler.task import ALL_GATHER_SCALED_MM, Task
+    from ditron_inductor.scheduler.task import Task
 
-    task = Task(op=ALL_GATHER_SCALED_MM, group_name="", world_size=world, m=m, k=k, ns=(n,),
-                dtype=E4M3, device_type="cuda", out_dtype=BF16, scales="tensorwise")
+    task = Task(op=op, group_name="", world_size=world, m=m, k=k, ns=(n,),
+                dtype=E4M3, device_type="cuda", out_dtype=BF16, scales="tensorwise",
+                reduce_op=None if op == "all_gather_scaled_mm" else "sum")
     return plan_for(task, **params).encode()
 
 
@@ -77,6 +81,68 @@ def _cases(group_name, world, gen):
     _check("AG fp8 rowwise", out[1], ref[1], tol=1e-2)
 
 
+def _scales(gen, m, n, rowwise):
+    if rowwise:
+        return (torch.rand(m, 1, generator=gen, device="cuda") + 0.5,
+                torch.rand(1, n, generator=gen, device="cuda") + 0.5)
+    return tuple(torch.rand((), generator=gen, device="cuda") + 0.5 for _ in range(2))
+
+
+def _scatter_cases(group_name, world, gen):
+    """scaled_mm_reduce_scatter: the copy-engine plan with cuBLAS (both reductions) serves,
+    tensorwise and rowwise (each rank's rows with their scales); the Triton plans decline."""
+    from ditron_inductor.ops import scaled_mm_reduce_scatter_reference
+    from ditron_inductor.runtime.reduce_scatter import stats
+
+    op = "scaled_mm_reduce_scatter"
+    for m, k, n in ((64 * world, 256, 384), (128 * world, 1024, 4096), (16 * world, 512, 256)):
+        for rowwise in (False, True):
+            for params, fused in ((dict(), True), (dict(gemm="cublas"), True),
+                                  (dict(gemm="triton"), False),
+                                  (dict(gemm="triton", transfer="sm"), False)):
+                a, b = _fp8(gen, m, k), _fp8(gen, n, k).t()
+                s_a, s_b = _scales(gen, m, n, rowwise)
+                bias = None if rowwise else torch.randn(n, generator=gen, device="cuda").to(BF16)
+                args = (a, b, s_a, s_b, bias, BF16, not rowwise, [], 0, "sum", group_name, world)
+                served = stats[op]
+                out = torch.ops.ditron.scaled_mm_reduce_scatter(
+                    *args, _plan(world, m, k, n, op, **params))
+                ref = scaled_mm_reduce_scatter_reference(*args)
+                tag = f"RS fp8 {m}x{k}x{n} rowwise={rowwise} plan={params}"
+                assert (stats[op] > served) == fused, f"{tag}: fused path"
+                assert out.dtype == BF16 and out.shape == (m // world, n), tag
+                _check(tag, out, ref, tol=1e-2)
+
+
+def _all_reduce_cases(group_name, world, gen):
+    """scaled_mm_all_reduce: every algorithm after _scaled_mm, the push beside cuBLAS row chunks
+    (default and carve-out), tensorwise and rowwise; the persistent Triton GEMM declines."""
+    from ditron_inductor.ops import scaled_mm_all_reduce_reference
+    from ditron_inductor.runtime.all_reduce import stats
+
+    op = "scaled_mm_all_reduce"
+    plans = [(dict(), True), (dict(algo="push"), True), (dict(algo="push_scatter"), True),
+             (dict(algo="push_all"), True), (dict(algo="lamport"), True),
+             (dict(algo="lamport_all"), True),
+             (dict(algo="push", overlap=True, gemm="cublas"), True),
+             (dict(algo="push", overlap=True, gemm="cublas", carveout=True), True),
+             (dict(algo="push", overlap=True, gemm="triton"), False)]
+    for m, k, n in ((1, 512, 4096), (48, 1024, 2048), (2048, 1024, 4096)):
+        for rowwise in (False, True):
+            for params, fused in plans:
+                a, b = _fp8(gen, m, k), _fp8(gen, n, k).t()
+                s_a, s_b = _scales(gen, m, n, rowwise)
+                args = (a, b, s_a, s_b, None, BF16, False, [], "sum", group_name, world)
+                served = stats[op]
+                out = torch.ops.ditron.scaled_mm_all_reduce(
+                    *args, _plan(world, m, k, n, op, **params))
+                ref = scaled_mm_all_reduce_reference(*args)
+                tag = f"AR fp8 {m}x{k}x{n} rowwise={rowwise} plan={params}"
+                assert (stats[op] > served) == fused, f"{tag}: fused path"
+                assert out.dtype == BF16 and out.shape == (m, n), tag
+                _check(tag, out, ref, tol=1e-2)
+
+
 def _compiled_case(world, gen) -> str:
     """torch.compile(backend="ditron") with DITRON_PLAN=fused on funcol fp8 code: the op's fused
     plan runs (the scheduler chooses no unmeasured fp8 plan on its own)."""
@@ -84,24 +150,36 @@ def _compiled_case(world, gen) -> str:
     import torch.distributed._functional_collectives as funcol
 
     from ditron_inductor import config
-    from ditron_inductor.runtime.all_gather import stats
+    from ditron_inductor.runtime import all_gather, all_reduce, reduce_scatter
+
+    g = dist.group.WORLD
 
     def ag(x, s_x, w, s_w):
-        return torch._scaled_mm(funcol.all_gather_tensor(x, 0, dist.group.WORLD), w, s_x, s_w,
+        return torch._scaled_mm(funcol.all_gather_tensor(x, 0, g), w, s_x, s_w,
                                 out_dtype=BF16, use_fast_accum=True)
 
+    def rs(h, s_h, w, s_w):
+        return funcol.reduce_scatter_tensor(
+            torch._scaled_mm(h, w, s_h, s_w, out_dtype=BF16, use_fast_accum=True), "sum", 0, g)
+
+    def ar(h, s_h, w, s_w):
+        return funcol.all_reduce(torch._scaled_mm(h, w, s_h, s_w, out_dtype=BF16), "sum", g)
+
     x, w = _fp8(gen, 256, 1024), _fp8(gen, 2048, 1024).t()
-    s_x, s_w = (torch.rand((), generator=gen, device="cuda") + 0.5 for _ in range(2))
-    config.force_plan = "fused"
-    try:
-        served = stats["all_gather_scaled_mm"]
-        got = torch.compile(ag, backend="ditron", dynamic=False)(x, s_x, w, s_w)
-        assert stats["all_gather_scaled_mm"] > served, "the compiled graph did not run the plan"
-    finally:
-        config.force_plan = ""
-    want = torch._scaled_mm(funcol.all_gather_tensor(x, 0, dist.group.WORLD), w, s_x, s_w,
-                            out_dtype=BF16, use_fast_accum=True)
-    _check("compiled AG fp8", got, want, tol=1e-2)
+    h, w2 = _fp8(gen, 256 * world, 2048), _fp8(gen, 1024, 2048).t()
+    s_x, s_w, s_h, s_w2 = (torch.rand((), generator=gen, device="cuda") + 0.5 for _ in range(4))
+    cases = [("AG", ag, (x, s_x, w, s_w), all_gather.stats, "all_gather_scaled_mm"),
+             ("RS", rs, (h, s_h, w2, s_w2), reduce_scatter.stats, "scaled_mm_reduce_scatter"),
+             ("AR", ar, (h, s_h, w2, s_w2), all_reduce.stats, "scaled_mm_all_reduce")]
+    for name, fn, args, stats, op in cases:
+        config.force_plan = "fused"
+        try:
+            served = stats[op]
+            got = torch.compile(fn, backend="ditron", dynamic=False)(*args)
+            assert stats[op] > served, f"the compiled {name} graph did not run the plan"
+        finally:
+            config.force_plan = ""
+        _check(f"compiled {name} fp8", got, fn(*args), tol=1e-2)
     return "ok"
 
 
@@ -115,6 +193,8 @@ def _worker(rank, world, port, result_dir):
         gen = torch.Generator(device="cuda")
         gen.manual_seed(4321 + rank)
         _cases(dist.group.WORLD.group_name, world, gen)
+        _scatter_cases(dist.group.WORLD.group_name, world, gen)
+        _all_reduce_cases(dist.group.WORLD.group_name, world, gen)
         # world 1: the scheduler leaves a graph alone (nothing to communicate)
         status = f"ok compiled={_compiled_case(world, gen) if world > 1 else 'n/a'}"
         from ditron_inductor import runtime
@@ -126,7 +206,8 @@ def _worker(rank, world, port, result_dir):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_all_gather_scaled_mm_fused(world, tmp_path):
+def test_scaled_mm_ops_fused(world, tmp_path):
+    """The three fp8 ops' fused plans against their references (one spawn per world size)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     if torch.cuda.get_device_capability() < (8, 9):

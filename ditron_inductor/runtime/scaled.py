@@ -1,0 +1,75 @@
+"""The GEMM of a fused plan on float8 operands (the scaled ops, FP8 tensor parallelism).
+
+A fused plan whose GEMM is cuBLAS runs the same protocol for the scaled ops: where it calls
+`launch.matmul_into(a_rows, b, bias, out)` for bf16, it passes a `Scaled`, and the GEMM becomes
+torch._scaled_mm(a_rows, b, scale_a, scale_b, ...) into the same output rows, in the output
+dtype (bf16/fp16: what the partials, sums and signals of the protocol hold). A rowwise scale_a
+([M, 1], one per row of A) is sliced with A's rows; scale_b is whole. The Triton GEMMs take no
+float8: a plan that names one declines (`plan_declines` of each runtime), before any protocol
+step, alike on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .launch import DTYPES
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """What makes a GEMM a torch._scaled_mm: A's scale (one, or one per row), B's (one, or one
+    per column), the output dtype, use_fast_accum."""
+
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    out_dtype: torch.dtype
+    use_fast_accum: bool
+
+    @classmethod
+    def of(cls, scale_a, scale_b, out_dtype, a_dtype, use_fast_accum) -> "Scaled":
+        """The op's arguments; rowwise scales laid out as _scaled_mm checks them (stride 1 along
+        the size-1 dim, which a layout Inductor chose need not have: ops._scaled_mm does the
+        same for the reference)."""
+        if scale_a.numel() > 1 or scale_b.numel() > 1:
+            scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, -1)
+        return cls(scale_a, scale_b, out_dtype or a_dtype, use_fast_accum)
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scale_a.numel() > 1 or self.scale_b.numel() > 1
+
+    def matmul_into(self, a_rows, b, bias, out, first_row: int = 0) -> None:
+        """out = a_rows @ b scaled (+ bias), a_rows being A's rows from first_row on."""
+        scale_a = self.scale_a
+        if self.rowwise:
+            scale_a = scale_a[first_row:first_row + a_rows.shape[0]]
+        torch._scaled_mm(a_rows, b, scale_a, self.scale_b, bias=bias, out_dtype=self.out_dtype,
+                         use_fast_accum=self.use_fast_accum, out=out)
+
+    def declines(self, a, b, bias) -> Optional[str]:
+        """Why a fused plan cannot run _scaled_mm on these operands, or None. Checked before any
+        protocol step: a _scaled_mm that fails after the peers were signalled would leave them
+        waiting, where the reference raises its own error on every rank."""
+        if a.dtype not in FLOAT8 or b.dtype not in FLOAT8 or a.dim() != 2 or b.dim() != 2:
+            return f"fp8: operands {a.dtype} @ {b.dtype}, not 2-d float8"
+        if self.out_dtype not in DTYPES:
+            return (f"fp8: output dtype {self.out_dtype} (the fused partials and sums are "
+                    "bf16 or fp16)")
+        if self.rowwise and self.out_dtype != torch.bfloat16:
+            return "fp8: rowwise scales with a bf16 output only (torch's rowwise _scaled_mm)"
+        k, n = b.shape
+        if k % 16 or n % 16 or a.stride(1) != 1 or b.stride(0) != 1:
+            return (f"fp8: K={k}, N={n} and layouts _scaled_mm cannot take (multiples of 16, A "
+                    "row-major, B column-major)")
+        if bias is not None and (bias.dim() != 1 or bias.dtype != self.out_dtype
+                                 or bias.shape[0] != n):
+            return "fp8: bias shape/dtype"
+        if not (a.is_cuda and b.is_cuda):
+            return "fp8: operands not on CUDA"
+        return None
