@@ -3,7 +3,8 @@ Triton interpreter, against the ops' reference composition: odd routings (an exp
 rows, every row to one expert, row counts that are no multiple of the tile, top-1 and top-2),
 the combine's scatter with and without accumulation, the routing weight in the epilogue, and
 the dispatch's push into the peers' receive buffers on two emulated ranks, the GEMM's tiles
-waiting on their arrival counters.
+waiting on their arrival counters, and the multi-rank dispatch runtime's own steps
+(runtime/moe_dispatch.py) on 2 and 3 emulated ranks over consecutive calls.
 
 fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
 bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Every output starts as NaN, so a row the

@@ -12,8 +12,8 @@ At world size 1 the all-to-all is the identity over ranks (every row stays), so
 On more ranks the dispatch is moe_dispatch.py (GPU-unrun): the rows pushed straight into the
 receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters. The combine
 declines there and runs its reference (the scheduler plans neither op fused,
-cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs (the combine of a backward that sums
-gate's and up's) declines as well.
+cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs (the
+combine of a backward that sums gate's and up's) declines as well.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
 TORCH_LOGS=ditron shows which path ran and why.
