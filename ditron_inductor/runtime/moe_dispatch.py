@@ -106,8 +106,13 @@ def new_state(ctx, layout: Layout) -> DispatchState:
 def _state(ctx: OpContext, layout: Layout) -> DispatchState:
     state = _states.get(ctx)
     if state is None:
-        state = _states[ctx] = build_outside_graph_pools(ctx.device,
-                                                         lambda: new_state(ctx, layout))
+        def build():
+            # symmetric memory comes uninitialised; no peer counts before my first READY
+            # signal, which the caller's stream sends after this (built and synchronised here)
+            ctx.data.view(-1, torch.int32, [layout.tiles], 0).zero_()
+            return new_state(ctx, layout)
+
+        state = _states[ctx] = build_outside_graph_pools(ctx.device, build)
     return state
 
 
