@@ -3,7 +3,8 @@ Triton interpreter, against the ops' reference composition: odd routings (an exp
 rows, every row to one expert, row counts that are no multiple of the tile, top-1 and top-2),
 the combine's scatter with and without accumulation, the routing weight in the epilogue, and
 the dispatch's push into the peers' receive buffers on two emulated ranks, the GEMM's tiles
-waiting on their arrival counters.
+waiting on their arrival counters, and the multi-rank dispatch runtime's own steps
+(runtime/moe_dispatch.py) on 2 and 3 emulated ranks over consecutive calls.
 
 fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
 bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Every output starts as NaN, so a row the
@@ -364,3 +365,124 @@ def test_weights_through_tma_descriptors(transposed):
     assert rel_err(out, ref) < 2e-3
     # K no multiple of the block in [E, K, N]: pointers instead
     assert moe.weight_descriptor(weights(experts, 40, n, gen), tma)[1] == 0
+
+
+class EmulatedSymm:
+    """One symmetric allocation on emulated ranks (host memory): rank `rank`'s view of it, as
+    runtime/symm.SymmBuffer offers it (view(-1): my copy; view(q): rank q's)."""
+
+    def __init__(self, copies, rank):
+        self.copies, self.rank = copies, rank
+        self.ptr_table = torch.tensor([c.data_ptr() for c in copies], dtype=torch.int64)
+
+    def view(self, rank, dtype, shape, byte_offset=0):
+        n = dtype.itemsize * int(torch.tensor(shape).prod())
+        copy = self.copies[self.rank if rank < 0 else rank]
+        return copy[byte_offset:byte_offset + n].view(dtype).view(shape)
+
+
+class EmulatedContext:
+    def __init__(self, copies, rank):
+        self.data, self.rank = EmulatedSymm(copies, rank), rank
+        self.err = torch.zeros(1, dtype=torch.int32)
+
+
+def ep_routing(world, local_experts, tokens, k, case, gen):
+    """Per sender: x in rank-major order and input_split_sizes; per receiver: output_split_sizes,
+    row_index (an argsort of each received row's local expert) and offsets, and the reference
+    outputs' rows (received[row_index])."""
+    experts = world * local_experts
+    xs, splits = [], []
+    for p in range(world):
+        e = torch.randint(0, experts, (tokens[p],), generator=gen)
+        if case == "all_to_one":
+            e = e % local_experts  # every row to rank 0
+        elif case == "last_receives_nothing":
+            e = e % ((world - 1) * local_experts)
+        e = torch.where(e % local_experts == 1, e - 1, e)  # every rank's expert 1 gets none
+        e = e.sort().values
+        xs.append((torch.randn(tokens[p], k, generator=gen).to(F16), e))
+        splits.append(torch.bincount(e // local_experts, minlength=world).tolist())
+    receivers = []
+    for q in range(world):
+        parts = [(xs[p][0][xs[p][1] // local_experts == q], xs[p][1][xs[p][1] // local_experts
+                                                                       == q])
+                 for p in range(world)]
+        received = torch.cat([x for x, _ in parts])
+        local = torch.cat([e for _, e in parts]) % local_experts
+        row_index = torch.argsort(local, stable=True)
+        offsets = torch.cumsum(torch.bincount(local, minlength=local_experts), 0).to(torch.int32)
+        receivers.append(([splits[p][q] for p in range(world)], row_index, offsets,
+                          received[row_index]))
+    return [x for x, _ in xs], splits, receivers
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_multi_rank_dispatch_steps_match_the_reference(world):
+    """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
+    (moe_dispatch.publish, push, compute: the routes, dispatch_put_kernel, the grouped GEMM
+    waiting on its tiles' counters), the signals between them played by running every rank's
+    step before the next step: two consecutive calls on the same buffers and counters (the
+    second expecting on top of the first), then a call in which the last rank receives
+    nothing and one in which every row goes to rank 0. Each rank's outputs against the op's
+    reference (received[row_index], torch._grouped_mm per weight)."""
+    import dataclasses
+
+    from ditron_inductor.runtime import moe_dispatch
+
+    gen = torch.Generator().manual_seed(10 + world)
+    local_experts, k, ns = 3, 40, (24, 33)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6)
+    ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
+          for _ in range(world)]
+    capacity = 64
+    layout = moe_dispatch.Layout(world, capacity, k, F16,
+                                 moe_dispatch.moe_routes.max_tiles(capacity, local_experts,
+                                                                   PLAN.block_m))
+    copies = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)]
+    ctxs = [EmulatedContext(copies, r) for r in range(world)]
+    states = [moe_dispatch.new_state(ctx, layout) for ctx in ctxs]
+    calls = [("random", [13, 20, 7][:world]), ("random", [9, 4, 17][:world]),
+             ("last_receives_nothing", [11, 6, 10][:world]), ("all_to_one", [5, 12, 8][:world])]
+    for call, (case, tokens) in enumerate(calls):
+        xs, splits, receivers = ep_routing(world, local_experts, tokens, k, case, gen)
+        for ctx in ctxs:  # a row left unwritten shows as NaN
+            ctx.data.view(-1, F16, [capacity, k], layout.recv_offset).fill_(float("nan"))
+        for r, ctx in enumerate(ctxs):
+            out_splits, row_index, offsets, _ = receivers[r]
+            moe_dispatch.publish(ctx, layout, out_splits, row_index, offsets, PLAN.block_m)
+        for r, ctx in enumerate(ctxs):
+            moe_dispatch.push(ctx, layout, states[r], xs[r], splits[r])
+        for r, ctx in enumerate(ctxs):
+            out_splits, row_index, offsets, ref_rows = receivers[r]
+            rows, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
+                                               ws[r], offsets, moe.grouped_gemm)
+            assert int(ctx.err) == 0, (call, r)
+            counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
+            assert torch.equal(counters, states[r].expect), (call, r)
+            assert torch.equal(rows, ref_rows), (call, r)
+            for w, out in zip(ws[r], outs):
+                if ref_rows.shape[0]:
+                    ref = torch._grouped_mm(ref_rows.float(), w.float(), offs=offsets)
+                    assert rel_err(out, ref) < 2e-3, (call, r, case)
+                assert out.shape == (ref_rows.shape[0], w.shape[-1])
+        if case == "last_receives_nothing":
+            assert receivers[-1][3].shape[0] == 0
+    assert all(int(s.expect.sum()) > 0 for s in states[:1])
+
+
+def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
+    """What the multi-rank dispatch does not serve declines for reasons that hold on every rank
+    (here: CPU tensors), never for a rank's own row counts; the world-1 path is unchanged."""
+    import logging
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 16, generator=gen).to(F16)
+    w = weights(2, 16, 16, gen)
+    offsets = torch.tensor([2, 4], dtype=torch.int32)
+    for splits in ([3, 3], [6, 0]):  # two ranks' views
+        args = (x, [2, 2], splits, torch.arange(4), [w], offsets, "0", 2)
+        with caplog.at_level(logging.DEBUG, logger="ditron"):
+            assert moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
+                                                   *args) is None
+        assert "all_to_all_grouped_mm on 2 ranks: x on cpu" in caplog.text

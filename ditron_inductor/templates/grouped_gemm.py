@@ -27,8 +27,8 @@ programs that run together share rows and the expert's weight in L2.
 
 The dispatch push (`dispatch_put_kernel`, world size > 1): each program copies a block of x's
 rows to their destinations, row i to row dst_row[i] of rank dst_rank[i]'s receive buffer
-(the expert-major position at which that rank's GEMM reads it; the runtime derives both from the
-exchanged counts), then adds, per destination tile it wrote to, the rows it wrote to that tile's
+(the expert-major position at which that rank's GEMM reads it; the sender reads both from the
+table the receiver published: runtime/moe_routes.py), then adds, per destination tile it wrote to, the rows it wrote to that tile's
 arrival counter on that rank (release, system scope; after a barrier over the program's
 threads, so that the rows are visible before the count). Counters only grow: a call expects
 each tile's counter at its previous value plus the rows of the tile this call (expect[], the

@@ -5,6 +5,13 @@ dispatch (gather + gate and up) and the combine (scatter, with and without accum
 without an index), the TMA weights, and both ops captured in a CUDA graph and replayed. Every
 case asserts that the fused path served it.
 
+On 2 or more GPUs, `test_moe_dispatch_multi_rank` runs the multi-rank dispatch
+(runtime/moe_dispatch.py) on 2 ranks (and on every GPU when there are more than 2): several
+consecutive calls on the same symmetric buffers, each routing drawn anew (random, an expert of
+every rank without rows, the last rank receiving nothing, every row to rank 0), against the
+reference's NCCL all-to-all and torch._grouped_mm, with bounded waits (a row that never lands
+fails the test instead of hanging it).
+
 Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_gpu.py
 """
 
@@ -177,3 +184,95 @@ def test_moe_fused_world1(tmp_path):
     spawn_ranks(_worker, (_free_port(), str(tmp_path)), 1)
     status = (tmp_path / "rank0.txt").read_text()
     assert status == "ok", status
+
+
+def _ep_call(group, world, rank, tokens, local_experts, k, case, dtype, gen):
+    """One rank's dispatch arguments (x in rank-major order, the splits, row_index, offsets) for
+    a routing of `case`: the counts and each received row's expert exchanged over NCCL, as an
+    MoE layer exchanges them."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda")
+    experts = world * local_experts
+    expert = torch.randint(0, experts, (tokens,), generator=gen)
+    if case == "all_to_rank0":
+        expert %= local_experts
+    elif case == "last_receives_nothing":
+        expert %= (world - 1) * local_experts
+    elif case == "empty_expert":
+        expert = torch.where(expert % local_experts == 1, expert - 1, expert)
+    expert = expert.sort().values.to(dev)
+    x = torch.randn(tokens, k, device=dev, dtype=dtype)
+    send = torch.bincount(expert // local_experts, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    input_splits, output_splits = send.tolist(), recv.tolist()
+    received_expert = torch.empty(sum(output_splits), dtype=expert.dtype, device=dev)
+    dist.all_to_all_single(received_expert, expert, output_splits, input_splits, group=group)
+    local = received_expert % local_experts
+    row_index = torch.argsort(local, stable=True)
+    offsets = torch.cumsum(torch.bincount(local, minlength=local_experts), 0).to(torch.int32)
+    return x, output_splits, input_splits, row_index, offsets
+
+
+def _multi_rank_worker(rank, world, port, result_dir):
+    import torch.distributed as dist
+
+    from ditron_inductor import config
+    from ditron_inductor.ops import all_to_all_grouped_mm_reference
+    from ditron_inductor.runtime.moe import stats
+    from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM
+
+    config.wait_timeout_s = 20.0  # the plans' waits bounded: a row that never lands raises
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    status = "ok"
+    try:
+        group = dist.group.WORLD
+        gen = torch.Generator().manual_seed(100 + rank)
+        torch.manual_seed(7)  # the weights: any, each rank its own experts
+        dev, local_experts, k, n, tokens = torch.device("cuda"), 4, 512, 384, 300
+        count = 0
+        for dtype in (torch.bfloat16, torch.float16):
+            gate = (torch.randn(local_experts, n, k, device=dev, dtype=dtype)
+                    / k ** 0.5).transpose(-2, -1)
+            up = torch.randn(local_experts, k, n, device=dev, dtype=dtype) / k ** 0.5
+            for tile in TILES[:1] + TILES[3:4]:
+                plan = _plan(ALL_TO_ALL_GROUPED_MM, **tile)
+                for case in ("random", "random", "empty_expert", "last_receives_nothing",
+                             "all_to_rank0", "random"):
+                    tag = f"world {world} rank {rank} {case} {dtype} {tile}"
+                    x, out_splits, in_splits, row_index, offsets = _ep_call(
+                        group, world, rank, tokens, local_experts, k, case, dtype, gen)
+                    args = (x, out_splits, in_splits, row_index, [gate, up], offsets,
+                            group.group_name, world)
+                    served = stats[ALL_TO_ALL_GROUPED_MM]
+                    out = torch.ops.ditron.all_to_all_grouped_mm(*args, plan)
+                    assert stats[ALL_TO_ALL_GROUPED_MM] == served + 1, f"{tag}: not fused"
+                    ref = all_to_all_grouped_mm_reference(*args)
+                    assert torch.equal(out[0], ref[0]), f"{tag}: rows differ"
+                    if ref[0].shape[0]:
+                        for o, r in zip(out[1:], ref[1:]):
+                            _check(f"multi-rank dispatch {tag}", o, r)
+                    count += 1
+        print(f"moe gpu world {world}: {count} multi-rank dispatch calls fused and checked",
+              flush=True)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        status = traceback.format_exc()
+    report_and_close(result_dir, rank, status)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+@pytest.mark.parametrize("world", [2, "all"])
+def test_moe_dispatch_multi_rank(tmp_path, world):
+    if world == "all":
+        if torch.cuda.device_count() == 2:
+            pytest.skip("2 GPUs: the world-2 case ran")
+        world = torch.cuda.device_count()
+    spawn_ranks(_multi_rank_worker, (world, _free_port(), str(tmp_path)), world)
+    for rank in range(world):
+        status = (tmp_path / f"rank{rank}.txt").read_text()
+        assert status == "ok", f"rank {rank}: {status}"

@@ -1,0 +1,220 @@
+"""all_to_all_grouped_mm on more than one rank, fused: each rank pushes x's rows straight into
+the receivers' expert-major receive buffers, and each receiver's grouped GEMM starts a tile as
+soon as that tile's rows have landed. GPU-UNRUN: written and CPU-tested below the context
+(moe_routes, the kernels under the interpreter: tests/test_moe_routes.py,
+tests/test_moe_interpreter.py); never run on GPUs.
+
+One call, epoch e, on rank r (everything on the caller's stream, in this order):
+  1. publish   r's routes (moe_routes.publish) into its symmetric table, then signal READY + r
+               = e to every peer (a copy-engine copy of the epoch, after the table's writes);
+  2. read      for each rank q that r sends rows to: wait until READY + q >= e, then read r's
+               slice of q's table: each x row's destination rank, expert-major row and tile;
+  3. push      dispatch_put_kernel: each row into its receiver's buffer, one added to the
+               row's tile counter there (release, after the rows);
+  4. GEMM      the first weight's grouped GEMM reads the receive buffer, each tile after its
+               counter reached expect[tile] (expect += this call's rows per tile: counters only
+               grow), copying the rows into the op's rows output; the other weights read that.
+Every rank signals (1) before it waits (2), so no rank waits on one that waits on it.
+
+Why the symmetric buffers can be reused call after call without a reset or a barrier:
+  - r's table and receive buffer of call e + 1 are written only after r's call-e GEMM: r's table
+    by r itself (stream order), the receive buffer by senders that first saw READY + r >= e + 1,
+    which r signals after that GEMM (stream order, step 1 of call e + 1);
+  - the call-e GEMM finished means every row of call e landed (each tile waited for its rows),
+    hence every sender that sent r a row has finished reading r's call-e table (a sender reads
+    the table before it pushes, and reads it only if it sends r a row);
+  - counters only grow and each call expects its own increments on top of the last, so a
+    counter is never stale. They are int32: 2^31 rows through one tile index, about 16 million
+    calls of full 128-row tiles, before they wrap (not handled).
+Assumptions not checked on the host (each would need a synchronisation or a collective):
+  - x has the same row count on every rank: the buffers' size class (every rank allocates the
+    same symmetric memory) is derived from world * x's rows, which bounds what a rank receives;
+  - row_index is a permutation of the received rows (moe_routes: a repeated entry leaves a tile
+    short, its wait never ends; a bounded wait, plan.wait_timeout_s, reports it);
+  - offsets[-1] = the received rows (as every MoE layer's offsets): the rows past the last
+    offset belong to no tile that waits, so they could be copied to the rows output before they
+    land.
+What differs between ranks (row counts, a received count past the capacity) cannot decline (the
+ranks would part ways: one in the reference's all-to-all, the others waiting on it): it raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from ..scheduler.plan import GroupedMmPlan
+from . import moe_routes
+from .context import OpContext, build_outside_graph_pools, get_context, wait_polls
+from .kernel_launch import current_stream, launch
+from .launch import cdiv, check_errors, decline, next_power_of_2, wait_geq
+
+OP = "all_to_all_grouped_mm"
+ALIGN = 256
+PUT_ROWS, PUT_BLOCK_K = 16, 128  # dispatch_put_kernel: rows per program, columns a step
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The context's symmetric bytes: [tile counters | route table | receive buffer]."""
+
+    world: int
+    capacity: int  # received rows
+    k: int
+    dtype: torch.dtype
+    tiles: int
+
+    @property
+    def table_offset(self) -> int:
+        return _aligned(4 * self.tiles)
+
+    @property
+    def recv_offset(self) -> int:
+        return self.table_offset + _aligned(4 * moe_routes.table_words(self.world,
+                                                                       self.capacity))
+
+    @property
+    def nbytes(self) -> int:
+        return self.recv_offset + self.capacity * self.k * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class DispatchState:
+    """Per context, local: the expected counts and the peers' addresses as kernels take them."""
+
+    expect: torch.Tensor  # [tiles] int32: each tile's counter once this call's rows landed
+    recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
+    count_table: torch.Tensor  # [world] int64: each rank's tile counters
+
+
+_states: "weakref.WeakKeyDictionary[OpContext, DispatchState]" = weakref.WeakKeyDictionary()
+
+
+def new_state(ctx, layout: Layout) -> DispatchState:
+    return DispatchState(
+        expect=torch.zeros(layout.tiles, dtype=torch.int32, device=ctx.data.ptr_table.device),
+        recv_table=ctx.data.ptr_table + layout.recv_offset,
+        count_table=ctx.data.ptr_table.clone())
+
+
+def _state(ctx: OpContext, layout: Layout) -> DispatchState:
+    state = _states.get(ctx)
+    if state is None:
+        def build():
+            # symmetric memory comes uninitialised; no peer counts before my first READY
+            # signal, which the caller's stream sends after this (built and synchronised here)
+            ctx.data.view(-1, torch.int32, [layout.tiles], 0).zero_()
+            return new_state(ctx, layout)
+
+        state = _states[ctx] = build_outside_graph_pools(ctx.device, build)
+    return state
+
+
+def problem(x, row_index, weights, world_size: int) -> str:
+    """Why the multi-rank dispatch declines ("" if it serves): rank-invariant properties only
+    (graph, dtypes, widths, experts), so every rank declines alike."""
+    if x.device.type != "cuda":
+        return f"x on {x.device.type}"
+    if torch.cuda.is_current_stream_capturing():
+        return "under CUDA-graph capture (the routes are published from host-known splits)"
+    if row_index is not None and row_index.dtype not in (torch.int32, torch.int64):
+        return f"row index {row_index.dtype}"
+    if x.shape[1] == 0 or any(w.shape[-1] == 0 for w in weights):
+        return "an empty row or weight"
+    return ""
+
+
+def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_index, weights,
+             offsets, group_name: str, world_size: int, grouped_gemm):
+    """[rows, rows @ W_0, ...] as all_to_all_grouped_mm_reference computes them; None: declined
+    (the op runs its reference). grouped_gemm: runtime.moe's launcher."""
+    why = problem(x, row_index, weights, world_size)
+    if why:
+        return decline(f"{OP} on {world_size} ranks: {why}")
+    received = sum(output_split_sizes)
+    if sum(input_split_sizes) != x.shape[0] or len(output_split_sizes) != world_size:
+        raise ValueError(f"{OP}: splits {input_split_sizes}/{output_split_sizes} for "
+                         f"{x.shape[0]} rows on {world_size} ranks")
+    if row_index is not None and row_index.shape[0] != received:
+        raise ValueError(f"{OP}: a row index of {row_index.shape[0]} entries for {received} "
+                         "received rows (the fused dispatch needs a permutation)")
+    k, experts = x.shape[1], weights[0].shape[0]
+    capacity = max(64, next_power_of_2(world_size * x.shape[0]))
+    if received > capacity:
+        raise ValueError(f"{OP}: {received} rows received, more than {world_size} ranks' "
+                         f"{x.shape[0]} rows (x's rows differ between ranks?)")
+    layout = Layout(world_size, capacity, k, x.dtype,
+                    moe_routes.max_tiles(capacity, experts, plan.block_m))
+    ctx = get_context(f"{OP}:{capacity}x{k}:{x.dtype}:{experts}:{plan.block_m}", group_name,
+                      plan.symm_mem_backend, layout.nbytes)
+    state = _state(ctx, layout)
+    r, e = ctx.rank, ctx.next_epoch()
+    main = current_stream()
+    publish(ctx, layout, output_split_sizes, row_index, offsets, plan.block_m)
+    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
+                            for p in range(world_size) if p != r])
+    for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
+        if n and q != r:
+            wait_geq(ctx, plan, main, ctx.READY + q, e)
+    push(ctx, layout, state, x, input_split_sizes)
+    outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
+    check_errors(ctx, plan, OP, lambda code: "a tile's arrival counter (its rows never landed)")
+    return outputs
+
+
+# The steps of a call on one rank, apart from the signals between them (what the interpreter
+# test runs on emulated ranks: tests/test_moe_interpreter.py).
+
+
+def publish(ctx, layout: Layout, output_split_sizes, row_index, offsets, block_m: int) -> None:
+    """1. My routes into my table."""
+    table = ctx.data.view(-1, torch.int32, [moe_routes.table_words(layout.world,
+                                                                   layout.capacity)],
+                          layout.table_offset)
+    moe_routes.publish(table, output_split_sizes, row_index, offsets, block_m)
+
+
+def push(ctx, layout: Layout, state: DispatchState, x, input_split_sizes) -> None:
+    """2 and 3 (after the receivers' signals): my routes read from their tables, my rows pushed
+    and counted."""
+    words = moe_routes.table_words(layout.world, layout.capacity)
+    tables = [ctx.data.view(q if q != ctx.rank else -1, torch.int32, [words],
+                            layout.table_offset) for q in range(layout.world)]
+    dst_rank, dst_row, dst_tile = moe_routes.read_routes(ctx.rank, input_split_sizes, tables)
+    x = x.contiguous()
+    if x.shape[0]:
+        launch(dispatch_put_kernel(), (cdiv(x.shape[0], PUT_ROWS),), x, dst_rank, dst_row,
+               dst_tile, state.recv_table, state.count_table, x.shape[0], layout.k,
+               BLOCK_R=PUT_ROWS, BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(layout.k)),
+               WORLD=layout.world)
+
+
+def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
+            weights, offsets, grouped_gemm) -> list:
+    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows
+    landed, and stores the rows it read as the op's rows output; the others read that."""
+    state.expect += moe_routes.tile_rows(offsets, received, plan.block_m, layout.tiles)
+    counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
+    recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+    rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
+    outs = [torch.empty((received, w.shape[-1]), dtype=layout.dtype, device=recv.device)
+            for w in weights]
+    for i, (w, out) in enumerate(zip(weights, outs)):
+        if i == 0:
+            grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
+                         wait=(counters, state.expect, ctx.err, wait_polls(plan)))
+        else:
+            grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
+    return [rows_out] + outs
+
+
+def dispatch_put_kernel():
+    from ..templates.grouped_gemm import dispatch_put_kernel as kernel
+
+    return kernel
