@@ -604,16 +604,12 @@ def run(rank: int, world_size: int, argv=None) -> dict:
     return {"rows": rows, "ditron_log": lines.lines, "world": world_size}
 
 
-def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
-    return run(rank, world_size, argv)
-
-
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     # a run that does not exit: SIGUSR1 to a rank (not to torchrun) prints where its threads wait
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    e2e_llama.launch(run, _spawned_rank, report, args, argv)
+    e2e_llama.launch(run, report, args, argv)
 
 
 if __name__ == "__main__":

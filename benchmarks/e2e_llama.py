@@ -710,10 +710,6 @@ def local_collectives() -> None:
             lib.impl(name, kernel, device)
 
 
-def _spawned_rank(rank: int, world_size: int, argv: list[str]) -> dict:
-    return run(rank, world_size, argv)
-
-
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -729,13 +725,13 @@ def main(argv=None) -> None:
         return
     if args.bound_json:  # fail before the run, not after it
         no_comm_bounds(args.bound_json, int(os.environ.get("WORLD_SIZE", args.world)))
-    launch(run, _spawned_rank, report, args, argv)
+    launch(run, report, args, argv)
 
 
-def launch(run_rank, spawned_rank, report_result, args, argv: list[str]) -> None:
+def launch(run_rank, report_result, args, argv: list[str]) -> None:
     """Under torchrun: `run_rank(rank, world, argv)` on each rank, rank 0 reporting; on CPU
-    without it, --world gloo ranks spawned here (`spawned_rank`, picklable), rank 0's result
-    reported (e2e_llama.py and e2e_decode.py)."""
+    without it, --world gloo ranks spawned here, which import `run_rank` by name (a module-level
+    function of the script), rank 0's result reported (e2e_llama.py and e2e_decode.py)."""
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         result = run_rank(dist.get_rank(), dist.get_world_size(), argv)
@@ -750,7 +746,7 @@ def launch(run_rank, spawned_rank, report_result, args, argv: list[str]) -> None
         sys.exit("--device cuda: launch with torchrun --nproc-per-node W (see the module docs)")
     from tests.distributed import run_ranks
 
-    results = run_ranks(spawned_rank, args.world, args=(argv,), timeout_s=1800,
+    results = run_ranks(run_rank, args.world, args=(argv,), timeout_s=1800,
                         env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                              "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
     report_result(results[0], argv)
