@@ -474,6 +474,44 @@ def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol
             plan.describe(), messages)
 
 
+def test_fp8_all_gather_declines_what_scaled_mm_rejects_before_any_protocol_step(monkeypatch,
+                                                                                  caplog):
+    """The all-gather's fp8 plan checks each weight's GEMM as the scatter and the all-reduce do
+    (Scaled.declines): a _scaled_mm that failed after my shard was signalled to the peers would
+    leave them waiting."""
+    import logging
+
+    pytest.importorskip("triton")
+    from ditron_inductor.log_names import LOGGER_NAME
+    from ditron_inductor.runtime import all_gather
+    from ditron_inductor.scheduler.decide import plan_for
+
+    def touched(*args, **kwargs):
+        raise AssertionError("a declined call touched the protocol")
+
+    for name in ("get_context", "current_stream", "matmul_into"):
+        monkeypatch.setattr(all_gather, name, touched)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    task = fp8_tasks()[ALL_GATHER_SCALED_MM]
+    plan = plan_for(task)
+    t = scale(())
+    cases = [  # (shard, weights, reason)
+        (fp8(16, 32), [col_major(fp8(40, 32)), col_major(fp8(48, 32))],
+         "fp8: K=32, N=40 and layouts _scaled_mm cannot take"),  # the first weight's N
+        (fp8(16, 32), [fp8(32, 48)], "fp8: K=32, N=48 and layouts"),  # B row-major
+        (fp8(16, 32), [col_major(fp8(48, 32))], "fp8: operands not on CUDA"),
+    ]
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    for shard, weights, reason in cases:
+        caplog.clear()
+        out = all_gather.all_gather_scaled_mm_fused(
+            task, plan, shard, t, weights, [t] * len(weights), [None] * len(weights), BF16,
+            False, 0, "0", 2)
+        messages = [r.getMessage() for r in caplog.records]
+        assert out is None and len(messages) == 1 and messages[0].startswith(
+            f"fused path declined: {reason}"), messages
+
+
 class HostBuffer:
     """A rank's symmetric buffer as host memory (the runtime's view(rank, dtype, shape))."""
 

@@ -58,7 +58,11 @@ def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a
         return decline("fp8: the cuBLAS plan only (_scaled_mm per group of chunks)")
     if scale_a.numel() != 1 or any(s.numel() != 1 for s in scales_b):
         return decline(f"fp8: {task.scales} scales (tensorwise only)")
-    scaled = [Scaled.of(scale_a, s, out_dtype, a_shard.dtype, use_fast_accum) for s in scales_b]
+    # what _scaled_mm would reject once the peers were signalled (K, N, layouts, dtypes)
+    scaled, why = Scaled.checked(a_shard.reshape(-1, a_shard.shape[-1]), weights, scale_a,
+                                 scales_b, biases, out_dtype, use_fast_accum)
+    if why:
+        return decline(why)
     return all_gather_matmul_fused(task, plan, a_shard, weights, biases, gather_dim, group_name,
                                    world_size, scaled)
 

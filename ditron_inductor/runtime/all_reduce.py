@@ -369,12 +369,11 @@ def scaled_mm_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, scale_a, s
     if plan.overlap and plan.gemm == TRITON:
         return decline("fp8: the persistent Triton GEMM beside push takes no float8 (cuBLAS "
                        "plans only)")
-    scaled = Scaled.of(scale_a, scale_b, out_dtype, a.dtype, use_fast_accum)
-    why = scaled.declines(a, b, bias)
+    gemms, why = Scaled.checked(a, [b], scale_a, [scale_b], [bias], out_dtype, use_fast_accum)
     if why:
         return decline(why)
     out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op,
-                           scaled)
+                           gemms[0])
     return None if out is None else out[0]
 
 

@@ -58,12 +58,11 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
     if plan.gemm != CUBLAS or plan.transfer == SM:
         return decline("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; "
                        "the Triton GEMMs take no float8)")
-    scaled = Scaled.of(scale_a, scale_b, out_dtype, a.dtype, use_fast_accum)
-    why = scaled.declines(a, b, bias)
+    gemms, why = Scaled.checked(a, [b], scale_a, [scale_b], [bias], out_dtype, use_fast_accum)
     if why:
         return decline(why)
     return matmul_reduce_scatter_fused(task, plan, a, b, bias, out_shape, scatter_dim, reduce_op,
-                                       group_name, world_size, scaled)
+                                       group_name, world_size, gemms[0])
 
 
 def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,

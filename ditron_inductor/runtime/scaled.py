@@ -52,6 +52,16 @@ class Scaled:
         torch._scaled_mm(a_rows, b, scale_a, self.scale_b, bias=bias, out_dtype=self.out_dtype,
                          use_fast_accum=self.use_fast_accum, out=out)
 
+    @classmethod
+    def checked(cls, a, weights, scale_a, scales_b, biases, out_dtype,
+                use_fast_accum) -> tuple[list["Scaled"], Optional[str]]:
+        """A fused plan's GEMM of A [rows, K] by each weight: ([Scaled per weight], None), or
+        ([], why) where _scaled_mm would reject one (`declines`)."""
+        gemms = [cls.of(scale_a, s, out_dtype, a.dtype, use_fast_accum) for s in scales_b]
+        why = next(filter(None, (g.declines(a, w, bias)
+                                 for g, w, bias in zip(gemms, weights, biases))), None)
+        return ([], why) if why else (gemms, None)
+
     def declines(self, a, b, bias) -> Optional[str]:
         """Why a fused plan cannot run _scaled_mm on these operands, or None. Checked before any
         protocol step: a _scaled_mm that fails after the peers were signalled would leave them
