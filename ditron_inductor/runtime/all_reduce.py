@@ -241,8 +241,8 @@ def push_grid(world, numel, sms, block=0, warps=0, progs=0, norm=False):
     all_reduce_h200x8_push_scatter_push_all.md), 16384 from a block per program (MAX_PROGS)
     up: 4x the bytes in flight per SM (at world size 1 on H100, GEMM + push after it took 1.05x
     the time of cuBLAS + Inductor's residual + norm, against 1.22x with blocks of 4096:
-    compute_parity_h100x1.md); with a norm at least 1024 (its rows go
-    to 4 warps, not 1: faster at M=1, all_reduce_h200x8_push_remote_ready.md); fewer programs than SMs (the kernel
+    compute_parity_h100x1.md); with a norm at least 1024 (its rows go to 4 warps, not 1:
+    faster at M=1, all_reduce_h200x8_push_remote_ready.md); fewer programs than SMs (the kernel
     waits on its own programs: all must be resident). block, warps, progs: a plan's choice (0:
     by size)."""
     per_rank = cdiv(numel, world)
