@@ -385,9 +385,9 @@ def first_call(row: dict, model, ids: torch.Tensor, args):
         for _ in range(args.warmup):
             decoder.generate()
         return decoder
-    failed = {}
-    decoder = e2e_llama.guarded("setup", setup, failed)
-    row["failed"] = failed.get("setup")
+    failed, name = {}, f"B {row['batch']}, {row['contender']}"
+    decoder = e2e_llama.guarded(name, setup, failed)
+    row["failed"] = failed.get(name)
     return decoder
 
 

@@ -63,6 +63,7 @@ import argparse
 import datetime
 import faulthandler
 import functools
+import gc
 import json
 import logging
 import math
@@ -71,6 +72,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -446,6 +448,11 @@ def guarded(name: str, setup, failed: dict):
         return setup()
     except Exception as e:  # noqa: BLE001 - reported in the table
         failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        # the table keeps the first line; the whole error (Dynamo's says which function and why)
+        # goes to the log, once
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{name} failed:", file=sys.stderr)
+            traceback.print_exc()
         return None
 
 
@@ -728,6 +735,17 @@ def main(argv=None) -> None:
     launch(run, report, args, argv)
 
 
+def release_cuda_graphs() -> None:
+    """Drops the compiled graphs and Inductor's CUDA-graph trees. A CUDA graph that captured an
+    NCCL collective holds its communicator until the graph is destroyed, and NCCL's finalize
+    (in `destroy_process_group`) waits for that: the prefill run under reduce-overhead waited
+    there for good, on 2x H100 and 2x H200, with the trees alive."""
+    torch._dynamo.reset()  # resets the CUDA-graph trees too
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def launch(run_rank, report_result, args, argv: list[str]) -> None:
     """Under torchrun: `run_rank(rank, world, argv)` on each rank, rank 0 reporting; on CPU
     without it, --world gloo ranks spawned here, which import `run_rank` by name (a module-level
@@ -738,6 +756,7 @@ def launch(run_rank, report_result, args, argv: list[str]) -> None:
         rank, start = dist.get_rank(), time.perf_counter()
         if rank == 0:
             report_result(result, argv)
+        release_cuda_graphs()
         dist.destroy_process_group()
         print(f"rank {rank}: report and process-group teardown took "
               f"{time.perf_counter() - start:.1f} s; exiting", file=sys.stderr, flush=True)

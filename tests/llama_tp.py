@@ -126,7 +126,11 @@ def apply_locally(module: torch.nn.Module, mesh, plan: dict) -> None:
         return funcol.all_reduce(output, "sum", group)
 
     def gather_last_dim(layer, args, output):
-        return funcol.all_gather_single(output, output.dim() - 1, group)
+        # gathered on dim 0 and concatenated here: torch 2.11's all_gather_tensor on another dim
+        # calls a function Dynamo will not trace (a graph break, an error under fullgraph), and
+        # it has no all_gather_single
+        gathered = funcol.all_gather_tensor(output.contiguous(), 0, group)
+        return torch.cat(gathered.chunk(world, dim=0), dim=-1)
 
     # (style, input layouts, output layouts, local output) -> (the weight's sharded dim, the
     # collective on the output)
