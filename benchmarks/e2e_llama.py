@@ -63,7 +63,6 @@ import argparse
 import datetime
 import faulthandler
 import functools
-import gc
 import json
 import logging
 import math
@@ -83,6 +82,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ditron_inductor import clean_exit  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
 # ditron_keep_mask: ditron with its causal-mask rewrite off (what overlap alone gains)
@@ -735,17 +735,6 @@ def main(argv=None) -> None:
     launch(run, report, args, argv)
 
 
-def release_cuda_graphs() -> None:
-    """Drops the compiled graphs and Inductor's CUDA-graph trees. A CUDA graph that captured an
-    NCCL collective holds its communicator until the graph is destroyed, and NCCL's finalize
-    (in `destroy_process_group`) waits for that: the prefill run under reduce-overhead waited
-    there for good, on 2x H100 and 2x H200, with the trees alive."""
-    torch._dynamo.reset()  # resets the CUDA-graph trees too
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def launch(run_rank, report_result, args, argv: list[str]) -> None:
     """Under torchrun: `run_rank(rank, world, argv)` on each rank, rank 0 reporting; on CPU
     without it, --world gloo ranks spawned here, which import `run_rank` by name (a module-level
@@ -756,7 +745,7 @@ def launch(run_rank, report_result, args, argv: list[str]) -> None:
         rank, start = dist.get_rank(), time.perf_counter()
         if rank == 0:
             report_result(result, argv)
-        release_cuda_graphs()
+        clean_exit.release_cuda_graphs()  # also where no contender compiled with ditron
         dist.destroy_process_group()
         print(f"rank {rank}: report and process-group teardown took "
               f"{time.perf_counter() - start:.1f} s; exiting", file=sys.stderr, flush=True)

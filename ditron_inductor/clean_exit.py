@@ -8,12 +8,15 @@ exception"), or a collective teardown waits on a peer that has gone. `release_at
 first among the exit handlers that exist when it is installed (at the first compile that sees a
 process group), while the interpreter is whole, and releases in dependency order: ditron's
 runtime (symmetric memory and its contexts, which live on the group), then the compiled graphs,
-then the process groups the program did not destroy itself.
+then the process groups the program did not destroy itself. And a program that destroys its
+default group itself gets its CUDA graphs released first (`release_cuda_graphs`: NCCL waits for
+graphs that captured its collectives).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import sys
@@ -25,11 +28,48 @@ _installed = False
 
 
 def install() -> None:
-    """Register `release_at_exit` once per process."""
+    """Register `release_at_exit` once per process, and have the default group's
+    `destroy_process_group()` release the CUDA graphs first."""
     global _installed
     if not _installed:
         atexit.register(release_at_exit)
+        _release_graphs_before_destroy()
         _installed = True
+
+
+def release_cuda_graphs() -> None:
+    """Drops the compiled graphs and Inductor's CUDA-graph trees (`torch._dynamo.reset()` resets
+    both). NCCL keeps a communicator until every CUDA graph that captured one of its collectives
+    is destroyed, and its finalize in `destroy_process_group()` waits for that: with the trees
+    alive (mode="reduce-overhead") it waited for good (py-spy on 2x H100: both ranks in
+    ncclCommFinalize -> commDestroySync). Nothing to do where CUDA never started."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return
+    log.info("exit: releasing the compiled graphs and CUDA graphs before the process group")
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+def _release_graphs_before_destroy() -> None:
+    from torch import distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    destroy = c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(*args, **kwargs):
+        group = args[0] if args else kwargs.get("group")
+        if group is None or group is c10d.GroupMember.WORLD:  # the whole world goes
+            release_cuda_graphs()
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
 
 
 def release_at_exit() -> None:
