@@ -35,14 +35,13 @@ import statistics
 import sys
 import time
 
-for _n, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_n, _v)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.no_multicast import keep_multicast_off  # noqa: E402
+
+keep_multicast_off()
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ditron_inductor.ops  # noqa: E402,F401 - registers torch.ops.ditron.*
 from ditron_inductor.log_names import LOGGER_NAME  # noqa: E402

@@ -74,14 +74,13 @@ import statistics
 import sys
 import time
 
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_name, _value)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.no_multicast import keep_multicast_off  # noqa: E402
+
+keep_multicast_off()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks import e2e_llama  # noqa: E402
 from tests import llama_tp  # noqa: E402

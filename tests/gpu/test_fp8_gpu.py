@@ -11,11 +11,12 @@ Run on the GPU machine (needs sm_89+ for float8 _scaled_mm): pytest -m gpu tests
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
 import torch
+
+from tests.no_multicast import keep_multicast_off
 
 from .ranks import report_and_close, spawn_ranks
 from .test_fused_gpu import _check, _free_port
@@ -23,8 +24,7 @@ from .test_fused_gpu import _check, _free_port
 pytestmark = pytest.mark.gpu
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-    os.environ.setdefault(_name, _value)
+keep_multicast_off()
 
 
 def _plan(world, m, k, n, op="all_gather_scaled_mm", **params) -> str:

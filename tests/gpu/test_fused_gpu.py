@@ -15,13 +15,13 @@ import traceback
 import pytest
 import torch
 
+from tests.no_multicast import keep_multicast_off
+
 from .ranks import report_and_close, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_name, _value)
+keep_multicast_off()
 
 
 def _free_port() -> int:
