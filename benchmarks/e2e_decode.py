@@ -46,7 +46,10 @@ Per shape (batch B, prompt P, new tokens N) and contender (eager, inductor, ditr
   it overflows; device and host ms per step, as `e2e_llama.interleaved` times a call (the host
   does not wait for the device): the model's step without `generate()`'s loop.
 - tokens: each contender's greedy tokens against eager's (where eager runs) or Inductor's, with
-  DTensor parameters where they ran, token for token, the first difference named.
+  DTensor parameters where they ran, token for token, the first difference named, with each
+  side's margin there (the gap between its two largest logits over the largest's magnitude, kept
+  by the first call): under NEAR_TIE on either side the difference is a near tie, which another
+  summation order flips, else a wrong number.
 `--profile-host N` profiles N bare steps and one `generate()` call with cProfile: host ms per step
 split into the compiled call's parts (outside AOTAutograd: nn.Module's call, Dynamo's frame and
 guards; AOTAutograd's runtime wrappers, where DTensor parameters are unwrapped; Inductor's call,
@@ -236,13 +239,16 @@ class Decoder:
         self.criteria = StoppingCriteriaList([self.clock])
         self.tokens = None  # the first call's, which every later call must make
 
-    def generate(self) -> torch.Tensor:
-        """The new tokens of one greedy `generate()` call, [B, N]."""
+    def generate(self, margins: Margins | None = None) -> torch.Tensor:
+        """The new tokens of one greedy `generate()` call, [B, N]; `margins` keeps each step's."""
+        from transformers import LogitsProcessorList
+
         self.cache.reset()
         self.clock.start()
+        processors = {"logits_processor": LogitsProcessorList([margins])} if margins else {}
         out = self.model.generate(self.ids, generation_config=self.config,
                                   stopping_criteria=self.criteria,
-                                  **{cache_keyword(): self.cache})
+                                  **{cache_keyword(): self.cache}, **processors)
         new = out[:, self.ids.shape[1]:]
         if new.shape[1] != self.new_tokens:
             raise RuntimeError(f"generate() made {new.shape[1]} tokens, not {self.new_tokens}")
@@ -275,18 +281,45 @@ class Decoder:
         return step
 
 
+class Margins:
+    """A logits processor that keeps each step's greedy margin per row, (largest - second
+    largest logit) / |largest|, and changes no score. Only the first call of each contender
+    carries it (generate() inspects a processor's signature at every step)."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        top = scores.float().topk(2, dim=-1).values
+        self.steps.append((top[:, 0] - top[:, 1]) / top[:, 0].abs().clamp_min(1e-6))
+        return scores
+
+    def per_row(self) -> list[list[float]]:
+        """[B][N]: row b's margin at new token n."""
+        return torch.stack(self.steps, dim=1).tolist()
+
+
+# a greedy choice this close is a near tie: bf16 logits of two summation orders differ by 1-2% of
+# the largest (e2e_llama's prefill against Inductor: 1.1-1.7e-2)
+NEAR_TIE = 2e-2
+
+
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
 
 
-def first_difference(tokens: list, reference: list) -> str | None:
-    """None where the greedy tokens are the reference's, else where they part first."""
-    for row, (got, want) in enumerate(zip(tokens, reference)):
-        for position, (a, b) in enumerate(zip(got, want)):
-            if a != b:
-                return f"row {row}, new token {position}: {a} vs {b}"
+def first_difference(row: dict, reference: dict) -> str | None:
+    """None where the row's greedy tokens are the reference row's, else where they part first,
+    with both margins there and whether that is a near tie."""
+    for b, (got, want) in enumerate(zip(row["tokens"], reference["tokens"])):
+        for n, (mine, theirs) in enumerate(zip(got, want)):
+            if mine != theirs:
+                margins = (row["margins"][b][n], reference["margins"][b][n])
+                verdict = "a near tie" if min(margins) < NEAR_TIE else "NOT a near tie"
+                return (f"row {b}, new token {n}: {mine} vs {theirs}, {verdict} (margins "
+                        f"{margins[0]:.1e} / {margins[1]:.1e})")
     return None
 
 
@@ -375,8 +408,9 @@ def first_call(row: dict, model, ids: torch.Tensor, args):
         skips = counters["inductor"]["cudagraph_skips"]
         decoder = Decoder(model, row["contender"], ids, row["new_tokens"], args.device,
                           args.compile_options)
-        decoder.tokens = decoder.generate()
-        row["tokens"] = decoder.tokens.tolist()
+        margins = Margins()
+        decoder.tokens = decoder.generate(margins)
+        row["tokens"], row["margins"] = decoder.tokens.tolist(), margins.per_row()
         row["graphs_first_call"] = compiled_graphs() - graphs
         row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
         if row["contender"] == "ditron":
@@ -455,7 +489,7 @@ def check_tokens(rows: list[dict]) -> None:
     for key, row in made.items():
         if reference is not None and key != reference:
             row["reference"] = "/".join(reference)
-            row["first_difference"] = first_difference(row["tokens"], made[reference]["tokens"])
+            row["first_difference"] = first_difference(row, made[reference])
 
 
 # ------------------------------------------------------------------------------------- report
@@ -560,7 +594,8 @@ def report(result: dict, argv: list[str]) -> None:
                        "torch": torch.__version__, "world": result["world"],
                        "ditron_log": result["ditron_log"],
                        # the tokens are checked above; the file keeps the verdicts
-                       "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]},
+                       "rows": [{k: v for k, v in r.items() if k not in ("tokens", "margins")}
+                                for r in rows]},
                       f, indent=1)
 
 

@@ -58,6 +58,24 @@ def test_generate_tokens_match_eager():
             assert rows[key]["first_difference"] is None
         # the timed calls (CUDA graph replays on GPUs) make the first call's tokens
         assert all(r["calls_unlike_first"] == 0 for r in rows.values()), rows
+        # each step's greedy margin, kept by the first call: [B][N] in [0, 2]
+        for r in rows.values():
+            assert [len(m) for m in r["margins"]] == [NEW_TOKENS] * BATCH, r["margins"]
+            assert all(0 <= x <= 2 for m in r["margins"] for x in m), r["margins"]
+
+
+def test_a_difference_says_whether_it_is_a_near_tie():
+    from benchmarks.e2e_decode import NEAR_TIE, first_difference
+
+    reference = {"tokens": [[5, 6, 7], [1, 2, 3]], "margins": [[0.5, 0.5, 0.5], [0.5, 0.3, 0.5]]}
+    same = {"tokens": [[5, 6, 7], [1, 2, 3]], "margins": [[0.5] * 3, [0.5] * 3]}
+    assert first_difference(same, reference) is None
+    tie = {"tokens": [[5, 6, 7], [1, 9, 3]], "margins": [[0.5] * 3, [0.5, NEAR_TIE / 2, 0.5]]}
+    assert first_difference(tie, reference) == (
+        "row 1, new token 1: 9 vs 2, a near tie (margins 1.0e-02 / 3.0e-01)")
+    wrong = {"tokens": [[5, 6, 8], [1, 9, 3]], "margins": [[0.5] * 3, [0.5] * 3]}
+    assert first_difference(wrong, reference) == (
+        "row 0, new token 2: 8 vs 7, NOT a near tie (margins 5.0e-01 / 5.0e-01)")
 
 
 @pytest.mark.slow
