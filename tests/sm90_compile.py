@@ -105,28 +105,32 @@ def variants():
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
-    # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters;
-    # and the dispatch's push into the peers' buffers
+    # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
+    # the combine's push into the peers' buffers; and the dispatch's push
     moe_args = dict(a_ptr="*bf16", a_index_ptr="*i64", b_ptr="*bf16", offsets_ptr="*i32",
                     c_ptr="*bf16", c_index_ptr="*i64", scale_ptr="*fp32", rows_out_ptr="*bf16",
-                    count_ptr="*i32", expect_ptr="*i32", err_ptr="*i32", M="i32", N="i32",
+                    count_ptr="*i32", expect_ptr="*i32", err_ptr="*i32", dst_rank_ptr="*i32",
+                    recv_table="*i64", count_table="*i64", M="i32", N="i32",
                     K="i32", E="i32", stride_am="i32", stride_ak="i32", stride_be="i32",
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
     moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8,
-                     B_DESC=0)
+                     B_DESC=0, WORLD=1)
     for gather, scatter, scale, wait in ((True, False, False, False), (False, False, False, False),
                                          (False, True, False, False), (False, True, True, False),
                                          (False, False, False, True)):
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, c_ptr="*fp32" if scale else "*bf16"),
                dict(moe_tiles, GATHER=gather, WRITE_ROWS=gather, SCATTER=scatter, SCALE=scale,
-                    ACCUMULATE=scale, WAIT=wait), 8)
+                    ACCUMULATE=scale, WAIT=wait, PUSH=False), 8)
+    yield (grouped_gemm.grouped_gemm_kernel, moe_args,
+           dict(moe_tiles, GATHER=False, WRITE_ROWS=False, SCATTER=True, SCALE=False,
+                ACCUMULATE=False, WAIT=False, PUSH=True, WORLD=8), 8)
     for b_desc, block in ((1, "64,128"), (2, "128,64")):  # the weights through TMA
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, b_ptr=f"tensordesc<bf16[{block}]>"),
                dict(moe_tiles, GATHER=True, WRITE_ROWS=True, SCATTER=False, SCALE=False,
-                    ACCUMULATE=False, WAIT=False) | dict(B_DESC=b_desc), 8)
+                    ACCUMULATE=False, WAIT=False, PUSH=False) | dict(B_DESC=b_desc), 8)
     yield (grouped_gemm.dispatch_put_kernel,
            dict(x_ptr="*bf16", dst_rank_ptr="*i32", dst_row_ptr="*i32", dst_tile_ptr="*i32",
                 data_table="*i64", count_table="*i64", rows="i32", K="i32"),

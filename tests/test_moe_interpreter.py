@@ -3,8 +3,9 @@ Triton interpreter, against the ops' reference composition: odd routings (an exp
 rows, every row to one expert, row counts that are no multiple of the tile, top-1 and top-2),
 the combine's scatter with and without accumulation, the routing weight in the epilogue, and
 the dispatch's push into the peers' receive buffers on two emulated ranks, the GEMM's tiles
-waiting on their arrival counters, and the multi-rank dispatch runtime's own steps
-(runtime/moe_dispatch.py) on 2 and 3 emulated ranks over consecutive calls.
+waiting on their arrival counters, and the multi-rank runtimes' own steps (the dispatch,
+runtime/moe_dispatch.py, and the combine, runtime/moe_combine.py) on 2 and 3 emulated ranks
+over consecutive calls.
 
 fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
 bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Every output starts as NaN, so a row the
@@ -260,10 +261,11 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
             out = torch.full((m, n), float("nan"), dtype=F16)
             grouped_gemm.grouped_gemm_kernel[(3,)](
                 rank.recv, out, ws[q], offsets, out, out, out, out, rank.counts, expect,
-                rank.err, m, n, k, local_experts, rank.recv.stride(0), rank.recv.stride(1),
-                *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
+                rank.err, out, out, out, m, n, k, local_experts, rank.recv.stride(0),
+                rank.recv.stride(1), *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
                 GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False,
-                WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
+                WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
+                GROUP_M=2)
             assert int(rank.err) == 0
             received = torch.stack([xs[p][i] for p, i in rows]).float()
             assert torch.equal(rank.recv[:m].float(), received)
@@ -288,11 +290,11 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     recv[first_row:first_row + tile_rows[missing]] = float("nan")
     out = torch.full((m, n), float("nan"), dtype=F16)
     grouped_gemm.grouped_gemm_kernel[(3,)](
-        recv, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, m, n, k,
-        local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
+        recv, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, out, out, out,
+        m, n, k, local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
         out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
-        ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
-        GROUP_M=2)
+        ACCUMULATE=False, WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2,
+        NUM_PROGS=3, GROUP_M=2)
     assert int(rank.err) == grouped_gemm.ERR_ROWS
     skipped = torch.zeros(m, dtype=torch.bool)
     skipped[first_row:first_row + tile_rows[missing]] = True
@@ -382,8 +384,9 @@ class EmulatedSymm:
 
 
 class EmulatedContext:
-    def __init__(self, copies, rank):
+    def __init__(self, copies, rank, flag_copies=None):
         self.data, self.rank = EmulatedSymm(copies, rank), rank
+        self.flags = EmulatedSymm(flag_copies, rank) if flag_copies else None
         self.err = torch.zeros(1, dtype=torch.int32)
 
 
@@ -436,9 +439,7 @@ def test_multi_rank_dispatch_steps_match_the_reference(world):
     ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
           for _ in range(world)]
     capacity = 64
-    layout = moe_dispatch.Layout(world, capacity, k, F16,
-                                 moe_dispatch.moe_routes.max_tiles(capacity, local_experts,
-                                                                   PLAN.block_m))
+    layout = moe_dispatch.dispatch_layout(world, capacity, k, F16, local_experts, PLAN.block_m)
     copies = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)]
     ctxs = [EmulatedContext(copies, r) for r in range(world)]
     states = [moe_dispatch.new_state(ctx, layout) for ctx in ctxs]
@@ -486,3 +487,126 @@ def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
             assert moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
                                                    *args) is None
         assert "all_to_all_grouped_mm on 2 ranks: x on cpu" in caplog.text
+
+
+def emulated_all_to_all(sent, send_splits):
+    """Rank p's received rows: rank q's rows for p (q's send_splits[q][p] rows, rank-major),
+    q after q."""
+    world = len(sent)
+    starts = [[sum(send_splits[q][:p]) for p in range(world)] for q in range(world)]
+    return [torch.cat([sent[q][starts[q][p]:starts[q][p] + send_splits[q][p]]
+                       for q in range(world)]) for p in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_multi_rank_combine_steps_match_the_reference(world, monkeypatch):
+    """grouped_mm_all_to_all on 2 and 3 emulated ranks through the runtime's own steps
+    (moe_combine.publish, push, collect: the published starts, the grouped GEMM pushing each
+    row into its receiver's buffer and counting it there), the signals played by running every
+    rank's step before the next step. The combine of the dispatch's routings (each expert rank
+    sends its expert-major rows back through row_index): random and uneven, an expert of every
+    rank with no row, the last rank sending nothing back, every row from rank 0, every row to
+    rank 0; fp16 calls one after the other on the same buffers (the arrival count set back
+    between them), then fp32. Each rank's output against the op's reference, its all-to-all
+    emulated."""
+    from ditron_inductor import ops
+    from ditron_inductor.runtime import moe_combine
+
+    gen = torch.Generator().manual_seed(20 + world)
+    local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
+    monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
+    ranks = {}  # dtype -> (layout, contexts, states, weights)
+    calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
+             ("last_receives_nothing", [11, 6, 10], F16), ("all_to_one", [5, 12, 8], F16),
+             ("random", [17, 0, 0], F16), ("random", [8, 15, 6], torch.float32)]
+    for call, (case, tokens, dtype) in enumerate(calls):
+        if dtype not in ranks:
+            layout = moe_combine.combine_layout(world, capacity, n, dtype)
+            copies = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)]
+            flags = [torch.zeros(4 * (moe_combine.arrived_word(world) + 1), dtype=torch.uint8)
+                     for _ in range(world)]
+            ctxs = [EmulatedContext(copies, r, flags) for r in range(world)]
+            ws = [weights(local_experts, k, n, gen, transposed=r % 2 == 1).to(dtype)
+                  for r in range(world)]
+            ranks[dtype] = (layout, ctxs, [moe_combine.new_state(c, layout) for c in ctxs], ws)
+        layout, ctxs, states, ws = ranks[dtype]
+        # the dispatch's routing: rank q's expert-major rows go back through its row_index
+        _, back_splits, experts_side = ep_routing(world, local_experts, tokens[:world], k,
+                                                  case, gen)
+        sends = [splits for splits, _, _, _ in experts_side]
+        lefts = [torch.randn(sum(sends[q]), k, generator=gen).to(dtype) for q in range(world)]
+        for ctx in ctxs:  # a row left unwritten shows as NaN
+            ctx.data.view(-1, dtype, [capacity, n], layout.recv_offset).fill_(float("nan"))
+        for r, ctx in enumerate(ctxs):
+            moe_combine.publish(ctx, layout, back_splits[r])
+        for q, ctx in enumerate(ctxs):
+            _, row_index, offsets, _ = experts_side[q]
+            moe_combine.push(ctx, layout, states[q], PLAN, lefts[q], ws[q], offsets, row_index,
+                             sends[q], moe.grouped_gemm)
+        refs = emulated_all_to_all([
+            ops.grouped_mm_all_to_all_reference([lefts[q].float()], [ws[q].float()],
+                                                experts_side[q][2], experts_side[q][1], False,
+                                                back_splits[q], sends[q], "0", world)
+            for q in range(world)], sends)
+        for r, ctx in enumerate(ctxs):
+            received = sum(back_splits[r])
+            arrived = ctx.flags.view(-1, torch.int32, [1], 4 * moe_combine.arrived_word(world))
+            assert int(arrived) == moe_combine.expected_counts(layout, PLAN, received), (call, r)
+            out = moe_combine.collect(ctx, layout, received)
+            assert int(arrived) == 0
+            assert out.shape == (received, n) and out.dtype == dtype
+            assert not out.isnan().any(), (call, r, case)
+            if received:
+                assert rel_err(out, refs[r]) < 2e-3, (call, r, case)
+
+
+def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplog):
+    """What the multi-rank combine does not serve declines, alike on every rank and before its
+    context (the symmetric memory and the signals) is touched: rows summed into one
+    (accumulate), a sum of grouped GEMMs, CPU tensors."""
+    import logging
+
+    from ditron_inductor.runtime import moe_combine
+
+    def no_protocol(*args, **kwargs):
+        raise AssertionError("a protocol step before the decline")
+
+    monkeypatch.setattr(moe_combine, "get_context", no_protocol)
+    gen = torch.Generator().manual_seed(13)
+    left = torch.randn(6, 16, generator=gen).to(F16)
+    w = weights(2, 16, 16, gen)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    for accumulate, lefts, reason in (
+            (True, [left], "2 ranks: rows summed into one (accumulate)"),
+            (False, [left, left], "a sum of 2 grouped GEMMs"),
+            (False, [left], "2 ranks: rows on cpu")):
+        args = (lefts, [w] * len(lefts), offsets, torch.arange(6), accumulate, [3, 4], [6, 0],
+                "0", 2)
+        with caplog.at_level(logging.DEBUG, logger="ditron"):
+            assert moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), PLAN,
+                                                   *args) is None
+        assert reason in caplog.text
+
+
+def test_combine_push_sends_rows_past_the_last_offset_as_zeros():
+    """The PUSH epilogue on one emulated rank (its own receive buffer through the table): the
+    products to their rows, and the rows past offsets[-1] (no expert's: undefined in
+    torch._grouped_mm) as zeros, every row counted once per n-tile, so that a receiver never
+    waits on a row no tile computes."""
+    gen = torch.Generator().manual_seed(14)
+    rows, k, n = 23, 24, 40
+    left = torch.randn(rows, k, generator=gen).to(F16)
+    w = weights(2, k, n, gen)
+    offsets = torch.tensor([7, 19], dtype=torch.int32)  # rows 19..22: past the last offset
+    recv = torch.full((rows, n), float("nan"), dtype=F16)
+    arrived = torch.zeros(1, dtype=torch.int32)
+    dst_row = torch.randperm(rows, generator=gen).to(torch.int32)
+    moe.grouped_gemm(PLAN, left, w, offsets, left, rows=rows, c_index=dst_row,
+                     push=(torch.zeros(rows, dtype=torch.int32),
+                           torch.tensor([recv.data_ptr()]), torch.tensor([arrived.data_ptr()]),
+                           1))
+    assert int(arrived) == rows * triton.cdiv(n, PLAN.block_n)
+    ref = torch._grouped_mm(left[:19].float(), w.float(), offs=offsets)
+    at = dst_row.to(torch.int64)
+    assert rel_err(recv[at[:19]], ref) < 2e-3
+    assert torch.equal(recv[at[19:]], torch.zeros(rows - 19, n, dtype=F16))

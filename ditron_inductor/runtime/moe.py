@@ -9,11 +9,12 @@ At world size 1 the all-to-all is the identity over ranks (every row stays), so
   combine   y = grouped_mm(left, W), row j of y to row row_index[j] of zeros [sum(splits), N]
             (summed where several land, accumulate: atomic adds into an fp32 buffer, cast once),
             or y itself when row_index is None.
-On more ranks the dispatch is moe_dispatch.py (GPU-unrun): the rows pushed straight into the
-receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters. The combine
-declines there and runs its reference (the scheduler plans neither op fused,
-cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs (the
-combine of a backward that sums gate's and up's) declines as well.
+On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
+the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
+combine is moe_combine.py (GPU-unrun): the GEMM's epilogue stores each row into its receiver's
+buffer, where the all-to-all would land it, and counts it there. The scheduler plans neither op
+fused (cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs
+(the combine of a backward that sums gate's and up's) declines on any world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
 TORCH_LOGS=ditron shows which path ran and why.
@@ -28,7 +29,7 @@ import torch
 from ..log_names import LOGGER_NAME
 from ..scheduler.plan import GroupedMmPlan
 from ..scheduler.task import Task
-from . import moe_dispatch
+from . import moe_combine, moe_dispatch
 from .kernel_launch import launch
 from .launch import DTYPES, cdiv, decline, next_power_of_2, num_sms
 
@@ -55,11 +56,14 @@ def _programs(plan: GroupedMmPlan, device: torch.device) -> int:
 
 def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_index=None,
                  rows_out=None, c_index=None, scale=None, accumulate: bool = False,
-                 wait=None) -> None:
+                 wait=None, push=None) -> None:
     """c (+)= the grouped GEMM of `rows` GEMM rows (row i: a[a_index[i]] or a[i]) by weight
     [E, K, N] per offsets, row i of the product to c[c_index[i]] or c[i] (times scale[i]);
     rows_out: the rows read, stored there. wait: (tile counters, expect, err word, polls):
-    each tile first waits until counters[tile] >= expect[tile] (the multi-rank dispatch)."""
+    each tile first waits until counters[tile] >= expect[tile] (the multi-rank dispatch).
+    push: (dst_rank, receive buffers, arrival counters, world): row i to row c_index[i] of
+    rank dst_rank[i]'s receive buffer instead of c, counted in its counter (the multi-rank
+    combine; the tables hold each rank's addresses)."""
     experts, k, n = weight.shape
     if rows == 0 or n == 0:
         return
@@ -74,15 +78,16 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            a, unused if a_index is None else a_index, b, offsets, c,
            unused if c_index is None else c_index, unused if scale is None else scale,
            unused if rows_out is None else rows_out, *(wait[:3] if wait else (offsets,) * 3),
+           *(push[:3] if push else (offsets,) * 3),
            rows, n, k, experts,
            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
            c.stride(0), c.stride(1), wait[3] if wait else 0,
            GATHER=a_index is not None, WRITE_ROWS=rows_out is not None,
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
-           WAIT=wait is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=plan.block_k,
-           E_P2=next_power_of_2(experts), NUM_PROGS=progs, GROUP_M=plan.group_m,
-           B_DESC=b_desc, num_warps=plan.warps,
-           num_stages=plan.stages)
+           WAIT=wait is not None, PUSH=push is not None, BLOCK_M=bm, BLOCK_N=bn,
+           BLOCK_K=plan.block_k, E_P2=next_power_of_2(experts), NUM_PROGS=progs,
+           GROUP_M=plan.group_m, B_DESC=b_desc, WORLD=push[3] if push else 1,
+           num_warps=plan.warps, num_stages=plan.stages)
 
 
 def weight_descriptor(weight, plan: GroupedMmPlan):
@@ -185,14 +190,22 @@ def all_to_all_grouped_mm_fused(task: Task, plan: GroupedMmPlan, x, output_split
 def grouped_mm_all_to_all_fused(task: Task, plan: GroupedMmPlan, lefts, weights, offsets,
                                 row_index, accumulate, output_split_sizes, input_split_sizes,
                                 group_name, world_size):
-    if world_size != 1:
-        return decline(f"{task.op} on {world_size} ranks: no fused multi-rank runtime yet")
     if len(lefts) != 1 or len(weights) != 1:
         return decline(f"a sum of {len(lefts)} grouped GEMMs")
     left, weight = lefts[0], weights[0]
     if left.dim() != 2:
         return decline(f"rows of {left.dim()} dims")
     rows, n = left.shape[0], weight.shape[-1]
+    if world_size != 1:
+        problem = _experts_problem(left.dtype, left.shape[1], weights, offsets)
+        if problem:
+            return decline(problem)
+        out = moe_combine.combine(plan, left, weight, offsets, row_index, accumulate,
+                                  output_split_sizes, input_split_sizes, group_name, world_size,
+                                  grouped_gemm)
+        if out is not None:
+            _served(task, plan)
+        return out
     sent = sum(input_split_sizes)
     if list(output_split_sizes) != [sent] or len(input_split_sizes) != 1:
         return decline(f"splits {output_split_sizes}/{input_split_sizes}")

@@ -62,13 +62,15 @@ def _aligned(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The context's symmetric bytes: [tile counters | route table | receive buffer]."""
+    """The context's symmetric bytes: [tile counters | route table | receive buffer] (the
+    combine's too: no counter there, a table of the starts only, rows of N)."""
 
     world: int
     capacity: int  # received rows
-    k: int
+    k: int  # the received rows' width
     dtype: torch.dtype
     tiles: int
+    table_words: int
 
     @property
     def table_offset(self) -> int:
@@ -76,8 +78,7 @@ class Layout:
 
     @property
     def recv_offset(self) -> int:
-        return self.table_offset + _aligned(4 * moe_routes.table_words(self.world,
-                                                                       self.capacity))
+        return self.table_offset + _aligned(4 * self.table_words)
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +95,12 @@ class DispatchState:
 
 
 _states: "weakref.WeakKeyDictionary[OpContext, DispatchState]" = weakref.WeakKeyDictionary()
+
+
+def dispatch_layout(world: int, capacity: int, k: int, dtype: torch.dtype, experts: int,
+                    block_m: int) -> Layout:
+    return Layout(world, capacity, k, dtype, moe_routes.max_tiles(capacity, experts, block_m),
+                  moe_routes.table_words(world, capacity))
 
 
 def new_state(ctx, layout: Layout) -> DispatchState:
@@ -149,8 +156,7 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     if received > capacity:
         raise ValueError(f"{OP}: {received} rows received, more than {world_size} ranks' "
                          f"{x.shape[0]} rows (x's rows differ between ranks?)")
-    layout = Layout(world_size, capacity, k, x.dtype,
-                    moe_routes.max_tiles(capacity, experts, plan.block_m))
+    layout = dispatch_layout(world_size, capacity, k, x.dtype, experts, plan.block_m)
     ctx = get_context(f"{OP}:{capacity}x{k}:{x.dtype}:{experts}:{plan.block_m}", group_name,
                       plan.symm_mem_backend, layout.nbytes)
     state = _state(ctx, layout)
@@ -174,25 +180,27 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
 
 def publish(ctx, layout: Layout, output_split_sizes, row_index, offsets, block_m: int) -> None:
     """1. My routes into my table."""
-    table = ctx.data.view(-1, torch.int32, [moe_routes.table_words(layout.world,
-                                                                   layout.capacity)],
-                          layout.table_offset)
+    table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
     moe_routes.publish(table, output_split_sizes, row_index, offsets, block_m)
 
 
 def push(ctx, layout: Layout, state: DispatchState, x, input_split_sizes) -> None:
     """2 and 3 (after the receivers' signals): my routes read from their tables, my rows pushed
     and counted."""
-    words = moe_routes.table_words(layout.world, layout.capacity)
-    tables = [ctx.data.view(q if q != ctx.rank else -1, torch.int32, [words],
-                            layout.table_offset) for q in range(layout.world)]
-    dst_rank, dst_row, dst_tile = moe_routes.read_routes(ctx.rank, input_split_sizes, tables)
+    dst_rank, dst_row, dst_tile = moe_routes.read_routes(ctx.rank, input_split_sizes,
+                                                         route_tables(ctx, layout))
     x = x.contiguous()
     if x.shape[0]:
         launch(dispatch_put_kernel(), (cdiv(x.shape[0], PUT_ROWS),), x, dst_rank, dst_row,
                dst_tile, state.recv_table, state.count_table, x.shape[0], layout.k,
                BLOCK_R=PUT_ROWS, BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(layout.k)),
                WORLD=layout.world)
+
+
+def route_tables(ctx, layout: Layout) -> list:
+    """Every rank's route table as this rank sees it (int32 words)."""
+    return [ctx.data.view(q if q != ctx.rank else -1, torch.int32, [layout.table_words],
+                          layout.table_offset) for q in range(layout.world)]
 
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,

@@ -25,6 +25,12 @@ published routes each tile waits on exactly its own rows (the kernel's per-tile 
 GEMM reads the receive buffer without a gather, and the number of round trips is the minimum:
 one signal receiver -> sender, then the push. The table is small (8 bytes a row).
 
+The combine (grouped_mm_all_to_all, runtime/moe_combine.py) goes the other way: rank r's
+product row j is position row_index[j] of what r sends, and lands on rank q at received
+position start_q[r] + (row_index[j] - s_q), rank-major as the all-to-all lands it. Only the
+starts are r's to lack, so the combine's table is the first world words alone
+(`publish_starts`, `read_combine_routes`).
+
 Row_index must be a permutation of the received rows (an argsort of each received row's expert,
 as every MoE layer builds it): a received row goes to one place. The runtime checks its length
 on the host; a repeated entry leaves a received row unplaced (dst_row -1: not sent) and its
@@ -67,15 +73,22 @@ def tile_of_rows(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor
     return (first_tile[expert] + (row - starts[expert]) // block_m).to(torch.int32)
 
 
+def publish_starts(table: torch.Tensor, output_split_sizes: Sequence[int]) -> None:
+    """table[:world] = start_q[0..world): where each sender's rows start among mine (the whole
+    table of the combine, whose rows land in rank-major order)."""
+    starts = [0]
+    for n in output_split_sizes[:-1]:
+        starts.append(starts[-1] + n)
+    table[:len(starts)] = torch.tensor(starts, dtype=torch.int32).to(table.device,
+                                                                     non_blocking=True)
+
+
 def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
             row_index: Optional[torch.Tensor], offsets: torch.Tensor, block_m: int) -> None:
     """Write this receiver's routes into its table (int32, `table_words` long)."""
     world = len(output_split_sizes)
     received = sum(output_split_sizes)
-    starts = [0]
-    for n in output_split_sizes[:-1]:
-        starts.append(starts[-1] + n)
-    table[:world] = torch.tensor(starts, dtype=torch.int32).to(table.device, non_blocking=True)
+    publish_starts(table, output_split_sizes)
     capacity = (table.numel() - world) // 2
     dst_row = table[world:world + received]
     dst_tile = table[world + capacity:world + capacity + received]
@@ -94,20 +107,43 @@ def read_routes(rank: int, input_split_sizes: Sequence[int], tables: Sequence[to
     words as this rank sees them). dst_rank -1: a row no position claims (not sent)."""
     world = len(input_split_sizes)
     parts = []
-    for q, n in enumerate(input_split_sizes):
-        if n == 0:  # nothing to q: its table is not read (see the runtime's reuse argument)
-            continue
+    for q, at in received_positions(rank, input_split_sizes, tables):
         table = tables[q]
         capacity = (table.numel() - world) // 2
-        # my rows' received positions at q: start_q[rank] + i (a device index, no host sync)
-        at = table[rank].to(torch.int64) + torch.arange(n, device=table.device)
         row = table[world + at]
         tile = table[world + capacity + at]
         parts.append((torch.where(row < 0, -1, q).to(torch.int32), row, tile))
+    return _concat(parts, 3, tables[rank].device)
+
+
+def received_positions(rank: int, input_split_sizes: Sequence[int],
+                       tables: Sequence[torch.Tensor]):
+    """[(q, at)] for each rank q this sender sends rows to: at (int64 [n_q]), the positions of
+    my rows among q's received rows, start_q[rank] + i, read from q's published starts (a device
+    index: no host sync). A rank I send nothing is left out: its table is not read (see the
+    runtimes' reuse argument)."""
+    return [(q, tables[q][rank].to(torch.int64) + torch.arange(n, device=tables[q].device))
+            for q, n in enumerate(input_split_sizes) if n]
+
+
+def read_combine_routes(rank: int, input_split_sizes: Sequence[int],
+                        tables: Sequence[torch.Tensor], row_index: Optional[torch.Tensor]):
+    """(dst_rank, dst_row), int32 [rows]: where the combine's row j goes, the rank and row of
+    rank-major position row_index[j] (j without an index) of what this rank sends, from each
+    receiver's published starts (tables[q]: the first world words of q's table)."""
+    parts = [(torch.full_like(at, q, dtype=torch.int32), at.to(torch.int32))
+             for q, at in received_positions(rank, input_split_sizes, tables)]
+    dst_rank, dst_row = _concat(parts, 2, tables[rank].device)
+    if row_index is None:
+        return dst_rank, dst_row
+    at = row_index.to(device=dst_rank.device, dtype=torch.int64)
+    return dst_rank[at], dst_row[at]
+
+
+def _concat(parts, fields: int, device):
     if not parts:
-        empty = torch.empty(0, dtype=torch.int32, device=tables[rank].device)
-        return empty, empty, empty
-    return tuple(torch.cat([p[i] for p in parts]).to(tables[rank].device) for i in range(3))
+        return tuple(torch.empty(0, dtype=torch.int32, device=device) for _ in range(fields))
+    return tuple(torch.cat([p[i] for p in parts]).to(device) for i in range(fields))
 
 
 def tile_rows(offsets: torch.Tensor, rows: int, block_m: int, tiles: int) -> torch.Tensor:

@@ -449,11 +449,12 @@ def scaled_mm_plan(task: Task) -> tuple[None, str]:
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
 # world size 1, where a plan names it (benchmarks/bench_moe.py). On more ranks the dispatch has a
 # fused runtime (runtime/moe_dispatch.py: the push into the peers' receive buffers, per-tile
-# arrival counters) that has never run on GPUs, the combine none, and no measurement says the
-# Triton grouped GEMM keeps up with torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
+# arrival counters; correct on 2x H100, unmeasured), the combine one that has never run on GPUs
+# (runtime/moe_combine.py), and no measurement says the Triton grouped GEMM keeps up with
+# torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
 MOE_NOT_FUSED = ("{op}: the fused MoE kernels are unmeasured on several ranks (the multi-rank "
-                 "dispatch GPU-unrun, the combine fused at world size 1 only; a plan names "
-                 "them): NCCL all-to-all + torch._grouped_mm")
+                 "dispatch unmeasured, the combine GPU-unrun; a plan names them): NCCL "
+                 "all-to-all + torch._grouped_mm")
 
 
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:

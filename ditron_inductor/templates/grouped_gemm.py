@@ -1,5 +1,6 @@
 """Expert parallelism: the experts' grouped GEMM, reading its rows through the dispatch's index
-and writing them back through the combine's, and the dispatch's push into the peers' buffers.
+and writing them back through the combine's (on several ranks: into the peers' buffers), and
+the dispatch's push into the peers' buffers.
 
 The grouped GEMM (`grouped_gemm_kernel`). Expert e owns GEMM rows [offsets[e-1], offsets[e])
 (offsets: int32 cumulative row counts, as torch._grouped_mm takes them; offsets[-1] = 0) and
@@ -23,13 +24,17 @@ programs that run together share rows and the expert's weight in L2.
   epilogue  SCALE: row i times scale[i] (the routing weight), in fp32. SCATTER: row i goes to
             row c_index[i] of C (the combine: y's rows back to the sender's order); ACCUMULATE:
             added there with an atomic add (C fp32: several GEMM rows (a token's top-k experts)
-            land on one row); else stored.
+            land on one row); else stored. PUSH (the combine on several ranks): row i goes to
+            row c_index[i] of rank dst_rank[i]'s receive buffer (`push_rows`), each destination
+            rank's arrival counter raised by the rows the tile stored there; the rows past the
+            last offset are pushed as zeros (torch._grouped_mm leaves them undefined), so that
+            every row the receivers count on comes.
 
 The dispatch push (`dispatch_put_kernel`, world size > 1): each program copies a block of x's
 rows to their destinations, row i to row dst_row[i] of rank dst_rank[i]'s receive buffer
 (the expert-major position at which that rank's GEMM reads it; the sender reads both from the
-table the receiver published: runtime/moe_routes.py), then adds, per destination tile it wrote to, the rows it wrote to that tile's
-arrival counter on that rank (release, system scope; after a barrier over the program's
+table the receiver published: runtime/moe_routes.py), then adds, per destination tile it wrote
+to, the rows it wrote to that tile's arrival counter on that rank (release, system scope; after a barrier over the program's
 threads, so that the rows are visible before the count). Counters only grow: a call expects
 each tile's counter at its previous value plus the rows of the tile this call (expect[], the
 receiver's), so nothing is reset between calls.
@@ -44,7 +49,7 @@ columns past N that reach into the next expert are not stored).
 import triton
 import triton.language as tl
 
-from .flags import load_acquire, polling, record_give_up
+from .flags import load_acquire, peer_ptr, polling, record_give_up
 
 # B_DESC: the weight through a TMA descriptor over its 2-d view, [E * K, N] or (a transposed
 # nn.Linear weight) [E * N, K]; 0: through pointers
@@ -89,18 +94,37 @@ def copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
         tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v, mask=m)
 
 
+@triton.jit
+def push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, dst_row_ptr, recv_table, count_table,
+              dtype: tl.constexpr, WORLD: tl.constexpr):
+    """GEMM rows `rows` of the product (acc, at columns offs_n) to row dst_row[i] of rank
+    dst_rank[i]'s receive buffer ([capacity, N] rows; recv_table: each rank's base address),
+    then each rank's arrival counter (count_table: each rank's counter address) raised by the
+    rows stored there (release, system scope)."""
+    rank = tl.load(dst_rank_ptr + rows, mask=row_ok, other=0)
+    dst_row = tl.load(dst_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    base = tl.load(recv_table + rank, mask=row_ok, other=0).to(tl.pointer_type(dtype))
+    tl.store(base[:, None] + dst_row[:, None] * N + offs_n[None, :], acc.to(dtype),
+             mask=row_ok[:, None] & (offs_n[None, :] < N))
+    tl.debug_barrier()  # every thread's rows, then the counts that release them
+    for q in range(WORLD):
+        count = tl.sum(tl.where(row_ok & (rank == q), 1, 0), 0)
+        if count > 0:
+            tl.atomic_add(peer_ptr(count_table, q, tl.int32), count, sem="release", scope="sys")
+
+
 @triton.jit(do_not_specialize=["M", "limit"])
 def grouped_gemm_kernel(
     a_ptr, a_index_ptr, b_ptr, offsets_ptr, c_ptr, c_index_ptr, scale_ptr, rows_out_ptr,
-    count_ptr, expect_ptr, err_ptr,
+    count_ptr, expect_ptr, err_ptr, dst_rank_ptr, recv_table, count_table,
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     limit,
     GATHER: tl.constexpr, WRITE_ROWS: tl.constexpr, SCATTER: tl.constexpr,
-    SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
+    SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     E_P2: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr = 8,
-    B_DESC: tl.constexpr = 0,
+    B_DESC: tl.constexpr = 0, WORLD: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -167,26 +191,37 @@ def grouped_gemm_kernel(
             if SCALE:
                 s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
                 acc = acc * s[:, None].to(tl.float32)
-            if SCATTER:
-                dst = tl.load(c_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            if PUSH:
+                push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, c_index_ptr, recv_table,
+                          count_table, a_ptr.dtype.element_ty, WORLD)
             else:
-                dst = rows.to(tl.int64)
-            c_ptrs = c_ptr + dst[:, None] * stride_cm + offs_n[None, :] * stride_cn
-            c_mask = row_ok[:, None] & (offs_n[None, :] < N)
-            if ACCUMULATE:
-                tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
-            else:
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        elif WRITE_ROWS & (expert == E):  # past the last expert: no product, the rows output
-            if pid_n == 0:
-                rows = start + t * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = rows < M
-                if GATHER:
-                    src = tl.load(a_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+                if SCATTER:
+                    dst = tl.load(c_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
                 else:
-                    src = rows.to(tl.int64)
-                copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
-                          BLOCK_K)
+                    dst = rows.to(tl.int64)
+                c_ptrs = c_ptr + dst[:, None] * stride_cm + offs_n[None, :] * stride_cn
+                c_mask = row_ok[:, None] & (offs_n[None, :] < N)
+                if ACCUMULATE:
+                    tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+                else:
+                    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        elif (WRITE_ROWS | PUSH) & (expert == E):  # past the last expert: no product
+            rows = start + t * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            if WRITE_ROWS:  # the rows output
+                if pid_n == 0:
+                    if GATHER:
+                        src = tl.load(a_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+                    else:
+                        src = rows.to(tl.int64)
+                    copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
+                              BLOCK_K)
+            if PUSH:
+                if pid_n < num_pid_n:  # the swizzle maps tiles past the call's onto n-tiles past N
+                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    push_rows(tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), rows, row_ok, offs_n,
+                              N, dst_rank_ptr, c_index_ptr, recv_table, count_table,
+                              a_ptr.dtype.element_ty, WORLD)
 
 
 @triton.jit(do_not_specialize=["rows", "K"])

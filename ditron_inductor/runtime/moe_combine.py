@@ -1,0 +1,177 @@
+"""grouped_mm_all_to_all on more than one rank, fused: the experts' grouped GEMM writes each row
+of its product straight into its destination rank's receive buffer, at the row where the
+all-to-all would land it, and the receiver's output is that buffer once every row has come.
+GPU-UNRUN: written and CPU-tested below the context (the routes and the kernel's push under the
+interpreter: tests/test_moe_interpreter.py); never run on GPUs. The dispatch's transpose, built
+from its pieces (moe_dispatch: the symmetric layout and the signals; moe_routes: the published
+starts; the grouped GEMM template with its PUSH epilogue).
+
+One call, epoch e, on rank r (everything on the caller's stream, in this order):
+  1. publish   where each sender's rows start among the rows r receives (rank-major:
+               start_r[p] = sum of output_split_sizes[:p]) into r's symmetric table, then
+               signal READY + r = e to every peer (after the table's writes);
+  2. read      for each rank q that r sends rows to: wait until READY + q >= e, read start_q[r];
+               row j of the product goes to rank q, row start_q[r] + row_index[j] - s_q, where
+               q's rows [s_q, s_q + n_q) of what r sends (input_split_sizes) hold row_index[j];
+  3. push      the grouped GEMM, its epilogue storing each row there; after a tile's stores, one
+               release add per destination rank of the rows it stored there (ARRIVED, a flag
+               word of that rank): one add per (m-tile, n-tile, rank), no atomics on the data;
+  4. collect   wait until my ARRIVED = my received rows x the n-tiles, copy the buffer's rows
+               out (the op's output), set ARRIVED back to 0.
+Each destination row is written by exactly one store of one rank (row_index a permutation):
+the result does not depend on the order in which tiles or ranks run.
+
+Why the buffers can be reused call after call without a barrier: as for the dispatch, r's
+table, receive buffer and ARRIVED of call e + 1 are written only by r in stream order or by
+senders that saw READY + r >= e + 1, which r signals after its call-e collect; that collect
+waited for every row, so every sender that sent r a row had read r's call-e table. ARRIVED is
+set back to 0 rather than grown (as the dispatch's tile counters are): it grows by rows x
+n-tiles a call, and would wrap an int32 within a few thousand calls; no call-(e + 1) row
+counts before r's READY of call e + 1, which comes after the reset.
+Assumptions not checked on the host (each would need a synchronisation or a collective):
+  - every rank receives the same number of rows (its tokens x top-k, which it dispatched): the
+    buffers' size class (every rank allocates the same symmetric memory) is derived from it
+    (the rows each expert rank computes differ with the routing: they cannot give it);
+  - row_index is a permutation of the rows sent (a repeated entry writes one row twice and
+    leaves another unwritten, which the counts do not see: the reference with accumulate sums
+    such rows, hence accumulate declines);
+  - what rank q receives from r (q's output_split_sizes[r]) is what r sends it, as the
+    all-to-all requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from ..scheduler.plan import GroupedMmPlan
+from . import moe_routes
+from .context import OpContext, build_outside_graph_pools, get_context
+from .kernel_launch import current_stream
+from .launch import cdiv, check_errors, decline, next_power_of_2, wait_geq
+from .moe_dispatch import Layout, route_tables
+
+OP = "grouped_mm_all_to_all"
+
+
+def arrived_word(world: int) -> int:
+    """The flag word (after READY + r and DONE + r) that counts the rows landed here."""
+    return 2 * world
+
+
+@dataclasses.dataclass
+class CombineState:
+    """Per context, local: the peers' addresses as the kernel takes them."""
+
+    recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
+    count_table: torch.Tensor  # [world] int64: each rank's ARRIVED word
+
+
+_states: "weakref.WeakKeyDictionary[OpContext, CombineState]" = weakref.WeakKeyDictionary()
+
+
+def new_state(ctx, layout: Layout) -> CombineState:
+    return CombineState(recv_table=ctx.data.ptr_table + layout.recv_offset,
+                        count_table=ctx.flags.ptr_table + 4 * arrived_word(layout.world))
+
+
+def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Layout:
+    """[the starts table | the receive buffer]: ARRIVED is a flag word (stream waits take it)."""
+    return Layout(world, capacity, n, dtype, tiles=0, table_words=world)
+
+
+def problem(left, weight, row_index, accumulate: bool) -> str:
+    """Why the multi-rank combine declines ("" if it serves): rank-invariant properties only
+    (graph, dtypes, widths), so every rank declines alike, before any protocol step."""
+    if row_index is not None and accumulate:
+        return "rows summed into one (accumulate): each row is stored once, never added"
+    if row_index is not None and row_index.dtype not in (torch.int32, torch.int64):
+        return f"row index {row_index.dtype}"
+    if left.shape[1] == 0 or weight.shape[-1] == 0:
+        return "an empty row or weight"
+    if left.device.type != "cuda":
+        return f"rows on {left.device.type}"
+    if torch.cuda.is_current_stream_capturing():
+        return "under CUDA-graph capture (the starts are published from host-known splits)"
+    return ""
+
+
+def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: bool,
+            output_split_sizes, input_split_sizes, group_name: str, world_size: int,
+            grouped_gemm):
+    """grouped_mm_all_to_all_reference's result; None: declined (the op runs its reference).
+    grouped_gemm: runtime.moe's launcher."""
+    why = problem(left, weight, row_index, accumulate)
+    if why:
+        return decline(f"{OP} on {world_size} ranks: {why}")
+    rows, n = left.shape[0], weight.shape[-1]
+    received = sum(output_split_sizes)
+    if (sum(input_split_sizes) != rows or len(input_split_sizes) != world_size
+            or len(output_split_sizes) != world_size):
+        raise ValueError(f"{OP}: splits {input_split_sizes}/{output_split_sizes} for {rows} "
+                         f"rows on {world_size} ranks (the fused combine sends each row once)")
+    if row_index is not None and row_index.shape[0] != rows:
+        raise ValueError(f"{OP}: a row index of {row_index.shape[0]} entries for {rows} rows")
+    capacity = max(64, next_power_of_2(received))
+    layout = combine_layout(world_size, capacity, n, left.dtype)
+    ctx = get_context(f"{OP}:{capacity}x{n}:{left.dtype}", group_name, plan.symm_mem_backend,
+                      layout.nbytes, flag_words=arrived_word(world_size) + 1)
+    state = _states.get(ctx)
+    if state is None:
+        state = _states[ctx] = build_outside_graph_pools(ctx.device,
+                                                         lambda: new_state(ctx, layout))
+    r, e = ctx.rank, ctx.next_epoch()
+    main = current_stream()
+    publish(ctx, layout, output_split_sizes)
+    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
+                            for p in range(world_size) if p != r])
+    for q, count in enumerate(input_split_sizes):  # the receivers I send to have published
+        if count and q != r:
+            wait_geq(ctx, plan, main, ctx.READY + q, e)
+    push(ctx, layout, state, plan, left, weight, offsets, row_index, input_split_sizes,
+         grouped_gemm)
+    wait_geq(ctx, plan, main, arrived_word(world_size), expected_counts(layout, plan, received))
+    out = collect(ctx, layout, received)
+    check_errors(ctx, plan, OP, lambda code: wait_name(code - 1, world_size))
+    return out
+
+
+def wait_name(word: int, world: int) -> str:
+    if word == arrived_word(world):
+        return "the arrival count (rows sent to this rank never landed)"
+    return f"rank {word - OpContext.READY}'s READY (its starts never published)"
+
+
+# The steps of a call on one rank, apart from the signals between them (what the interpreter
+# test runs on emulated ranks: tests/test_moe_interpreter.py).
+
+
+def publish(ctx, layout: Layout, output_split_sizes) -> None:
+    """1. Where each sender's rows start among mine."""
+    moe_routes.publish_starts(route_tables(ctx, layout)[ctx.rank], output_split_sizes)
+
+
+def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
+         row_index, input_split_sizes, grouped_gemm) -> None:
+    """2 and 3 (after the receivers' signals): each product row into its receiver's buffer,
+    counted there."""
+    dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
+                                                       route_tables(ctx, layout), row_index)
+    grouped_gemm(plan, left, weight, offsets, left, rows=left.shape[0], c_index=dst_row,
+                 push=(dst_rank, state.recv_table, state.count_table, layout.world))
+
+
+def expected_counts(layout: Layout, plan: GroupedMmPlan, received: int) -> int:
+    """ARRIVED once every row sent to me landed: one count per row and n-tile."""
+    return received * cdiv(layout.k, plan.block_n)
+
+
+def collect(ctx, layout: Layout, received: int) -> torch.Tensor:
+    """4. (after ARRIVED reached expected_counts) The rows I received, out of the buffer, which
+    the next call's senders overwrite; ARRIVED back to 0 for the next call."""
+    recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+    out = recv[:received].clone()
+    ctx.flags.view(-1, torch.int32, [1], 4 * arrived_word(layout.world)).zero_()
+    return out
