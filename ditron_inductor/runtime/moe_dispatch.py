@@ -1,8 +1,8 @@
 """all_to_all_grouped_mm on more than one rank, fused: each rank pushes x's rows straight into
 the receivers' expert-major receive buffers, and each receiver's grouped GEMM starts a tile as
-soon as that tile's rows have landed. GPU-UNRUN: written and CPU-tested below the context
-(moe_routes, the kernels under the interpreter: tests/test_moe_routes.py,
-tests/test_moe_interpreter.py); never run on GPUs.
+soon as that tile's rows have landed. CPU-tested below the context (moe_routes, the kernels
+under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
+(tests/gpu/test_moe_gpu.py -k multi_rank: 24 calls fused and checked, 2026-11-25); unmeasured.
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
   1. publish   r's routes (moe_routes.publish) into its symmetric table, then signal READY + r
