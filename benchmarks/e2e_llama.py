@@ -10,6 +10,19 @@ never created). Smoke run on CPU, 2 gloo ranks that the script spawns itself, ti
 
     python benchmarks/e2e_llama.py --device cpu --tiny
 
+FP8 training (`--fp8 tensorwise`, the train workload only; needs torchao): the decoder layers'
+linear layers train as torchao's `Float8Linear` under its float8 TP styles (`tests/llama_tp.py`,
+`float8_layer_plan`: which layers, which stay bf16 and why), for every contender, so that the
+float8 all-gathers and `_scaled_mm`s meet ditron's fp8 ops; the numbers are checked against
+Inductor's float8 step as in bf16. On 2 GPUs, as the scheduler decides (no fp8 plan chosen yet)
+and with the fp8 plans forced:
+
+    torchrun --nproc-per-node 2 benchmarks/e2e_llama.py --workloads train --fp8 tensorwise \\
+        --contenders inductor,inductor_async_tp,ditron --json benchmarks/results/e2e_llama_fp8_h100x2.json
+    DITRON_PLAN=fused torchrun --nproc-per-node 2 benchmarks/e2e_llama.py --workloads train \\
+        --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron \\
+        --json benchmarks/results/e2e_llama_fp8_h100x2_fused.json
+
 Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` (sizes, layer count on the command
 line), random init, the same on every rank; the TP plans of `tests/llama_tp.py`.
 Workloads:
@@ -63,6 +76,7 @@ import argparse
 import datetime
 import faulthandler
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -92,6 +106,9 @@ GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
 NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
 CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)"}
+# --fp8: ditron's loss and gradients within this of the baseline's largest magnitude (the same
+# float8 products, summed in another order), else the report says so
+FP8_MAX_DIFF = 2e-2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,7 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=None,
+                   help=f"default: {','.join(WORKLOADS)}; with --fp8: train")
+    p.add_argument("--fp8", choices=llama_tp.FLOAT8_RECIPES, default=None,
+                   help="training in float8: the decoder layers' linear layers as torchao's "
+                        "Float8Linear under its float8 TP styles (tests/llama_tp.py, "
+                        "float8_layer_plan); train workload only")
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS
                                                      if c != "ditron_keep_mask"),
                    help="ditron brings ditron_keep_mask (fusions only) along, but with --no-comm")
@@ -148,11 +170,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                        train_seq=16, prefill_seqs="16", decode_batches="1,4", warmup=1, iters=1,
                        reps=2)
     args = p.parse_args(argv)
+    if args.workloads is None:
+        args.workloads = "train" if args.fp8 else ",".join(WORKLOADS)
     for option, allowed in (("contenders", CONTENDERS), ("workloads", WORKLOADS),
                             ("modes", (EAGER_LAUNCH, CUDA_GRAPHS))):
         bad = [v for v in getattr(args, option).split(",") if v not in allowed]
         if bad:
             p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
+    if args.fp8 and set(args.workloads.split(",")) != {"train"}:
+        p.error(f"--fp8: the train workload only, not --workloads {args.workloads} (torchao's "
+                "float8 training recipe: float8 inference is its quantize_ API, not run here)")
+    if args.fp8 and importlib.util.find_spec("torchao") is None:
+        p.error("--fp8: torchao is not installed (pip install torchao)")
     chosen = args.contenders.split(",")
     # without communication ditron fuses nothing: there, fusions only is Inductor
     if "ditron" in chosen and "ditron_keep_mask" not in chosen and not args.no_comm:
@@ -407,7 +436,7 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             model = llama_tp.parallelize(llama_tp.build_llama(config, dtype=args.dtype,
                                                               device=args.device),
                                          llama_tp.SEQUENCE_PARALLEL, mesh,
-                                         loss_parallel=args.loss_parallel)
+                                         loss_parallel=args.loss_parallel, fp8=args.fp8)
             run = compiled(name, model, EAGER_LAUNCH, group_name, args.no_comm)
             loss_fn = (compiled(name, llama_tp.next_token_loss, EAGER_LAUNCH, group_name,
                                 args.no_comm) if args.loss_parallel else None)
@@ -434,8 +463,8 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             steps[name] = step
     timing = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
-    workload = "train (sequence parallel, loss parallel)" if args.loss_parallel else \
-        "train (sequence parallel)"
+    workload = (f"train (sequence parallel{', loss parallel' if args.loss_parallel else ''}"
+                f"{f', fp8 {args.fp8}' if args.fp8 else ''})")
     return [row(workload, shape, EAGER_LAUNCH, timing, checks, graphs, failed, args.no_comm)]
 
 
@@ -608,6 +637,8 @@ def run(rank: int, world_size: int, argv=None) -> dict:
     ditron_log.setLevel(min(ditron_log.getEffectiveLevel(), logging.INFO))
 
     mesh = init_device_mesh(args.device, (world_size,))
+    if args.fp8 and args.device == "cpu" and not args.no_comm:
+        gloo_float8_gathers()
     group_name = mesh.get_group().group_name
     config = llama_tp.llama_config(args.hidden, args.intermediate, args.heads, args.kv_heads,
                                    args.layers, args.vocab)
@@ -640,11 +671,15 @@ def report(result: dict, argv: list[str]) -> None:
              else f"world {result['world']}")
     print(f"\n## Llama e2e: {world}, {device}, hidden {args.hidden}, "
           f"intermediate {args.intermediate}, heads {args.heads}/{args.kv_heads}, "
-          f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}\n")
+          f"{args.layers} layers, {'bf16' if args.device == 'cuda' else 'fp32'}"
+          f"{f', decoder linear layers fp8 {args.fp8} (torchao)' if args.fp8 else ''}\n")
     print(table(result["rows"], result["contenders"]))
     for r in result["rows"]:
         for name, error in r["failed"].items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
+        if args.fp8 and max(r["ditron_max_diff"].values(), default=0.0) > FP8_MAX_DIFF:
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: ditron's numbers differ from "
+                  f"{r['diff_baseline']}'s by more than {FP8_MAX_DIFF} of the largest magnitude")
         if r.get("nonfinite"):
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: non-finite loss, gradients or "
                   f"logits from {', '.join(r['nonfinite'])}: their times are not the step's")
@@ -668,7 +703,40 @@ def report(result: dict, argv: list[str]) -> None:
                       indent=1)
 
 
-_LOCAL_COLLECTIVES = []  # the torch.library.Library of local_collectives, alive with the process
+_KERNEL_LIBRARIES = []  # the torch.library.Library objects of register_collectives, kept alive
+
+
+def register_collectives(kernels: dict, devices: tuple) -> None:
+    """{op name: kernel} for `_c10d_functional`'s ops on `devices`, in this process only."""
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    _KERNEL_LIBRARIES.append(lib)
+    for name, kernel in kernels.items():
+        for device in devices:
+            lib.impl(name, kernel, device)
+
+
+def gloo_float8_gathers() -> None:
+    """CPU with --fp8: the functional all-gathers move a float8 tensor as its bytes. gloo has no
+    float8 dtypes ("Invalid scalar type" at the wait), so eager's and Inductor's float8 gathers
+    (torchao's sequence parallelism) fail on CPU ranks, while ditron's reference gathers the
+    bytes itself; here each contender gathers what NCCL would (synchronous c10d calls)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from ditron_inductor.ops import FLOAT8_DTYPES
+
+    def gather_out(input, group_size, group_name, *, out):
+        input = input.contiguous()
+        if input.dtype in FLOAT8_DTYPES:
+            input = input.view(torch.uint8)
+        dist.all_gather_into_tensor(out.view(input.dtype), input,
+                                    group=_resolve_process_group(group_name))
+        return out
+
+    def gather(input, group_size, group_name):
+        out = input.new_empty((group_size * input.shape[0], *input.shape[1:]))
+        return gather_out(input, group_size, group_name, out=out)
+    register_collectives({"all_gather_into_tensor": gather,
+                          "all_gather_into_tensor_out": gather_out}, ("CPU",))
 
 
 def local_collectives() -> None:
@@ -681,11 +749,6 @@ def local_collectives() -> None:
     all-reduce its input: finite values of the step's own scale, for a local copy each, which a
     real collective writes locally too. Registered for CPU and CUDA tensors, in this process
     only."""
-    if _LOCAL_COLLECTIVES:
-        return
-    lib = torch.library.Library("_c10d_functional", "IMPL")
-    _LOCAL_COLLECTIVES.append(lib)
-
     def gather(input, group_size, group_name):
         return input.repeat(group_size, *[1] * (input.dim() - 1))
 
@@ -711,9 +774,7 @@ def local_collectives() -> None:
         "all_reduce_coalesced": lambda inputs, reduce_op, group_name: [t.clone() for t in inputs],
         "all_reduce_coalesced_": lambda inputs, reduce_op, group_name: inputs,
     }
-    for name, kernel in kernels.items():
-        for device in ("CPU", "CUDA"):
-            lib.impl(name, kernel, device)
+    register_collectives(kernels, ("CPU", "CUDA"))
 
 
 def main(argv=None) -> None:

@@ -17,6 +17,9 @@ Plans (`parallelize_module` on a 1-D mesh):
   collectives in the layers' forward hooks (`apply_locally`): no DTensor for a compiled graph
   to unwrap at each call.
 
+With `fp8` the decoder layers' linear layers train in torchao's float8 under its float8 TP styles
+(`float8_layer_plan`): the float8 all-gathers and `_scaled_mm`s of `tests/test_fp8.py`.
+
 The residual stream of the sequence-parallel plan stays a DTensor (`use_local_output=False`) so
 the model sees its global shape: Hugging Face derives the position ids and the causal mask from
 `inputs_embeds.shape[1]`.
@@ -57,7 +60,9 @@ def build_llama(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
 
 
 def parallelize(model: torch.nn.Module, plan: str, mesh, *, loss_parallel: bool = False,
-                local_params: bool = False) -> torch.nn.Module:
+                local_params: bool = False, fp8: Optional[str] = None) -> torch.nn.Module:
+    """`plan` applied to `model` on `mesh`; with `fp8` (a torchao recipe: "tensorwise") the
+    decoder layers' linear layers train in float8 first (`float8_layer_plan`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -69,8 +74,9 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *, loss_parallel: bool 
 
     if loss_parallel and plan != SEQUENCE_PARALLEL:
         raise ValueError(f"loss_parallel=True: the {SEQUENCE_PARALLEL} plan only, not {plan!r}")
-    if local_params and plan != TENSOR_PARALLEL:
-        raise ValueError(f"local_params=True: the {TENSOR_PARALLEL} plan only, not {plan!r}")
+    if local_params and (plan != TENSOR_PARALLEL or fp8):
+        raise ValueError(f"local_params=True: the {TENSOR_PARALLEL} plan only, without fp8, not "
+                         f"{plan!r}{' with fp8' if fp8 else ''}")
     if plan == SEQUENCE_PARALLEL:
         top = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
@@ -80,23 +86,13 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *, loss_parallel: bool 
                                         use_local_output=False) if loss_parallel
                         else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
         }
-        layer = {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        }
     elif plan == TENSOR_PARALLEL:
         top = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-        layer = {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
     else:
         raise ValueError(f"plan={plan!r}: expected one of {', '.join(PLANS)}")
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                 "mlp.up_proj"):
-        layer[name] = ColwiseParallel()
+    layer = layer_plan(plan, ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    if fp8:
+        layer = float8_layer_plan(model, plan, layer, mesh.size(), fp8)
     # Every rank built the same weights (`build_llama`): each keeps its own shard of them, with
     # no broadcast or scatter from rank 0, which a fake group (the benchmark's --no-comm) would
     # leave unwritten: parameters of stale bits, NaN among them.
@@ -106,6 +102,85 @@ def parallelize(model: torch.nn.Module, plan: str, mesh, *, loss_parallel: bool 
     for block in model.model.layers:
         apply(block, mesh, layer)
     return model
+
+
+def layer_plan(plan: str, colwise, rowwise, prepare_input) -> dict:
+    """The plan of one decoder layer, its linear layers and inputs under the given styles
+    (`ColwiseParallel`, `RowwiseParallel`, `PrepareModuleInput` or torchao's float8 ones)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if plan == SEQUENCE_PARALLEL:
+        layer = {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": prepare_input(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                       desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.o_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.down_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+        }
+    else:
+        layer = {"self_attn.o_proj": rowwise(), "mlp.down_proj": rowwise()}
+    for name in COLUMN_PARALLEL:
+        layer[name] = colwise()
+    return layer
+
+
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                   "mlp.up_proj")
+FLOAT8_RECIPES = ("tensorwise",)  # torchao's float8 TP styles gather float8 of one scale only
+
+
+def float8_layer_plan(model: torch.nn.Module, plan: str, layer: dict, world: int,
+                      recipe: str) -> dict:
+    """torchao float8 training of the decoder layers, as torchtitan applies it; returns the
+    `layer` plan with torchao's float8 styles where it converted. Each linear layer of the plan
+    that `torch._scaled_mm` can serve becomes a `Float8Linear` (`convert_to_float8_training`,
+    `recipe` scaling) in every block of `model`, under `Float8ColwiseParallel` /
+    `Float8RowwiseParallel`; a module input prepared for column-parallel layers that are all
+    float8 is cast before its all-gather (`PrepareFloat8ModuleInput`), so that the gather moves
+    float8, once for q/k/v and once for gate/up.
+
+    What stays in the model's dtype: the embedding and the norms (torchao converts `nn.Linear`
+    only), lm_head (its logits feed the loss, vocabulary-parallel under loss_parallel:
+    torchtitan leaves it out of float8 too), and a linear layer whose shard on a rank has a dim
+    that is not a multiple of 16 (`torch._scaled_mm` rejects it), with the input preparation of
+    its module."""
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"fp8={recipe!r}: expected one of {', '.join(FLOAT8_RECIPES)}")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    float8 = layer_plan(plan, Float8ColwiseParallel, Float8RowwiseParallel,
+                        PrepareFloat8ModuleInput)
+    first = model.model.layers[0]  # every block has the same shapes
+
+    def shard_fits(name: str) -> bool:
+        out_features, in_features = first.get_submodule(name).weight.shape
+        if isinstance(layer[name], ColwiseParallel):
+            out_features //= world
+        else:
+            in_features //= world
+        return out_features % 16 == 0 and in_features % 16 == 0
+    converted = {name for name, style in layer.items()
+                 if isinstance(style, (ColwiseParallel, RowwiseParallel)) and shard_fits(name)}
+
+    def readers(name: str) -> set:
+        """The column-parallel layers that read a module's prepared input."""
+        return {c for c in COLUMN_PARALLEL if c.startswith(name + ".")}
+    prepared = {name for name in layer if readers(name) and readers(name) <= converted}
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    for block in model.model.layers:
+        convert_to_float8_training(block, config=config,
+                                   module_filter_fn=lambda module, fqn: fqn in converted)
+    return {name: float8[name] if name in converted | prepared else style
+            for name, style in layer.items()}
 
 
 def apply_locally(module: torch.nn.Module, mesh, plan: dict) -> None:

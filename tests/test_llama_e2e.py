@@ -20,6 +20,7 @@ its rank). The tests pin each graph's sites in order. Node names in the reasons 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 
@@ -43,6 +44,7 @@ GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj
          "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight")
 
 AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
+AGS, SRS = "all_gather_scaled_mm", "scaled_mm_reduce_scatter"
 
 # ------------------------------------------------------------------------------------ rank side
 
@@ -245,6 +247,75 @@ def test_loss_parallel_needs_the_sequence_parallel_plan():
         parallelize(torch.nn.Linear(2, 2), TENSOR_PARALLEL, mesh=None, loss_parallel=True)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+@pytest.mark.parametrize("world, bf16", [
+    (2, set()),
+    # k/v's shards of 8 rows: torch._scaled_mm takes no dim that is not a multiple of 16, so
+    # they stay bf16, and so does the attention input they read (gathered before any cast)
+    (4, {"self_attn", "self_attn.k_proj", "self_attn.v_proj"}),
+])
+def test_fp8_plan_takes_float8_styles_where_the_shards_allow(world, bf16):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from tests.llama_tp import (
+        SEQUENCE_PARALLEL,
+        build_llama,
+        float8_layer_plan,
+        layer_plan,
+        llama_config,
+    )
+
+    model = build_llama(llama_config())  # q 64 rows, k and v 32, 2 layers
+    plain = layer_plan(SEQUENCE_PARALLEL, ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    plan = float8_layer_plan(model, SEQUENCE_PARALLEL, plain, world, "tensorwise")
+    float8 = {name for name, style in plan.items() if isinstance(
+        style, (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput))}
+    assert float8 == set(plain) - bf16 - {"input_layernorm", "post_attention_layernorm"}
+    assert all(isinstance(plan[n], SequenceParallel)
+               for n in ("input_layernorm", "post_attention_layernorm"))
+    for block in model.model.layers:
+        assert {n for n in plain if isinstance(block.get_submodule(n), Float8Linear)} == \
+            float8 - {"self_attn", "mlp"}
+    assert not isinstance(model.lm_head, Float8Linear)
+    with pytest.raises(ValueError, match="fp8='rowwise': expected one of tensorwise"):
+        float8_layer_plan(model, SEQUENCE_PARALLEL, plain, world, "rowwise")
+
+
+def test_benchmark_fp8_is_training_only(capsys):
+    e2e = _benchmark()
+    assert e2e.parse_args(["--fp8", "tensorwise"]).workloads == "train"
+    assert e2e.parse_args([]).workloads == "train,prefill,decode"
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--fp8", "tensorwise", "--workloads", "train,decode"])
+    assert "--fp8: the train workload only, not --workloads train,decode" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("diff, flagged", [(1e-3, False), (0.1, True)])
+def test_benchmark_fp8_report_flags_numbers_beyond_float8s_tolerance(capsys, diff, flagged):
+    e2e = _benchmark()
+    row = {"workload": "train", "shape": "B 1, S 16", "mode": e2e.EAGER_LAUNCH, "failed": {},
+           "ms": {"inductor": 2.0, "ditron": 1.0}, "ditron_graphs": [],
+           "ditron_max_diff": {"loss": 0.0, "model.norm.weight": diff},
+           "diff_baseline": "inductor"}
+    e2e.report({"rows": [row], "ditron_log": [], "world": 2,
+                "contenders": ["inductor", "ditron"]}, ["--device", "cpu", "--fp8", "tensorwise"])
+    out = capsys.readouterr().out
+    assert "fp32, decoder linear layers fp8 tensorwise (torchao)" in out
+    assert ("ditron's numbers differ from inductor's by more than 0.02" in out) == flagged, out
+
+
 @pytest.mark.slow
 def test_inference_logits_match_eager():
     for res in _rank_results():
@@ -278,6 +349,39 @@ def test_benchmark_smoke_run(tmp_path):
         assert all(v > 0 for v in r["ms"].values())
         assert sum(g["ditron_ops"] for g in r["ditron_graphs"]) > 0, r
         assert r["diff_baseline"] == "eager" and max(r["ditron_max_diff"].values()) < 1e-4, r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+def test_benchmark_fp8_training(tmp_path):
+    # --fp8 tensorwise, one layer: the decoder's linear layers in torchao float8 under its float8
+    # TP styles; ditron's step against eager float8's (gloo gathers the float8 bytes for eager)
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run(
+        [sys.executable, E2E_SCRIPT, "--device", "cpu", "--tiny", "--layers", "1", "--fp8",
+         "tensorwise", "--contenders", "eager,ditron", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 layers, fp32, decoder linear layers fp8 tensorwise (torchao)" in proc.stdout
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["workload"] == "train (sequence parallel, loss parallel, fp8 tensorwise)", r
+    assert r["failed"] == {} and r["nonfinite"] == [], r
+    fused = {}
+    for g in r["ditron_graphs"]:  # ditron's model and loss graphs, forward and backward
+        fused.setdefault(g["graph"].split()[-1], []).extend(g["fused_ops"])
+    # forward: q/k/v and gate/up from one float8 gather each, o and down reduce-scattered;
+    # lm_head stays bf16. Backward: lm_head's input gradient, the float8 gathers of o's and
+    # down's output gradients; the input gradients of q/k/v and gate/up sum _scaled_mm products
+    # (each with its scales): left to Inductor
+    assert fused == {"forward": [AGS, SRS, AGS, SRS, AG], "backward": [RS, AGS, AGS]}, fused
+    assert sum(g["left_alone"] for g in r["ditron_graphs"]) == 2, r["ditron_graphs"]
+    assert r["diff_baseline"] == "eager" and set(r["ditron_max_diff"]) >= {"loss"}, r
+    assert max(r["ditron_max_diff"].values()) < _benchmark().FP8_MAX_DIFF, r["ditron_max_diff"]
+    assert "differ from eager's by more than" not in proc.stdout
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -106,3 +107,15 @@ def test_info_from_rank_zero_only_unless_all_ranks_are_asked_for():
     assert lines_of_rank_1() == []
     assert len(lines_of_rank_1(options={"ditron.log_all_ranks": True})) == 1
     assert len(lines_of_rank_1(level=logging.DEBUG)) == 1  # TORCH_LOGS=+ditron
+
+
+@pytest.mark.parametrize("path", ["L['self'].model.layers[0].mlp.down_proj",
+                                  "L['args'][0].model.layers[0].mlp.down_proj",
+                                  "L['self']._modules['model'].layers[0].mlp.down_proj"])
+def test_a_layer_is_named_by_its_module_path_whatever_the_frame_calls_the_model(path):
+    from types import SimpleNamespace
+
+    from ditron_inductor.lowering.graph_pass import source_layer
+
+    node = SimpleNamespace(meta={"nn_module_stack": {"down": (path, torch.nn.Linear)}})
+    assert source_layer(node) == "model.layers.0.mlp.down_proj"

@@ -146,7 +146,9 @@ def source_layer(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
-        path = re.sub(r"^L\['[^']*'\]", "", path).replace("._modules", "")
+        # the frame's local: L['self'], or L['args'][0] where the compiled forward is wrapped
+        # (Hugging Face's models under torch 2.13)
+        path = re.sub(r"^L\['args'\]\[\d+\]|^L\['[^']*'\]", "", path).replace("._modules", "")
         path = _SUBSCRIPT.sub(r".\1", path).strip(".")
         if path:
             return path
