@@ -1,42 +1,48 @@
 #!/usr/bin/env bash
 # Checks of the backend that need the GPU machine's torch (run from the repo root, `.whl/`
-# carried): install the package so its entry points exist, then run the named steps.
+# carried: nvshmem4py, cuda-python, expecttest, py-spy, torchao): install the package so its entry
+# points exist, then run the named steps.
 #   bash scripts/device_check.sh [step ...]    (default: every step)
 # Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2 (the default); gpu_w1 (the
 # fused GPU tests at world size 1, for a one-GPU machine), compute_parity (benchmarks/
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
-# narrows it); and on two or
-# more GPUs: exit_gpu (programs that used the fused ops exit, tests/gpu/test_exit_gpu.py),
-# ar_w2 (the all-reduce GPU tests on 2 ranks), e2e_llama (benchmarks/e2e_llama.py over every
-# local GPU after its --no-comm bound on one, the JSONs into $OUT; 180 + 400 s at most, so pick
-# workloads to fit a call: E2E_ARGS="--workloads train,prefill", then "--workloads decode"; the
-# contenders: Inductor, async TP, ditron and ditron without its causal-mask rewrite).
-# Logs land in $OUT.
+# narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
+# tests/gpu/test_exit_gpu.py), ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the
+# MoE dispatch and combine on every local GPU), fp8_gpu (the FP8 plans at the world sizes
+# present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
+# one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
+# then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
+# causal-mask rewrite), train_profile (the training step of Inductor and ditron with the device
+# time by kernel kind), e2e_fp8 (the float8 training step as the scheduler decides, then with
+# DITRON_PLAN=fused), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
+# guards skipped, the host's time split).
+# Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
+# packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; W=${W:-/tmp/w}; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 
-# `limited SECONDS cmd ...`: cmd under a time limit. At the limit, before the kill, cmd's child
-# processes (torchrun's ranks) print their Python threads' stacks (SIGUSR1: e2e_llama.py and the
-# exit program register faulthandler for it) and, where py-spy or gdb is there, their native
-# stacks: where a run that does not exit waits.
+# `limited SECONDS cmd ...`: cmd under a time limit. At the limit, before the kill, py-spy prints
+# the Python and native stacks of cmd's descendants (torchrun's ranks), then SIGUSR1 has them print
+# their Python threads' stacks (e2e_llama.py and the exit program register faulthandler for it):
+# where a run that does not exit waits (py-spy found the NCCL teardown hang on 2x H100; SIGUSR1
+# alone printed nothing there).
+descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 limited() {
   local limit=$1; shift
   "$@" & local pid=$! t=0 child
   while kill -0 "$pid" 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 1; t=$((t + 1)); done
   if kill -0 "$pid" 2>/dev/null; then
     echo "still running after ${limit} s: the stacks of its processes, then the kill"
-    pkill -USR1 -P "$pid"; sleep 5
-    for child in $(pgrep -P "$pid"); do
-      if command -v py-spy >/dev/null; then py-spy dump --native --pid "$child"
-      elif command -v gdb >/dev/null; then
-        gdb -p "$child" -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^#|^Thread" | head -150
-      fi
+    for child in "$pid" $(descendants "$pid"); do
+      echo "=== process $child: $(tr '\0' ' ' < "/proc/$child/cmdline" | cut -c1-120)"
+      command -v py-spy >/dev/null && timeout 60 py-spy dump --native --pid "$child" | head -120
     done
+    for child in $(descendants "$pid"); do kill -USR1 "$child" 2>/dev/null; done; sleep 3
     kill -- "$pid"; sleep 5; pkill -9 -P "$pid"; kill -9 "$pid" 2>/dev/null
   fi
   wait "$pid"
@@ -54,7 +60,7 @@ gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cach
   tests/gpu/test_fused_gpu.py tests/gpu/test_all_reduce_gpu.py \
   -k "world1 or fused[1]"; }
 compute_parity() { timeout -k 5 ${PARITY_LIMIT:-480} torchrun --nproc-per-node 1 \
-  benchmarks/bench_compute_parity.py --out "$OUT/compute_parity" ${PARITY_ARGS:-}; }
+  benchmarks/bench_compute_parity.py --out "$W/compute_parity" ${PARITY_ARGS:-}; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_exit_gpu.py; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
@@ -62,17 +68,35 @@ ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cache
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them
   local world; world=$(nvidia-smi -L | wc -l)
   CUDA_VISIBLE_DEVICES=0 timeout -k 5 ${E2E_BOUND_LIMIT:-180} python3 benchmarks/e2e_llama.py \
-    --no-comm --world "$world" --json "$OUT/e2e_llama_no_comm.json" ${E2E_ARGS:-} \
+    --no-comm --world "$world" --json "$W/e2e_llama_no_comm.json" ${E2E_ARGS:-} \
     --contenders inductor,ditron
-  local bound=(); [ -s "$OUT/e2e_llama_no_comm.json" ] && bound=(--bound-json "$OUT/e2e_llama_no_comm.json")
+  local bound=(); [ -s "$W/e2e_llama_no_comm.json" ] && bound=(--bound-json "$W/e2e_llama_no_comm.json")
   limited ${E2E_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
-    --json "$OUT/e2e_llama.json" "${bound[@]}" \
+    --json "$W/e2e_llama.json" "${bound[@]}" \
     --contenders inductor,inductor_async_tp,ditron,ditron_keep_mask ${E2E_ARGS:-}; }
+
+moe_multi_rank() { timeout -k 5 ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
+  tests/gpu/test_moe_gpu.py -k multi_rank; }
+fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
+train_profile() { local world; world=$(nvidia-smi -L | wc -l)
+  limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
+    --workloads train --contenders inductor,ditron --profile-device 3 \
+    --json "$W/e2e_train_profile.json"; }
+e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
+  local run=(torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py --workloads train
+             --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron)
+  limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8.json"
+  DITRON_PLAN=fused limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8_fused.json"; }
+decode_tp() { local world; world=$(nvidia-smi -L | wc -l)
+  limited ${DECODE_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
+    --params local --batches 1,16 --prompts 1024 --new-tokens 128 --reps 2 --skip-guard-eval \
+    --profile-host 50 --json "$W/e2e_decode_tp.json"; }
 
 steps=${*:-torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2}
 for name in $steps; do
-  t0=$SECONDS; "$name" >"$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|PASS|FAIL|Error|accepted' "$OUT/$name.log" | tail -1)"
+  t0=$SECONDS; "$name" >"$W/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|PASS|FAIL|Error|accepted' "$W/$name.log" | tail -1)"
+  tar czf "$OUT/logs.tgz" -C "$W" .  # after each step: a call cut at its limit keeps the rest
 done
-[ -f "$OUT/demo_nccl.log" ] && grep -h "FUSED\|not fused\|PASS\|FAIL" "$OUT/demo_nccl.log" | head -20
+[ -f "$W/demo_nccl.log" ] && grep -h "FUSED\|not fused\|PASS\|FAIL" "$W/demo_nccl.log" | head -20
 exit 0
