@@ -1,7 +1,7 @@
 """The world-1 compute table (scheduler/measured.py) and the all-reduce decisions it feeds: what a
 fused plan's compute costs beside the unfused path's, measured, plus the link model's
-communication; the table written by benchmarks/bench_compute_parity.py, and that program's run
-on CPU."""
+communication; the AG/RS decisions' log lines that quote it; the table written by
+benchmarks/bench_compute_parity.py, and that program's run on CPU."""
 
 from __future__ import annotations
 
@@ -189,3 +189,19 @@ def test_llama_tp2_prefill_down_kept_where_the_measured_compute_costs_more(model
     assert choose_device_plan(o_proj.task, cuda_graphs=True)[0] is not None
     plan, why = choose_device_plan(down_proj.task, cuda_graphs=True)
     assert plan is None and why.startswith("no predicted gain: predicted fused"), why
+
+
+def test_all_gather_and_scatter_decisions_name_the_measured_world1_compute(table):
+    # the AG/RS decision is the link and GEMM model's; the log adds the plan family's compute
+    # measured at world size 1 where the table has a shape near the task's
+    ag = Task(op="all_gather_matmul", group_name="0", world_size=2, m=8192, k=4096,
+              ns=(2048, 512, 512), dtype=torch.bfloat16, device_type="cuda")
+    table([])
+    plan, why = choose_device_plan(ag)
+    assert "measured" not in why
+    table([["all_gather_matmul", family(plan), "eager", 8192, 4096, 3072, 0.344, 0.272]])
+    plan_again, why_measured = choose_device_plan(ag)
+    assert plan_again.label == plan.label  # the decision does not change
+    assert why_measured == (why + "; compute measured at world size 1: fused 0.344 vs unfused "
+                            "0.272 ms")
+    assert choose_device_plan(ag, cuda_graphs=True)[1] == why  # no CUDA-graph row: nothing added

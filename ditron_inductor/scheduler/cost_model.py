@@ -457,6 +457,19 @@ MOE_NOT_FUSED = ("{op}: the fused MoE kernels are unmeasured on several ranks (t
                  "all-to-all + torch._grouped_mm")
 
 
+def world1_compute_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
+    """The plan's compute measured at world size 1 beside the unfused compute (the nearest shape
+    of scheduler/measured.py's table), for the log only: the AG/RS predictions come from the
+    link and GEMM model fitted to the multi-GPU tables, which prices the fused plans' GEMMs and
+    copies as the unfused ones; the reader sees what they cost on one GPU."""
+    costs = measured.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
+                                  size_hint(task.k), task.n_total)
+    if costs is None:
+        return ""
+    return (f"; compute measured at world size 1: fused {costs.fused_ms:.3f} vs unfused "
+            f"{costs.unfused_ms:.3f} ms")
+
+
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
     cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
@@ -477,7 +490,8 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")
     best = min(preds, key=preds.get)
-    summary = f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
+    summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
+               f"{world1_compute_note(task, candidate_plan(task, best), cuda_graphs)}")
     if preds[best] * MIN_GAIN > base:
         return None, f"no predicted gain: {summary}"
     plan = candidate_plan(task, best, predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
