@@ -159,10 +159,12 @@ def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
     plan = plan_for(fp8_task)
     text = plan.encode()
     ditron_op = getattr(torch.ops.ditron, op)
-    dim = [0] if op == SCALED_MM_REDUCE_SCATTER else []  # the scatter dim
+    scatter = op == SCALED_MM_REDUCE_SCATTER  # its operands are lists of terms, one here
 
     def fused(a, b, s_a, s_b):
-        return ditron_op(a, b, s_a, s_b, None, BF16, True, [], *dim, "sum", group_name, 1, text)
+        operands = ([a], [b], [s_a], [s_b]) if scatter else (a, b, s_a, s_b)
+        return ditron_op(*operands, None, BF16, True, [], *[0] * scatter, "sum", group_name, 1,
+                         text)
 
     base_ms, base_host = timed(scaled_mm, inputs, dev, args.iters, args.reps)
     bf16_inputs = [(a.to(BF16), b.to(BF16), s_a, s_b) for a, b, s_a, s_b in inputs]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from .scheduler.task import (
     SCALED_MM_REDUCE_SCATTER,
     all_gather_scaled_mm_task,
     scaled_mm_collective_task,
+    scaled_mm_reduce_scatter_task,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_REDUCE,
@@ -120,8 +122,7 @@ _TASK_BUILDERS: dict[str, Callable] = {
     ALL_TO_ALL_GROUPED_MM: all_to_all_grouped_mm_task,
     GROUPED_MM_ALL_TO_ALL: grouped_mm_all_to_all_task,
     ALL_GATHER_SCALED_MM: all_gather_scaled_mm_task,
-    SCALED_MM_REDUCE_SCATTER: functools.partial(scaled_mm_collective_task,
-                                                SCALED_MM_REDUCE_SCATTER),
+    SCALED_MM_REDUCE_SCATTER: scaled_mm_reduce_scatter_task,
     SCALED_MM_ALL_REDUCE:
         lambda a, b, scale_a, scale_b, bias, out_dtype, fast, out_shape, reduce_op, *group:
         scaled_mm_collective_task(SCALED_MM_ALL_REDUCE, a, b, scale_a, scale_b, bias, out_dtype,
@@ -231,13 +232,18 @@ _define("all_gather_matmul(Tensor a_shard, Tensor[] weights, Tensor?[] biases, S
 # ------------------------------------------------------------------------ matmul -> reduce-scatter
 
 
-def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
-                                    world_size):
-    out = _as_nd(_matmul(a, b, bias), out_shape)
+def _reduce_scatter(out: Tensor, scatter_dim: int, reduce_op: str, group_name: str,
+                    world_size: int) -> Tensor:
     if scatter_dim != 0:
         out = torch.cat(out.chunk(world_size, dim=scatter_dim), dim=0)
     return c10d.wait_tensor(c10d.reduce_scatter_tensor(out.contiguous(), reduce_op, world_size,
                                                        group_name))
+
+
+def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
+                                    world_size):
+    return _reduce_scatter(_as_nd(_matmul(a, b, bias), out_shape), scatter_dim, reduce_op,
+                           group_name, world_size)
 
 
 def matmul_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
@@ -592,23 +598,40 @@ _define("all_gather_scaled_mm(Tensor a_shard, Tensor scale_a, Tensor[] weights, 
 def scaled_mm_reduce_scatter_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                        out_shape, scatter_dim, reduce_op, group_name,
                                        world_size):
-    out = _as_nd(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum), out_shape)
-    if scatter_dim != 0:
-        out = torch.cat(out.chunk(world_size, dim=scatter_dim), dim=0)
-    return c10d.wait_tensor(c10d.reduce_scatter_tensor(out.contiguous(), reduce_op, world_size,
-                                                       group_name))
+    # the terms added in out_dtype one after the other, as the graph's adds did
+    total = functools.reduce(operator.add, (
+        _scaled_mm(a_i, b_i, s_a, s_b, bias if i == 0 else None, out_dtype, use_fast_accum)
+        for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b))))
+    return _reduce_scatter(_as_nd(total, out_shape), scatter_dim, reduce_op, group_name,
+                           world_size)
 
 
-def scaled_mm_reduce_scatter(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
-                             bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
-                             use_fast_accum: bool, out_shape: Sequence[int], scatter_dim: int,
-                             reduce_op: str, group_name: str, world_size: int,
-                             plan: str) -> Tensor:
-    """matmul_reduce_scatter for float8: _scaled_mm(a, b, scale_a, scale_b, bias) in out_dtype,
-    viewed as `out_shape`, reduce-scattered along `scatter_dim` (in out_dtype: the partial
-    sums are not float8)."""
-    check_scaled_mm(a, b, scale_a, scale_b, bias, "scaled_mm_reduce_scatter")
-    return _dispatch(SCALED_MM_REDUCE_SCATTER, plan, a.is_cuda,
+def _check_scaled_mm_terms(a, b, scale_a, scale_b, bias) -> None:
+    what = "scaled_mm_reduce_scatter"
+    if not len(a) == len(b) == len(scale_a) == len(scale_b) or not a:
+        raise ValueError(f"ditron.{what}: {len(a)} a, {len(b)} b, {len(scale_a)} scale_a and "
+                         f"{len(scale_b)} scale_b: one of each per term, at least one")
+    for i, term in enumerate(zip(a, b, scale_a, scale_b)):
+        check_scaled_mm(*term, bias if i == 0 else None, what)
+    shapes = {(a_i.shape[0], b_i.shape[1]) for a_i, b_i in zip(a, b)}
+    if len(shapes) > 1:
+        raise ValueError(f"ditron.{what}: the terms' products differ in shape "
+                         f"({sorted(shapes)}): the sum needs one [M, N]")
+
+
+def scaled_mm_reduce_scatter(a: list[Tensor], b: list[Tensor], scale_a: list[Tensor],
+                             scale_b: list[Tensor], bias: Optional[Tensor],
+                             out_dtype: Optional[torch.dtype], use_fast_accum: bool,
+                             out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
+                             group_name: str, world_size: int, plan: str) -> Tensor:
+    """matmul_reduce_scatter for float8, of a sum of terms: the sum over i of
+    _scaled_mm(a[i], b[i], scale_a[i], scale_b[i]) (+ bias, once) in out_dtype, viewed as
+    `out_shape`, reduce-scattered along `scatter_dim` (in out_dtype: the partial sums are not
+    float8). One term: one _scaled_mm; several: the input gradient of layers that share their
+    input (q/k/v, gate/up), whose scales differ, so that the bf16 ops' concatenation along K
+    does not apply."""
+    _check_scaled_mm_terms(a, b, scale_a, scale_b, bias)
+    return _dispatch(SCALED_MM_REDUCE_SCATTER, plan, a[0].is_cuda,
                      scaled_mm_reduce_scatter_reference, a, b, scale_a, scale_b, bias, out_dtype,
                      use_fast_accum, out_shape, scatter_dim, reduce_op, group_name, world_size)
 
@@ -616,12 +639,12 @@ def scaled_mm_reduce_scatter(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Ten
 def _scaled_mm_reduce_scatter_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                    out_shape, scatter_dim, reduce_op, group_name, world_size,
                                    plan):
-    shape = _full_shape(a, b, out_shape)
+    shape = _full_shape(a[0], b[0], out_shape)
     shape[scatter_dim] = shape[scatter_dim] // world_size
-    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+    return a[0].new_empty(shape, dtype=out_dtype or a[0].dtype)
 
 
-_define("scaled_mm_reduce_scatter(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+_define("scaled_mm_reduce_scatter(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, "
         "Tensor? bias, ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, "
         "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
         scaled_mm_reduce_scatter, _scaled_mm_reduce_scatter_fake)

@@ -122,7 +122,7 @@ view_5 = view(convert_element_type, [16, 32])
 reshape_default_5 = reshape(view_5, [2, 2, 4, 32])
 permute_default_2 = permute(reshape_default_5, [1, 0, 2, 3])
 reshape_default_6 = reshape(permute_default_2, [-1, 32])
-scaled_mm_reduce_scatter_default = scaled_mm_reduce_scatter(reshape_default_6, w2_1, s_h_1, s_w2_1, None, torch.bfloat16, True, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+scaled_mm_reduce_scatter_default = scaled_mm_reduce_scatter([reshape_default_6], [w2_1], [s_h_1], [s_w2_1], None, torch.bfloat16, True, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
 reshape_default_7 = reshape(scaled_mm_reduce_scatter_default, [2, 4, 16])
 return reshape_default_7
 """)
@@ -175,7 +175,8 @@ return getitem_1
             report = rewrite(gm)
         self.assertIn("rowwise", report.candidates[0].task)
         text = graph_text(gm)
-        self.assertIn("scaled_mm_reduce_scatter(reshape_default_1, w_1, reshape_default_3, s_w_1",
+        self.assertIn("scaled_mm_reduce_scatter([reshape_default_1], [w_1], [reshape_default_3], "
+                      "[s_w_1]",
                       text)
         self.assertIn("reshape_default_2 = reshape(s_h_1, [2, 2, 4, 1])", text)
 
@@ -191,19 +192,39 @@ return getitem_1
                          "scale_a s_a_1 of _scaled_mm holds a scale per row, but is not the "
                          "all-gather on dim 0 of the shard's [8, 1] scales over group 0")
 
-    def test_sum_of_scaled_products_is_left_with_the_reason(self):
-        def rs(a1, w1, a2, w2, s):
-            y = (torch._scaled_mm(a1, w1, s, s, out_dtype=BF16)
-                 + torch._scaled_mm(a2, w2, s, s, out_dtype=BF16))
+    def test_reduce_scatter_of_a_sum_of_scaled_products_takes_them_as_terms(self):
+        # the input gradient of two layers that share their input, each product with its scales
+        def rs(a1, w1, a2, w2, s1, s2, s3, s4):
+            y = (torch._scaled_mm(a1, w1, s1, s2, out_dtype=BF16)
+                 + torch._scaled_mm(a2, w2, s3, s4, out_dtype=BF16))
             return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "0"))
 
         with fake_group(2):
-            gm = trace(rs, fp8(8, 16), col_major(fp8(16, 16)), fp8(8, 16),
+            gm = trace(rs, fp8(8, 16), col_major(fp8(16, 16)), fp8(8, 32),
+                       col_major(fp8(16, 32)), *(scale(()) for _ in range(4)))
+            report = rewrite(gm)
+        self.assertEqual([c.task for c in report.candidates], [
+            "scaled_mm_reduce_scatter M=8 K=48 N=16 float8_e4m3fn tensorwise -> bfloat16 world=2 "
+            "group=0 sum, 2 _scaled_mm products summed"])
+        self.assertTrue(report.candidates[0].fused, report.candidates[0].reason)
+        self.assertExpectedInline(graph_text(gm), """\
+scaled_mm_reduce_scatter_default = scaled_mm_reduce_scatter([a1_1, a2_1], [w1_1, w2_1], [s1_1, s3_1], [s2_1, s4_1], None, torch.bfloat16, False, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+return scaled_mm_reduce_scatter_default
+""")
+
+    def test_all_reduce_of_a_sum_of_scaled_products_is_left_with_the_reason(self):
+        def ar(a1, w1, a2, w2, s):
+            y = (torch._scaled_mm(a1, w1, s, s, out_dtype=BF16)
+                 + torch._scaled_mm(a2, w2, s, s, out_dtype=BF16))
+            return c10d.wait_tensor(c10d.all_reduce(y, "sum", "0"))
+
+        with fake_group(2):
+            gm = trace(ar, fp8(8, 16), col_major(fp8(16, 16)), fp8(8, 16),
                        col_major(fp8(16, 16)), scale(()))
             report = rewrite(gm)
         self.assertEqual(report.candidates[0].reason,
                          "add sums _scaled_mm products (_scaled_mm + _scaled_mm_1): each has "
-                         "scales of its own")
+                         "scales of its own, and only the reduce-scatter op takes a sum of them")
 
     def test_symbolic_rows_rowwise(self):
         # dynamic token count: the rowwise scales' rows are symbolic, and no guard is taken
@@ -240,9 +261,15 @@ def test_bad_inputs_are_named_before_any_collective():
             (lambda: ops.scaled_mm_all_reduce(a.to(BF16), w, s, s, None, BF16, False, [], "sum",
                                               "0", 2, "{}"),
              "operands must be float8 (e4m3fn or e5m2), got torch.bfloat16"),
-            (lambda: ops.scaled_mm_reduce_scatter(a, col_major(fp8(32, 8)), s, s, None, BF16,
-                                                  False, [], 0, "sum", "0", 2, "{}"),
+            (lambda: ops.scaled_mm_reduce_scatter([a], [col_major(fp8(32, 8))], [s], [s], None,
+                                                  BF16, False, [], 0, "sum", "0", 2, "{}"),
              "a [8, 16] @ b [8, 32] is not a [M, K] @ [K, N] product"),
+            (lambda: ops.scaled_mm_reduce_scatter([a, a], [w, w], [s], [s, s], None, BF16, False,
+                                                  [], 0, "sum", "0", 2, "{}"),
+             "2 a, 2 b, 1 scale_a and 2 scale_b: one of each per term"),
+            (lambda: ops.scaled_mm_reduce_scatter([a, fp8(4, 16)], [w, w], [s, s], [s, s], None,
+                                                  BF16, False, [], 0, "sum", "0", 2, "{}"),
+             "the terms' products differ in shape ([(4, 32), (8, 32)])"),
             (lambda: ops.scaled_mm_all_reduce(a, w, scale(8, 2), s, None, BF16, False, [], "sum",
                                               "0", 2, "{}"),
              "scales [8, 2] and [] are neither tensorwise"),
@@ -274,8 +301,8 @@ def test_fake_shapes_and_dtypes():
         gathered, out = torch.ops.ditron.all_gather_scaled_mm(
             a, s, [w], [s], [None], BF16, True, 1, "0", 2, "{}")
         rs = torch.ops.ditron.scaled_mm_reduce_scatter(
-            a.reshape(8, 16), w, s, s, None, torch.float32, False, [2, 4, 32], 1, "sum", "0", 2,
-            "{}")
+            [a.reshape(8, 16)] * 2, [w] * 2, [s] * 2, [s] * 2, None, torch.float32, False,
+            [2, 4, 32], 1, "sum", "0", 2, "{}")
         ar = torch.ops.ditron.scaled_mm_all_reduce(
             a.reshape(8, 16), w, s, s, None, None, False, [], "sum", "0", 2, "{}")
     assert (gathered.shape, gathered.dtype) == (torch.Size([2, 8, 16]), E4M3)
@@ -398,7 +425,7 @@ def test_scaled_gemm_slices_a_rowwise_scale_a_with_the_rows(monkeypatch):
 
 
 def scaled_rs_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
-    return (a, b, s_a, s_b, bias, out_dtype, False, [], 0, "sum", "0", world)
+    return ([a], [b], [s_a], [s_b], bias, out_dtype, False, [], 0, "sum", "0", world)
 
 
 def scaled_ar_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
@@ -575,20 +602,26 @@ def host_driver(module, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch):
+@pytest.mark.parametrize("terms", [1, 2])
+def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch, terms):
     """The copy-engine plan's data path with the Scaled GEMM, on 2 ranks emulated in host
     memory (run 1, 0, 1: each rank's slots are filled by the other's earlier run): each rank
     pushes _scaled_mm of the peer's rows (rowwise scale_a sliced alike) in bf16 into the peer's
-    slot and sums its own; every rank's output is the sum of the ranks' products' rows."""
+    slot and sums its own; every rank's output is the sum of the ranks' products' rows. With 2
+    terms (ScaledSum), each rank's product is the sum of its terms' (the second's K differs)."""
     pytest.importorskip("triton")
     from ditron_inductor.runtime import reduce_scatter
-    from ditron_inductor.runtime.scaled import Scaled
+    from ditron_inductor.runtime.scaled import Scaled, ScaledSum
     from ditron_inductor.scheduler.decide import plan_for
 
     world, m, k, n = 2, 32, 32, 16
     ins = [(fp8(m, k, seed=10 + q), col_major(fp8(n, k, seed=20 + q)), scale(m, 1, seed=30 + q),
             scale(1, n, seed=40 + q)) for q in range(world)]
-    products = [ops._scaled_mm(a, b, s_a, s_b, None, BF16, False) for a, b, s_a, s_b in ins]
+    second = [(fp8(m, 2 * k, seed=50 + q), col_major(fp8(n, 2 * k, seed=60 + q)),
+               scale(m, 1, seed=70 + q), scale(1, n, seed=80 + q)) for q in range(world)]
+    products = [sum((ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
+                     for a, b, s_a, s_b in terms_q[:terms]), torch.zeros(m, n, dtype=BF16))
+                for terms_q in zip(ins, second)]
     ctxs = [HostContext(world, r, world * (m // world) * n * 2) for r in range(world)]
     for c in ctxs:
         c.connect(ctxs)
@@ -603,9 +636,12 @@ def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch):
     for r in (1, 0, 1):
         monkeypatch.setattr(reduce_scatter, "get_context", lambda *args, r=r: ctxs[r])
         a, b, s_a, s_b = ins[r]
+        gemm = Scaled.of(s_a, s_b, BF16, a.dtype, False)
+        if terms == 2:
+            a2, b2, s_a2, s_b2 = second[r]
+            gemm = ScaledSum(gemm, ((a2, b2, Scaled.of(s_a2, s_b2, BF16, a2.dtype, False)),))
         outs[r] = reduce_scatter.matmul_reduce_scatter_fused(
-            task, plan, a, b, None, [], 0, "sum", "0", world,
-            Scaled.of(s_a, s_b, BF16, a.dtype, False))
+            task, plan, a, b, None, [], 0, "sum", "0", world, gemm)
     assert reduce_scatter.stats["scaled_mm_reduce_scatter"] == served + 3
     rows = m // world
     for r in range(world):
@@ -750,6 +786,11 @@ def _funcol_checks(rank: int, world: int) -> dict:
         y = torch._scaled_mm(h, w, s_h, s_w, out_dtype=BF16).reshape(2, 8, 16)
         return funcol.reduce_scatter_tensor(y, "sum", 1, g)
 
+    def rs_sum_tensorwise(h, s_h, w, s_w, h2, s_h2, w3, s_w3):  # q/k/v's input gradient
+        y = (torch._scaled_mm(h, w, s_h, s_w, out_dtype=BF16)
+             + torch._scaled_mm(h2, w3, s_h2, s_w3, out_dtype=BF16))
+        return funcol.reduce_scatter_tensor(y.reshape(2, 8, 16), "sum", 1, g)
+
     def ar_tensorwise(h, s_h, w, s_w):
         y = torch._scaled_mm(h, w, s_h, s_w, out_dtype=BF16, use_fast_accum=True)
         return funcol.all_reduce(y.reshape(2, 8, 16), "sum", g)
@@ -764,6 +805,9 @@ def _funcol_checks(rank: int, world: int) -> dict:
             ag_rowwise, gather=eager_gather)),
         "rs_rowwise": (rs_rowwise, (h, s_h, w2, s_w2), rs_rowwise),
         "ar_tensorwise": (ar_tensorwise, (h, t_h, w2, t_w), ar_tensorwise),
+        "rs_sum_tensorwise": (rs_sum_tensorwise, (
+            h, t_h, w2, t_w, fp8(16, 48, seed=60 + rank), scale((), seed=70 + rank),
+            col_major(fp8(16, 48, seed=8)), scale((), seed=9)), rs_sum_tensorwise),
     }
     results = {}
     for name, (fn, args, eager) in cases.items():
@@ -799,14 +843,16 @@ ranks = launched_once("tests.test_fp8:gloo_ranks", 2, timeout_s=300,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ag_rowwise", "rs_rowwise", "ar_tensorwise"])
+@pytest.mark.parametrize("case", ["ag_rowwise", "rs_rowwise", "ar_tensorwise",
+                                  "rs_sum_tensorwise"])
 def test_gloo_funcol_fp8_matches_eager_and_inductor(case):
     for rank, result in enumerate(ranks()):
         got = result["funcol"][case]
         assert got["errors"] == [], f"rank {rank}: {got['errors']}"
         assert [(op, fused) for op, fused, _ in got["reports"]] == [
             ({"ag_rowwise": ALL_GATHER_SCALED_MM, "rs_rowwise": SCALED_MM_REDUCE_SCATTER,
-              "ar_tensorwise": SCALED_MM_ALL_REDUCE}[case], True)], got["reports"]
+              "ar_tensorwise": SCALED_MM_ALL_REDUCE,
+              "rs_sum_tensorwise": SCALED_MM_REDUCE_SCATTER}[case], True)], got["reports"]
 
 
 @pytest.mark.slow

@@ -17,7 +17,9 @@ scaled_mm_reduce_scatter, scaled_mm_all_reduce), its scales, bias, out_dtype and
 carried. As torchao's float8 tensor parallelism leaves them: the float8 activation (tensorwise
 scaled) gathered, its pieces moved along the gather dim as bytes (view(uint8) -> cat ->
 view(float8)); a rowwise scale_a of the gathered rows is itself an all-gather of the shard's
-scales on dim 0; the product (bf16) reduce-scattered or all-reduced.
+scales on dim 0; the product (bf16) reduce-scattered or all-reduced. A reduce-scatter of a sum
+of _scaled_mm products becomes the scaled op's terms, each with its own scales (no
+concatenation along K).
 
 Candidates that no op serves are matches too, with the problem (a collective of a sum of matmuls,
 a gathered activation no matmul takes as its left operand), so that the log names them.
@@ -47,6 +49,7 @@ from ..scheduler.task import (
     matmul_collective_task,
     numel,
     scaled_mm_collective_task,
+    scaled_mm_reduce_scatter_task,
 )
 from .moe import find_moe_matches
 from .nodes import RESHAPES, fake, is_call, output_among_inputs
@@ -135,11 +138,6 @@ class MatmulUse:
     @property
     def use_fast_accum(self) -> bool:
         return bool(scaled_mm_arg(self.node, "use_fast_accum"))
-
-    def scaled_args(self, scale_a: Optional[Node] = None) -> tuple:
-        """The scaled ops' (scale_a, scale_b, bias, out_dtype, use_fast_accum)."""
-        return (self.scale_a if scale_a is None else scale_a, self.scale_b, self.bias,
-                self.out_dtype, self.use_fast_accum)
 
 
 def as_matmul(node: Node) -> Optional[MatmulUse]:
@@ -477,7 +475,13 @@ class MatmulCollectiveMatch:
         mm = self.matmul
         shape = fake(self.reshape).shape if self.reshape is not None else []
         bias = None if mm.bias is None else fake(mm.bias)
-        if mm.scaled:
+        if self.op == SCALED_MM_REDUCE_SCATTER:
+            task = scaled_mm_reduce_scatter_task(
+                *([fake(getattr(m, x)) for m in self.matmuls]
+                  for x in ("a", "weight", "scale_a", "scale_b")),
+                bias, mm.out_dtype, mm.use_fast_accum, shape, self.dim, self.reduce_op,
+                self.group_name, self.world_size)
+        elif mm.scaled:
             task = scaled_mm_collective_task(
                 self.op, fake(mm.a), fake(mm.weight), fake(mm.scale_a), fake(mm.scale_b), bias,
                 mm.out_dtype, mm.use_fast_accum, shape, self.dim, self.reduce_op,
@@ -501,10 +505,14 @@ class MatmulCollectiveMatch:
 
     def _copied_elems(self):
         """What the rewrite copies: each left operand that it permutes or concatenates and
-        whose producer cannot write it so, and the concatenated weights."""
+        whose producer cannot write it so, and the concatenated weights (the terms of a sum
+        of _scaled_mm products stay apart: the op takes them as lists)."""
+        concatenated = len(self.matmuls) > 1 and not self.matmul.scaled
+        if not concatenated and self.row_order is None:
+            return 0
         copied = sum((numel(fake(m.a).shape) for m in self.matmuls
                       if not folds_into_producer(m.a)), 0)
-        if len(self.matmuls) > 1:
+        if concatenated:
             copied = copied + sum((numel(fake(m.weight).shape) for m in self.matmuls), 0)
         return copied
 
@@ -545,7 +553,7 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
     reshape = (chain or [n for n in inner if is_call(n, *RESHAPES)][:1] or [None])[0]
     match = MatmulCollectiveMatch(op, collective, waits[0], matmuls, reshape, chunk_cat, dim,
                                   reduce_op, group_name, world_size, views=chain + inner)
-    match.problem = _users_problem(match) or _terms_problem(node, matmuls)
+    match.problem = _users_problem(match) or _terms_problem(node, matmuls, op)
     piece = fake(match.wait).shape
     if op == MATMUL_REDUCE_SCATTER and chunk_cat and _rows_interleave(piece, dim):
         match.row_order, match.scattered_sizes, note = _rank_major(
@@ -609,14 +617,21 @@ def _users_problem(match: MatmulCollectiveMatch) -> Optional[str]:
     return None
 
 
-def _terms_problem(total: Node, matmuls: list[MatmulUse]) -> Optional[str]:
+def _terms_problem(total: Node, matmuls: list[MatmulUse], op: str) -> Optional[str]:
     """Why the terms of a sum of matmul products cannot be one matmul over operands
-    concatenated along K, or None."""
+    concatenated along K, nor (_scaled_mm products, each scaled on its own) the terms of the
+    scaled reduce-scatter, or None."""
     if len(matmuls) < 2:
         return None
     names = " + ".join(m.node.name for m in matmuls)
-    if any(m.scaled for m in matmuls):
-        return f"{total.name} sums _scaled_mm products ({names}): each has scales of its own"
+    if len({m.scaled for m in matmuls}) > 1:
+        return f"{total.name} sums _scaled_mm and matmul products ({names})"
+    if matmuls[0].scaled and op != MATMUL_REDUCE_SCATTER:
+        return (f"{total.name} sums _scaled_mm products ({names}): each has scales of its own, "
+                "and only the reduce-scatter op takes a sum of them")
+    if len({(m.out_dtype, m.use_fast_accum) for m in matmuls}) > 1:
+        return (f"{total.name} sums _scaled_mm products ({names}) that differ in out_dtype or "
+                "use_fast_accum")
     if any(m.has_bias for m in matmuls):
         return f"{total.name} sums matmuls ({names}) of which one adds a bias"
     if len({tuple(fake(m.node).shape) for m in matmuls}) > 1 or any(

@@ -79,15 +79,19 @@ def _to_rank_major(graph: Graph, node: Node, order: RowOrder) -> Node:
 
 
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
-    a, b = _operands(graph, match)
     norm, order, mm = match.norm, match.row_order, match.matmul
-    operands = (mm.bias,)  # after a and b
-    if mm.scaled:  # scale_a, scale_b, bias, out_dtype, use_fast_accum
-        scale_a = mm.scale_a
-        # rowwise: one scale per row of a, permuted with them
-        if order is not None and not statically_known_true(fake(scale_a).numel() == 1):
-            scale_a = _to_rank_major(graph, scale_a, order)
-        operands = mm.scaled_args(scale_a)
+    lefts = [m.a for m in match.matmuls]
+    if order is not None:  # each term's before any concatenation, so its producer can write it so
+        lefts = [_to_rank_major(graph, a, order) for a in lefts]
+    if mm.scaled:  # a, b, scale_a, scale_b: one per term (the scaled reduce-scatter's lists)
+        terms = (lefts, [m.weight for m in match.matmuls],
+                 [_scale_a(graph, m.scale_a, order) for m in match.matmuls],
+                 [m.scale_b for m in match.matmuls])
+        if match.op not in REDUCE_SCATTER_PATTERNS:
+            terms = tuple(t[0] for t in terms)
+        operands = (*terms, mm.bias, mm.out_dtype, mm.use_fast_accum)
+    else:
+        operands = (*_operands(graph, lefts, match), mm.bias)
     if match.op in REDUCE_SCATTER_PATTERNS:
         target = (ditron.scaled_mm_reduce_scatter if mm.scaled
                   else ditron.matmul_reduce_scatter).default
@@ -98,7 +102,7 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
     else:
         target = (ditron.scaled_mm_all_reduce if mm.scaled else ditron.matmul_all_reduce).default
         extra = (match.out_shape,)
-    args = (a, b, *operands, *extra, match.reduce_op, match.group_name, match.world_size, plan)
+    args = (*operands, *extra, match.reduce_op, match.group_name, match.world_size, plan)
     op = insert_call(graph, target, args)
     tail: list[Node] = []  # the replaced nodes after the collective, users first
     if norm is not None:
@@ -118,13 +122,18 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
     return op
 
 
-def _operands(graph: Graph, match: MatmulCollectiveMatch) -> tuple[Node, Node]:
+def _scale_a(graph: Graph, scale_a: Node, order: Optional[RowOrder]) -> Node:
+    """A rowwise scale_a (one per row of a) permuted with a's rows; a tensorwise one as it is."""
+    if order is None or statically_known_true(fake(scale_a).numel() == 1):
+        return scale_a
+    return _to_rank_major(graph, scale_a, order)
+
+
+def _operands(graph: Graph, lefts: list[Node], match: MatmulCollectiveMatch
+              ) -> tuple[Node, Node]:
     """The op's left and right operands: the matmul's, or for a sum of matmul products the
-    operands concatenated along K; the left one's rows rank-major where the match says so
-    (each term's before the concatenation, so that its producer can write it so)."""
-    lefts = [m.a for m in match.matmuls]
-    if match.row_order is not None:
-        lefts = [_to_rank_major(graph, a, match.row_order) for a in lefts]
+    operands (`lefts`: the terms' left operands as the op takes their rows) concatenated
+    along K."""
     if len(lefts) == 1:
         return lefts[0], match.matmul.weight
     return (insert_call(graph, aten.cat.default, (lefts, 1)),

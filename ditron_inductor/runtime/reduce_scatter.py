@@ -25,8 +25,9 @@ GEMM's tile) takes the op's reference path.
 
 FP8 (scaled_mm_reduce_scatter): the copy-engine plan with cuBLAS, each rank's rows a
 torch._scaled_mm (runtime/scaled.py) into the same staging rows and receive slot, in the output
-dtype (bf16/fp16: what is pushed and summed); a rowwise scale_a is sliced with the rows. Plans
-with a Triton GEMM (gemm="triton", the SM pull) decline.
+dtype (bf16/fp16: what is pushed and summed); a rowwise scale_a is sliced with the rows; a sum of
+terms, each term's _scaled_mm of those rows added there. Plans with a Triton GEMM
+(gemm="triton", the SM pull) decline.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .context import device_epoch, get_context, size_class, wait_polls
 from .kernel_launch import current_stream, launch
 from .launch import (DTYPES, WAIT_NAMES, cdiv, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
-from .scaled import Scaled
+from .scaled import Scaled, ScaledSum
 
 CONTEXT = "matmul_reduce_scatter_pull"
 # calls served by the fused path, and those of them the SM pull served (tests check which ran)
@@ -54,21 +55,29 @@ stats = {"matmul_reduce_scatter": 0, "pulled": 0, "scaled_mm_reduce_scatter": 0}
 def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, scale_a, scale_b,
                                    bias, out_dtype, use_fast_accum, out_shape, scatter_dim,
                                    reduce_op, group_name, world_size):
+    """a, b, scale_a, scale_b: one per term of the sum (ScaledSum), one for a single product."""
     # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
     if plan.gemm != CUBLAS or plan.transfer == SM:
         return decline("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; "
                        "the Triton GEMMs take no float8)")
-    gemms, why = Scaled.checked(a, [b], scale_a, [scale_b], [bias], out_dtype, use_fast_accum)
-    if why:
-        return decline(why)
-    return matmul_reduce_scatter_fused(task, plan, a, b, bias, out_shape, scatter_dim, reduce_op,
-                                       group_name, world_size, gemms[0])
+    gemms = []
+    for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b)):
+        gemm, why = Scaled.checked(a_i, [b_i], s_a, [s_b], [bias if i == 0 else None],
+                                   out_dtype, use_fast_accum)
+        if why:
+            return decline(why)
+        gemms += gemm
+    scaled = gemms[0] if len(gemms) == 1 else ScaledSum(gemms[0],
+                                                         tuple(zip(a[1:], b[1:], gemms[1:])))
+    return matmul_reduce_scatter_fused(task, plan, a[0], b[0], bias, out_shape, scatter_dim,
+                                       reduce_op, group_name, world_size, scaled)
 
 
 def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,
                                 scatter_dim, reduce_op, group_name, world_size,
-                                scaled: Optional[Scaled] = None):
-    """scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines), else None."""
+                                scaled: Optional[Scaled | ScaledSum] = None):
+    """scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines; a ScaledSum
+    for several terms, a and b the first term's), else None."""
     if reduce_op not in ("sum", "avg"):
         return decline(f"reduce_op {reduce_op}")
     if scatter_dim != 0:

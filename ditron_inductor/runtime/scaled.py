@@ -7,6 +7,9 @@ dtype (bf16/fp16: what the partials, sums and signals of the protocol hold). A r
 ([M, 1], one per row of A) is sliced with A's rows; scale_b is whole. The Triton GEMMs take no
 float8: a plan that names one declines (`plan_declines` of each runtime), before any protocol
 step, alike on every rank.
+
+A sum of _scaled_mm products (`ScaledSum`: the input gradient of layers that share their input)
+runs each term's _scaled_mm into the same rows, one after the other.
 """
 
 from __future__ import annotations
@@ -83,3 +86,26 @@ class Scaled:
         if not (a.is_cuda and b.is_cuda):
             return "fp8: operands not on CUDA"
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledSum:
+    """The GEMM of a sum of _scaled_mm products over the same rows (the scaled reduce-scatter's
+    terms, each with its own scales): a plan slices the first term's operands as it slices A and
+    B; the other terms' rows are sliced alike, each product added in the output dtype, as the
+    graph's adds did."""
+
+    first: Scaled
+    others: tuple  # (a, b, Scaled) of each further term
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self.first.out_dtype
+
+    def matmul_into(self, a_rows, b, bias, out, first_row: int = 0) -> None:
+        self.first.matmul_into(a_rows, b, bias, out, first_row)
+        rows = slice(first_row, first_row + a_rows.shape[0])
+        term = torch.empty_like(out)
+        for a_i, b_i, gemm in self.others:
+            gemm.matmul_into(a_i[rows], b_i, None, term, first_row)
+            out += term

@@ -49,7 +49,8 @@ class Task:
     rows_reordered: the op runs on rank-major rows (gather/scatter on dim 0) and the graph puts
     the rows back in the order of `dim` around it (a permute, so the chunks are contiguous).
     terms: how many matmuls the op computes as one, their operands concatenated along K (the
-    sum of matmul products that a reduce-scatter reduces); 1 for one matmul.
+    sum of matmul products that a reduce-scatter reduces); 1 for one matmul. The scaled
+    reduce-scatter sums its terms' _scaled_mm products instead (each has its own scales).
     copy_elems: elements that the rewrite's reorders and concatenations copy and that Inductor
     cannot fold into a kernel the graph runs anyway.
 
@@ -131,6 +132,7 @@ class Task:
             extra += ", rows permuted"
         if self.terms > 1:
             extra += (f", {self.terms} grouped GEMMs summed" if self.op in MOE_PATTERNS
+                      else f", {self.terms} _scaled_mm products summed" if self.out_dtype
                       else f", {self.terms} matmuls concatenated along K")
         if self.copy_elems:
             extra += f", copies {self.copy_elems} elements"
@@ -231,6 +233,20 @@ def scaled_mm_collective_task(op: str, a, b, scale_a, scale_b, bias, out_dtype,
     task = matmul_collective_task(plain, a, b, bias, out_shape, dim, reduce_op, group_name,
                                   world_size)
     return _scaled(task, op, scale_a, scale_b, out_dtype, use_fast_accum)
+
+
+def scaled_mm_reduce_scatter_task(a, b, scale_a, scale_b, bias, out_dtype,
+                                  use_fast_accum: bool, out_shape, dim: int, reduce_op: str,
+                                  group_name: str, world_size: int) -> Task:
+    """The scaled reduce-scatter's Task from its terms (lists a, b, scale_a, scale_b: the sum of
+    their _scaled_mm products is scattered), K counting every term's, the scales read as the
+    first term's (the matcher fuses terms of one scaling only)."""
+    task = scaled_mm_collective_task(SCALED_MM_REDUCE_SCATTER, a[0], b[0], scale_a[0],
+                                     scale_b[0], bias, out_dtype, use_fast_accum, out_shape, dim,
+                                     reduce_op, group_name, world_size)
+    if len(a) == 1:
+        return task
+    return dataclasses.replace(task, k=sum((t.shape[1] for t in a), 0), terms=len(a))
 
 
 def all_to_all_grouped_mm_task(x, output_split_sizes, input_split_sizes, row_index, weights,

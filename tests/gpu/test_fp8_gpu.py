@@ -96,19 +96,21 @@ def _scatter_cases(group_name, world, gen):
 
     op = "scaled_mm_reduce_scatter"
     for m, k, n in ((64 * world, 256, 384), (128 * world, 1024, 4096), (16 * world, 512, 256)):
-        for rowwise in (False, True):
+        for rowwise, terms in ((False, 1), (True, 1), (False, 2)):  # 2: a sum (ScaledSum)
             for params, fused in ((dict(), True), (dict(gemm="cublas"), True),
                                   (dict(gemm="triton"), False),
                                   (dict(gemm="triton", transfer="sm"), False)):
-                a, b = _fp8(gen, m, k), _fp8(gen, n, k).t()
-                s_a, s_b = _scales(gen, m, n, rowwise)
+                a = [_fp8(gen, m, k * (t + 1)) for t in range(terms)]  # the terms' K differ
+                b = [_fp8(gen, n, k * (t + 1)).t() for t in range(terms)]
+                s_a, s_b = zip(*(_scales(gen, m, n, rowwise) for _ in range(terms)))
                 bias = None if rowwise else torch.randn(n, generator=gen, device="cuda").to(BF16)
-                args = (a, b, s_a, s_b, bias, BF16, not rowwise, [], 0, "sum", group_name, world)
+                args = (a, b, list(s_a), list(s_b), bias, BF16, not rowwise, [], 0, "sum",
+                        group_name, world)
                 served = stats[op]
                 out = torch.ops.ditron.scaled_mm_reduce_scatter(
                     *args, _plan(world, m, k, n, op, **params))
                 ref = scaled_mm_reduce_scatter_reference(*args)
-                tag = f"RS fp8 {m}x{k}x{n} rowwise={rowwise} plan={params}"
+                tag = f"RS fp8 {m}x{k}x{n} rowwise={rowwise} terms={terms} plan={params}"
                 assert (stats[op] > served) == fused, f"{tag}: fused path"
                 assert out.dtype == BF16 and out.shape == (m // world, n), tag
                 _check(tag, out, ref, tol=1e-2)
