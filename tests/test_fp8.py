@@ -226,6 +226,20 @@ return scaled_mm_reduce_scatter_default
                          "add sums _scaled_mm products (_scaled_mm + _scaled_mm_1): each has "
                          "scales of its own, and only the reduce-scatter op takes a sum of them")
 
+    def test_a_sum_of_tensorwise_and_rowwise_products_is_left_with_the_reason(self):
+        def rs(a1, w1, a2, w2, s, row_scale, col_scale):
+            y = (torch._scaled_mm(a1, w1, s, s, out_dtype=BF16)
+                 + torch._scaled_mm(a2, w2, row_scale, col_scale, out_dtype=BF16))
+            return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "0"))
+
+        with fake_group(2):
+            gm = trace(rs, fp8(8, 16), col_major(fp8(16, 16)), fp8(8, 32),
+                       col_major(fp8(16, 32)), scale(()), scale(8, 1), scale(1, 16))
+            report = rewrite(gm)
+        self.assertEqual(report.candidates[0].reason,
+                         "add sums _scaled_mm products (_scaled_mm + _scaled_mm_1) scaled in "
+                         "different ways")
+
     def test_symbolic_rows_rowwise(self):
         # dynamic token count: the rowwise scales' rows are symbolic, and no guard is taken
         from tests.test_lowering import make_fx_symbolic

@@ -48,6 +48,7 @@ from ..scheduler.task import (
     chunks_contiguous,
     matmul_collective_task,
     numel,
+    scale_kind,
     scaled_mm_collective_task,
     scaled_mm_reduce_scatter_task,
 )
@@ -632,6 +633,9 @@ def _terms_problem(total: Node, matmuls: list[MatmulUse], op: str) -> Optional[s
     if len({(m.out_dtype, m.use_fast_accum) for m in matmuls}) > 1:
         return (f"{total.name} sums _scaled_mm products ({names}) that differ in out_dtype or "
                 "use_fast_accum")
+    if matmuls[0].scaled and len({scale_kind(fake(m.scale_a), fake(m.scale_b))
+                                  for m in matmuls}) > 1:  # the Task reads the first term's
+        return f"{total.name} sums _scaled_mm products ({names}) scaled in different ways"
     if any(m.has_bias for m in matmuls):
         return f"{total.name} sums matmuls ({names}) of which one adds a bias"
     if len({tuple(fake(m.node).shape) for m in matmuls}) > 1 or any(
