@@ -490,9 +490,10 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")
     best = min(preds, key=preds.get)
+    plan = candidate_plan(task, best)
     summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
-               f"{world1_compute_note(task, candidate_plan(task, best), cuda_graphs)}")
+               f"{world1_compute_note(task, plan, cuda_graphs)}")
     if preds[best] * MIN_GAIN > base:
         return None, f"no predicted gain: {summary}"
-    plan = candidate_plan(task, best, predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
+    plan = dataclasses.replace(plan, predicted_ms=(("nccl_cublas", base), ("fused", preds[best])))
     return plan, f"fused plan {best}: {summary}"
