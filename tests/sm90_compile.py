@@ -115,7 +115,7 @@ def variants():
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
     moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8,
-                     B_DESC=0, WORLD=1)
+                     B_DESC=0)
     for gather, scatter, scale, wait in ((True, False, False, False), (False, False, False, False),
                                          (False, True, False, False), (False, True, True, False),
                                          (False, False, False, True)):
@@ -125,7 +125,7 @@ def variants():
                     ACCUMULATE=scale, WAIT=wait, PUSH=False), 8)
     yield (grouped_gemm.grouped_gemm_kernel, moe_args,
            dict(moe_tiles, GATHER=False, WRITE_ROWS=False, SCATTER=True, SCALE=False,
-                ACCUMULATE=False, WAIT=False, PUSH=True, WORLD=8), 8)
+                ACCUMULATE=False, WAIT=False, PUSH=True), 8)
     for b_desc, block in ((1, "64,128"), (2, "128,64")):  # the weights through TMA
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, b_ptr=f"tensordesc<bf16[{block}]>"),

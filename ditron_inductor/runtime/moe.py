@@ -11,8 +11,8 @@ At world size 1 the all-to-all is the identity over ranks (every row stays), so
             or y itself when row_index is None.
 On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
 the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
-combine is moe_combine.py (GPU-unrun): the GEMM's epilogue stores each row into its receiver's
-buffer, where the all-to-all would land it, and counts it there. The scheduler plans neither op
+combine is moe_combine.py (passed on 2x H200): the GEMM's epilogue stores each row into its
+receiver's buffer, where the all-to-all would land it, and counts it there. The scheduler plans neither op
 fused (cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs
 (the combine of a backward that sums gate's and up's) declines on any world size.
 
@@ -61,9 +61,9 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
     [E, K, N] per offsets, row i of the product to c[c_index[i]] or c[i] (times scale[i]);
     rows_out: the rows read, stored there. wait: (tile counters, expect, err word, polls):
     each tile first waits until counters[tile] >= expect[tile] (the multi-rank dispatch).
-    push: (dst_rank, receive buffers, arrival counters, world): row i to row c_index[i] of
-    rank dst_rank[i]'s receive buffer instead of c, counted in its counter (the multi-rank
-    combine; the tables hold each rank's addresses)."""
+    push: (dst_rank, receive buffers, arrival counters): row i to row c_index[i] of rank
+    dst_rank[i]'s receive buffer instead of c, counted in its counter (the multi-rank combine;
+    the tables hold each rank's addresses)."""
     experts, k, n = weight.shape
     if rows == 0 or n == 0:
         return
@@ -78,7 +78,7 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            a, unused if a_index is None else a_index, b, offsets, c,
            unused if c_index is None else c_index, unused if scale is None else scale,
            unused if rows_out is None else rows_out, *(wait[:3] if wait else (offsets,) * 3),
-           *(push[:3] if push else (offsets,) * 3),
+           *(push if push else (offsets,) * 3),
            rows, n, k, experts,
            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
            c.stride(0), c.stride(1), wait[3] if wait else 0,
@@ -86,7 +86,7 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
            WAIT=wait is not None, PUSH=push is not None, BLOCK_M=bm, BLOCK_N=bn,
            BLOCK_K=plan.block_k, E_P2=next_power_of_2(experts), NUM_PROGS=progs,
-           GROUP_M=plan.group_m, B_DESC=b_desc, WORLD=push[3] if push else 1,
+           GROUP_M=plan.group_m, B_DESC=b_desc,
            num_warps=plan.warps, num_stages=plan.stages)
 
 

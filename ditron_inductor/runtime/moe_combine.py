@@ -1,8 +1,11 @@
 """grouped_mm_all_to_all on more than one rank, fused: the experts' grouped GEMM writes each row
 of its product straight into its destination rank's receive buffer, at the row where the
 all-to-all would land it, and the receiver's output is that buffer once every row has come.
-GPU-UNRUN: written and CPU-tested below the context (the routes and the kernel's push under the
-interpreter: tests/test_moe_interpreter.py); never run on GPUs. The dispatch's transpose, built
+Passed on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU
+runs hung at the first call, rank 0's arrival count at 600 of 1200, while the count was one
+word for all senders raised by one scalar add per tile and rank; now one word per sender, one
+add per row as the dispatch counts); CPU-tested below the context (the routes and the kernel's
+push under the interpreter: tests/test_moe_interpreter.py). The dispatch's transpose, built
 from its pieces (moe_dispatch: the symmetric layout and the signals; moe_routes: the published
 starts; the grouped GEMM template with its PUSH epilogue).
 
@@ -14,10 +17,13 @@ One call, epoch e, on rank r (everything on the caller's stream, in this order):
                row j of the product goes to rank q, row start_q[r] + row_index[j] - s_q, where
                q's rows [s_q, s_q + n_q) of what r sends (input_split_sizes) hold row_index[j];
   3. push      the grouped GEMM, its epilogue storing each row there; after a tile's stores, one
-               release add per destination rank of the rows it stored there (ARRIVED, a flag
-               word of that rank): one add per (m-tile, n-tile, rank), no atomics on the data;
-  4. collect   wait until my ARRIVED = my received rows x the n-tiles, copy the buffer's rows
-               out (the op's output), set ARRIVED back to 0.
+               release add per destination rank q of the rows it stored there, to q's
+               ARRIVED + r (a flag word per sender): one add per (m-tile, n-tile, rank), no
+               atomics on the data;
+  4. collect   wait until each ARRIVED + p = the rows I receive from p x the n-tiles, copy the
+               buffer's rows out (the op's output), set the ARRIVED words back to 0.
+A count per sender, not one for all: a row that never lands names its sender, and a receiver
+cannot mistake one sender's surplus for another's missing rows.
 Each destination row is written by exactly one store of one rank (row_index a permutation):
 the result does not depend on the order in which tiles or ranks run.
 
@@ -56,9 +62,10 @@ from .moe_dispatch import Layout, route_tables
 OP = "grouped_mm_all_to_all"
 
 
-def arrived_word(world: int) -> int:
-    """The flag word (after READY + r and DONE + r) that counts the rows landed here."""
-    return 2 * world
+def arrived_word(world: int, sender: int = 0) -> int:
+    """The flag word (after READY + r and DONE + r) that counts the rows landed here from
+    `sender`."""
+    return 2 * world + sender
 
 
 @dataclasses.dataclass
@@ -66,7 +73,7 @@ class CombineState:
     """Per context, local: the peers' addresses as the kernel takes them."""
 
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
-    count_table: torch.Tensor  # [world] int64: each rank's ARRIVED word
+    count_table: torch.Tensor  # [world] int64: each rank's ARRIVED word for my rows
 
 
 _states: "weakref.WeakKeyDictionary[OpContext, CombineState]" = weakref.WeakKeyDictionary()
@@ -74,7 +81,8 @@ _states: "weakref.WeakKeyDictionary[OpContext, CombineState]" = weakref.WeakKeyD
 
 def new_state(ctx, layout: Layout) -> CombineState:
     return CombineState(recv_table=ctx.data.ptr_table + layout.recv_offset,
-                        count_table=ctx.flags.ptr_table + 4 * arrived_word(layout.world))
+                        count_table=ctx.flags.ptr_table + 4 * arrived_word(layout.world,
+                                                                           ctx.rank))
 
 
 def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Layout:
@@ -117,7 +125,7 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     capacity = max(64, next_power_of_2(received))
     layout = combine_layout(world_size, capacity, n, left.dtype)
     ctx = get_context(f"{OP}:{capacity}x{n}:{left.dtype}", group_name, plan.symm_mem_backend,
-                      layout.nbytes, flag_words=arrived_word(world_size) + 1)
+                      layout.nbytes, flag_words=arrived_word(world_size, world_size))
     state = _states.get(ctx)
     if state is None:
         state = _states[ctx] = build_outside_graph_pools(ctx.device,
@@ -130,18 +138,31 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     for q, count in enumerate(input_split_sizes):  # the receivers I send to have published
         if count and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
-    push(ctx, layout, state, plan, left, weight, offsets, row_index, input_split_sizes,
-         grouped_gemm)
-    wait_geq(ctx, plan, main, arrived_word(world_size), expected_counts(layout, plan, received))
+    dst_rank = push(ctx, layout, state, plan, left, weight, offsets, row_index,
+                    input_split_sizes, grouped_gemm)
+    expected = expected_counts(layout, plan, output_split_sizes)
+    for p, count in enumerate(expected):
+        wait_geq(ctx, plan, main, arrived_word(world_size, p), count)
+    before_reset = flag_words(ctx, layout).clone() if plan.debug_waits else None  # reported
     out = collect(ctx, layout, received)
-    check_errors(ctx, plan, OP, lambda code: wait_name(code - 1, world_size))
+    check_errors(ctx, plan, OP, lambda code: (
+        f"{wait_name(code - 1, world_size)}; flag words {before_reset.tolist()} (READY and "
+        f"DONE of ranks 0..{world_size - 1}, then ARRIVED from each: expected {expected}); "
+        f"rows this rank pushed to each rank "
+        f"{torch.bincount(dst_rank.long(), minlength=world_size).tolist()}"))
     return out
 
 
 def wait_name(word: int, world: int) -> str:
-    if word == arrived_word(world):
-        return "the arrival count (rows sent to this rank never landed)"
+    if word >= arrived_word(world):
+        return (f"the arrival count of rank {word - arrived_word(world)}'s rows (rows it sent "
+                "never landed)")
     return f"rank {word - OpContext.READY}'s READY (its starts never published)"
+
+
+def flag_words(ctx, layout: Layout) -> torch.Tensor:
+    """My flag words: READY + r, DONE + r, then ARRIVED + p."""
+    return ctx.flags.view(-1, torch.int32, [arrived_word(layout.world, layout.world)], 0)
 
 
 # The steps of a call on one rank, apart from the signals between them (what the interpreter
@@ -154,24 +175,26 @@ def publish(ctx, layout: Layout, output_split_sizes) -> None:
 
 
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
-         row_index, input_split_sizes, grouped_gemm) -> None:
+         row_index, input_split_sizes, grouped_gemm) -> torch.Tensor:
     """2 and 3 (after the receivers' signals): each product row into its receiver's buffer,
-    counted there."""
+    counted there. Returns each row's destination rank."""
     dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
                                                        route_tables(ctx, layout), row_index)
     grouped_gemm(plan, left, weight, offsets, left, rows=left.shape[0], c_index=dst_row,
-                 push=(dst_rank, state.recv_table, state.count_table, layout.world))
+                 push=(dst_rank, state.recv_table, state.count_table))
+    return dst_rank
 
 
-def expected_counts(layout: Layout, plan: GroupedMmPlan, received: int) -> int:
-    """ARRIVED once every row sent to me landed: one count per row and n-tile."""
-    return received * cdiv(layout.k, plan.block_n)
+def expected_counts(layout: Layout, plan: GroupedMmPlan, output_split_sizes) -> list:
+    """ARRIVED + p once every row p sent me landed: one count per row and n-tile."""
+    return [rows * cdiv(layout.k, plan.block_n) for rows in output_split_sizes]
 
 
 def collect(ctx, layout: Layout, received: int) -> torch.Tensor:
-    """4. (after ARRIVED reached expected_counts) The rows I received, out of the buffer, which
-    the next call's senders overwrite; ARRIVED back to 0 for the next call."""
+    """4. (after each ARRIVED + p reached expected_counts) The rows I received, out of the
+    buffer, which the next call's senders overwrite; the ARRIVED words back to 0 for the next
+    call."""
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     out = recv[:received].clone()
-    ctx.flags.view(-1, torch.int32, [1], 4 * arrived_word(layout.world)).zero_()
+    flag_words(ctx, layout)[arrived_word(layout.world):].zero_()
     return out

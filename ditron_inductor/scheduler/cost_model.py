@@ -449,12 +449,12 @@ def scaled_mm_plan(task: Task) -> tuple[None, str]:
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
 # world size 1, where a plan names it (benchmarks/bench_moe.py). On more ranks the dispatch has a
 # fused runtime (runtime/moe_dispatch.py: the push into the peers' receive buffers, per-tile
-# arrival counters; correct on 2x H100, unmeasured), the combine one that has never run on GPUs
-# (runtime/moe_combine.py), and no measurement says the Triton grouped GEMM keeps up with
-# torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
-MOE_NOT_FUSED = ("{op}: the fused MoE kernels are unmeasured on several ranks (the multi-rank "
-                 "dispatch unmeasured, the combine GPU-unrun; a plan names them): NCCL "
-                 "all-to-all + torch._grouped_mm")
+# arrival counters; correct on 2x H100), the combine one (runtime/moe_combine.py: correct on 2x
+# H200), neither timed against NCCL, and no measurement says the Triton grouped GEMM keeps up
+# with torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
+MOE_NOT_FUSED = ("{op}: the fused MoE kernels are not timed against NCCL on several ranks "
+                 "(the multi-rank dispatch and combine are correct on GPUs; a plan names "
+                 "them): NCCL all-to-all + torch._grouped_mm")
 
 
 def world1_compute_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:

@@ -6,7 +6,7 @@ without an index), the TMA weights, and both ops captured in a CUDA graph and re
 case asserts that the fused path served it.
 
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
-passed on 2x H100) and combine (runtime/moe_combine.py; NOT RUN on a GPU yet) on 2 ranks (and on
+passed on 2x H100) and combine (runtime/moe_combine.py; passed on 2x H200) on 2 ranks (and on
 every GPU when there are more than 2): several consecutive calls on the same symmetric buffers,
 each routing drawn anew (random, an expert of every rank without rows, the last rank receiving
 nothing, every row to rank 0; the combine sends the rows back along the same routing), against
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def _dispatch_calls(group, world, rank, dev, gen) -> str:
 def _combine_calls(group, world, rank, dev, gen) -> str:
     """Consecutive multi-rank combine calls (down, back along each dispatch routing: its
     row_index, the splits reversed, as the MoE layer's forward combines) against the
-    reference. NOT RUN on a GPU yet."""
+    reference (passed on 2x H200)."""
     from ditron_inductor.ops import grouped_mm_all_to_all_reference
     from ditron_inductor.scheduler.task import GROUPED_MM_ALL_TO_ALL
 
@@ -282,6 +283,8 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
     down = _expert_weights(k, n, dev, True)
     for tag, plan, dtype, (_, out_splits, in_splits, row_index, offsets) in _routed_calls(
             group, world, rank, GROUPED_MM_ALL_TO_ALL, k, gen):
+        print(f"combine call {count}: {tag}, rows {sum(out_splits)}, sends {out_splits}, "
+              f"receives {in_splits}", flush=True)  # where a run that does not end stopped
         h = torch.randn(sum(out_splits), k, device=dev, dtype=dtype)
         args = ([h], [down[dtype]], offsets, row_index, False, in_splits, out_splits,
                 group.group_name, world)
@@ -302,8 +305,10 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
     config.wait_timeout_s = 20.0  # the plans' waits bounded: a row that never lands raises
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
+    # a rank left alone in a collective (its peer failed) is aborted by NCCL's watchdog after
+    # the timeout instead of hanging the test
     dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60))
     status = "ok"
     try:
         gen = torch.Generator().manual_seed(100 + rank)
@@ -312,6 +317,7 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
         print(f"moe gpu world {world}: {done}", flush=True)
     except Exception:  # noqa: BLE001 - reported to the parent
         status = traceback.format_exc()
+        print(f"rank {rank} failed: {status}", flush=True)  # before a close that may not end
     report_and_close(result_dir, rank, status)
 
 
@@ -321,7 +327,7 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 @pytest.mark.parametrize("calls", [_dispatch_calls, _combine_calls],
                          ids=["dispatch", "combine"])
 def test_moe_multi_rank(tmp_path, world, calls):
-    """The dispatch passed on 2x H100; the combine has NOT RUN on a GPU yet."""
+    """The dispatch passed on 2x H100 and 2x H200, the combine on 2x H200."""
     if world == "all":
         if torch.cuda.device_count() == 2:
             pytest.skip("2 GPUs: the world-2 case ran")
