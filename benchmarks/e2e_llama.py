@@ -106,9 +106,11 @@ GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
 NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
 CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)"}
-# --fp8: ditron's loss and gradients within this of the baseline's largest magnitude (the same
-# float8 products, summed in another order), else the report says so
+# --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
+# report says how far, beside how far the other contenders lie: any change of rounding upstream
+# flips e5m2 gradient elements, so two right answers can lie 0.2 apart (2x H200, 4 layers)
 FP8_MAX_DIFF = 2e-2
+FP8_SPREAD_SLACK = 1.25  # ditron's difference within 1.25x the other contenders' is theirs too
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -530,11 +532,16 @@ def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs
     # without communication the collectives' outputs are this rank's own: nothing to compare
     diffs = ({k: max_diff(ditron[k], base[k]) for k in base}
              if ditron and base and not no_comm else {})
+    # the other contenders' largest difference from the baseline: how far two right answers
+    # lie apart here (fp8 training: e5m2 gradients flip with any change of rounding upstream)
+    others = ({name: max(max_diff(c[k], base[k]) for k in base) for name, c in checks.items()
+               if name not in (baseline, "ditron")} if base and not no_comm else {})
     # a step over NaN or inf runs other arithmetic (a GEMM over NaN runs faster): not the step
     nonfinite = sorted(name for name, values in checks.items()
                        if not all(bool(torch.isfinite(v).all()) for v in values.values()))
     return {"workload": workload, "shape": shape, "mode": mode, **timing,
-            "ditron_max_diff": diffs, "diff_baseline": baseline, "ditron_graphs": graphs,
+            "ditron_max_diff": diffs, "diff_baseline": baseline, "others_max_diff": others,
+            "ditron_graphs": graphs,
             "failed": failed, "nonfinite": nonfinite}
 
 
@@ -585,6 +592,22 @@ def table(rows: list[dict], contenders: list[str]) -> str:
                  + [speedup("inductor"), speedup("inductor_async_tp"), ops or "-", diffs or "-"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def fp8_verdict(r: dict) -> str:
+    """Nothing ("") where ditron's numbers lie within FP8_MAX_DIFF of the baseline's; else how
+    far, beside how far the other contenders lie (float8 training on 2x H200: Inductor's async
+    TP 0.2 of the largest weight gradient from Inductor, as far as ditron)."""
+    worst = max(r["ditron_max_diff"].values(), default=0.0)
+    if worst <= FP8_MAX_DIFF:
+        return ""
+    others = r.get("others_max_diff", {})
+    spread = max(others.values(), default=0.0)
+    listed = ", ".join(f"{name} {v:.1e}" for name, v in others.items()) or "none to compare"
+    where = ("within" if worst <= FP8_SPREAD_SLACK * spread else "BEYOND")
+    return (f"ditron's numbers differ from {r['diff_baseline']}'s by {worst:.1e} of the largest "
+            f"magnitude (more than {FP8_MAX_DIFF}), {where} the other contenders' own "
+            f"difference from it ({listed})")
 
 
 def device_table(rows: list[dict], calls: int) -> str:
@@ -677,9 +700,8 @@ def report(result: dict, argv: list[str]) -> None:
     for r in result["rows"]:
         for name, error in r["failed"].items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name} failed: {error}")
-        if args.fp8 and max(r["ditron_max_diff"].values(), default=0.0) > FP8_MAX_DIFF:
-            print(f"\n{r['workload']} {r['shape']} {r['mode']}: ditron's numbers differ from "
-                  f"{r['diff_baseline']}'s by more than {FP8_MAX_DIFF} of the largest magnitude")
+        if args.fp8 and (verdict := fp8_verdict(r)):
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: {verdict}")
         if r.get("nonfinite"):
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: non-finite loss, gradients or "
                   f"logits from {', '.join(r['nonfinite'])}: their times are not the step's")

@@ -75,8 +75,8 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
     --json "$W/e2e_llama.json" "${bound[@]}" \
     --contenders inductor,inductor_async_tp,ditron,ditron_keep_mask ${E2E_ARGS:-}; }
 
-moe_multi_rank() { timeout -k 5 ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
-  tests/gpu/test_moe_gpu.py -k multi_rank; }
+moe_multi_rank() { limited ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
+  tests/gpu/test_moe_gpu.py -k "multi_rank ${MOE_ONLY:+and $MOE_ONLY}"; }
 fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
@@ -85,8 +85,14 @@ train_profile() { local world; world=$(nvidia-smi -L | wc -l)
 e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
   local run=(torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py --workloads train
              --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron)
-  limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8.json"
-  DITRON_PLAN=fused limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8_fused.json"; }
+  local plan  # FP8_PLANS: "scheduler" (as the scheduler decides), "fused" (DITRON_PLAN=fused)
+  for plan in ${FP8_PLANS:-scheduler fused}; do
+    if [ "$plan" = fused ]; then
+      DITRON_PLAN=fused limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8_fused.json"
+    else
+      limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8.json"
+    fi
+  done; }
 decode_tp() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${DECODE_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
     --params local --batches 1,16 --prompts 1024 --new-tokens 128 --reps 2 --skip-guard-eval \

@@ -302,18 +302,28 @@ def test_benchmark_fp8_is_training_only(capsys):
         capsys.readouterr().err
 
 
-@pytest.mark.parametrize("diff, flagged", [(1e-3, False), (0.1, True)])
-def test_benchmark_fp8_report_flags_numbers_beyond_float8s_tolerance(capsys, diff, flagged):
+@pytest.mark.parametrize("diff, async_tp, verdict", [
+    (1e-3, 0.2, None),  # within float8's tolerance: nothing said
+    (0.2, 0.2, "within"),  # as far as async TP lies from Inductor (2x H200, fp8 training)
+    (0.2, 0.01, "BEYOND"),  # async TP agrees with Inductor, ditron does not
+    (0.1, None, "BEYOND")])  # no other contender to compare with
+def test_benchmark_fp8_report_flags_numbers_beyond_float8s_tolerance(capsys, diff, async_tp,
+                                                                     verdict):
     e2e = _benchmark()
+    others = {} if async_tp is None else {"inductor_async_tp": async_tp}
     row = {"workload": "train", "shape": "B 1, S 16", "mode": e2e.EAGER_LAUNCH, "failed": {},
            "ms": {"inductor": 2.0, "ditron": 1.0}, "ditron_graphs": [],
            "ditron_max_diff": {"loss": 0.0, "model.norm.weight": diff},
-           "diff_baseline": "inductor"}
+           "diff_baseline": "inductor", "others_max_diff": others}
     e2e.report({"rows": [row], "ditron_log": [], "world": 2,
                 "contenders": ["inductor", "ditron"]}, ["--device", "cpu", "--fp8", "tensorwise"])
     out = capsys.readouterr().out
     assert "fp32, decoder linear layers fp8 tensorwise (torchao)" in out
-    assert ("ditron's numbers differ from inductor's by more than 0.02" in out) == flagged, out
+    flagged = f"ditron's numbers differ from inductor's by {diff:.1e} of the largest magnitude"
+    assert (flagged in out) == (verdict is not None), out
+    if verdict:
+        assert f"(more than 0.02), {verdict} the other contenders' own difference" in out, out
+        assert ("inductor_async_tp 2.0e-01" in out) == (async_tp == 0.2), out
 
 
 @pytest.mark.slow
