@@ -30,8 +30,8 @@ cannot queue its calls within the spin (the per-expert loop over 128 experts) is
 events around host and device together and marked host-bound. Writes <out>.json ({meta, rows})
 and <out>.md.
 
-On several ranks the fused ops have no runtime yet (cost_model.MOE_NOT_FUSED): the program runs
-at world size 1 only.
+The program runs at world size 1 only; on several ranks, benchmarks/bench_moe_ep.py times the
+fused dispatch and combine against NCCL all-to-all + torch._grouped_mm.
 """
 
 from __future__ import annotations
@@ -348,8 +348,8 @@ def main(argv=None) -> None:
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
-        raise SystemExit("bench_moe runs at world size 1 (torchrun --nproc-per-node 1): the "
-                         "fused MoE ops have no multi-rank runtime yet")
+        raise SystemExit("bench_moe runs at world size 1 (torchrun --nproc-per-node 1); on "
+                         "several ranks: benchmarks/bench_moe_ep.py")
     torch.manual_seed(0)
     rows = run(args, dist.group.WORLD.group_name)
     report(rows, args, argv)

@@ -8,7 +8,8 @@
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the
-# MoE dispatch and combine on every local GPU), fp8_gpu (the FP8 plans at the world sizes
+# MoE dispatch and combine on every local GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused
+# dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_gpu (the FP8 plans at the world sizes
 # present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
@@ -78,6 +79,9 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
 moe_multi_rank() { limited ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_moe_gpu.py -k "multi_rank ${MOE_ONLY:+and $MOE_ONLY}"; }
 fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
+moe_ep() { local world; world=$(nvidia-smi -L | wc -l)  # MOE_EP_ARGS: e.g. "--models mixtral"
+  limited ${MOE_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
+    --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
     --workloads train --contenders inductor,ditron --profile-device 3 \
