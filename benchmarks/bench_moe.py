@@ -338,26 +338,39 @@ def report(rows: list[dict], args, argv: list[str]) -> None:
     print(text, flush=True)
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.device == "cuda":
+def init_group(device: str, launched: bool) -> None:
+    """NCCL on this rank's GPU (torchrun's LOCAL_RANK); gloo on CPU, over torchrun's ranks
+    (launched) or as a single rank of its own."""
+    if device == "cuda":
         rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    elif launched:
+        dist.init_process_group("gloo")
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def close_group(device: str) -> None:
+    """ditron's runtime (symmetric memory) first, then the group."""
+    if device == "cuda":
+        from ditron_inductor import runtime
+
+        runtime.shutdown()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    init_group(args.device, launched=False)
     if dist.get_world_size() != 1:
         raise SystemExit("bench_moe runs at world size 1 (torchrun --nproc-per-node 1); on "
                          "several ranks: benchmarks/bench_moe_ep.py")
     torch.manual_seed(0)
     rows = run(args, dist.group.WORLD.group_name)
     report(rows, args, argv)
-    if args.device == "cuda":
-        from ditron_inductor import runtime
-
-        runtime.shutdown()
-    dist.destroy_process_group()
+    close_group(args.device)
 
 
 if __name__ == "__main__":

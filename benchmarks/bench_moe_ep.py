@@ -51,6 +51,8 @@ from benchmarks.bench_moe import (  # noqa: E402
     PLANS,
     TINY_PLANS,
     MoeLayer,
+    close_group,
+    init_group,
     layer_weights,
     plan_text,
     served_count,
@@ -80,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tiny:
         args.models, args.tokens, args.iters, args.reps = "tiny", "16,37", 2, 2
         args.plans = ",".join(TINY_PLANS)
+    unknown = set(args.plans.split(",")) - {*PLANS, *TINY_PLANS}
+    if unknown:
+        ap.error(f"--plans: unknown tile(s) {sorted(unknown)}; known: {[*PLANS, *TINY_PLANS]}")
     return args
 
 
@@ -239,21 +244,12 @@ def report(rows: list[dict], args, argv, world: int) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.device == "cuda":
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo")
+    init_group(args.device, launched=True)
     torch.manual_seed(0)  # the weights: the same on every rank, each rank its own experts' copy
     rows = run(args, dist.group.WORLD)
     if dist.get_rank() == 0:
         report(rows, args, argv, dist.get_world_size())
-    if args.device == "cuda":
-        from ditron_inductor import runtime
-
-        runtime.shutdown()
-    dist.destroy_process_group()
+    close_group(args.device)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests import REPO_ROOT
 
 
@@ -41,3 +43,12 @@ def test_moe_ep_benchmark_runs_on_two_cpu_ranks(tmp_path):
     text = (tmp_path / "moe_ep.md").read_text()
     assert "| tiny | 4 | 32 | 48 | 2 | 37 | 74 | down | 16x32 |" in text
     assert "not served: the reference ran" in text
+
+
+def test_moe_ep_benchmark_refuses_an_unknown_tile(capsys):
+    from benchmarks import bench_moe_ep
+
+    with pytest.raises(SystemExit):
+        bench_moe_ep.parse_args(["--plans", "128x128,256x512"])
+    assert "--plans: unknown tile(s) ['256x512']" in capsys.readouterr().err
+    assert bench_moe_ep.parse_args(["--tiny"]).plans == "16x32"
