@@ -73,6 +73,7 @@ step.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import faulthandler
 import functools
@@ -374,6 +375,21 @@ def busy(spans) -> float:
     return total
 
 
+def alone(spans) -> dict:
+    """{kind: the time in which kernels of that kind run and none of another kind does} over
+    (start, end, kind) spans: what nothing hides (for NCCL and copies: exposed communication)."""
+    edges = sorted((t, step, kind) for start, end, kind in spans
+                   for t, step in ((start, 1), (end, -1)))  # at one time, ends first
+    running, out, last = collections.Counter(), dict.fromkeys(PROFILE_KINDS, 0.0), None
+    for t, step, kind in edges:
+        kinds = [k for k, n in running.items() if n > 0]
+        if len(kinds) == 1:
+            out[kinds[0]] += t - last
+        running[kind] += step
+        last = t
+    return out
+
+
 def device_profile(fn, calls: int, timer: Timer) -> dict:
     """The profile of `calls` calls of `fn` (`kernel_times`)."""
     from torch.profiler import ProfilerActivity, profile
@@ -403,8 +419,10 @@ def kernel_times(events, calls: int) -> dict:
         ms[kernel_kind(e.name)] += per_call
         by_name[e.name] = by_name.get(e.name, 0.0) + per_call
     ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
+    only = alone((e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in kernels)
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
-    return {**ms, "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top]}
+    return {**ms, "alone": {kind: t / 1e3 / calls for kind, t in only.items()},
+            "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top]}
 
 
 def ditron_graphs(start: int) -> list[dict]:
@@ -622,6 +640,16 @@ def device_table(rows: list[dict], calls: int) -> str:
             cells = [r["workload"], r["shape"], r["mode"], name, f"{r['ms'][name]:.3f}",
                      *(f"{ms[k]:.3f}" for k in ("busy",) + PROFILE_KINDS)]
             lines.append("| " + " | ".join(cells) + " |")
+    profiles = [(r, name, ms["alone"]) for r in rows
+                for name, ms in r.get("device_profile", {}).items() if "alone" in ms]
+    if profiles:
+        head = ["workload", "shape", "mode", "contender", *(f"{k} alone ms" for k in PROFILE_KINDS)]
+        lines += ["", "Device time per call in which only that kind runs (nothing of another kind "
+                  "beside it: for nccl and copy, the communication left exposed)", "",
+                  "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        lines += ["| " + " | ".join([r["workload"], r["shape"], r["mode"], name,
+                                     *(f"{only[k]:.3f}" for k in PROFILE_KINDS)]) + " |"
+                  for r, name, only in profiles]
     for r in rows:
         for name, ms in r.get("device_profile", {}).items():
             lines.append(f"\n{r['workload']} {r['shape']} {r['mode']}, {name}: the longest kernels")

@@ -551,6 +551,9 @@ def test_benchmark_kernel_times_skip_annotations():
               event("Optimizer.step#AdamW.step", 0, 9000, annotation=True)]
     times = _benchmark().kernel_times(events, calls=2)
     assert (times["gemm"], times["nccl"], times["other"], times["busy"]) == (1.5, 2.0, 0.0, 2.5)
+    # the GEMM alone before the all-gather starts, the all-gather alone after the GEMM ends
+    assert (times["alone"]["gemm"], times["alone"]["nccl"]) == (0.5, 1.0)
+    assert sum(times["alone"].values()) == 1.5
     assert times["top"] == [["ncclDevKernel_AllGather", "nccl", 2.0],
                             ["nvjet_tst_128x256", "gemm", 1.5]]
 
@@ -559,6 +562,12 @@ def test_benchmark_device_profile_table(capsys):
     e2e = _benchmark()
     assert e2e.busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps count once
     assert e2e.busy([]) == 0
+    # a copy beside a GEMM (hidden), then alone (exposed); two NCCL kernels back to back and
+    # overlapping each other (one kind: still alone); a GEMM starting as a copy ends
+    only = e2e.alone([(0, 10, "gemm"), (5, 14, "copy"), (20, 25, "nccl"), (22, 30, "nccl"),
+                      (30, 31, "copy"), (31, 33, "gemm")])
+    assert (only["gemm"], only["copy"], only["nccl"], only["other"]) == (7, 5, 10, 0)
+    assert e2e.alone([]) == dict.fromkeys(e2e.PROFILE_KINDS, 0.0)
     kinds = {kind: 0.0 for kind in e2e.PROFILE_KINDS}
     row = {"workload": "prefill (TP)", "shape": "B 1, S 4096", "mode": e2e.EAGER_LAUNCH,
            "ms": {"inductor": 7.5},
@@ -572,6 +581,13 @@ def test_benchmark_device_profile_table(capsys):
                         "0.000 | 1.000 | 0.000 | 5.500 | 0.000 | 0.000 | 0.000 |")
     assert lines[5:] == ["", "prefill (TP) B 1, S 4096 eager launch, inductor: the longest kernels",
                          "     1.250 ms  gemm      nvjet_tst_128x256"]
+    # with the time each kind runs alone (older profiles have none: no such table)
+    row["device_profile"]["inductor"]["alone"] = {**kinds, "gemm": 4.5, "nccl": 0.75}
+    lines = e2e.device_table([row], 3).splitlines()
+    assert lines[6].startswith("Device time per call in which only that kind runs")
+    assert lines[8].startswith("| workload | shape | mode | contender | ditron alone ms | nccl alone")
+    assert lines[10] == ("| prefill (TP) | B 1, S 4096 | eager launch | inductor | 0.000 | 0.750 | "
+                         "0.000 | 4.500 | 0.000 | 0.000 | 0.000 |")
     with pytest.raises(SystemExit):
         e2e.parse_args(["--device", "cpu", "--profile-device", "2"])
     assert "--profile-device: CUDA kernels only" in capsys.readouterr().err
