@@ -85,6 +85,29 @@ def bench(fn, inputs, iters, reps, warmup=3, label=None):
     return ms
 
 
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def bench_on(device: str, fn, inputs, iters, reps) -> float:
+    """Median ms per call, the maximum over ranks: `bench` on CUDA; on CPU (the smoke runs over
+    gloo) the host's clock around `iters` calls after a barrier."""
+    if device == "cuda":
+        return bench(fn, inputs, iters, reps)
+    for args in inputs:
+        fn(*args)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(*inputs[i % len(inputs)])
+        times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return max_over_ranks(statistics.median(times))
+
+
 def bench_graph(fn, inputs, iters, reps, warmup=3):
     """Like `bench`, but `iters` calls captured once in a CUDA graph and the graph replayed: the
     GPU time without the host's launch gaps (how decode steps are served). Median ms per call on

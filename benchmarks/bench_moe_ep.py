@@ -33,9 +33,7 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tests.no_multicast import keep_multicast_off  # noqa: E402
@@ -46,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_compute_parity import rel_err  # noqa: E402
+from benchmarks.bench_fused import bench_on, max_over_ranks  # noqa: E402
 from benchmarks.bench_moe import (  # noqa: E402
     LAYERS,
     PLANS,
@@ -148,29 +147,7 @@ def fused_contender(stage: str, weights, group_name: str, world: int, text: str)
 
 
 def timed_ms(fn, inputs, args) -> float:
-    """Median ms per call, the maximum over ranks."""
-    if args.device == "cuda":
-        from benchmarks.bench_fused import bench
-
-        return bench(fn, [(i,) for i in inputs], args.iters, args.reps)
-    for i in inputs:
-        fn(i)
-    times = []
-    for _ in range(args.reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for n in range(args.iters):
-            fn(inputs[n % len(inputs)])
-        times.append((time.perf_counter() - t0) * 1e3 / args.iters)
-    worst = torch.tensor([statistics.median(times)])
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
-
-
-def all_ranks_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return bench_on(args.device, fn, [(i,) for i in inputs], args.iters, args.reps)
 
 
 def run(args, group) -> list[dict]:
@@ -194,9 +171,9 @@ def run(args, group) -> list[dict]:
                     before = served_count()
                     error, err, ms = "", math.nan, math.nan
                     try:
-                        err = all_ranks_max(max(rel_err(o, r) for o, r in zip(fused(inputs[0]),
-                                                                              ref)))
-                        served = all_ranks_max(served_count() - before) > 0
+                        err = max_over_ranks(max(rel_err(o, r) for o, r in zip(fused(inputs[0]),
+                                                                               ref)))
+                        served = max_over_ranks(served_count() - before) > 0
                         if err > MAX_REL_ERR:
                             error = f"relative error {err:.2e}"
                         elif served:

@@ -9,7 +9,9 @@
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the
 # MoE dispatch and combine on every local GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused
-# dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_gpu (the FP8 plans at the world sizes
+# dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
+# bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
+# fp8_gpu (the FP8 plans at the world sizes
 # present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
@@ -79,6 +81,9 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
 moe_multi_rank() { limited ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_moe_gpu.py -k "multi_rank ${MOE_ONLY:+and $MOE_ONLY}"; }
 fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
+fp8_tp() { local world; world=$(nvidia-smi -L | wc -l)
+  limited ${FP8_TP_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fp8_tp.py \
+    --out "$W/fp8_tp"; }
 moe_ep() { local world; world=$(nvidia-smi -L | wc -l)  # MOE_EP_ARGS: e.g. "--models mixtral"
   limited ${MOE_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
     --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }

@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests import REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests import REPO_ROOT, free_port
 
 
 def test_moe_ep_benchmark_runs_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "moe_ep"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()),
+                           "--master-port", str(free_port()),
                            str(REPO_ROOT / "benchmarks/bench_moe_ep.py"), "--device", "cpu",
                            "--tiny", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)

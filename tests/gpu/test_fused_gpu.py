@@ -9,12 +9,12 @@ Run on the GPU machine: pytest -m gpu tests/gpu (skipped without enough GPUs).
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 
+from tests import free_port as _free_port
 from tests.no_multicast import keep_multicast_off
 
 from .ranks import report_and_close, spawn_ranks
@@ -22,12 +22,6 @@ from .ranks import report_and_close, spawn_ranks
 pytestmark = pytest.mark.gpu
 
 keep_multicast_off()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plan(op: str, world: int, m: int, k: int, n: int, **params) -> str:
