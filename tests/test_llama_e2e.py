@@ -585,7 +585,8 @@ def test_benchmark_device_profile_table(capsys):
     row["device_profile"]["inductor"]["alone"] = {**kinds, "gemm": 4.5, "nccl": 0.75}
     lines = e2e.device_table([row], 3).splitlines()
     assert lines[6].startswith("Device time per call in which only that kind runs")
-    assert lines[8].startswith("| workload | shape | mode | contender | ditron alone ms | nccl alone")
+    assert lines[8].startswith("| workload | shape | mode | contender | ditron alone ms | "
+                               "nccl alone")
     assert lines[10] == ("| prefill (TP) | B 1, S 4096 | eager launch | inductor | 0.000 | 0.750 | "
                          "0.000 | 4.500 | 0.000 | 0.000 | 0.000 |")
     with pytest.raises(SystemExit):

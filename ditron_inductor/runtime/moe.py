@@ -12,9 +12,9 @@ At world size 1 the all-to-all is the identity over ranks (every row stays), so
 On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
 the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
 combine is moe_combine.py (passed on 2x H200): the GEMM's epilogue stores each row into its
-receiver's buffer, where the all-to-all would land it, and counts it there. The scheduler plans neither op
-fused (cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several grouped GEMMs
-(the combine of a backward that sums gate's and up's) declines on any world size.
+receiver's buffer, where the all-to-all would land it, and counts it there. The scheduler plans
+neither op fused (cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several
+grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
 TORCH_LOGS=ditron shows which path ran and why.

@@ -16,10 +16,9 @@ One call, epoch e, on rank r (everything on the caller's stream, in this order):
   2. read      for each rank q that r sends rows to: wait until READY + q >= e, read start_q[r];
                row j of the product goes to rank q, row start_q[r] + row_index[j] - s_q, where
                q's rows [s_q, s_q + n_q) of what r sends (input_split_sizes) hold row_index[j];
-  3. push      the grouped GEMM, its epilogue storing each row there; after a tile's stores, one
-               release add per destination rank q of the rows it stored there, to q's
-               ARRIVED + r (a flag word per sender): one add per (m-tile, n-tile, rank), no
-               atomics on the data;
+  3. push      the grouped GEMM, its epilogue storing each row there; after a tile's stores, a
+               release add of one per row to its destination q's ARRIVED + r (a flag word per
+               sender): one add per row and n-tile, no atomics on the data;
   4. collect   wait until each ARRIVED + p = the rows I receive from p x the n-tiles, copy the
                buffer's rows out (the op's output), set the ARRIVED words back to 0.
 A count per sender, not one for all: a row that never lands names its sender, and a receiver
