@@ -66,8 +66,9 @@ fastest compiled contender without communication) and the ceiling, Inductor's ti
 (`scripts/device_check.sh e2e_llama` runs both).
 
 `--profile-device CALLS` adds each contender's device time by kernel kind (GEMM, attention,
-collectives, ditron's kernels, optimizer, copies, other) and the longest kernels: what bounds a
-step.
+collectives, ditron's kernels, optimizer, copies, other), the time each kind runs alone (nothing
+of another kind beside it: exposed communication, for collectives and copies) and the longest
+kernels: what bounds a step.
 """
 
 from __future__ import annotations
@@ -559,8 +560,7 @@ def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs
                        if not all(bool(torch.isfinite(v).all()) for v in values.values()))
     return {"workload": workload, "shape": shape, "mode": mode, **timing,
             "ditron_max_diff": diffs, "diff_baseline": baseline, "others_max_diff": others,
-            "ditron_graphs": graphs,
-            "failed": failed, "nonfinite": nonfinite}
+            "ditron_graphs": graphs, "failed": failed, "nonfinite": nonfinite}
 
 
 # ------------------------------------------------------------------------------------- reporting

@@ -85,7 +85,7 @@ fp8_tp() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${FP8_TP_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fp8_tp.py \
     --out "$W/fp8_tp"; }
 moe_ep() { local world; world=$(nvidia-smi -L | wc -l)  # MOE_EP_ARGS: e.g. "--models mixtral"
-  limited ${MOE_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
+  limited ${MOE_EP_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
     --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
