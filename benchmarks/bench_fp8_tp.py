@@ -25,8 +25,6 @@ maximum over ranks; the host's clock on CPU). Writes <out>.json ({meta, rows}) a
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -39,7 +37,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_fp8_parity import BF16, E4M3, E5M2, rel_err, served_count  # noqa: E402
-from benchmarks.bench_fused import bench_on, max_over_ranks  # noqa: E402
+from benchmarks.bench_fused import (  # noqa: E402
+    bench_on,
+    max_over_ranks,
+    ranks_meta,
+    write_tables,
+)
 from benchmarks.bench_moe import close_group, init_group  # noqa: E402
 from benchmarks.llama_sites import sites  # noqa: E402
 from ditron_inductor import ops  # noqa: E402, F401 - torch.ops.ditron.*
@@ -192,13 +195,10 @@ def measure(site, world: int, group_name: str, args, gen) -> dict:
     return row
 
 
-def report(rows: list[dict], args, argv, world: int) -> None:
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = dict(command="torchrun benchmarks/bench_fp8_tp.py " + " ".join(argv), device=device,
-                world=world, model=args.model, tokens=args.tokens, torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat())
-    with open(args.out + ".json", "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+def report(rows: list[dict], args, argv) -> None:
+    meta = ranks_meta("bench_fp8_tp.py", argv, args.device, model=args.model,
+                      tokens=args.tokens)
+    world, device = meta["world"], meta["device"]
     head = ["site", "M", "K", "N", "NCCL + _scaled_mm ms", "async TP ms", "ditron ms",
             "ditron / NCCL", "ditron / async TP", "ditron plan", "notes"]
     lines = [f"# FP8 TP on {world} ranks ({device}): Llama-{args.model} training sites, "
@@ -220,9 +220,7 @@ def report(rows: list[dict], args, argv, world: int) -> None:
                                         ",".join(map(str, r["N"])), cell("nccl"),
                                         cell("async_tp"), cell("ditron"), ratio("nccl"),
                                         ratio("async_tp"), r["plan"], notes or "-"]) + " |")
-    with open(args.out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_tables(args.out, meta, rows, lines)
 
 
 def main(argv=None) -> None:
@@ -234,7 +232,7 @@ def main(argv=None) -> None:
     rows = [measure(site, world, dist.group.WORLD.group_name, args, gen)
             for site in fp8_sites(args.model, world, args.tokens)]
     if dist.get_rank() == 0:
-        report(rows, args, argv, world)
+        report(rows, args, argv)
     close_group(args.device)
 
 

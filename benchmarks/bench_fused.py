@@ -108,6 +108,24 @@ def bench_on(device: str, fn, inputs, iters, reps) -> float:
     return max_over_ranks(statistics.median(times))
 
 
+def ranks_meta(script: str, argv, device: str, **more) -> dict:
+    """Where a multi-rank result file comes from: the command, the card, the world size, torch,
+    the date (UTC)."""
+    return dict(command=f"torchrun benchmarks/{script} " + " ".join(argv),
+                device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                world=dist.get_world_size(), torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), **more)
+
+
+def write_tables(out: str, meta: dict, rows: list, lines: list) -> None:
+    """<out>.json ({meta, rows}) and <out>.md (the table's lines), the table printed."""
+    with open(out + ".json", "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    with open(out + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def bench_graph(fn, inputs, iters, reps, warmup=3):
     """Like `bench`, but `iters` calls captured once in a CUDA graph and the graph replayed: the
     GPU time without the host's launch gaps (how decode steps are served). Median ms per call on

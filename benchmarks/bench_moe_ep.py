@@ -29,8 +29,6 @@ CUDA-graph capture); the host's clock on CPU. Writes <out>.json ({meta, rows}) a
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -44,7 +42,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_compute_parity import rel_err  # noqa: E402
-from benchmarks.bench_fused import bench_on, max_over_ranks  # noqa: E402
+from benchmarks.bench_fused import (  # noqa: E402
+    bench_on,
+    max_over_ranks,
+    ranks_meta,
+    write_tables,
+)
 from benchmarks.bench_moe import (  # noqa: E402
     LAYERS,
     PLANS,
@@ -192,13 +195,9 @@ def run(args, group) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], args, argv, world: int) -> None:
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = dict(command="torchrun benchmarks/bench_moe_ep.py " + " ".join(argv), device=device,
-                world=world, torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat())
-    with open(args.out + ".json", "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+def report(rows: list[dict], args, argv) -> None:
+    meta = ranks_meta("bench_moe_ep.py", argv, args.device)
+    world, device = meta["world"], meta["device"]
     head = ["model", "experts per rank", "hidden", "inter", "top-k", "tokens per rank", "rows",
             "stage", "plan", "NCCL + grouped_mm ms", "fused ms", "fused / NCCL", "rel err",
             "note"]
@@ -213,9 +212,7 @@ def report(rows: list[dict], args, argv, world: int) -> None:
             "-" if math.isnan(r["fused_ms"]) else f"{r['fused_ms']:.3f}",
             "-" if math.isnan(r["fused_ms"]) else f"{r['fused_ms'] / r['nccl_ms']:.2f}",
             f"{r['rel_err']:.1e}", note)) + " |")
-    with open(args.out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_tables(args.out, meta, rows, lines)
 
 
 def main(argv=None) -> None:
@@ -225,7 +222,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)  # the weights: the same on every rank, each rank its own experts' copy
     rows = run(args, dist.group.WORLD)
     if dist.get_rank() == 0:
-        report(rows, args, argv, dist.get_world_size())
+        report(rows, args, argv)
     close_group(args.device)
 
 

@@ -5,20 +5,12 @@ reference runs, and the row says so instead of timing it as fused), async TP CUD
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests import REPO_ROOT, free_port
+from tests import run_benchmark_on_cpu_ranks
 
 
 def test_fp8_tp_benchmark_runs_on_two_cpu_ranks(tmp_path):
-    out = tmp_path / "fp8_tp"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()),
-                           str(REPO_ROOT / "benchmarks/bench_fp8_tp.py"), "--device", "cpu",
-                           "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_benchmark_on_cpu_ranks("bench_fp8_tp.py", "--tiny", "--out", str(tmp_path / "fp8_tp"))
     result = json.loads((tmp_path / "fp8_tp.json").read_text())
     assert result["meta"]["world"] == 2
     rows = {r["site"]: r for r in result["rows"]}

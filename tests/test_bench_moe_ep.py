@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from tests import REPO_ROOT, free_port
+from tests import run_benchmark_on_cpu_ranks
 
 
 def test_moe_ep_benchmark_runs_on_two_cpu_ranks(tmp_path):
-    out = tmp_path / "moe_ep"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()),
-                           str(REPO_ROOT / "benchmarks/bench_moe_ep.py"), "--device", "cpu",
-                           "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_benchmark_on_cpu_ranks("bench_moe_ep.py", "--tiny", "--out", str(tmp_path / "moe_ep"))
     result = json.loads((tmp_path / "moe_ep.json").read_text())
     assert result["meta"]["world"] == 2
     rows = result["rows"]
