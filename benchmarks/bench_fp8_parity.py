@@ -23,7 +23,7 @@ size 1 the RS plan's GEMM writes its one slot and the reduction copies it out; t
 kernel runs on the partial. Per row:
   scaled_mm  torch._scaled_mm per weight (what the graph computes beside its all-gather)
   plan       torch.ops.ditron.all_gather_scaled_mm with each plan of --plans (the default: the
-             plan DITRON_PLAN=fused gives the site; the scheduler chooses none on its own yet)
+             plan DITRON_PLAN=fused gives the site)
   bf16_mm    torch.mm per weight in bf16, for scale (what fp8 saves)
 Timing: bench_compute_parity.timed (random inputs alternated, warm-up, CUDA events around --iters
 calls queued behind a device spin, the median of --reps repetitions). Each plan's output is

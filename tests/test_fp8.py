@@ -332,8 +332,8 @@ def cuda(task):
     return dataclasses.replace(task, device_type="cuda")
 
 
-def fp8_tasks():
-    a, w = torch.empty(4096, 4096, dtype=E4M3), torch.empty(4096, 7168, dtype=E4M3)
+def fp8_tasks(rows: int = 4096):
+    a, w = torch.empty(rows, 4096, dtype=E4M3), torch.empty(4096, 7168, dtype=E4M3)
     s = torch.empty(())
     return {
         ALL_GATHER_SCALED_MM: cuda(all_gather_scaled_mm_task(a, s, [w], [s], [None], BF16, True,
@@ -345,20 +345,53 @@ def fp8_tasks():
     }
 
 
-def test_on_cuda_unmeasured_fp8_plans_are_not_chosen_and_the_log_says_what_runs():
+MEASURED = ("measured end to end on 2 ranks, M >= 8192, eager launch (the float8 Llama training "
+            "step with every fp8 site fused: 1.045x Inductor's on 2x H200)")
+KEEP = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
+        "reference, DITRON_PLAN=fused that plan)")
+
+
+def test_on_cuda_fp8_plans_outside_what_was_measured_are_not_chosen_and_the_log_says_why():
+    # M 4096 on 2 ranks (the all-gather's 2 x 2048 gathered rows, the reduce-scatter's 2048
+    # rows): below the measured M
     with fake_group(2):
-        decisions = {op: decide(t) for op, t in fp8_tasks().items()}
+        decisions = {op: decide(t) for op, t in fp8_tasks(rows=2048).items()}
     assert not any(d.fuse for d in decisions.values())
-    keep = ("is not measured against NCCL on GPUs yet: the graph keeps the collective + "
-            "_scaled_mm (DITRON_PLAN=reference runs the op's reference, DITRON_PLAN=fused that "
-            "plan)")
     assert {op: d.reason for op, d in decisions.items()} == {
         ALL_GATHER_SCALED_MM: "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered "
-                              f"chunks) {keep}",
+                              f"chunks) is chosen only as {MEASURED}: {KEEP}",
         SCALED_MM_REDUCE_SCATTER: "the fp8 plan (cublas_scaled_mm: _scaled_mm per rank's rows, "
-                                  f"each pushed by the copy engine) {keep}",
+                                  f"each pushed by the copy engine) is chosen only as {MEASURED}: "
+                                  f"{KEEP}",
         SCALED_MM_ALL_REDUCE: "the fp8 plan (cublas_scaled_mm: _scaled_mm into the partial, "
-                              f"then the all-reduce kernel for M) {keep}"}
+                              f"then the all-reduce kernel for M) is not timed on GPUs yet: "
+                              f"{KEEP}"}
+
+
+def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypatch):
+    """2 ranks, M 8192 (the float8 Llama step's rows), eager launch: the all-gather's and the
+    reduce-scatter's fused plans, as DITRON_PLAN=fused gives them; not on 4 ranks, not under
+    CUDA graphs, not where a rank's rows are not one block; never the all-reduce's."""
+    from ditron_inductor.scheduler import decide as decide_module
+
+    tasks = fp8_tasks(rows=8192)  # the all-gather's shard: 2 x 8192 gathered rows
+    with fake_group(2):
+        chosen = {op: decide(t) for op, t in tasks.items()}
+    assert {op: (d.fuse, d.plan.describe() if d.fuse else None)
+            for op, d in chosen.items()} == {
+        ALL_GATHER_SCALED_MM: (True, "fused cublas_scaled_mm gemm=cublas groups=1,1"),
+        SCALED_MM_REDUCE_SCATTER: (True, "fused cublas_scaled_mm reduce=triton pull_block=16384"),
+        SCALED_MM_ALL_REDUCE: (False, None)}
+    assert chosen[ALL_GATHER_SCALED_MM].reason == (
+        f"fused plan cublas_scaled_mm (_scaled_mm per group of gathered chunks): {MEASURED}; "
+        "per site not yet")
+    rs = tasks[SCALED_MM_REDUCE_SCATTER]
+    with fake_group(4):
+        assert not decide(dataclasses.replace(rs, world_size=4)).fuse
+    with fake_group(2):
+        assert not decide(dataclasses.replace(rs, rank_chunks_contiguous=False)).fuse
+        monkeypatch.setattr(decide_module, "_cuda_graphs", lambda: True)  # reduce-overhead
+        assert not any(decide(t).fuse for t in tasks.values())
 
 
 def test_forced_plans_for_fp8(monkeypatch):

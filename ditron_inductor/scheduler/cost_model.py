@@ -411,9 +411,15 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
 # same buffers (runtime/scaled.py): the all-gather's on groups of chunks in arrival order (moving
 # one byte an element), the reduce-scatter's copy-engine plan per rank's rows (its reduce="triton"
 # preferred as RS_CANDIDATES's tie order does), the all-reduce's plan by M (all_reduce_params) with
-# a cuBLAS GEMM. Only the all-gather's is measured, at world size 1; none is measured against NCCL
-# on several GPUs, so the scheduler never chooses them (DITRON_PLAN=fused does).
+# a cuBLAS GEMM. The all-gather's and reduce-scatter's are measured end to end only
+# (benchmarks/results/e2e_llama_fp8_h200x2_fused.md: Llama-3-8B layers' float8 training step at TP
+# 2, B 1 x S 8192 rows, eager launch, every fp8 gather and scatter on these plans: 1.045x
+# Inductor's step, 1.042x async TP's, the numbers as far from Inductor's as async TP's), so the
+# scheduler chooses them there only: 2 ranks, M >= 8192, eager launch (the all-gather declines
+# under CUDA-graph capture), each rank's rows one block; per site nothing is measured yet
+# (benchmarks/bench_fp8_tp.py). The all-reduce's: never (DITRON_PLAN=fused does).
 FP8_LABEL = "cublas_scaled_mm"
+FP8_CHOSEN_WORLD, FP8_CHOSEN_MIN_M = 2, 8192
 FP8_AG_PARAMS, FP8_RS_PARAMS = dict(gemm="cublas"), dict(gemm="cublas", reduce="triton")
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, *SCALED_MM_PATTERNS)
@@ -434,16 +440,26 @@ def has_fused_plan(op: str) -> bool:
     return op in _FUSED_PLAN_OPS
 
 
-def scaled_mm_plan(task: Task) -> tuple[None, str]:
-    """(None, why) for the FP8 ops: what runs instead, and how to ask for the fused plan."""
+def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], str]:
+    """(plan, why) for the FP8 ops: the fused plan where it was measured (see FP8_CHOSEN_WORLD),
+    else None, what runs instead and how to ask for the fused plan."""
     fused = {ALL_GATHER_SCALED_MM: "_scaled_mm per group of gathered chunks",
              SCALED_MM_REDUCE_SCATTER: "_scaled_mm per rank's rows, each pushed by the copy "
                                        "engine",
              SCALED_MM_ALL_REDUCE: "_scaled_mm into the partial, then the all-reduce kernel "
                                    "for M"}[task.op]
-    return None, (f"the fp8 plan ({FP8_LABEL}: {fused}) is not measured against NCCL on GPUs "
-                  "yet: the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs "
-                  "the op's reference, DITRON_PLAN=fused that plan)")
+    keep = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
+            "reference, DITRON_PLAN=fused that plan)")
+    if task.op == SCALED_MM_ALL_REDUCE:
+        return None, f"the fp8 plan ({FP8_LABEL}: {fused}) is not timed on GPUs yet: {keep}"
+    measured = (f"measured end to end on {FP8_CHOSEN_WORLD} ranks, M >= {FP8_CHOSEN_MIN_M}, "
+                "eager launch (the float8 Llama training step with every fp8 site fused: 1.045x "
+                "Inductor's on 2x H200)")
+    if (task.world_size == FP8_CHOSEN_WORLD and task.m_hint >= FP8_CHOSEN_MIN_M
+            and not cuda_graphs and task.rank_chunks_contiguous):
+        plan = fused_plan(task)
+        return plan, f"fused plan {plan.label} ({fused}): {measured}; per site not yet"
+    return None, f"the fp8 plan ({FP8_LABEL}: {fused}) is chosen only as {measured}: {keep}"
 
 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
@@ -474,7 +490,7 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     """(plan, why). A None plan means: leave the graph as it was (no predicted gain).
     cuda_graphs: the compiled graph is replayed as a CUDA graph (Inductor's cudagraphs)."""
     if task.op in SCALED_MM_PATTERNS:
-        return scaled_mm_plan(task)
+        return scaled_mm_plan(task, cuda_graphs)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         return all_reduce_plan(task, cuda_graphs)
     if task.op in MOE_PATTERNS:
