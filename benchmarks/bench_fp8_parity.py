@@ -82,10 +82,15 @@ def served_count(op: str = ALL_GATHER_SCALED_MM) -> int:
     return runtime.stats[op] if runtime else 0
 
 
+def operand_kind(site) -> tuple:
+    """(A's float8 dtype, use_fast_accum) as torchao's float8 step calls _scaled_mm at the site:
+    the backward's (output or input gradients) e5m2 without fast accumulation, else e4m3 with."""
+    return (E5M2, False) if "grad" in site.name else (E4M3, True)
+
+
 def measure(site, plans: dict, group_name: str, args) -> list[dict]:
     task = site.task
-    backward = "grad" in site.name  # the backward's gathers: e5m2 gradients, no fast accum
-    a_dtype, fast = (E5M2, False) if backward else (E4M3, True)
+    a_dtype, fast = operand_kind(site)
     m, k = task.m, task.k
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)

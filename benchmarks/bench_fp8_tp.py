@@ -26,6 +26,7 @@ maximum over ranks; the host's clock on CPU). Writes <out>.json ({meta, rows}) a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -37,7 +38,13 @@ keep_multicast_off()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.bench_fp8_parity import BF16, E4M3, E5M2, rel_err, served_count  # noqa: E402
+from benchmarks.bench_fp8_parity import (  # noqa: E402
+    BF16,
+    E4M3,
+    operand_kind,
+    rel_err,
+    served_count,
+)
 from benchmarks.bench_fused import (  # noqa: E402
     bench_on,
     max_over_ranks,
@@ -77,20 +84,23 @@ def fp8_sites(model: str, world: int, tokens: int) -> list:
     return [s for s in sites(model, world, "train", tokens) if "lm_head" not in s.name]
 
 
+def random_fp8(gen, device, *shape, dtype=E4M3):
+    return (torch.randn(*shape, generator=gen) * 4).to(device).to(dtype)
+
+
+def random_scale(gen, device):
+    """A tensorwise scale."""
+    return (torch.rand((), generator=gen) + 0.5).to(device)
+
+
 def gather_contenders(site, world: int, group_name: str, device, gen):
     """(inputs, {contender: fn}, ditron's plan) of an all-gather site: this rank's rows of A."""
     task = site.task
-    backward = "grad" in site.name
-    a_dtype, fast = (E5M2, False) if backward else (E4M3, True)
+    a_dtype, fast = operand_kind(site)
     rows, k = task.m // world, task.k
-
-    def fp8(*shape, dtype=E4M3):
-        return (torch.randn(*shape, generator=gen) * 4).to(device).to(dtype)
-
-    def scale():
-        return (torch.rand((), generator=gen) + 0.5).to(device)
-    inputs = [(fp8(rows, k, dtype=a_dtype), scale(), [fp8(n, k).t() for n in task.ns],
-               [scale() for _ in task.ns]) for _ in range(2)]
+    inputs = [(random_fp8(gen, device, rows, k, dtype=a_dtype), random_scale(gen, device),
+               [random_fp8(gen, device, n, k).t() for n in task.ns],
+               [random_scale(gen, device) for _ in task.ns]) for _ in range(2)]
     c10d = torch.ops._c10d_functional
 
     def nccl(a, s_a, ws, s_ws):
@@ -117,18 +127,13 @@ def scatter_contenders(site, world: int, group_name: str, device, gen):
     """(inputs, {contender: fn}, ditron's plan) of a reduce-scatter site: A [M, K] and B
     [K, N] per term (the rank's K), the bf16 sum scattered by rows."""
     task = site.task
-    backward = "grad" in site.name
-    a_dtype, fast = (E5M2, False) if backward else (E4M3, True)
+    a_dtype, fast = operand_kind(site)
     term_ks = site.term_ks or (task.k,)
     n = task.ns[0]
-
-    def fp8(*shape, dtype=E4M3):
-        return (torch.randn(*shape, generator=gen) * 4).to(device).to(dtype)
-
-    def scales():
-        return [(torch.rand((), generator=gen) + 0.5).to(device) for _ in term_ks]
-    inputs = [([fp8(task.m, k, dtype=a_dtype) for k in term_ks], [fp8(n, k).t() for k in term_ks],
-               scales(), scales()) for _ in range(2)]
+    inputs = [([random_fp8(gen, device, task.m, k, dtype=a_dtype) for k in term_ks],
+               [random_fp8(gen, device, n, k).t() for k in term_ks],
+               [random_scale(gen, device) for _ in term_ks],
+               [random_scale(gen, device) for _ in term_ks]) for _ in range(2)]
     c10d = torch.ops._c10d_functional
 
     def products(a_s, b_s, s_as, s_bs):
@@ -159,8 +164,6 @@ def scatter_contenders(site, world: int, group_name: str, device, gen):
 
 
 def fp8_task(task, op: str, a_dtype, fast: bool):
-    import dataclasses
-
     return dataclasses.replace(task, op=op, dtype=a_dtype, out_dtype=BF16, scales="tensorwise",
                                fast_accum=fast, dim=0)
 
