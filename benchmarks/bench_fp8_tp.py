@@ -37,6 +37,7 @@ keep_multicast_off()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed._symmetric_memory  # noqa: E402, F401 - defines async TP's fp8 ops
 
 from benchmarks.bench_fp8_parity import (  # noqa: E402
     BF16,

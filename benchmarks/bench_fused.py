@@ -16,6 +16,7 @@ Writes <out>.json (rows {op, M, K, N, world, dtype, ms: {...}, plans: {...}}) an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -86,7 +87,10 @@ def bench(fn, inputs, iters, reps, warmup=3, label=None):
 
 
 def max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    """The largest of every rank's value; on this rank's GPU where the group is NCCL (no CPU
+    collectives there)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -290,19 +294,34 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
     return ms, plans
 
 
-def cost_model_choice(op, shape, dtype, group_name, world):
-    """The cost model's plan for this shape, as a candidate label (None: NCCL + cuBLAS)."""
+def cost_model_choice(op, shape, dtype, group_name, world, task=None):
+    """The cost model's plan for this shape (or for `task`, a site's own), as a candidate label
+    (None: NCCL + cuBLAS)."""
     from ditron_inductor.scheduler.cost_model import choose_device_plan, plan_label
     from ditron_inductor.scheduler.task import Task
 
     M, K, N = shape
-    task = Task(op=op, group_name=group_name, world_size=world, m=M, k=K, ns=(N,), dtype=dtype,
-                device_type="cuda", dim=0, dim_size=M, reduce_op="sum" if "reduce" in op else None,
-                has_bias=(False,))
+    task = task or Task(op=op, group_name=group_name, world_size=world, m=M, k=K, ns=(N,),
+                        dtype=dtype, device_type="cuda", dim=0, dim_size=M,
+                        reduce_op="sum" if "reduce" in op else None, has_bias=(False,))
     plan, why = choose_device_plan(task)
     if plan is None or plan.impl == "reference":
         return None, why
     return {"label": plan_label(plan)}, why
+
+
+def llama_site_shapes(model: str, world: int, tokens: int) -> dict:
+    """{op: [(shape, site)]}: the training step's sites at TP = world (benchmarks/llama_sites.py)
+    as this benchmark's one-weight shapes: several weights as one of their summed width, a sum
+    of products as one matmul over the concatenated K (the operands the pass concatenates).
+    The cost model's choice is taken on the site's own Task."""
+    from benchmarks.llama_sites import sites
+
+    found = {}
+    for site in sites(model, world, "train", tokens):
+        task = site.task
+        found.setdefault(task.op, []).append(((task.m, task.k, sum(task.ns)), site))
+    return found
 
 
 def run_mlp(dtype, group_name, world, args):
@@ -362,6 +381,9 @@ def main():
     ap.add_argument("--ops", default="", help="only these ops, e.g. matmul_reduce_scatter")
     ap.add_argument("--plans", default="", help="only these candidate labels (and the cost "
                     "model's choice), e.g. tri_pull_p16,tri_pull_p32")
+    ap.add_argument("--sites", default="", help="a Llama size (8b, 70b): its training step's "
+                    "sites at TP = the world size instead of the fixed shapes")
+    ap.add_argument("--tokens", type=int, default=8192, help="the sites' tokens (B x S)")
     ap.add_argument("--machine", default=os.environ.get("MACHINE_KIND", "unknown"))
     ap.add_argument("--from-json", help="no GPU: re-select each row's ditron plan with the current "
                     "cost model from the candidates measured in that run, rewrite <out>.md/.json")
@@ -382,14 +404,18 @@ def main():
     dtype = getattr(torch, args.dtype)
     rows = []
     t0 = time.time()
+    site_shapes = llama_site_shapes(args.sites, world, args.tokens) if args.sites else {}
     for op, shapes, runner in (("all_gather_matmul", AG_SHAPES, run_ag),
                                ("matmul_reduce_scatter", RS_SHAPES, run_rs)):
-        for shape in shapes if not args.ops or op in args.ops.split(",") else ():
+        shapes = site_shapes.get(op, []) if args.sites else [(s, None) for s in shapes]
+        for shape, site in shapes if not args.ops or op in args.ops.split(",") else ():
             shape = (int(shape[0] * args.scale) // (8 * world) * 8 * world, shape[1], shape[2])
-            choice = cost_model_choice(op, shape, dtype, group_name, world)
+            task = site and dataclasses.replace(site.task, m=shape[0], dim_size=shape[0],
+                                                group_name=group_name, dtype=dtype)
+            choice = cost_model_choice(op, shape, dtype, group_name, world, task)
             HOST_MS.clear()
             ms, plans = runner(shape, dtype, group_name, world, args, choice)
-            row = {"op": op, "M": shape[0], "K": shape[1], "N": shape[2], "world": world,
+            row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1], "N": shape[2], "world": world,
                    "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
                    "chosen": choice[0]["label"] if choice[0] else "nccl_cublas", "why": choice[1]}
             rows.append(row)

@@ -97,12 +97,12 @@ def ep_inputs(layer: MoeLayer, tokens: int, world: int, group, device, dtype, ge
     experts = layer.experts * world
     chosen = torch.rand(tokens, experts, generator=gen).topk(layer.top_k, dim=1).indices
     expert = chosen.reshape(-1).sort().values
-    send = torch.bincount(expert // layer.experts, minlength=world)
+    send = torch.bincount(expert // layer.experts, minlength=world).to(device)  # NCCL: on GPUs
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     in_splits, out_splits = send.tolist(), recv.tolist()
-    received = torch.empty(sum(out_splits), dtype=expert.dtype)
-    dist.all_to_all_single(received, expert, out_splits, in_splits, group=group)
+    received = torch.empty(sum(out_splits), dtype=expert.dtype, device=device)
+    dist.all_to_all_single(received, expert.to(device), out_splits, in_splits, group=group)
     local = received % layer.experts
     return dict(
         x=torch.randn(expert.numel(), layer.hidden, generator=gen).to(device, dtype),

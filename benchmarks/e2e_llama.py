@@ -100,14 +100,18 @@ import torch.distributed as dist  # noqa: E402
 from ditron_inductor import clean_exit  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
-# ditron_keep_mask: ditron with its causal-mask rewrite off (what overlap alone gains)
-CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask")
+# ditron_keep_mask: ditron with its causal-mask rewrite off (what overlap alone gains);
+# ditron_keep_mask_model: that, its AG/RS plans from the link model alone (ditron.measured_plans
+# off), to time the measured plans' choice against the model's in one run
+CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask",
+              "ditron_keep_mask_model")
 WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
 NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
-CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)"}
+CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)",
+                    "ditron_keep_mask_model": "fusions only, the link model's plans"}
 # --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
 # report says how far, beside how far the other contenders lie: any change of rounding upstream
 # flips e5m2 gradient elements, so two right answers can lie 0.2 apart (2x H200, 4 layers)
@@ -141,8 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Float8Linear under its float8 TP styles (tests/llama_tp.py, "
                         "float8_layer_plan); train workload only")
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS
-                                                     if c != "ditron_keep_mask"),
-                   help="ditron brings ditron_keep_mask (fusions only) along, but with --no-comm")
+                                                     if not c.startswith("ditron_keep_mask")),
+                   help="ditron brings ditron_keep_mask (fusions only) along, but with "
+                        "--no-comm; ditron_keep_mask_model runs where named")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's implementation in the training step (torchtitan's default: "
                         "fused)")
@@ -225,8 +230,9 @@ def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = 
         options = {**(list_mode_options(cuda_graphs) if cuda_graphs else {}),
                    "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
-    if contender in ("ditron", "ditron_keep_mask"):
-        options = {**({"ditron.causal_mask": False} if contender == "ditron_keep_mask" else {}),
+    if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_model"):
+        options = {**({"ditron.causal_mask": False} if "keep_mask" in contender else {}),
+                   **({"ditron.measured_plans": False} if contender.endswith("_model") else {}),
                    **({"ditron.patterns": ""} if no_comm else {})}
         if not options:  # as a user writes it
             return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)
@@ -340,6 +346,7 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention"
                 ("optimizer", ("multi_tensor_apply", "foreach")), ("copy", ("memcpy", "memset")))
 PROFILE_KINDS = ("ditron",) + tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
 TOP_KERNELS = 12  # the kernels a device profile names, by their time
+TOP_GAPS = 10  # the idle intervals it names, by the kernels around them, by their time
 
 
 @functools.cache
@@ -391,6 +398,24 @@ def alone(spans) -> dict:
     return out
 
 
+def idle_gaps(spans) -> dict:
+    """Where the device idles between the first kernel and the last of (start, end, name) spans:
+    the intervals in which no kernel or copy runs on any stream, by the kernel that ended last
+    before each and the one that starts it: {(before, after): [time, count]}. A stream waiting
+    on a flag (ditron's waits on a peer) or on the host (launches late) idles alike; NCCL waits
+    for a late peer inside its kernel (busy)."""
+    gaps: dict = {}
+    reach, before = -math.inf, None
+    for start, end, name in sorted(spans):
+        if before is not None and start > reach:
+            gap = gaps.setdefault((before, name), [0.0, 0])
+            gap[0] += start - reach
+            gap[1] += 1
+        if end > reach:
+            reach, before = end, name
+    return gaps
+
+
 def device_profile(fn, calls: int, timer: Timer) -> dict:
     """The profile of `calls` calls of `fn` (`kernel_times`)."""
     from torch.profiler import ProfilerActivity, profile
@@ -422,8 +447,13 @@ def kernel_times(events, calls: int) -> dict:
     ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
     only = alone((e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in kernels)
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    gaps = idle_gaps((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    widest = sorted(gaps.items(), key=lambda item: -item[1][0])[:TOP_GAPS]
     return {**ms, "alone": {kind: t / 1e3 / calls for kind, t in only.items()},
-            "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top]}
+            "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top],
+            "idle": sum(t for t, _ in gaps.values()) / 1e3 / calls,
+            "gaps": [[before[:80], after[:80], round(t / 1e3 / calls, 4), n / calls]
+                     for (before, after), (t, n) in widest]}
 
 
 def ditron_graphs(start: int) -> list[dict]:
@@ -654,6 +684,11 @@ def device_table(rows: list[dict], calls: int) -> str:
         for name, ms in r.get("device_profile", {}).items():
             lines.append(f"\n{r['workload']} {r['shape']} {r['mode']}, {name}: the longest kernels")
             lines += [f"  {t:8.3f} ms  {kind:9} {kernel}" for kernel, kind, t in ms["top"]]
+            if "gaps" in ms:
+                lines.append(f"  idle {ms['idle']:.3f} ms per call between its first kernel and "
+                             "its last, most between (count per call):")
+                lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
+                          for before, after, t, n in ms["gaps"]]
     return "\n".join(lines)
 
 

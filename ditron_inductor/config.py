@@ -11,6 +11,9 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.log_all_ranks     DITRON_LOG_ALL_RANKS      0 | 1 (INFO lines of every rank, not 0's)
     ditron.causal_mask       DITRON_CAUSAL_MASK        1 | 0 (1: an attention mask that is a
                                                        constant causal one becomes is_causal=True)
+    ditron.measured_plans    DITRON_MEASURED_PLANS     1 | 0 (0: the AG/RS plans from the link
+                                                       model alone, never from the plans measured
+                                                       at a near shape, scheduler/measured_plans.py)
 
 Every value is validated (`OptionError` names the option, the value and what is allowed). The
 module attributes below hold the options of the compile in progress (`using`), the environment's
@@ -68,11 +71,15 @@ class Options:
     log_all_ranks: bool = False
     # Rewrite SDPA calls whose mask is a constant causal (or empty) one (lowering/causal_mask.py).
     causal_mask: bool = True
+    # Take the fastest measured AG/RS plan at a measured shape near the task's (on the task's
+    # world size) over the link model's prediction (scheduler/measured_plans.py).
+    measured_plans: bool = True
 
     def cache_key(self) -> str:
         """The options that change compiled graphs, as text for the pass's uuid."""
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
-                     self.symm_mem_backend, self.wait_timeout_s, self.causal_mask))
+                     self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
+                     self.measured_plans))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -127,6 +134,7 @@ OPTIONS = {
     "wait_timeout_s": ("DITRON_WAIT_TIMEOUT_S", "wait_timeout_s", _seconds),
     "log_all_ranks": ("DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool),
     "causal_mask": ("DITRON_CAUSAL_MASK", "causal_mask", _bool),
+    "measured_plans": ("DITRON_MEASURED_PLANS", "measured_plans", _bool),
 }
 
 
@@ -203,3 +211,4 @@ symm_mem_backend: str = _defaults.symm_mem_backend
 wait_timeout_s: float = _defaults.wait_timeout_s
 log_all_ranks: bool = _defaults.log_all_ranks
 causal_mask: bool = _defaults.causal_mask
+measured_plans: bool = _defaults.measured_plans

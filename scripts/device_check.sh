@@ -11,12 +11,15 @@
 # MoE dispatch and combine on every local GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused
 # dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
 # bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
+# fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
+# training step's sites, TP = the GPUs present),
 # fp8_gpu (the FP8 plans at the world sizes
 # present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
 # causal-mask rewrite), train_profile (the training step of Inductor and ditron with the device
-# time by kernel kind), e2e_fp8 (the float8 training step as the scheduler decides, then with
+# time by kernel kind; TRAIN_CONTENDERS names others, e.g. inductor,ditron_keep_mask,
+# ditron_keep_mask_model: the measured plans' choice against the link model's), e2e_fp8 (the float8 training step as the scheduler decides, then with
 # DITRON_PLAN=fused), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
 # guards skipped, the host's time split).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
@@ -87,10 +90,16 @@ fp8_tp() { local world; world=$(nvidia-smi -L | wc -l)
 moe_ep() { local world; world=$(nvidia-smi -L | wc -l)  # MOE_EP_ARGS: e.g. "--models mixtral"
   limited ${MOE_EP_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
     --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }
+fused_sites() { local world tokens; world=$(nvidia-smi -L | wc -l)  # every AG/RS candidate
+  for tokens in ${FUSED_TOKENS:-8192}; do  # per site, for each token count
+    limited ${FUSED_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fused.py \
+      --sites ${FUSED_SITES:-8b} --tokens "$tokens" --no-mlp --iters 10 --reps 5 \
+      --out "$W/fused_sites_$tokens"
+  done; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
-    --workloads train --contenders inductor,ditron --profile-device 3 \
-    --json "$W/e2e_train_profile.json"; }
+    --workloads train --contenders ${TRAIN_CONTENDERS:-inductor,ditron} --profile-device 3 \
+    --json "$W/e2e_train_profile.json" ${E2E_ARGS:-}; }
 e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
   local run=(torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py --workloads train
              --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron)

@@ -556,6 +556,12 @@ def test_benchmark_kernel_times_skip_annotations():
     assert sum(times["alone"].values()) == 1.5
     assert times["top"] == [["ncclDevKernel_AllGather", "nccl", 2.0],
                             ["nvjet_tst_128x256", "gemm", 1.5]]
+    assert (times["idle"], times["gaps"]) == (0.0, [])
+    # an idle stretch after the all-gather, before a copy: by the kernels around it, per call
+    events.append(event("Memcpy PtoP", 6000, 7000))
+    times = _benchmark().kernel_times(events, calls=2)
+    assert (times["idle"], times["gaps"]) == (0.5, [["ncclDevKernel_AllGather", "Memcpy PtoP",
+                                                     0.5, 0.5]])
 
 
 def test_benchmark_device_profile_table(capsys):
@@ -568,6 +574,12 @@ def test_benchmark_device_profile_table(capsys):
                       (30, 31, "copy"), (31, 33, "gemm")])
     assert (only["gemm"], only["copy"], only["nccl"], only["other"]) == (7, 5, 10, 0)
     assert e2e.alone([]) == dict.fromkeys(e2e.PROFILE_KINDS, 0.0)
+    # idle between a GEMM and the copy after it, twice; none where a kernel covers the time;
+    # the kernel that ended last borders the gap, not the one that started last
+    gaps = e2e.idle_gaps([(0, 10, "gemm"), (2, 4, "short"), (12, 13, "copy"), (13, 20, "gemm"),
+                          (25, 26, "copy"), (26, 30, "nccl")])
+    assert gaps == {("gemm", "copy"): [7, 2]}
+    assert e2e.idle_gaps([]) == {}
     kinds = {kind: 0.0 for kind in e2e.PROFILE_KINDS}
     row = {"workload": "prefill (TP)", "shape": "B 1, S 4096", "mode": e2e.EAGER_LAUNCH,
            "ms": {"inductor": 7.5},
@@ -581,6 +593,12 @@ def test_benchmark_device_profile_table(capsys):
                         "0.000 | 1.000 | 0.000 | 5.500 | 0.000 | 0.000 | 0.000 |")
     assert lines[5:] == ["", "prefill (TP) B 1, S 4096 eager launch, inductor: the longest kernels",
                          "     1.250 ms  gemm      nvjet_tst_128x256"]
+    # with the idle stretches (older profiles have none: no such lines)
+    row["device_profile"]["inductor"].update(idle=0.25, gaps=[["nvjet", "Memcpy", 0.2, 1.5]])
+    assert e2e.device_table([row], 3).splitlines()[8:] == [
+        "  idle 0.250 ms per call between its first kernel and its last, most between (count "
+        "per call):", "     0.200 ms    1.5x  nvjet  ->  Memcpy"]
+    del row["device_profile"]["inductor"]["idle"], row["device_profile"]["inductor"]["gaps"]
     # with the time each kind runs alone (older profiles have none: no such table)
     row["device_profile"]["inductor"]["alone"] = {**kinds, "gemm": 4.5, "nccl": 0.75}
     lines = e2e.device_table([row], 3).splitlines()

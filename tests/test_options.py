@@ -31,6 +31,7 @@ GOOD = [
     ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "2.5", "wait_timeout_s", 2.5),
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "1", "log_all_ranks", True),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "off", "causal_mask", False),
+    ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "0", "measured_plans", False),
 ]
 
 # option key, environment variable, bad value, the error's text after "<name>=<value!r>: "
@@ -50,6 +51,8 @@ BAD = [
      "expected a number of seconds >= 0 (0: unbounded)"),
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "2", "expected a boolean (1/0, true/false)"),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "sometimes",
+     "expected a boolean (1/0, true/false)"),
+    ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "model",
      "expected a boolean (1/0, true/false)"),
 ]
 
@@ -84,7 +87,7 @@ def test_unknown_ditron_key_names_the_known_ones():
     assert str(error.value) == (
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
-        "ditron.causal_mask")
+        "ditron.causal_mask, ditron.measured_plans")
 
 
 def test_options_win_over_the_environment_and_inductor_keys_pass_through(monkeypatch):

@@ -13,7 +13,8 @@ On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows push
 the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
 combine is moe_combine.py (passed on 2x H200): the GEMM's epilogue stores each row into its
 receiver's buffer, where the all-to-all would land it, and counts it there. The scheduler plans
-neither op fused (cost_model.MOE_NOT_FUSED: a plan is named explicitly). A sum of several
+neither op fused (cost_model.MOE_NOT_FUSED: slower than NCCL + torch._grouped_mm on 2x H200;
+a plan is named explicitly). A sum of several
 grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Optional
 
-from . import measured
+from .. import config
+from . import measured, measured_plans
 from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan, ReduceScatterPlan,
                    family, from_params)
 from .task import (
@@ -180,6 +181,18 @@ def _gemm_ms(m: int, k: int, n: int, triton: bool = False) -> float:
     return ms
 
 
+def rewrite_costs(task: Task) -> tuple[float, float]:
+    """(ms of the rewrite's copies around the fused op, ms of the sum of products that the
+    unfused graph adds): what neither a fused candidate's nor NCCL + cuBLAS's time on one matmul
+    holds."""
+    c = calibration(task.world_size)
+    b = _itemsize(task)
+    elems = task.m_hint * task.n_total
+    copy_ms = 2 * size_hint(task.copy_elems) * b / (c["copy_gbps"] * 1e6)
+    sum_ms = (task.terms + 1) * elems * b / (c["copy_gbps"] * 1e6) if task.terms > 1 else 0.0
+    return copy_ms, sum_ms
+
+
 def predict(task: Task) -> dict[str, float]:
     """Predicted ms per call, by contender label ("nccl_cublas" and each candidate)."""
     w = task.world_size
@@ -188,9 +201,7 @@ def predict(task: Task) -> dict[str, float]:
     n = task.n_total
     b = _itemsize(task)
     rows = max(1, m // w)
-    # the rewrite's copies around the fused op; the products that the unfused graph sums
-    copy_ms = 2 * size_hint(task.copy_elems) * b / (c["copy_gbps"] * 1e6)
-    sum_ms = (task.terms + 1) * m * n * b / (c["copy_gbps"] * 1e6) if task.terms > 1 else 0.0
+    copy_ms, sum_ms = rewrite_costs(task)
     out: dict[str, float] = {}
     if task.op == ALL_GATHER_MATMUL:
         gathered = m * k * b
@@ -245,8 +256,51 @@ def plan_label(plan: Optional[FusedPlan]) -> Optional[str]:
     return plan.label if plan is not None else None
 
 
+class MeasuredDecision(NamedTuple):
+    """The choice at a shape measured on the task's world size (scheduler/measured_plans.py):
+    the fastest fused candidate there (`fastest`), whether it beat NCCL + cuBLAS by
+    MEASURED_MIN_GAIN (`label`: else None), both times with the rewrite's extra costs."""
+
+    fastest: str
+    label: Optional[str]
+    fused_ms: float
+    unfused_ms: float
+    summary: str
+
+
+# Measured (per-call medians, the slowest rank), not predicted: the margin covers run-to-run
+# noise (~2% between runs of the same table), not a model's error.
+MEASURED_MIN_GAIN = 1.02
+
+
+def measured_decision(task: Task) -> Optional[MeasuredDecision]:
+    """The decision from the measured candidates at the nearest measured shape of the task's op
+    and world size, or None where none is near or the option is off (ditron.measured_plans).
+    Only candidates validated somewhere (VALIDATED_ON) are taken."""
+    if not config.measured_plans:
+        return None
+    m, k, n = task.m_hint, size_hint(task.k), task.n_total
+    row = measured_plans.nearest(task.op, task.world_size, m, k, n)
+    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
+    if not fastest:
+        return None
+    copy_ms, sum_ms = rewrite_costs(task)
+    fused = row.ms[fastest] + copy_ms
+    unfused = row.ms[measured_plans.NCCL_CUBLAS] + sum_ms
+    rm, rk, rn = row.shape
+    summary = (f"measured on {task.world_size} ranks at {rm}x{rk}x{rn} ({row.source}): "
+               f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms")
+    label = fastest if unfused >= fused * MEASURED_MIN_GAIN else None
+    return MeasuredDecision(fastest, label, fused, unfused, summary)
+
+
 def _best_label(task: Task) -> str:
-    """The candidate predicted fastest among those validated on this many ranks."""
+    """The fastest candidate measured at the task's shape and world size, else the one
+    predicted fastest among those validated on this many ranks."""
+    measured = measured_decision(task)
+    if measured is not None:
+        return measured.fastest
     skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
@@ -463,14 +517,14 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
 
 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
-# world size 1, where a plan names it (benchmarks/bench_moe.py). On more ranks the dispatch has a
-# fused runtime (runtime/moe_dispatch.py: the push into the peers' receive buffers, per-tile
-# arrival counters; correct on 2x H100), the combine one (runtime/moe_combine.py: correct on 2x
-# H200), neither timed against NCCL, and no measurement says the Triton grouped GEMM keeps up
-# with torch._grouped_mm: the graph keeps NCCL + grouped GEMM.
-MOE_NOT_FUSED = ("{op}: the fused MoE kernels are not timed against NCCL on several ranks "
-                 "(the multi-rank dispatch and combine are correct on GPUs; a plan names "
-                 "them): NCCL all-to-all + torch._grouped_mm")
+# world size 1, where a plan names it (benchmarks/bench_moe.py). On more ranks the dispatch
+# (runtime/moe_dispatch.py) and the combine (runtime/moe_combine.py) are correct on 2x H200 and
+# measured slower than NCCL all-to-all + torch._grouped_mm at every row of
+# benchmarks/results/moe_ep_h200x2.md (1.17-3.65x its time: Mixtral and Qwen3-30B-A3B layers,
+# 512-16384 tokens per rank): the graph keeps NCCL + grouped GEMM.
+MOE_NOT_FUSED = ("{op}: the fused MoE kernels measured slower than NCCL all-to-all + "
+                 "torch._grouped_mm on 2x H200 (1.17-3.65x its time, moe_ep_h200x2.md; a plan "
+                 "names them): NCCL all-to-all + torch._grouped_mm")
 
 
 def world1_compute_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
@@ -502,6 +556,13 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     if not task.rank_chunks_contiguous:
         return None, (f"the fused kernels take each rank's chunk as one block of rows; "
                       f"dim {task.dim} with a leading dim > 1 interleaves them")
+    measured = measured_decision(task)
+    if measured is not None:
+        if measured.label is None:
+            return None, f"no measured gain: {measured.summary}"
+        plan = dataclasses.replace(candidate_plan(task, measured.label), predicted_ms=(
+            ("nccl_cublas", measured.unfused_ms), ("fused", measured.fused_ms)))
+        return plan, f"fused plan {measured.label}: {measured.summary}"
     skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")

@@ -1,0 +1,56 @@
+"""Writes ditron_inductor/scheduler/measured_plans.json from bench_fused.py runs: per row the op,
+world size, M, K, N and every candidate's median ms beside NCCL + cuBLAS's (what the scheduler
+takes the fastest plan from at shapes near these: scheduler/measured_plans.py).
+
+    python benchmarks/measured_plans_table.py benchmarks/results/fused_h200x2_llama8b_sites.json
+
+A later run's row replaces an earlier one's at the same (op, world, M, K, N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.measured_plans import NCCL_CUBLAS, TABLE  # noqa: E402
+
+CANDIDATES = {*AG_CANDIDATES, *RS_CANDIDATES}  # a run's other columns (the GEMM alone) are not
+
+
+def table(runs: list[tuple[str, dict]]) -> dict:
+    """{"sources": [...], "rows": [...]} from (file name, bench_fused JSON) pairs."""
+    sources, rows = [], {}
+    for name, run in runs:
+        meta = run["meta"]
+        sources.append(dict(file=name, card=meta["gpu"], date=meta["date"],
+                            command=meta["command"]))
+        for r in run["rows"]:
+            ms = {label: t for label, t in r["plans"].items()
+                  if label in CANDIDATES and t is not None and math.isfinite(t)}
+            ms[NCCL_CUBLAS] = r["ms"][NCCL_CUBLAS]
+            key = (r["op"], r["world"], r["M"], r["K"], r["N"])
+            rows[key] = dict(op=r["op"], world=r["world"], m=r["M"], k=r["K"], n=r["N"],
+                             site=r.get("site"), ms={k: round(v, 4) for k, v in ms.items()},
+                             source=len(sources) - 1)
+    return {"sources": sources, "rows": list(rows.values())}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="bench_fused.py JSON files, oldest first")
+    ap.add_argument("--out", default=str(TABLE))
+    args = ap.parse_args(argv)
+    runs = [(pathlib.Path(p).name, json.loads(pathlib.Path(p).read_text())) for p in args.runs]
+    data = table(runs)
+    pathlib.Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"{os.path.relpath(args.out)}: {len(data['rows'])} rows from {len(runs)} run(s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The AG/RS plans measured on several ranks (scheduler/measured_plans.py): which measured row
+stands for a task, the decision taken from it, the option that turns it off, and the table
+written from bench_fused.py runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import measured_plans_table
+from ditron_inductor import config
+from ditron_inductor.scheduler import cost_model, measured_plans
+from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
+
+
+def _run(rows, date="2026-11-26 02:55 UTC"):
+    """A bench_fused.py JSON with these (op, M, K, N, {label: ms}, NCCL + cuBLAS ms) rows."""
+    return {"meta": {"gpu": "NVIDIA H200", "date": date, "command": "torchrun ..."},
+            "rows": [{"op": op, "world": 2, "M": m, "K": k, "N": n, "site": None,
+                      "plans": {**plans, "triton_gemm_only": 0.1},
+                      "ms": {"nccl_cublas": nccl, "ditron": 9.9}}
+                     for op, m, k, n, plans, nccl in rows]}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """Installs a measured table written from the given runs; the package's own afterwards."""
+    def install(*runs):
+        path = tmp_path / "measured_plans.json"
+        measured_plans_table.main([*(_write(tmp_path, i, run) for i, run in enumerate(runs)),
+                                   "--out", str(path)])
+        monkeypatch.setattr(measured_plans, "TABLE", path)
+        measured_plans._rows.cache_clear()
+        return json.loads(path.read_text())
+    yield install
+    measured_plans._rows.cache_clear()
+
+
+def _write(tmp_path, i, run) -> str:
+    path = tmp_path / f"run{i}.json"
+    path.write_text(json.dumps(run))
+    return str(path)
+
+
+def _task(op, m, k, n, world=2, **more) -> Task:
+    return Task(op=op, group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=torch.bfloat16,
+                device_type="cuda", dim_size=m, has_bias=(False,),
+                reduce_op=None if op == ALL_GATHER_MATMUL else "sum", **more)
+
+
+AG, RS = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
+GATE_UP = (AG, 8192, 4096, 14336, {"tri_tma_128x256": 1.522, "cublas_1_3_4": 1.489,
+                                   "tri_sm16_128x256": 1.0}, 1.432)
+DOWN_GRAD = (AG, 8192, 4096, 7168, {"tri_tma_128x256": 0.859, "cublas_1_2_5": 0.807,
+                                    "cublas_1_7": float("nan")}, 0.831)
+
+
+def test_the_table_keeps_candidates_and_a_later_run_replaces_a_row(table):
+    data = table(_run([GATE_UP, DOWN_GRAD]),
+                 _run([(*GATE_UP[:4], {"cublas_1_3_4": 1.2}, 1.432)], date="later"))
+    assert [s["date"] for s in data["sources"]] == ["2026-11-26 02:55 UTC", "later"]
+    rows = {(r["m"], r["k"], r["n"]): r for r in data["rows"]}
+    assert len(rows) == 2
+    # the later run's row; the GEMM alone and unfinished candidates (NaN) left out
+    assert rows[(8192, 4096, 14336)]["ms"] == {"cublas_1_3_4": 1.2, "nccl_cublas": 1.432}
+    assert rows[(8192, 4096, 14336)]["source"] == 1
+    assert rows[(8192, 4096, 7168)]["ms"] == {"tri_tma_128x256": 0.859, "cublas_1_2_5": 0.807,
+                                              "nccl_cublas": 0.831}
+
+
+def test_a_measured_shape_stands_for_near_tasks_only(table):
+    table(_run([GATE_UP]))
+    assert measured_plans.nearest(AG, 2, 8192, 4096, 14336).shape == (8192, 4096, 14336)
+    # each dim within 1.25x: near; one beyond: not; another world size or op: not
+    assert measured_plans.nearest(AG, 2, 10240, 3584, 12288) is not None
+    assert measured_plans.nearest(AG, 2, 8192, 4096, 7168) is None
+    assert measured_plans.nearest(AG, 4, 8192, 4096, 14336) is None
+    assert measured_plans.nearest(RS, 2, 8192, 4096, 14336) is None
+
+
+def test_the_scheduler_takes_the_fastest_measured_plan_or_nccl(table):
+    table(_run([GATE_UP, DOWN_GRAD]))
+    # gate/up: every validated fused plan slower than NCCL + cuBLAS (the SM-pull one, faster
+    # but not validated, is not taken): the graph keeps NCCL + cuBLAS
+    plan, why = cost_model.choose_device_plan(_task(*GATE_UP[:4]))
+    assert plan is None
+    assert why.startswith("no measured gain: measured on 2 ranks at 8192x4096x14336 (run0.json: "
+                          "NVIDIA H200, 2026-11-26 02:55 UTC): NCCL+cuBLAS 1.432 ms, fastest "
+                          "fused cublas_1_3_4 1.489 ms")
+    # down's output gradient: the cuBLAS-group plan, 1.03x NCCL's time (>= MEASURED_MIN_GAIN)
+    plan, why = cost_model.choose_device_plan(_task(*DOWN_GRAD[:4]))
+    assert (plan.label, plan.predicted_ms) == ("cublas_1_2_5", (("nccl_cublas", 0.831),
+                                                               ("fused", 0.807)))
+    assert why.startswith("fused plan cublas_1_2_5: measured on 2 ranks")
+    # DITRON_PLAN=fused where NCCL won: the fastest measured fused plan
+    assert cost_model.fused_plan(_task(*GATE_UP[:4])).label == "cublas_1_3_4"
+    # a gain below MEASURED_MIN_GAIN (1.5%) is not taken
+    table(_run([(RS, 8192, 64128, 4096, {"cublas_triton_reduce": 6.2}, 6.293)]))
+    assert cost_model.choose_device_plan(_task(RS, 8192, 64128, 4096))[0] is None
+
+
+def test_a_sum_of_products_adds_the_rewrite_costs_to_each_side(table):
+    table(_run([(RS, 8192, 14336, 4096, {"cublas_triton_reduce": 1.444}, 1.558)]))
+    task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=58720256)
+    copy_ms, sum_ms = cost_model.rewrite_costs(task)
+    assert copy_ms > 0 and sum_ms > 0
+    decision = cost_model.measured_decision(task)
+    assert decision.fused_ms == pytest.approx(1.444 + copy_ms)
+    assert decision.unfused_ms == pytest.approx(1.558 + sum_ms)
+
+
+def test_the_option_off_leaves_the_link_model(table):
+    table(_run([GATE_UP]))
+    task = _task(*GATE_UP[:4])
+    saved, config.measured_plans = config.measured_plans, False
+    try:
+        assert cost_model.measured_decision(task) is None
+        plan, why = cost_model.choose_device_plan(task)
+        assert why.startswith("fused plan tri_tma_128x256: predicted")
+    finally:
+        config.measured_plans = saved
+    assert config.from_env({"DITRON_MEASURED_PLANS": "0"}).measured_plans is False
+    assert config.Options(measured_plans=False).cache_key() != config.Options().cache_key()
+
+
+def test_bench_fused_times_the_llama_sites_as_one_weight_shapes():
+    """bench_fused.py --sites: the training step's sites as the table's (M, K, N) rows."""
+    from benchmarks.bench_fused import llama_site_shapes
+
+    shapes = llama_site_shapes("8b", 2, 8192)
+    assert [(shape, site.name) for shape, site in shapes[AG]][:2] == [
+        ((8192, 4096, 3072), "q/k/v gather"), ((8192, 4096, 14336), "gate/up gather")]
+    # a sum of products: one matmul over the concatenated K
+    assert ((8192, 14336, 4096), "gate/up input-grad scatter") in [
+        (shape, site.name) for shape, site in shapes[RS]]
+    assert (len(shapes[AG]), len(shapes[RS])) == (5, 5)
