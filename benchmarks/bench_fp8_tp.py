@@ -6,7 +6,7 @@ world size (benchmarks/llama_sites.py; lm_head stays bf16 in torchao's recipe an
 what the scheduler needs to choose the fp8 plans per site (it chooses them only where the
 float8 training step was measured end to end: cost_model.FP8_CHOSEN_WORLD).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_fp8_tp.py --out benchmarks/results/fp8_tp_h100x2
+    torchrun --nproc-per-node 2 benchmarks/bench_fp8_tp.py --out benchmarks/results/fp8_tp_h200x2
     torchrun --nproc-per-node 2 benchmarks/bench_fp8_tp.py --device cpu --tiny --out /tmp/fp8_tp
 
 Operands as torchao's float8 training step has them: tensorwise scales, bf16 outputs; the

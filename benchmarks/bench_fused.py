@@ -1,6 +1,10 @@
 """Fused collective + matmul benchmark: one run on W GPUs, every contender measured side by side.
 
     torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/fused_h200x8_<variant measured>
+    torchrun --nproc-per-node 2 benchmarks/bench_fused.py --sites 8b --tokens 8192 --no-mlp \
+        --out benchmarks/results/fused_h200x2_llama8b_sites   # a Llama training step's sites
+
+The runs' JSON feed the scheduler's measured plans (benchmarks/measured_plans_table.py).
 
 Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
 (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter), ditron with the plan

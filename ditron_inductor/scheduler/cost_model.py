@@ -4,7 +4,10 @@ The model predicts, per candidate plan, the time of one call from a few constant
 GPU machines (H200X8 and H200X4 below, by world size; a world size takes the nearest) and
 picks the fastest; when no fused plan is predicted to beat the plain collective + cuBLAS by
 MIN_GAIN, it returns None: the graph keeps NCCL + cuBLAS. Only shapes, dtype and world size
-enter, so every rank makes the same choice.
+enter, so every rank makes the same choice. Where the AG/RS candidates were all timed on the
+task's world size at a shape near its own (measured_plans.py), the measurement decides instead
+of the prediction (measured_decision: the fastest validated candidate, or NCCL + cuBLAS where
+none beats it by MEASURED_MIN_GAIN).
 
 Candidates (parameters of the typed plans in scheduler/plan.py, which say what each means):
   gemm="triton": one persistent Triton GEMM (TMA, block_m x block_n x block_k, stages, warps)
