@@ -419,7 +419,8 @@ def main():
             choice = cost_model_choice(op, shape, dtype, group_name, world, task)
             HOST_MS.clear()
             ms, plans = runner(shape, dtype, group_name, world, args, choice)
-            row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1], "N": shape[2], "world": world,
+            row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1],
+                   "N": shape[2], "world": world,
                    "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
                    "chosen": choice[0]["label"] if choice[0] else "nccl_cublas", "why": choice[1]}
             rows.append(row)

@@ -1,10 +1,10 @@
 """Writes ditron_inductor/scheduler/measured_plans.json from bench_fused.py runs: per row the op,
-world size, M, K, N and every candidate's median ms beside NCCL + cuBLAS's (what the scheduler
+world size, dtype, M, K, N and every candidate's median ms beside NCCL + cuBLAS's (what the scheduler
 takes the fastest plan from at shapes near these: scheduler/measured_plans.py).
 
     python benchmarks/measured_plans_table.py benchmarks/results/fused_h200x2_llama8b_sites.json
 
-A later run's row replaces an earlier one's at the same (op, world, M, K, N).
+A later run's row replaces an earlier one's at the same (op, world, dtype, M, K, N).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def table(runs: list[tuple[str, dict]]) -> dict:
             ms = {label: t for label, t in r["plans"].items()
                   if label in CANDIDATES and t is not None and math.isfinite(t)}
             ms[NCCL_CUBLAS] = r["ms"][NCCL_CUBLAS]
-            key = (r["op"], r["world"], r["M"], r["K"], r["N"])
-            rows[key] = dict(op=r["op"], world=r["world"], m=r["M"], k=r["K"], n=r["N"],
+            key = (r["op"], r["world"], r["dtype"], r["M"], r["K"], r["N"])
+            rows[key] = dict(op=r["op"], world=r["world"], dtype=r["dtype"], m=r["M"], k=r["K"],
+                             n=r["N"],
                              site=r.get("site"), ms={k: round(v, 4) for k, v in ms.items()},
                              source=len(sources) - 1)
     return {"sources": sources, "rows": list(rows.values())}

@@ -18,7 +18,8 @@ from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCAT
 def _run(rows, date="2026-11-26 02:55 UTC"):
     """A bench_fused.py JSON with these (op, M, K, N, {label: ms}, NCCL + cuBLAS ms) rows."""
     return {"meta": {"gpu": "NVIDIA H200", "date": date, "command": "torchrun ..."},
-            "rows": [{"op": op, "world": 2, "M": m, "K": k, "N": n, "site": None,
+            "rows": [{"op": op, "world": 2, "dtype": "bfloat16", "M": m, "K": k, "N": n,
+                      "site": None,
                       "plans": {**plans, "triton_gemm_only": 0.1},
                       "ms": {"nccl_cublas": nccl, "ditron": 9.9}}
                      for op, m, k, n, plans, nccl in rows]}
@@ -72,12 +73,14 @@ def test_the_table_keeps_candidates_and_a_later_run_replaces_a_row(table):
 
 def test_a_measured_shape_stands_for_near_tasks_only(table):
     table(_run([GATE_UP]))
-    assert measured_plans.nearest(AG, 2, 8192, 4096, 14336).shape == (8192, 4096, 14336)
-    # each dim within 1.25x: near; one beyond: not; another world size or op: not
-    assert measured_plans.nearest(AG, 2, 10240, 3584, 12288) is not None
-    assert measured_plans.nearest(AG, 2, 8192, 4096, 7168) is None
-    assert measured_plans.nearest(AG, 4, 8192, 4096, 14336) is None
-    assert measured_plans.nearest(RS, 2, 8192, 4096, 14336) is None
+    bf16 = torch.bfloat16
+    assert measured_plans.nearest(AG, 2, bf16, 8192, 4096, 14336).shape == (8192, 4096, 14336)
+    # each dim within 1.25x: near; one beyond: not; another world size, op or dtype: not
+    assert measured_plans.nearest(AG, 2, bf16, 10240, 3584, 12288) is not None
+    assert measured_plans.nearest(AG, 2, bf16, 8192, 4096, 7168) is None
+    assert measured_plans.nearest(AG, 4, bf16, 8192, 4096, 14336) is None
+    assert measured_plans.nearest(RS, 2, bf16, 8192, 4096, 14336) is None
+    assert measured_plans.nearest(AG, 2, torch.float16, 8192, 4096, 14336) is None
 
 
 def test_the_scheduler_takes_the_fastest_measured_plan_or_nccl(table):

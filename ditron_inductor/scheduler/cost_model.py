@@ -283,7 +283,7 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     if not config.measured_plans:
         return None
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
-    row = measured_plans.nearest(task.op, task.world_size, m, k, n)
+    row = measured_plans.nearest(task.op, task.world_size, task.dtype, m, k, n)
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
     fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
     if not fastest:

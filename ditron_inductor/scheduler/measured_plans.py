@@ -2,8 +2,8 @@
 world size beside NCCL + cuBLAS's, from a `benchmarks/bench_fused.py` run on the GPU machines.
 
 `python benchmarks/measured_plans_table.py RUN.json ...` writes measured_plans.json beside this
-module (the run's command, card and date with each row). Where a task's op and world size have a
-measured shape near its own (each of M, K and N within NEAR_FACTOR), the scheduler takes the
+module (the run's command, card and date with each row). Where a task's op, world size and dtype
+have a measured shape near its own (each of M, K and N within NEAR_FACTOR), the scheduler takes the
 plan that ran fastest there instead of the link model's prediction: the model's constants were
 fitted at 4 and 8 ranks, and at 2 it chose the persistent Triton all-gather at shapes where it
 measured slower than the cuBLAS-group plans and than NCCL + cuBLAS
@@ -41,24 +41,24 @@ class Measured(NamedTuple):
 
 @functools.cache
 def _rows() -> dict:
-    """{(op, world): [Measured, ...]}."""
+    """{(op, world, dtype name): [Measured, ...]}."""
     if not TABLE.exists():
         return {}
     data = json.loads(TABLE.read_text())
     rows: dict = {}
     for row in data["rows"]:
         source = data["sources"][row["source"]]
-        rows.setdefault((row["op"], row["world"]), []).append(
+        rows.setdefault((row["op"], row["world"], row["dtype"]), []).append(
             Measured((row["m"], row["k"], row["n"]), row["ms"],
                      f"{source['file']}: {source['card']}, {source['date']}"))
     return rows
 
 
-def nearest(op: str, world: int, m: int, k: int, n: int) -> Optional[Measured]:
-    """The measured row of `op` on `world` ranks nearest to [m, k] @ [k, n], each dim within
-    NEAR_FACTOR of it, or None."""
+def nearest(op: str, world: int, dtype, m: int, k: int, n: int) -> Optional[Measured]:
+    """The measured row of `op` on `world` ranks in `dtype` nearest to [m, k] @ [k, n], each dim
+    within NEAR_FACTOR of it, or None."""
     best, best_distance = None, math.inf
-    for row in _rows().get((op, world), ()):
+    for row in _rows().get((op, world, str(dtype).removeprefix("torch.")), ()):
         logs = [abs(math.log(a / b)) for a, b in zip((m, k, n), row.shape)]
         if max(logs) <= math.log(NEAR_FACTOR) and sum(logs) < best_distance:
             best, best_distance = row, sum(logs)
