@@ -139,3 +139,49 @@ def test_bench_fused_times_the_llama_sites_as_one_weight_shapes():
     assert ((8192, 14336, 4096), "gate/up input-grad scatter") in [
         (shape, site.name) for shape, site in shapes[RS]]
     assert (len(shapes[AG]), len(shapes[RS])) == (5, 5)
+
+
+def _fp8_run(rows):
+    """A bench_fp8_tp.py JSON with these (site, M, K, Ns, NCCL ms, ditron ms) rows."""
+    return {"meta": {"command": "torchrun benchmarks/bench_fp8_tp.py --out x",
+                     "device": "NVIDIA H200", "world": 2,
+                     "date": "2026-11-26T02:52:45.119767+00:00"},
+            "rows": [{"site": site, "M": m, "K": k, "N": ns, "ms": {"nccl": nccl, "ditron": ms},
+                      "notes": {}} for site, m, k, ns, nccl, ms in rows]}
+
+
+def test_fp8_sites_timed_per_site_decide_there(table):
+    """bench_fp8_tp.py's rows: the op and A's float8 dtype from the site; at 2 ranks, M 8192,
+    eager launch (where the fp8 plans are chosen) a site measured slower keeps NCCL."""
+    from ditron_inductor.scheduler.task import ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER
+
+    data = table(_fp8_run([("q/k/v gather", 8192, 4096, [2048, 512, 512], 0.249, 0.300),
+                           ("o scatter", 8192, 2048, [4096], 0.275, 0.222),
+                           ("o output-grad gather", 8192, 4096, [2048], 0.201, 0.190)]))
+    assert data["sources"][0]["date"] == "2026-11-26 02:52 UTC"
+    assert [(r["op"], r["dtype"], r["n"], r["ms"]) for r in data["rows"]] == [
+        (ALL_GATHER_SCALED_MM, "float8_e4m3fn", 3072,
+         {"cublas_scaled_mm": 0.3, "nccl_cublas": 0.249}),
+        (SCALED_MM_REDUCE_SCATTER, "float8_e4m3fn", 4096,
+         {"cublas_scaled_mm": 0.222, "nccl_cublas": 0.275}),
+        (ALL_GATHER_SCALED_MM, "float8_e5m2", 2048,
+         {"cublas_scaled_mm": 0.19, "nccl_cublas": 0.201})]
+
+    def fp8_task(op, k, n, dtype):
+        return Task(op=op, group_name="0", world_size=2, m=8192, k=k, ns=(n,), dtype=dtype,
+                    device_type="cuda", dim_size=8192, has_bias=(False,), out_dtype=torch.bfloat16,
+                    scales="tensorwise", reduce_op=None if "gather" in op else "sum")
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    plan, why = cost_model.choose_device_plan(fp8_task(ALL_GATHER_SCALED_MM, 4096, 3072, e4m3))
+    assert plan is None
+    assert why.startswith("no measured gain at this site: measured on 2 ranks at 8192x4096x3072 "
+                          "(run0.json: NVIDIA H200, 2026-11-26 02:52 UTC): NCCL+cuBLAS 0.249 ms, "
+                          "fastest fused cublas_scaled_mm 0.300 ms")
+    plan, why = cost_model.choose_device_plan(fp8_task(SCALED_MM_REDUCE_SCATTER, 2048, 4096,
+                                                       e4m3))
+    assert plan.predicted_ms == (("nccl_cublas", 0.275), ("fused", 0.222))
+    assert why.endswith("NCCL+cuBLAS 0.275 ms, fastest fused cublas_scaled_mm 0.222 ms")
+    # the e5m2 row does not decide an e4m3 task; 1.06x NCCL's speed is a gain
+    assert cost_model.measured_decision(fp8_task(ALL_GATHER_SCALED_MM, 4096, 2048, e4m3)) is None
+    assert cost_model.choose_device_plan(fp8_task(ALL_GATHER_SCALED_MM, 4096, 2048, e5m2))[0]
