@@ -102,7 +102,7 @@ train_profile() { local world; world=$(nvidia-smi -L | wc -l)
     --json "$W/e2e_train_profile.json" ${E2E_ARGS:-}; }
 e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
   local run=(torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py --workloads train
-             --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron)
+             --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron ${E2E_ARGS:-})
   local plan  # FP8_PLANS: "scheduler" (as the scheduler decides), "fused" (DITRON_PLAN=fused)
   for plan in ${FP8_PLANS:-scheduler fused}; do
     if [ "$plan" = fused ]; then
