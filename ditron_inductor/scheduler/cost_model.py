@@ -277,25 +277,18 @@ MEASURED_MIN_GAIN = 1.02
 
 
 def measured_decision(task: Task) -> Optional[MeasuredDecision]:
-    """The decision from the measured candidates at the nearest measured shape of the task's op,
-    world size and dtype, or None where none is near or the option is off
-    (ditron.measured_plans). Only candidates validated somewhere (VALIDATED_ON) are taken; for
-    the fp8 ops, their one plan (FP8_LABEL)."""
+    """The decision from the measured candidates at the nearest measured shape of the task's op
+    and world size, or None where none is near or the option is off (ditron.measured_plans).
+    Only candidates validated somewhere (VALIDATED_ON) are taken."""
     if not config.measured_plans:
         return None
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
     row = measured_plans.nearest(task.op, task.world_size, task.dtype, m, k, n)
-    if task.op in SCALED_MM_PATTERNS:
-        cands = (FP8_LABEL,)
-    else:
-        cands = [label for label in (AG_CANDIDATES if task.op == ALL_GATHER_MATMUL
-                                     else RS_CANDIDATES) if label in VALIDATED_ON]
-    fastest = row and row.fastest(cands)
+    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
     if not fastest:
         return None
-    # bench_fp8_tp.py times the fp8 sites as the graphs hold them (a sum of products summed by
-    # both contenders); bench_fused.py one matmul over the concatenated K
-    copy_ms, sum_ms = (0.0, 0.0) if task.op in SCALED_MM_PATTERNS else rewrite_costs(task)
+    copy_ms, sum_ms = rewrite_costs(task)
     fused = row.ms[fastest] + copy_ms
     unfused = row.ms[measured_plans.NCCL_CUBLAS] + sum_ms
     rm, rk, rn = row.shape
@@ -480,10 +473,8 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
 # 2, B 1 x S 8192 rows, eager launch, every fp8 gather and scatter on these plans: 1.045x
 # Inductor's step, 1.042x async TP's, the numbers as far from Inductor's as async TP's), so the
 # scheduler chooses them there only: 2 ranks, M >= 8192, eager launch (the all-gather declines
-# under CUDA-graph capture), each rank's rows one block; and where the site itself was timed
-# (benchmarks/bench_fp8_tp.py into measured_plans.json: benchmarks/results/fp8_tp_h200x2.md),
-# only if it beat NCCL + _scaled_mm there (not at the q/k/v, gate/up and down output-gradient
-# gathers of Llama-3-8B at TP 2). The all-reduce's: never (DITRON_PLAN=fused does).
+# under CUDA-graph capture), each rank's rows one block; per site nothing is measured yet
+# (benchmarks/bench_fp8_tp.py). The all-reduce's: never (DITRON_PLAN=fused does).
 FP8_LABEL = "cublas_scaled_mm"
 FP8_CHOSEN_WORLD, FP8_CHOSEN_MIN_M = 2, 8192
 FP8_AG_PARAMS, FP8_RS_PARAMS = dict(gemm="cublas"), dict(gemm="cublas", reduce="triton")
@@ -524,14 +515,7 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
     if (task.world_size == FP8_CHOSEN_WORLD and task.m_hint >= FP8_CHOSEN_MIN_M
             and not cuda_graphs and task.rank_chunks_contiguous):
         plan = fused_plan(task)
-        site = measured_decision(task)  # timed per site (bench_fp8_tp.py), where it was
-        if site is None:
-            return plan, f"fused plan {plan.label} ({fused}): {measured}; this site not timed"
-        if site.label is None:
-            return None, f"no measured gain at this site: {site.summary}: {keep}"
-        plan = dataclasses.replace(plan, predicted_ms=(("nccl_cublas", site.unfused_ms),
-                                                       ("fused", site.fused_ms)))
-        return plan, f"fused plan {plan.label} ({fused}): {measured}; {site.summary}"
+        return plan, f"fused plan {plan.label} ({fused}): {measured}; per site not yet"
     return None, f"the fp8 plan ({FP8_LABEL}: {fused}) is chosen only as {measured}: {keep}"
 
 
