@@ -383,8 +383,7 @@ def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypa
         SCALED_MM_REDUCE_SCATTER: (True, "fused cublas_scaled_mm reduce=triton pull_block=16384"),
         SCALED_MM_ALL_REDUCE: (False, None)}
     assert chosen[ALL_GATHER_SCALED_MM].reason == (
-        f"fused plan cublas_scaled_mm (_scaled_mm per group of gathered chunks): {MEASURED}; "
-        "per site not yet")
+        f"fused plan cublas_scaled_mm (_scaled_mm per group of gathered chunks): {MEASURED}")
     rs = tasks[SCALED_MM_REDUCE_SCATTER]
     with fake_group(4):
         assert not decide(dataclasses.replace(rs, world_size=4)).fuse

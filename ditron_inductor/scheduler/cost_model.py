@@ -473,8 +473,11 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
 # 2, B 1 x S 8192 rows, eager launch, every fp8 gather and scatter on these plans: 1.045x
 # Inductor's step, 1.042x async TP's, the numbers as far from Inductor's as async TP's), so the
 # scheduler chooses them there only: 2 ranks, M >= 8192, eager launch (the all-gather declines
-# under CUDA-graph capture), each rank's rows one block; per site nothing is measured yet
-# (benchmarks/bench_fp8_tp.py). The all-reduce's: never (DITRON_PLAN=fused does).
+# under CUDA-graph capture), each rank's rows one block. At every fp8 site there: per site
+# (benchmarks/results/fp8_tp_h200x2.md) the plans lose at the q/k/v, gate/up and down
+# output-gradient gathers, but leaving those to NCCL made the step slower, 86.16 vs 84.45 ms
+# fused everywhere (e2e_llama_fp8_h200x2_per_site_gate.md, two runs): the isolated times do not
+# decide the fp8 sites. The all-reduce's: never (DITRON_PLAN=fused does).
 FP8_LABEL = "cublas_scaled_mm"
 FP8_CHOSEN_WORLD, FP8_CHOSEN_MIN_M = 2, 8192
 FP8_AG_PARAMS, FP8_RS_PARAMS = dict(gemm="cublas"), dict(gemm="cublas", reduce="triton")
@@ -515,7 +518,7 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
     if (task.world_size == FP8_CHOSEN_WORLD and task.m_hint >= FP8_CHOSEN_MIN_M
             and not cuda_graphs and task.rank_chunks_contiguous):
         plan = fused_plan(task)
-        return plan, f"fused plan {plan.label} ({fused}): {measured}; per site not yet"
+        return plan, f"fused plan {plan.label} ({fused}): {measured}"
     return None, f"the fp8 plan ({FP8_LABEL}: {fused}) is chosen only as {measured}: {keep}"
 
 
