@@ -1,6 +1,6 @@
 """Writes ditron_inductor/scheduler/measured_plans.json from bench_fused.py runs: per row the op,
-world size, dtype, M, K, N and every candidate's median ms beside NCCL + cuBLAS's (what the scheduler
-takes the fastest plan from at shapes near these: scheduler/measured_plans.py).
+world size, dtype, M, K, N and every candidate's median ms beside NCCL + cuBLAS's (what the
+scheduler takes the fastest plan from at shapes near these: scheduler/measured_plans.py).
 
     python benchmarks/measured_plans_table.py benchmarks/results/fused_h200x2_llama8b_sites.json
 

@@ -277,9 +277,10 @@ MEASURED_MIN_GAIN = 1.02
 
 
 def measured_decision(task: Task) -> Optional[MeasuredDecision]:
-    """The decision from the measured candidates at the nearest measured shape of the task's op
-    and world size, or None where none is near or the option is off (ditron.measured_plans).
-    Only candidates validated somewhere (VALIDATED_ON) are taken."""
+    """The decision from the measured candidates at the nearest measured shape of the task's op,
+    world size and dtype, or None where none is near or the option is off
+    (ditron.measured_plans). Only candidates validated somewhere (VALIDATED_ON) are taken. The
+    runs were launched eagerly; under CUDA graphs the same rows decide."""
     if not config.measured_plans:
         return None
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
