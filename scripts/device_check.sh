@@ -12,15 +12,15 @@
 # dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
 # bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
-# training step's sites, TP = the GPUs present),
-# fp8_gpu (the FP8 plans at the world sizes
-# present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
+# training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
+# scheduler/measured_plans.json), fp8_gpu (the FP8 plans at the world sizes present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
 # causal-mask rewrite), train_profile (the training step of Inductor and ditron with the device
 # time by kernel kind; TRAIN_CONTENDERS names others, e.g. inductor,ditron_keep_mask,
-# ditron_keep_mask_model: the measured plans' choice against the link model's), e2e_fp8 (the float8 training step as the scheduler decides, then with
-# DITRON_PLAN=fused), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
+# ditron_keep_mask_model: the measured plans' choice against the link model's; E2E_ARGS adds
+# options, e.g. "--fp8 tensorwise"), e2e_fp8 (the float8 training step as the scheduler decides,
+# then with DITRON_PLAN=fused; FP8_PLANS picks one, E2E_ARGS adds options), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
 # guards skipped, the host's time split).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
