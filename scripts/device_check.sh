@@ -13,7 +13,8 @@
 # bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
-# scheduler/measured_plans.json), fp8_gpu (the FP8 plans at the world sizes present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
+# scheduler/measured_plans.json), power (benchmarks/bench_power.py: SM clock and power while
+# the GEMM alone, the all-gather alone, NCCL + cuBLAS and ditron's AG plans each run), fp8_gpu (the FP8 plans at the world sizes present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
 # causal-mask rewrite), train_profile (the training step of Inductor and ditron with the device
@@ -96,6 +97,9 @@ fused_sites() { local world tokens; world=$(nvidia-smi -L | wc -l)  # every AG/R
       --sites ${FUSED_SITES:-8b} --tokens "$tokens" --no-mlp --iters 10 --reps 5 \
       --out "$W/fused_sites_$tokens"
   done; }
+power() { local world; world=$(nvidia-smi -L | wc -l)  # POWER_ARGS: e.g. "--n 7168"
+  limited ${POWER_LIMIT:-200} torchrun --nproc-per-node "$world" benchmarks/bench_power.py \
+    --out "$W/power" ${POWER_ARGS:-}; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
     --workloads train --contenders ${TRAIN_CONTENDERS:-inductor,ditron} --profile-device 3 \
