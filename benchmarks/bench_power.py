@@ -34,13 +34,8 @@ keep_multicast_off()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.bench_fused import (  # noqa: E402
-    max_over_ranks,
-    plan_text,
-    ranks_meta,
-    sync_all,
-    write_tables,
-)
+from benchmarks.bench_fused import _timed_reps, plan_text, ranks_meta, write_tables  # noqa: E402
+from benchmarks.bench_moe import close_group, init_group  # noqa: E402
 from ditron_inductor.scheduler.cost_model import AG_CANDIDATES  # noqa: E402
 
 SAMPLE_MS = 100
@@ -71,16 +66,12 @@ BATCH = 50  # calls queued between host syncs (the queue stays short, the gaps f
 
 def timed_calls(fn, calls: int) -> float:
     """Device ms per call over `calls` calls after a sync of every rank, the slowest rank's."""
-    sync_all()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(calls):
-        fn()
-        if (i + 1) % BATCH == 0:
-            torch.cuda.current_stream().synchronize()
-    end.record()
-    end.synchronize()
-    return max_over_ranks(start.elapsed_time(end) / calls)
+    def enqueue():
+        for i in range(calls):
+            fn()
+            if (i + 1) % BATCH == 0:
+                torch.cuda.current_stream().synchronize()
+    return _timed_reps(enqueue, calls, reps=1)[0]
 
 
 def sampled(fn, seconds: float, gpu: int) -> dict:
@@ -135,16 +126,11 @@ def main(argv=None) -> None:
     ap.add_argument("--plans", default="cublas_1_3_4,tri_tma_128x256",
                     help="ditron AG candidates (cost_model.AG_CANDIDATES labels)")
     args = ap.parse_args(argv)
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    import torch.distributed._symmetric_memory as symm_mem
-
+    init_group("cuda", launched=True)
     import ditron_inductor.ops  # noqa: F401 - torch.ops.ditron.*
-    from ditron_inductor import runtime
 
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
     group_name = dist.group.WORLD.group_name
-    symm_mem.enable_symm_mem_for_group(group_name)
     world = dist.get_world_size()
     rows = []
     for name, fn in contenders(args, world, group_name).items():
@@ -165,9 +151,7 @@ def main(argv=None) -> None:
         lines += [f"| {r['contender']} | {r['ms']:.3f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | "
                   f"{r['samples']} | {r['calls']} |" for r in rows]
         write_tables(args.out, meta, rows, lines)
-    runtime.shutdown()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_group("cuda")
 
 
 if __name__ == "__main__":
