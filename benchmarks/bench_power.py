@@ -115,17 +115,25 @@ def contenders(args, world: int, group_name: str) -> dict:
     return fns
 
 
+def shape_arg(text: str) -> tuple[int, int, int]:
+    """"8192,4096,7168" -> (8192, 4096, 7168)."""
+    m, k, n = (int(dim) for dim in text.split(","))
+    return m, k, n
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results/power")
-    ap.add_argument("--m", type=int, default=8192, help="rows gathered (B x S)")
-    ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--n", type=int, default=14336, help="default: gate/up at Llama-3-8B TP 2")
+    # not --m/--k/--n: torchrun takes a script's option that abbreviates one of its own
+    # (--n: --nnodes, --nproc-per-node, ...) as its own and stops
+    ap.add_argument("--shape", type=shape_arg, default=(8192, 4096, 14336),
+                    help="M,K,N: rows gathered (B x S), K, N; default: gate/up at Llama-3-8B TP 2")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--plans", default="cublas_1_3_4,tri_tma_128x256",
                     help="ditron AG candidates (cost_model.AG_CANDIDATES labels)")
     args = ap.parse_args(argv)
+    args.m, args.k, args.n = args.shape
     init_group("cuda", launched=True)
     import ditron_inductor.ops  # noqa: F401 - torch.ops.ditron.*
 

@@ -118,6 +118,10 @@ CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask rewrite off)"
 # flips e5m2 gradient elements, so two right answers can lie 0.2 apart (2x H200, 4 layers)
 FP8_MAX_DIFF = 2e-2
 FP8_SPREAD_SLACK = 1.25  # ditron's difference within 1.25x the other contenders' is theirs too
+# A contender this far from the baseline (of the largest magnitude) computed something else: right
+# answers lie 0.01-0.2 apart here, fp8 included; the SM-pull all-gathers' finite but wrong weights
+# (4x H200, session 27) lay 3.5 to 3.5e+02 away
+WRONG_DIFF = 0.5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -589,9 +593,12 @@ def row(workload: str, shape: str, mode: str, timing: dict, checks: dict, graphs
     # a step over NaN or inf runs other arithmetic (a GEMM over NaN runs faster): not the step
     nonfinite = sorted(name for name, values in checks.items()
                        if not all(bool(torch.isfinite(v).all()) for v in values.values()))
+    # finite but wrong numbers: not the step either
+    wrong = sorted(name for name, diff in {"ditron": max(diffs.values(), default=0.0),
+                                           **others}.items() if diff > WRONG_DIFF)
     return {"workload": workload, "shape": shape, "mode": mode, **timing,
             "ditron_max_diff": diffs, "diff_baseline": baseline, "others_max_diff": others,
-            "ditron_graphs": graphs, "failed": failed, "nonfinite": nonfinite}
+            "ditron_graphs": graphs, "failed": failed, "nonfinite": nonfinite, "wrong": wrong}
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -769,6 +776,10 @@ def report(result: dict, argv: list[str]) -> None:
         if r.get("nonfinite"):
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: non-finite loss, gradients or "
                   f"logits from {', '.join(r['nonfinite'])}: their times are not the step's")
+        if r.get("wrong"):
+            print(f"\n{r['workload']} {r['shape']} {r['mode']}: WRONG numbers from "
+                  f"{', '.join(r['wrong'])} (more than {WRONG_DIFF} of the largest magnitude away "
+                  f"from {r['diff_baseline']}'s): their times are not the step's")
         for name, text in r.get("host_profile", {}).items():
             print(f"\n{r['workload']} {r['shape']} {r['mode']}: {name}, cProfile of "
                   f"{args.profile_host} calls:\n{text}")

@@ -7,9 +7,10 @@
 # fused GPU tests at world size 1, for a one-GPU machine), compute_parity (benchmarks/
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
-# tests/gpu/test_exit_gpu.py), ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the
-# MoE dispatch and combine on every local GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused
-# dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
+# tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
+# taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running), ar_w2 (the
+# all-reduce GPU tests on 2 ranks), moe_multi_rank (the MoE dispatch and combine on every local
+# GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
 # bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
@@ -28,6 +29,9 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}; W=${W:-/tmp/w}; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# the benchmarks' "machine" field: the device tool's kind, e.g. nvidia-h200-x4
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($NF)}')
+export MACHINE_KIND=${MACHINE_KIND:-nvidia-$card-x$(nvidia-smi -L | wc -l)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -70,6 +74,9 @@ compute_parity() { timeout -k 5 ${PARITY_LIMIT:-480} torchrun --nproc-per-node 1
   benchmarks/bench_compute_parity.py --out "$W/compute_parity" ${PARITY_ARGS:-}; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_exit_gpu.py; }
+ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running (the SM-pull defect)
+  DITRON_TEST_AG_IN_TURN=1 limited ${AG_IN_TURN_LIMIT:-300} python3 -m pytest -q -s \
+    -p no:cacheprovider tests/gpu/test_fused_gpu.py -k free_running; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them
@@ -97,7 +104,7 @@ fused_sites() { local world tokens; world=$(nvidia-smi -L | wc -l)  # every AG/R
       --sites ${FUSED_SITES:-8b} --tokens "$tokens" --no-mlp --iters 10 --reps 5 \
       --out "$W/fused_sites_$tokens"
   done; }
-power() { local world; world=$(nvidia-smi -L | wc -l)  # POWER_ARGS: e.g. "--n 7168"
+power() { local world; world=$(nvidia-smi -L | wc -l)  # POWER_ARGS: e.g. "--shape 8192,4096,7168"
   limited ${POWER_LIMIT:-200} torchrun --nproc-per-node "$world" benchmarks/bench_power.py \
     --out "$W/power" ${POWER_ARGS:-}; }
 train_profile() { local world; world=$(nvidia-smi -L | wc -l)

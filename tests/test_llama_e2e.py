@@ -483,6 +483,24 @@ def test_benchmark_flags_non_finite_numbers():
         assert r["nonfinite"] == ["ditron", "inductor"], r
 
 
+def test_benchmark_flags_finite_but_wrong_numbers():
+    # a contender far from the baseline (the SM-pull all-gathers' weights: 3.5e+02 away) is
+    # flagged; rounding apart (2e-2) is not; without communication nothing is compared
+    e2e = _benchmark()
+    base = {"loss": torch.tensor(2.0), "w": torch.tensor([1.0, -2.0])}
+    checks = {"inductor": base,
+              "ditron": {"loss": torch.tensor(2.0), "w": torch.tensor([1.0, -1.96])},
+              "ditron_keep_mask": {"loss": torch.tensor(2.0), "w": torch.tensor([700.0, -2.0])}}
+    timing = {"ms": {}, "host_ms": {}, "spread": 0.0}
+    r = e2e.row("train", "B 1, S 16", e2e.EAGER_LAUNCH, timing, checks, [], {}, False)
+    assert r["wrong"] == ["ditron_keep_mask"] and r["nonfinite"] == [], r
+    checks["ditron"] = checks.pop("ditron_keep_mask")
+    assert e2e.row("train", "B 1, S 16", e2e.EAGER_LAUNCH, timing, checks, [], {},
+                   False)["wrong"] == ["ditron"]
+    assert e2e.row("train", "B 1, S 16", e2e.EAGER_LAUNCH, timing, checks, [], {},
+                   True)["wrong"] == []
+
+
 def test_benchmark_no_comm_collectives_write_their_outputs():
     # --no-comm's fake group leaves collective outputs unwritten; local_collectives writes them
     # from the local input (run apart: the kernels it registers stay for the process)

@@ -80,9 +80,13 @@ AG_CANDIDATES = {
 # The calibrations (world sizes of CALIBRATION_BY_WORLD) on whose machines each candidate was
 # measured, fused correctly and in the table the model was fitted to: the model chooses a
 # candidate only there. Absent: predicted, never chosen (a plan can still name it): the SM-pull
-# transfers, slower than the copy engine wherever measured (2 and 4 ranks; not measured on 8,
-# where the copy engine limits the AG and RS shapes with short GEMMs). cublas_each was measured
-# on 4 ranks only.
+# transfers, slower than the copy engine on the suite's shapes (2 and 4 ranks; not measured on 8,
+# where the copy engine limits the AG and RS shapes with short GEMMs). At the Llama-3-8B sites on
+# 4 H200 some measured faster (q/k/v's gather: tri_sm32w32 0.278 ms, NCCL + cuBLAS 0.328;
+# fused_h200x4_llama8b_sites.md), but the training step that took the SM-pull all-gathers ended
+# with weights up to 3.5e+02 away from Inductor's (loss equal; the SM-pull reduce-scatter alone
+# matched), though each passed bench_fused's check and the free-running GPU test: a defect not
+# found yet (issue 23's notes). cublas_each was measured on 4 ranks only.
 _BOTH = (4, 8)
 VALIDATED_ON = {
     **{label: _BOTH for label in ("tri_tma_128x256", "tri_tma_128x128", "cublas_1_3_4",
@@ -279,8 +283,10 @@ MEASURED_MIN_GAIN = 1.02
 def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     """The decision from the measured candidates at the nearest measured shape of the task's op,
     world size and dtype, or None where none is near or the option is off
-    (ditron.measured_plans). Only candidates validated somewhere (VALIDATED_ON) are taken. The
-    runs were launched eagerly; under CUDA graphs the same rows decide."""
+    (ditron.measured_plans). Only candidates validated somewhere (VALIDATED_ON) are taken:
+    bench_fused's check of each candidate's output passed for the SM-pull all-gathers too, yet in
+    the Llama training step at TP 4 they gave wrong weight gradients (see VALIDATED_ON). The runs
+    were launched eagerly; under CUDA graphs the same rows decide."""
     if not config.measured_plans:
         return None
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
