@@ -10,8 +10,8 @@
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
 # taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running), ar_w2 (the
 # all-reduce GPU tests on 2 ranks), moe_multi_rank (the MoE dispatch and combine on every local
-# GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL all-to-all + torch._grouped_mm), fp8_tp (benchmarks/
-# bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
+# GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
+# all-to-all + torch._grouped_mm), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
 # scheduler/measured_plans.json), power (benchmarks/bench_power.py: SM clock and power while
