@@ -501,6 +501,15 @@ def test_benchmark_flags_finite_but_wrong_numbers():
                    True)["wrong"] == []
 
 
+def test_benchmark_names_the_contender_of_a_large_spread():
+    e2e = _benchmark()
+    row = {"spread": 2.85, "spreads": {"inductor": 0.02, "ditron": 2.85}}
+    assert e2e.spread_text(row) == "285% (ditron)"
+    assert e2e.spread_text({"spread": 0.04, "spreads": {"inductor": 0.04}}) == "4%"
+    assert e2e.spread_text({"spread": 0.3}) == "30%"  # a row from before the per-contender spreads
+    assert e2e.spread_text({}) == "-"
+
+
 def test_benchmark_no_comm_collectives_write_their_outputs():
     # --no-comm's fake group leaves collective outputs unwritten; local_collectives writes them
     # from the local input (run apart: the kernels it registers stay for the process)
