@@ -380,6 +380,13 @@ def _ag_free_running_case(group_name, world, rank, gen, in_turn, rows=1024, k=10
                                         k, n)
                  for name, params in FREE_RUNNING_AG.items()}
     else:
+        # PyTorch's async TP first, as the training runs that went wrong had it set up before
+        # ditron's contexts (it enables PyTorch's symmetric memory for the group)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group_name)
+        a = torch.randn(rows, k, generator=gen, device=dev, dtype=dtype)
+        torch.ops.symm_mem.fused_all_gather_matmul(a, [w], 0, group_name)
         ws = [w, torch.randn(n // 4, k, generator=gen, device=dev, dtype=dtype).t() / k ** 0.5,
               torch.randn(k, n // 4, generator=gen, device=dev, dtype=dtype) / k ** 0.5]
         wrong = {"in turn: " + ", ".join(FREE_RUNNING_AG): _ag_back_to_back(
