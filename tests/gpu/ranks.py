@@ -6,6 +6,16 @@ from __future__ import annotations
 import os
 
 
+def init_rank(rank: int, world: int, port: int) -> None:
+    """This process on GPU `rank` of a fresh NCCL group of `world` ranks on localhost."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+
+
 def report_and_close(result_dir: str, rank: int, status: str) -> None:
     import torch.distributed as dist
 

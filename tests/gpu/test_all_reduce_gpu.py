@@ -21,7 +21,7 @@ import traceback
 import pytest
 import torch
 
-from .ranks import report_and_close, spawn_ranks
+from .ranks import init_rank, report_and_close, spawn_ranks
 from .test_fused_gpu import _check, _free_port, _plan
 
 AR = "matmul_all_reduce_rmsnorm"
@@ -194,9 +194,7 @@ def _compiled_decode_case(world, dtype, gen, steps=6):
 def _worker(rank, world, port, calls, result_dir):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port)
     status = "ok"
     try:
         from ditron_inductor import config

@@ -18,7 +18,7 @@ import torch
 
 from tests.no_multicast import keep_multicast_off
 
-from .ranks import report_and_close, spawn_ranks
+from .ranks import init_rank, report_and_close, spawn_ranks
 from .test_fused_gpu import _check, _free_port
 
 pytestmark = pytest.mark.gpu
@@ -188,9 +188,7 @@ def _compiled_case(world, gen) -> str:
 def _worker(rank, world, port, result_dir):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port)
     try:
         gen = torch.Generator(device="cuda")
         gen.manual_seed(4321 + rank)

@@ -17,7 +17,7 @@ import torch
 from tests import free_port as _free_port
 from tests.no_multicast import keep_multicast_off
 
-from .ranks import report_and_close, spawn_ranks
+from .ranks import init_rank, report_and_close, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -300,9 +300,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
     from ditron_inductor import config
 
     config.symm_mem_backend = backend
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port)
     status = "ok"
     try:
         group_name = dist.group.WORLD.group_name
@@ -401,9 +399,7 @@ def _free_running_worker(rank, world, port, backend, in_turn, result_dir):
     from ditron_inductor import config
 
     config.symm_mem_backend = backend
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    init_rank(rank, world, port)
     try:
         gen = torch.Generator(device="cuda")
         gen.manual_seed(99 + rank)
@@ -417,25 +413,12 @@ def _free_running_worker(rank, world, port, backend, in_turn, result_dir):
     report_and_close(result_dir, rank, status)
 
 
-def _run_free_running(world, backend, in_turn, tmp_path):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    if backend == "nvshmem":
-        pytest.importorskip("nvshmem.core")
-    spawn_ranks(_free_running_worker, (world, _free_port(), backend, in_turn, str(tmp_path)),
-                world)
-    reports = [open(tmp_path / f"rank{r}.txt").read() for r in range(world)]
-    print("\n".join(f"rank {r}: {t}" for r, t in enumerate(reports)))
-    failures = [t for t in reports if t.startswith("FAIL")]
-    assert not failures, failures[0]
-
-
 @pytest.mark.parametrize("backend", ["torch", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_plans_free_running(world, backend, tmp_path):
     """Each AG transfer back to back on fresh inputs, the ranks skewed, against the reference
     (passed on 2 and 4 H200 with the torch backend, session 27, the SM pulls too)."""
-    _run_free_running(world, backend, False, tmp_path)
+    _run(world, backend, tmp_path, False, worker=_free_running_worker)
 
 
 @pytest.mark.skipif(not os.environ.get("DITRON_TEST_AG_IN_TURN"),
@@ -447,15 +430,17 @@ def test_all_gather_plans_free_running(world, backend, tmp_path):
 def test_all_gather_plans_in_turn_free_running(world, backend, tmp_path):
     """The AG transfers taking turns on one context, back to back: the training step's pattern
     under which the SM-pull all-gathers gave wrong weight gradients (cost_model.VALIDATED_ON)."""
-    _run_free_running(world, backend, True, tmp_path)
+    _run(world, backend, tmp_path, True, worker=_free_running_worker)
 
 
-def _run(world, backend, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3"))):
+def _run(world, backend, tmp_path, calls=int(os.environ.get("DITRON_TEST_CALLS", "3")),
+         worker=_worker):
+    """worker(rank, world, port, backend, calls or another argument, result dir) on each rank."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     if backend == "nvshmem":
         pytest.importorskip("nvshmem.core")
-    spawn_ranks(_worker, (world, _free_port(), backend, calls, str(tmp_path)), world)
+    spawn_ranks(worker, (world, _free_port(), backend, calls, str(tmp_path)), world)
     reports = [open(tmp_path / f"rank{r}.txt").read() for r in range(world)]
     print("\n".join(f"rank {r}: {t.splitlines()[0]}" for r, t in enumerate(reports)))
     failures = [t for t in reports if t.startswith("FAIL")]
