@@ -97,7 +97,7 @@ def sampled(fn, seconds: float, gpu: int) -> dict:
 
 
 def contenders(args, world: int, group_name: str) -> dict:
-    m, k, n, dtype = args.m, args.k, args.n, torch.bfloat16
+    (m, k, n), dtype = args.shape, torch.bfloat16
     shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
     full = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plans", default="cublas_1_3_4,tri_tma_128x256",
                     help="ditron AG candidates (cost_model.AG_CANDIDATES labels)")
     args = ap.parse_args(argv)
-    args.m, args.k, args.n = args.shape
+    m, k, n = args.shape
     init_group("cuda", launched=True)
     import ditron_inductor.ops  # noqa: F401 - torch.ops.ditron.*
 
@@ -149,11 +149,11 @@ def main(argv=None) -> None:
         if rank == 0:
             print(row, flush=True)
     if rank == 0:
-        meta = ranks_meta("bench_power.py", argv, "cuda", m=args.m, k=args.k, n=args.n)
+        meta = ranks_meta("bench_power.py", argv, "cuda", m=m, k=k, n=n)
         head = ["contender", "ms per call", "SM clock MHz (median)", "power W (median)",
                 "samples", "calls"]
         lines = [f"# Clock and power per contender on {world} ranks ({meta['device']}): "
-                 f"all-gather [{args.m}, {args.k}] @ [{args.k}, {args.n}]", "",
+                 f"all-gather [{m}, {k}] @ [{k}, {n}]", "",
                  f"- command: `{meta['command']}`", f"- torch {meta['torch']}, {meta['date']}",
                  "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         lines += [f"| {r['contender']} | {r['ms']:.3f} | {r['sm_mhz']:.0f} | {r['power_w']:.0f} | "

@@ -345,7 +345,7 @@ FREE_RUNNING_AG = {"sm16_tma": dict(gemm="triton", tma=True, transfer="sm", comm
 def _ag_back_to_back(group_name, world, rank, gen, plans, ws, calls, rows, k, n):
     """Runs the AG `plans` in turn, `calls` calls on fresh inputs, then checks them: the first
     wrong call's text, or None. Ranks are skewed by a rank- and call-dependent device sleep."""
-    import ditron_inductor.ops  # noqa: F401 - torch.ops.ditron.*
+    from ditron_inductor.ops import all_gather_matmul_reference  # and torch.ops.ditron.*
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     inputs = [torch.randn(rows, k, generator=gen, device=dev, dtype=dtype) for _ in range(calls)]
@@ -356,8 +356,6 @@ def _ag_back_to_back(group_name, world, rank, gen, plans, ws, calls, rows, k, n)
         plan = _plan(AG, world, rows * world, k, n, **plans[call % len(plans)])
         outs.append(torch.ops.ditron.all_gather_matmul(a, ws, [None] * len(ws), 0, group_name,
                                                        world, plan))
-    from ditron_inductor.ops import all_gather_matmul_reference
-
     for call, (a, out) in enumerate(zip(inputs, outs)):
         ref = all_gather_matmul_reference(a, ws, [None] * len(ws), 0, group_name, world)
         errors = [_rel(o, r) for o, r in zip(out[1:], ref[1:])]
