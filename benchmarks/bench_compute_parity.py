@@ -156,7 +156,7 @@ def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
     degree ("chosen"; "none", with no text, where it keeps NCCL + cuBLAS) and the variants that
     apply to the task."""
     plan, why = choose_device_plan(task, cuda_graphs=cuda_graphs)
-    plans = ({"chosen": (with_options(plan).encode(), why)} if plan is not None
+    plans = ({"chosen": (with_options(plan, task).encode(), why)} if plan is not None
              else {"none": (None, why)})
     table = VARIANTS[task.op]
     wanted = (table if variants == "default" else {} if variants == "none"

@@ -31,7 +31,11 @@ contender) and `dynamic=False`. The cache position is a tensor of the cache, so 
 one graph: the table counts the graphs Dynamo compiled during the first `generate()` (1) and
 after it (0: each later step, of `generate()` or bare, replays it).
 
-Per shape (batch B, prompt P, new tokens N) and contender (eager, inductor, ditron):
+Contenders: eager, inductor, ditron, and ditron_fusions_only (ditron with its rewrites that are
+not fusions off: the causal mask, the decode GEMM of one-row matmuls; so that what fusing the
+all-reduces gains is told apart from what the decode GEMM gains).
+
+Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
   (its tensors keep their addresses, which the CUDA graphs hold; a new cache per call, as
   `cache_implementation="static"` makes, would re-record them); a stopping criterion stamps the
@@ -88,7 +92,9 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import e2e_llama  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
-CONTENDERS = ("eager", "inductor", "ditron")
+# ditron_fusions_only: ditron with its rewrites that are not fusions off (e2e_llama.FUSIONS_ONLY:
+# the causal mask, the decode GEMM), so the effects are told apart
+CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only")
 PARAMS = ("dtensor", "local")
 MODE = "reduce-overhead"
 
@@ -166,7 +172,12 @@ def generation_config(contender: str, new_tokens: int, device: str, options=None
     if contender == "eager":
         config.disable_compile = True
         return config
-    config.compile_config = CompileConfig(backend=contender, mode=None if options else MODE,
+    if contender == "ditron_fusions_only":  # torch.compile takes a mode or options, not both
+        from torch._inductor import list_mode_options
+
+        options = {**(options or list_mode_options(MODE)), **e2e_llama.FUSIONS_ONLY}
+    config.compile_config = CompileConfig(backend="ditron" if contender.startswith("ditron")
+                                          else contender, mode=None if options else MODE,
                                           options=options, fullgraph=True, dynamic=False)
     # transformers compiles on accelerators only, unless told to
     config.compile_config._compile_all_devices = device == "cpu"
@@ -413,7 +424,7 @@ def first_call(row: dict, model, ids: torch.Tensor, args):
         row["tokens"], row["margins"] = decoder.tokens.tolist(), margins.per_row()
         row["graphs_first_call"] = compiled_graphs() - graphs
         row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
-        if row["contender"] == "ditron":
+        if row["contender"].startswith("ditron"):
             row["ditron_graphs"] = e2e_llama.ditron_graphs(start)
         for _ in range(args.warmup):
             decoder.generate()

@@ -14,6 +14,9 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.measured_plans    DITRON_MEASURED_PLANS     1 | 0 (0: the AG/RS plans from the link
                                                        model alone, never from the plans measured
                                                        at a near shape, scheduler/measured_plans.py)
+    ditron.decode_gemm       DITRON_DECODE_GEMM        1 | 0 (1: one-row matmuls, a decode step's
+                                                       at batch 1, take the decode GEMM template,
+                                                       lowering/decode_gemm.py)
 
 Every value is validated (`OptionError` names the option, the value and what is allowed). The
 module attributes below hold the options of the compile in progress (`using`), the environment's
@@ -74,12 +77,15 @@ class Options:
     # Take the fastest measured AG/RS plan at a measured shape near the task's (on the task's
     # world size) over the link model's prediction (scheduler/measured_plans.py).
     measured_plans: bool = True
+    # One-row matmuls (a decode step at batch 1), plain and inside the fused all-reduces, in the
+    # decode GEMM template instead of cuBLAS (lowering/decode_gemm.py).
+    decode_gemm: bool = True
 
     def cache_key(self) -> str:
         """The options that change compiled graphs, as text for the pass's uuid."""
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
                      self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
-                     self.measured_plans))
+                     self.measured_plans, self.decode_gemm))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -135,6 +141,7 @@ OPTIONS = {
     "log_all_ranks": ("DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool),
     "causal_mask": ("DITRON_CAUSAL_MASK", "causal_mask", _bool),
     "measured_plans": ("DITRON_MEASURED_PLANS", "measured_plans", _bool),
+    "decode_gemm": ("DITRON_DECODE_GEMM", "decode_gemm", _bool),
 }
 
 
@@ -212,3 +219,4 @@ wait_timeout_s: float = _defaults.wait_timeout_s
 log_all_ranks: bool = _defaults.log_all_ranks
 causal_mask: bool = _defaults.causal_mask
 measured_plans: bool = _defaults.measured_plans
+decode_gemm: bool = _defaults.decode_gemm

@@ -1,4 +1,5 @@
-"""The ditron ops: one op per fused collective + matmul.
+"""The ditron ops: one op per fused collective + matmul (and decode_mm, a decode step's one-row
+matmul in the decode GEMM template).
 
 Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
 (meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .log_names import LOGGER_NAME
+from .scheduler.decode_gemm import gemv_applies
 from .scheduler.plan import FUSED, decode
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
@@ -677,3 +679,23 @@ _define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b
         "ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, str reduce_op, "
         "str group_name, SymInt world_size, str plan) -> Tensor",
         scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)
+
+
+# ------------------------------------------------------------------- decode GEMM (no collective)
+
+
+def decode_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for a decode step's one-row products (lowering/decode_gemm.py puts it in graphs):
+    the decode GEMM template on CUDA where it takes the operands, torch.mm otherwise."""
+    if a.is_cuda and gemv_applies(a, b) is None:
+        from .runtime.gemv import decode_mm as decode_gemm_template
+
+        return decode_gemm_template(a, b)
+    return torch.mm(a, b)
+
+
+def _decode_mm_fake(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+_define("decode_mm(Tensor a, Tensor b) -> Tensor", decode_mm, _decode_mm_fake)

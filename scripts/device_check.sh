@@ -23,7 +23,10 @@
 # ditron_keep_mask_model: the measured plans' choice against the link model's; E2E_ARGS adds
 # options, e.g. "--fp8 tensorwise"), e2e_fp8 (the float8 training step as the scheduler decides,
 # then with DITRON_PLAN=fused; FP8_PLANS picks one, E2E_ARGS adds options), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
-# guards skipped, the host's time split).
+# guards skipped, the host's time split; DECODE_ARGS adds options, e.g. "--layers 32"),
+# fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
+# _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
+# template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail
@@ -125,7 +128,11 @@ e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
 decode_tp() { local world; world=$(nvidia-smi -L | wc -l)
   limited ${DECODE_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
     --params local --batches 1,16 --prompts 1024 --new-tokens 128 --reps 2 --skip-guard-eval \
-    --profile-host 50 --json "$W/e2e_decode_tp.json"; }
+    --profile-host 50 --json "$W/e2e_decode_tp.json" ${DECODE_ARGS:-}; }
+fp8_parity() { timeout -k 5 ${FP8_PARITY_LIMIT:-300} torchrun --nproc-per-node 1 \
+  benchmarks/bench_fp8_parity.py --out "$W/fp8_parity" ${FP8_PARITY_ARGS:-}; }
+gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
+  --out "$W/gemv" ${GEMV_ARGS:-}; }
 
 steps=${*:-torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2}
 for name in $steps; do

@@ -148,3 +148,15 @@ def test_local_params_serve_the_tensor_parallel_plan_only():
     layer = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
     with pytest.raises(ValueError, match="local params: 0: RowwiseParallel .* not served"):
         apply_locally(layer, None, {"0": RowwiseParallel(output_layouts=Shard(1))})
+
+
+def test_fusions_only_contender_is_ditron_with_its_other_rewrites_off():
+    from benchmarks import e2e_decode
+
+    config = e2e_decode.generation_config("ditron_fusions_only", 4, "cuda")
+    compile_config = config.compile_config
+    assert compile_config.backend == "ditron" and compile_config.mode is None
+    assert compile_config.options == {"triton.cudagraphs": True, "ditron.causal_mask": False,
+                                      "ditron.decode_gemm": False}
+    plain = e2e_decode.generation_config("ditron", 4, "cuda").compile_config
+    assert (plain.backend, plain.mode, plain.options) == ("ditron", "reduce-overhead", None)

@@ -22,6 +22,7 @@ from torch.fx import Graph
 from .. import config
 from ..log_names import LOGGER_NAME
 from ..scheduler.decide import Decision, decide, reject
+from .decode_gemm import rewrite_decode_mms
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_matches
 from .moe import (
     AllToAllGroupedMmMatch,
@@ -83,9 +84,9 @@ def _source_files() -> tuple[str, ...]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = ["ops.py", "config.py", "patterns.py", "lowering/match.py", "lowering/nodes.py",
              "lowering/norm.py", "lowering/reorder.py", "lowering/rewrite.py", "lowering/moe.py",
-             "lowering/graph_edit.py", "lowering/graph_pass.py",
+             "lowering/graph_edit.py", "lowering/graph_pass.py", "lowering/decode_gemm.py",
              "scheduler/decide.py", "scheduler/cost_model.py", "scheduler/plan.py",
-             "scheduler/task.py"]
+             "scheduler/task.py", "scheduler/decode_gemm.py"]
     return tuple(os.path.join(root, n) for n in names)
 
 
@@ -104,6 +105,8 @@ class DitronPass(CustomGraphPass):
             self.user_pass(graph)
         with config.using(self.options):
             run_pass(graph)
+            if self.options.decode_gemm:
+                _rewrite_decode_mms(graph)
 
     def uuid(self) -> Any:
         user = None
@@ -204,6 +207,13 @@ def run_pass(graph: Graph) -> GraphReport:
     reports.append(report)
     log.info("graph %s: %s", name, report.summary())
     return report
+
+
+def _rewrite_decode_mms(graph: Graph) -> None:
+    replaced = rewrite_decode_mms(graph)
+    if replaced:
+        log.info("graph %s: %d one-row matmul(s) -> ditron.decode_mm (the decode GEMM template): "
+                 "%s", graph_name(graph), len(replaced), ", ".join(replaced))
 
 
 def _decide(match, task, rewritten: set) -> Decision:

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ..scheduler.plan import TRITON, AllReducePlan
+from ..scheduler.plan import GEMV, TRITON, AllReducePlan
 from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
@@ -292,7 +292,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
                 ROW_BLOCK=row_block(n, block) if consts["NORM"] else 0)
     slots = _region(ctx, partial, plan.algo)
     if not plan.overlap:
-        matmul_into(a, b, bias, partial, scaled=scaled)
+        matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
         launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, slots, polls,
                **meta)
         return
@@ -324,7 +324,7 @@ def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps
     progs, block, warps = push_grid(1, m * n, num_sms(a.device), plan.block, plan.warps,
                                     plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, "push_all")
-    matmul_into(a, b, bias, partial, scaled=scaled)
+    matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
     launch(push_all_kernel, (progs,), *common, m, n, eps, ctx.rank, stride, stride,
            wait_polls(plan), **_launch(consts, n, block, warps))
 
@@ -341,7 +341,7 @@ def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps,
     progs, block, warps = push_grid(1 if one_shot else ctx.world, m * n, num_sms(a.device),
                                     plan.block, plan.warps, plan.progs, norm=consts["NORM"])
     stride = _region(ctx, partial, plan.algo)
-    matmul_into(a, b, bias, partial, scaled=scaled)
+    matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
     launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_polls(plan),
            **_launch(consts, n, block, warps))

@@ -14,11 +14,13 @@ from typing import Optional
 import torch
 
 from ..log_names import LOGGER_NAME
+from ..scheduler.decode_gemm import gemv_applies
 from ..scheduler.plan import FusedPlan, GemmTile
 from ..templates import flags
 from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_polls
+from .gemv import decode_mm
 from .kernel_launch import current_stream, launch
 
 log = logging.getLogger(LOGGER_NAME)
@@ -164,13 +166,16 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
 
 
 def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
-                first_row: int = 0):
+                first_row: int = 0, decode: bool = False):
     """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given, or
-    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, a being A's rows from first_row on."""
+    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, a being A's rows from first_row on;
+    decode (a plan's gemm="gemv"): the decode GEMM template where it takes a and b."""
     if scaled is not None:
         return scaled.matmul_into(a, b, bias, out, first_row)
     if tile is not None:
         return triton_gemm(a, b, bias, out, tile)
+    if decode and bias is None and gemv_applies(a, b) is None:
+        return decode_mm(a, b, out=out)
     if bias is None:
         return torch.mm(a, b, out=out)
     return torch.addmm(bias, a, b, out=out)

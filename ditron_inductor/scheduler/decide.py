@@ -14,6 +14,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import config
 from .cost_model import choose_device_plan, fused_plan, has_fused_plan
+from .decode_gemm import with_decode_gemm
 from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
 from .task import REDUCE_SCATTER_PATTERNS, Task
 
@@ -85,13 +86,15 @@ def decide(task: Task) -> Decision:
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:
         return reject(why)
-    return Decision(True, why, with_options(plan))
+    return Decision(True, why, with_options(plan, task))
 
 
-def with_options(plan: FusedPlan) -> FusedPlan:
-    """The plan with the options the runtime needs, read here once at compile time."""
-    return dataclasses.replace(plan, symm_mem_backend=config.symm_mem_backend,
+def with_options(plan: FusedPlan, task: Optional[Task] = None) -> FusedPlan:
+    """The plan with the options the runtime needs, read here once at compile time; given the
+    task, also what the options choose for its shape (a one-row GEMM in the decode template)."""
+    plan = dataclasses.replace(plan, symm_mem_backend=config.symm_mem_backend,
                                wait_timeout_s=config.wait_timeout_s)
+    return plan if task is None else with_decode_gemm(plan, task)
 
 
 def plan_for(task: Task, **params) -> FusedPlan:

@@ -23,6 +23,7 @@ FUSED = "fused"  # a fused kernel, CUDA only
 
 COPY_ENGINE, SM = "copy_engine", "sm"  # what moves the data: the copy engine or Triton programs
 TRITON, CUBLAS, TORCH = "triton", "cublas", "torch"
+GEMV = "gemv"  # the decode GEMM template (templates/gemv.py), for one-row products
 ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all")
 
 

@@ -1,0 +1,61 @@
+"""The decode GEMM (templates/gemv.py) on the host: which shapes it takes, its launch config.
+
+Launch configs from benchmarks/bench_gemv.py on 1x H200 (benchmarks/results/gemv_h200x1.md):
+with one row, blocks of 8 weight rows x 1024 of K on 8 warps were the fastest or within 2% of it
+at every Llama-3-8B site at TP 1 and 2 (0.78-0.85x cuBLAS's time at TP 2 but lm_head's 0.97x);
+with 4 or 16 rows no config beat cuBLAS by much (0.85-1.07x), and the graph rewrite
+(lowering/decode_gemm.py) takes one-row products only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 8
+    block_k: int = 1024
+    num_warps: int = 8
+
+
+ONE_ROW = GemvConfig()
+ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4)  # 2-16 rows: tl.dot's 16-column blocks
+
+stats = {"decode_mm": 0}  # calls served by the template (tests check it ran)
+
+
+def block_m(rows: int) -> int:
+    return 1 if rows == 1 else 16
+
+
+def config_fits(config: GemvConfig, rows: int) -> bool:
+    """tl.dot (more than one row) takes blocks of at least 16 columns."""
+    return rows == 1 or config.block_n >= 16
+
+
+def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b (into out, if given) through the decode GEMM (the caller checked
+    scheduler.decode_gemm.gemv_applies)."""
+    from ..templates.gemv import gemv_kernel
+    from .kernel_launch import launch
+
+    M, K = a.shape
+    config = config or (ONE_ROW if M == 1 else ROWS)
+    N = b.shape[1]
+    assert config_fits(config, M), f"{config} with {M} rows"
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    launch(gemv_kernel, ((N + config.block_n - 1) // config.block_n,), a, b, out, M, N, K,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+           BLOCK_M=block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+           num_warps=config.num_warps)
+    stats["decode_mm"] += 1
+    return out

@@ -1,0 +1,155 @@
+"""The decode GEMM (templates/gemv.py): its numbers under the Triton interpreter on odd shapes,
+and where it is taken (the graph rewrite, the all-reduce plans, the runtime's GEMM)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from ditron_inductor import config
+from ditron_inductor.lowering.decode_gemm import rewrite_decode_mms
+from ditron_inductor.lowering.graph_pass import DitronPass
+from ditron_inductor.runtime.gemv import GemvConfig, decode_mm
+from ditron_inductor.scheduler.cost_model import choose_device_plan
+from ditron_inductor.scheduler.decide import with_options
+from ditron_inductor.scheduler.decode_gemm import gemv_applies, mm_not_rewritten
+from ditron_inductor.scheduler.plan import GEMV, AllReducePlan
+from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, matmul_collective_task
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 100, 37), (3, 257, 64), (16, 64, 33), (1, 8, 1)])
+# bfloat16 tl.dot is wrong under the interpreter (numpy has no bfloat16): float16 stands in
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_mm_matches_torch(M, K, N, dtype):
+    gen = torch.Generator().manual_seed(M * 1000 + K + N)
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(N, K, generator=gen).to(dtype)  # a linear layer's weight
+    out = decode_mm(a, w.t(), GemvConfig(block_n=16, block_k=64, num_warps=4))
+    ref = a.float() @ w.float().t()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+def test_decode_mm_empty_k_is_zeros():
+    out = decode_mm(torch.randn(2, 0), torch.randn(5, 0).t())
+    assert torch.equal(out, torch.zeros(2, 5))
+
+
+def test_gemv_applies_says_why_not():
+    a, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert gemv_applies(a, w.t()) is None
+    assert "rows" in gemv_applies(torch.randn(17, 8), w.t())
+    assert "K stride" in gemv_applies(a, w.t().contiguous())
+    assert "dtypes" in gemv_applies(a, w.t().to(torch.float16))
+    assert "2-D" in gemv_applies(a, torch.randn(4, 9).t())
+
+
+# ------------------------------------------------------------------ where the template is taken
+
+
+def fake_cuda(*shape, dtype=torch.bfloat16):
+    return FakeTensor(MODE, torch.empty(*shape, device="meta", dtype=dtype), torch.device("cuda"))
+
+
+MODE = FakeTensorMode()
+
+
+def mm_graph(a_val, w_val) -> torch.fx.Graph:
+    """x @ w.t() as Inductor's post-grad graph has it: mm(x, permute(w))."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"], w.meta["val"] = a_val, w_val
+    wt = g.call_function(torch.ops.aten.permute.default, (w, [1, 0]))
+    wt.meta["val"] = w_val.t()
+    mm = g.call_function(torch.ops.aten.mm.default, (x, wt))
+    mm.meta["val"] = a_val @ w_val.t()
+    g.output(mm)
+    return g
+
+
+def targets(g: torch.fx.Graph) -> list:
+    return [n.target for n in g.nodes if n.op == "call_function"]
+
+
+def test_one_row_mm_on_cuda_becomes_decode_mm():
+    g = mm_graph(fake_cuda(1, 64), fake_cuda(32, 64))
+    assert rewrite_decode_mms(g) == ["mm_default"]
+    assert targets(g) == [torch.ops.aten.permute.default, torch.ops.ditron.decode_mm.default]
+    (call,) = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm.default]
+    assert call.meta["val"].shape == (1, 32)
+    g.lint()
+
+
+@pytest.mark.parametrize("a_val,w_val,why", [
+    (lambda: fake_cuda(2, 64), lambda: fake_cuda(32, 64), "2 rows, not 1"),
+    (lambda: torch.empty(1, 64), lambda: torch.empty(32, 64), "on cpu, not CUDA"),
+    (lambda: fake_cuda(1, 64, dtype=torch.float8_e4m3fn),
+     lambda: fake_cuda(32, 64, dtype=torch.float8_e4m3fn), "dtypes"),
+])
+def test_other_mms_stay_and_the_rule_says_why(a_val, w_val, why):
+    a, w = a_val(), w_val()
+    assert why in mm_not_rewritten(a, w.t())
+    g = mm_graph(a, w)
+    assert rewrite_decode_mms(g) == []
+    assert torch.ops.aten.mm.default in targets(g)
+
+
+def test_a_weight_stored_k_major_stays():
+    a, b = fake_cuda(1, 64), fake_cuda(64, 32)  # [K, N] row-major: the template's loads stride
+    assert "K stride" in mm_not_rewritten(a, b)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_pass_rewrites_under_the_option(on):
+    g = mm_graph(fake_cuda(1, 64), fake_cuda(32, 64))
+    DitronPass(config.Options(decode_gemm=on))(g)
+    assert (torch.ops.ditron.decode_mm.default in targets(g)) is on
+
+
+def one_row_all_reduce_task(m=1, dtype=torch.bfloat16):
+    a, b = torch.empty(m, 2048, dtype=dtype), torch.empty(4096, 2048, dtype=dtype).t()
+    task = matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], 0, "sum", "0", 2,
+                                  has_residual=True)
+    return dataclasses.replace(task, device_type="cuda")
+
+
+def test_a_one_row_all_reduce_plan_takes_the_template(monkeypatch):
+    task = one_row_all_reduce_task()
+    plan, _ = choose_device_plan(task, cuda_graphs=True)
+    assert isinstance(plan, AllReducePlan) and plan.gemm == "cublas"
+    chosen = with_options(plan, task)
+    assert chosen.gemm == GEMV and "gemm=gemv" in chosen.describe()
+    assert with_options(plan).gemm == "cublas"  # no task: the plan as named
+    monkeypatch.setattr(config, "decode_gemm", False)
+    assert with_options(plan, task).gemm == "cublas"
+
+
+def test_all_reduce_plans_of_more_rows_keep_cublas():
+    task = one_row_all_reduce_task(m=16)
+    plan, _ = choose_device_plan(task, cuda_graphs=True)
+    assert with_options(plan, task).gemm != GEMV
+
+
+def test_matmul_into_takes_the_template_where_asked_and_it_applies():
+    from ditron_inductor.runtime import gemv
+    from ditron_inductor.runtime.launch import matmul_into
+
+    gen = torch.Generator().manual_seed(5)
+    a, w = torch.randn(1, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    ref = a @ w.t()
+    before = gemv.stats["decode_mm"]
+    out = torch.empty(1, 40)
+    matmul_into(a, w.t(), None, out, decode=True)
+    assert gemv.stats["decode_mm"] == before + 1
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    bias = torch.randn(40, generator=gen)
+    matmul_into(a, w.t(), bias, out, decode=True)  # a bias: cuBLAS (addmm)
+    matmul_into(a, w.t().contiguous(), None, out, decode=True)  # [K, N] row-major: cuBLAS
+    assert gemv.stats["decode_mm"] == before + 1
+
+
+def test_decode_mm_op_off_cuda_is_torch_mm():
+    a, w = torch.randn(1, 16), torch.randn(8, 16)
+    assert torch.equal(torch.ops.ditron.decode_mm(a, w.t()), torch.mm(a, w.t()))
