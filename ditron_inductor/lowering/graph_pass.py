@@ -212,8 +212,9 @@ def run_pass(graph: Graph) -> GraphReport:
 def _rewrite_decode_mms(graph: Graph) -> None:
     replaced = rewrite_decode_mms(graph)
     if replaced:
-        log.info("graph %s: %d one-row matmul(s) -> ditron.decode_mm (the decode GEMM template): "
-                 "%s", graph_name(graph), len(replaced), ", ".join(replaced))
+        log.info("graph %s: %d one-row matmul(s) -> ditron.decode_mm (the decode GEMM template)",
+                 graph_name(graph), len(replaced))
+        log.debug("graph %s: decode_mm replaced %s", graph_name(graph), ", ".join(replaced))
 
 
 def _decide(match, task, rewritten: set) -> Decision:

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     block_n: int = 8
