@@ -1,9 +1,10 @@
 """Which matmuls take the decode GEMM template (templates/gemv.py) instead of cuBLAS.
 
 A decode step at batch 1 multiplies one row by each weight: the product reads the weight once
-and is bound by memory bandwidth, where cuBLAS reached 55-75% of an H200's and the template
-65-90%: 0.78-0.85x cuBLAS's time at every Llama-3-8B TP 2 site but lm_head (0.95x), 0.80-0.97x
-at TP 1 (`benchmarks/bench_gemv.py`, `benchmarks/results/gemv_h200x1.md`). With 4 or 16 rows it
+and is bound by memory bandwidth. At the Llama-3-8B TP 2 sites on an H200 (4.8 TB/s) cuBLAS moved
+0.6-3.0 TB/s of weights but at lm_head (4.2), the template 0.75-3.7: with the launch config taken
+(runtime/gemv.py) 0.78-0.85x cuBLAS's time there but lm_head's (0.97x), 0.78-1.00x at TP 1
+(`benchmarks/bench_gemv.py`, `benchmarks/results/gemv_h200x1.md`). With 4 or 16 rows it
 was 0.85-1.07x, not a clear win: only one-row products are taken, where the option
 `ditron.decode_gemm` is on:
 - a plain `aten.mm` of one row (lowering/decode_gemm.py rewrites it into ditron.decode_mm);
