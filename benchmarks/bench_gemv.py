@@ -22,20 +22,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_fused import bench_graph, write_tables  # noqa: E402
 from benchmarks.bench_moe import close_group, init_group  # noqa: E402
+from benchmarks.llama_sites import MODELS  # noqa: E402
 from ditron_inductor.runtime.gemv import GemvConfig, config_fits, decode_mm  # noqa: E402
 from ditron_inductor.scheduler.decode_gemm import gemv_applies  # noqa: E402
 
-LLAMA = {"8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256),
-         "70b": dict(hidden=8192, inter=28672, heads=64, kv_heads=8, vocab=128256)}
-
-
 def layer_shapes(model: str, tp: int) -> list[tuple[str, int, int]]:
     """(linear, K, N) of one rank at TP degree tp (column-parallel N, row-parallel K split)."""
-    m = LLAMA[model]
-    h, head_dim = m["hidden"], m["hidden"] // m["heads"]
-    return [("q", h, h // tp), ("k/v", h, m["kv_heads"] * head_dim // tp), ("o", h // tp, h),
-            ("gate/up", h, m["inter"] // tp), ("down", m["inter"] // tp, h),
-            ("lm_head", h, m["vocab"] // tp)]
+    m = MODELS[model]
+    h = m.hidden
+    return [("q", h, m.heads * m.head_dim // tp), ("k/v", h, m.kv_heads * m.head_dim // tp),
+            ("o", m.heads * m.head_dim // tp, h), ("gate/up", h, m.intermediate // tp),
+            ("down", m.intermediate // tp, h), ("lm_head", h, m.vocab // tp)]
 
 
 def configs(spec: str) -> list[GemvConfig]:

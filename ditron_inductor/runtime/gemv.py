@@ -14,6 +14,9 @@ from typing import Optional
 
 import torch
 
+from ..templates.gemv import gemv_kernel
+from .kernel_launch import launch
+
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
@@ -41,9 +44,6 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a @ b (into out, if given) through the decode GEMM (the caller checked
     scheduler.decode_gemm.gemv_applies)."""
-    from ..templates.gemv import gemv_kernel
-    from .kernel_launch import launch
-
     M, K = a.shape
     config = config or (ONE_ROW if M == 1 else ROWS)
     N = b.shape[1]
