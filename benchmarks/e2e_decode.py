@@ -32,8 +32,8 @@ one graph: the table counts the graphs Dynamo compiled during the first `generat
 after it (0: each later step, of `generate()` or bare, replays it).
 
 Contenders: eager, inductor, ditron, and ditron_fusions_only (ditron with its rewrites that are
-not fusions off: the causal mask, the decode GEMM of one-row matmuls; so that what fusing the
-all-reduces gains is told apart from what the decode GEMM gains).
+not fusions off: the causal mask, the decode GEMM of one-row matmuls, the GQA packing of the
+attention; so that what fusing the all-reduces gains is told apart from what those gain).
 
 Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
@@ -93,7 +93,7 @@ from benchmarks import e2e_llama  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
 # ditron_fusions_only: ditron with its rewrites that are not fusions off (e2e_llama.FUSIONS_ONLY:
-# the causal mask, the decode GEMM), so the effects are told apart
+# the causal mask, the decode GEMM, the GQA packing), so the effects are told apart
 CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only")
 PARAMS = ("dtensor", "local")
 MODE = "reduce-overhead"
@@ -403,6 +403,7 @@ def host_profile(decoder: Decoder, step, steps: int, timer) -> dict:
     return {"bare": host_split(bare, steps),
             "generate": host_split(whole, decoder.new_tokens - 1),
             "bare_top": e2e_llama.top_entries(bare, 30),
+            "bare_self": e2e_llama.top_entries(bare, 30, sort="tottime"),
             "generate_top": e2e_llama.top_entries(whole, 30)}
 
 

@@ -37,8 +37,8 @@ Workloads:
   (`generate()` with a static KV cache: `e2e_decode.py`).
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
 enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
-its causal-mask and decode-GEMM rewrites off, "fusions only": what the collective fusion alone
-gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions only with
+its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what the collective
+fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions only with
 the AG/RS plans of the link model alone, `ditron.measured_plans=False`). Timing: random token ids, warm-up,
 then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
 --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
@@ -101,8 +101,8 @@ import torch.distributed as dist  # noqa: E402
 from ditron_inductor import clean_exit  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
-# ditron_keep_mask: ditron with its causal-mask and decode-GEMM rewrites off (what overlap alone
-# gains);
+# ditron_keep_mask: ditron with its causal-mask, decode-GEMM and GQA rewrites off (what overlap
+# alone gains);
 # ditron_keep_mask_model: that, its AG/RS plans from the link model alone (ditron.measured_plans
 # off), to time the measured plans' choice against the model's in one run
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask",
@@ -113,8 +113,10 @@ GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj
 EAGER_LAUNCH, CUDA_GRAPHS = "eager launch", "reduce-overhead"
 NO_COMM_CONTENDERS = ("eager", "inductor", "ditron", "ditron_keep_mask")
 # ditron's graph rewrites that are not fusions, off: what fusing communication alone gains
-FUSIONS_ONLY = {"ditron.causal_mask": False, "ditron.decode_gemm": False}
-CONTENDER_TITLES = {"ditron_keep_mask": "ditron fusions only (mask and decode-GEMM rewrites off)",
+FUSIONS_ONLY = {"ditron.causal_mask": False, "ditron.decode_gemm": False,
+                "ditron.gqa_packing": False}
+CONTENDER_TITLES = {"ditron_keep_mask":
+                    "ditron fusions only (mask, decode-GEMM and GQA rewrites off)",
                     "ditron_keep_mask_model": "fusions only, the link model's plans"}
 # --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
 # report says how far, beside how far the other contenders lie: any change of rounding upstream
@@ -339,11 +341,11 @@ def cprofile(fn, calls: int, timer: Timer):
     return pstats.Stats(prof)
 
 
-def top_entries(stats, top: int = 40) -> str:
+def top_entries(stats, top: int = 40, sort: str = "cumulative") -> str:
     import io
 
     stats.stream = text = io.StringIO()
-    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats(sort).print_stats(top)
     return text.getvalue()
 
 

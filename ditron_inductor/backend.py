@@ -17,7 +17,7 @@ from . import clean_exit, config
 from . import ops  # noqa: F401 - registers torch.ops.ditron.*
 from .log_names import LOGGER_NAME
 from .lowering import graph_pass
-from .lowering import causal_mask
+from .lowering import causal_mask, gqa_packing
 from .lowering.graph_pass import DitronPass, GraphReport
 
 log = logging.getLogger(LOGGER_NAME)
@@ -60,6 +60,8 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
     ditron_pass = patches.get("post_grad_custom_post_pass")
     if isinstance(ditron_pass, DitronPass) and ditron_pass.options.causal_mask:
         _rewrite_causal_masks(gm)
+    if isinstance(ditron_pass, DitronPass) and ditron_pass.options.gqa_packing:
+        _pack_grouped_queries(gm)
     clean_exit.install()
     no_autograd_cache = (
         functorch_config.patch(enable_autograd_cache=False)
@@ -95,6 +97,27 @@ def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
              kinds[causal_mask.NO_MASK], kinds[None])
     for site in sites:
         log.log(logging.DEBUG if site.became else logging.INFO, "  %s", site.describe())
+
+
+def _pack_grouped_queries(gm: torch.fx.GraphModule) -> None:
+    """SDPA calls on repeated keys/values take packed query heads: one INFO line per graph (with
+    why the first call kept was kept: prefill and training keep every call); each at DEBUG."""
+    try:
+        sites = gqa_packing.pack_grouped_queries(gm)
+    except Exception as e:  # noqa: BLE001 - an optimization: the graph is left as it was
+        log.warning("the grouped-query packing failed (%s: %s); attention keeps its repeated "
+                    "keys and values", type(e).__name__, e)
+        return
+    if not sites:
+        return
+    graph = str(torch._guards.CompileContext.current_compile_id() or "?")
+    packed = sum(site.packed for site in sites)
+    kept = next((site.reason for site in sites if not site.packed), "")
+    log.info("graph %s: %d attention call(s) on repeated keys/values: %d packed (query heads as "
+             "rows), %d kept%s", graph, len(sites), packed, len(sites) - packed,
+             f" (the first: {kept})" if kept else "")
+    for site in sites:
+        log.debug("  %s", site.describe())
 
 
 def _cache_hits() -> int:

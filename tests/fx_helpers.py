@@ -2,7 +2,8 @@
 
 Graphs are traced with make_fx on fake tensors under a fake process group, with Inductor's
 decompositions, so they hold the same ATen ops as Inductor's post-grad graphs without compiling
-any kernel.
+any kernel; `dynamo_graph` captures the graph dynamo hands a backend instead (the rewrites run
+before AOTAutograd).
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def dynamo_graph(fn, *args, dynamic: bool = False) -> tuple[torch.fx.GraphModule, list]:
+    """The graph and example inputs dynamo passes a backend for fn(*args)."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
+    return captured[0]
 
 
 @contextlib.contextmanager

@@ -113,6 +113,17 @@ def test_decode_masks_read_the_attention_mask():
 
 
 @pytest.mark.slow
+def test_decode_attention_reads_each_kv_head_once():
+    # 2 query heads per key/value head on each rank (--tiny: 4/2 heads, TP 2): each layer's SDPA
+    # takes them as packed rows of one head (lowering/gqa_packing.py), and the tokens above
+    # stay eager's
+    log = _results()[0]["ditron_log"]
+    verdicts = [line.split(": ", 1)[1] for line in log if "on repeated keys/values" in line]
+    assert verdicts == ["2 attention call(s) on repeated keys/values: 2 packed (query heads as "
+                        "rows), 0 kept"] * len(COMPILED), log
+
+
+@pytest.mark.slow
 def test_benchmark_report(tmp_path, capsys):
     from benchmarks import e2e_decode
 
@@ -157,6 +168,6 @@ def test_fusions_only_contender_is_ditron_with_its_other_rewrites_off():
     compile_config = config.compile_config
     assert compile_config.backend == "ditron" and compile_config.mode is None
     assert compile_config.options == {"triton.cudagraphs": True, "ditron.causal_mask": False,
-                                      "ditron.decode_gemm": False}
+                                      "ditron.decode_gemm": False, "ditron.gqa_packing": False}
     plain = e2e_decode.generation_config("ditron", 4, "cuda").compile_config
     assert (plain.backend, plain.mode, plain.options) == ("ditron", "reduce-overhead", None)

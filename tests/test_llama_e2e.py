@@ -349,7 +349,7 @@ def test_benchmark_smoke_run(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| train (sequence parallel, loss parallel) | B 1, S 16 |" in proc.stdout, proc.stdout
-    assert "| eager ms | ditron ms | ditron fusions only (mask and decode-GEMM rewrites off) ms |" in proc.stdout
+    assert "| eager ms | ditron ms | ditron fusions only (mask, decode-GEMM and GQA rewrites off) ms |" in proc.stdout
     assert "-> ditron.all_gather_matmul" in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["shape"]) for r in rows] == [
