@@ -1,5 +1,6 @@
-"""The ditron ops: one op per fused collective + matmul (and decode_mm, a decode step's one-row
-matmul in the decode GEMM template).
+"""The ditron ops: one op per fused collective + matmul (and two for a decode step, without
+collectives: decode_mm, a one-row matmul in the decode GEMM template; decode_attention, packed
+grouped-query rows in the split-keys decode attention template).
 
 Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
 (meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
@@ -699,3 +700,27 @@ def _decode_mm_fake(a, b):
 
 
 _define("decode_mm(Tensor a, Tensor b) -> Tensor", decode_mm, _decode_mm_fake)
+
+
+# ----------------------------------------------------------- decode attention (no collective)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                     scale: float) -> Tensor:
+    """softmax(q k^T * scale + mask) v for a decode step's packed query rows (q [B, KV, R, D],
+    k and v [B, KV, L, D]; lowering/gqa_packing.py puts it in graphs): the split-keys decode
+    attention template on CUDA where it takes the inputs, SDPA otherwise."""
+    if q.is_cuda:
+        from .runtime import decode_attention as template
+
+        if template.decode_attention_applies(q, k, v, mask) is None:
+            return template.decode_attention(q, k, v, mask, scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _decode_attention_fake(q, k, v, mask, scale):
+    return q.new_empty(q.shape)
+
+
+_define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+        decode_attention, _decode_attention_fake)

@@ -70,12 +70,13 @@ def test_decode_step_reads_keys_once_per_kv_head():
     (site,), gm = packed(attend, *inputs(), keys_seen(3, 1))
     assert site.packed and site.group == 4, site
     assert site.describe() == (f"attention {site.node}: 4 query heads per key/value head packed "
-                               "as rows, keys and values not repeated")
-    (call,) = sdpa_calls(gm)
-    key, value = call.args[1], call.args[2]
+                               "as rows, keys and values not repeated -> ditron.decode_attention")
+    assert sdpa_calls(gm) == []
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.ditron.decode_attention.default]
+    query, key, value, mask, scale = call.args
     assert (key.op, value.op) == ("placeholder", "placeholder")  # k and v as they came
-    assert not [n for n in gm.graph.nodes if n.target == "expand" and n.args[0].op != "call_method"
-                and n.args[0].target is not None and n.args[0] in (key, value)]
+    assert scale == 0.3
+    assert not [n for n in gm.graph.nodes if n.target == "expand" and n.args[0] in (key, value)]
     assert call.meta["example_value"].shape == (3, KV, 4, D)  # the packed rows
 
 
@@ -120,6 +121,22 @@ def test_calls_kept_with_their_reason(case, reason):
     assert site.describe().startswith(f"attention {site.node}: kept: ")
     (call,) = sdpa_calls(gm)
     assert call.args[1].op == "call_method"  # the repeat stays
+
+
+def test_a_call_that_needs_gradients_stays_sdpa_packed():
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+    q, k, v = inputs(2, 2, 3)
+    gm, example = dynamo_graph(attend, q.requires_grad_(), k, v)
+    (site,) = pack_grouped_queries(gm)
+    assert site.became == "SDPA" and site.describe().endswith("not repeated -> SDPA"), site
+    (call,) = sdpa_calls(gm)
+    assert call.args[1].op == "placeholder" and call.meta["example_value"].shape == (2, KV, 6, D)
+    # the output and the gradients through the packed call are the original's
+    (out,) = gm(*example)
+    torch.testing.assert_close(out, attend(q, k, v))
+    torch.testing.assert_close(torch.autograd.grad(out.square().sum(), q)[0],
+                               torch.autograd.grad(attend(q, k, v).square().sum(), q)[0])
 
 
 def test_no_repeat_no_site():

@@ -14,6 +14,12 @@ the keys and values as they are, once per key/value head; its output `[b, kv, n 
 reshaped back to `[b, kv * n, s, d]`. The same numbers (exactly the same products and softmax
 per row), a fraction of the memory traffic.
 
+Packed, the call has few programs where SDPA runs one per (batch, head): at B 1 on TP 2 cuDNN's
+kernel took 0.84 ms per step over the packed rows against 0.41 ms repeated (2x H100). So where
+nothing needs a gradient and there is no dropout (inference), the packed call becomes
+`torch.ops.ditron.decode_attention` (templates/decode_attention.py: the keys split across
+programs, flash decoding; SDPA itself off CUDA); elsewhere it stays an SDPA call, packed.
+
 This pass runs on the dynamo graph before AOTAutograd (as lowering/causal_mask.py does). It
 rewrites a call only where every fact it needs is known: keys and values are repeats of the
 same factor of `[b, kv, L, d]` tensors, the call is not causal (a causal call's rows are not
@@ -31,9 +37,12 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .causal_mask import SDPA, _arg, _shape
 
-QUERY, KEY, VALUE, MASK, CAUSAL, GQA = 0, 1, 2, 3, 5, 7
+QUERY, KEY, VALUE, MASK, DROPOUT, CAUSAL, SCALE, GQA = 0, 1, 2, 3, 4, 5, 6, 7
+# what a packed call became: the decode attention template's op (inference), or SDPA itself
+DECODE_ATTENTION, SDPA_PACKED = "ditron.decode_attention", "SDPA"
 # Packed query rows (n * s) at most: the mask is copied n times, and beyond a few rows
 # per head the keys' re-reads stop mattering next to the attention's own work.
 MAX_PACKED_ROWS = 64
@@ -43,13 +52,17 @@ MAX_PACKED_ROWS = 64
 class PackSite:
     node: str  # the SDPA call
     group: int  # query heads per key/value head (0: unknown)
-    packed: bool
+    became: str  # DECODE_ATTENTION or SDPA_PACKED where packed, "" where kept
     reason: str
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.became)
 
     def describe(self) -> str:
         if self.packed:
             return (f"attention {self.node}: {self.group} query heads per key/value head "
-                    f"packed as rows, keys and values not repeated")
+                    f"packed as rows, keys and values not repeated -> {self.became}")
         return f"attention {self.node}: kept: {self.reason}"
 
 
@@ -63,11 +76,11 @@ def pack_grouped_queries(gm: GraphModule) -> list[PackSite]:
             key, value = _repeat(_arg(sdpa, KEY, "key")), _repeat(_arg(sdpa, VALUE, "value"))
             if key is None:
                 continue
-            reason = _why_not(sdpa, key, value)
+            reason, became = _why_not(sdpa, key, value), ""
             if not reason:
                 repeats += [_arg(sdpa, KEY, "key"), _arg(sdpa, VALUE, "value")]
-                _pack(sdpa, key[0], value[0], key[1])
-            sites.append(PackSite(sdpa.name, key[1], not reason, reason))
+                became = _pack(sdpa, key[0], value[0], key[1])
+            sites.append(PackSite(sdpa.name, key[1], became, reason))
     finally:  # each call packed leaves a valid graph: keep those, even after a failure
         if repeats:
             for node in dict.fromkeys(repeats):
@@ -165,8 +178,10 @@ def _fake_subclass(sdpa: Node) -> bool:
     return any(is_traceable_wrapper_subclass(v) for v in values if isinstance(v, torch.Tensor))
 
 
-def _pack(sdpa: Node, key: Node, value: Node, n: int) -> None:
-    """sdpa(q, repeat(k), repeat(v), mask) -> sdpa(q packed, k, v, mask packed) unpacked."""
+def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
+    """sdpa(q, repeat(k), repeat(v), mask) -> attention(q packed, k, v, mask packed) unpacked,
+    the attention ditron.decode_attention where nothing needs gradients and there is no dropout,
+    else the same SDPA call; returns which."""
     query = _arg(sdpa, QUERY, "query")
     batch, heads, rows, dim = _shape(query)
     kv = heads // n
@@ -176,18 +191,36 @@ def _pack(sdpa: Node, key: Node, value: Node, n: int) -> None:
         packed_query = graph.call_method("reshape", (query, batch, kv, n * rows, dim))
         packed_mask = _packed_mask(graph, mask, n, heads, rows) if isinstance(mask, Node) \
             else mask
-    args, kwargs = list(sdpa.args), dict(sdpa.kwargs)
-    for index, name, new in ((QUERY, "query", packed_query), (KEY, "key", key),
-                             (VALUE, "value", value), (MASK, "attn_mask", packed_mask)):
-        if len(args) > index:
-            args[index] = new
-        elif name in kwargs or new is not None:
-            kwargs[name] = new
-    with graph.inserting_after(sdpa):
-        unpacked = graph.call_method("reshape", (sdpa, batch, heads, rows, dim))
+        if _inference(sdpa) and not _arg(sdpa, DROPOUT, "dropout_p"):
+            scale = _arg(sdpa, SCALE, "scale")
+            attention = graph.call_function(
+                torch.ops.ditron.decode_attention.default,
+                (packed_query, key, value, packed_mask,
+                 float(scale) if scale is not None else dim ** -0.5))
+        else:
+            attention = sdpa
+    if attention is sdpa:
+        args, kwargs = list(sdpa.args), dict(sdpa.kwargs)
+        for index, name, new in ((QUERY, "query", packed_query), (KEY, "key", key),
+                                 (VALUE, "value", value), (MASK, "attn_mask", packed_mask)):
+            if len(args) > index:
+                args[index] = new
+            elif name in kwargs or new is not None:
+                kwargs[name] = new
+        sdpa.args, sdpa.kwargs = tuple(args), kwargs
+    with graph.inserting_after(attention):
+        unpacked = graph.call_method("reshape", (attention, batch, heads, rows, dim))
     sdpa.replace_all_uses_with(unpacked, delete_user_cb=lambda user: user is not unpacked)
-    sdpa.args, sdpa.kwargs = tuple(args), kwargs
+    if attention is not sdpa:
+        graph.erase_node(sdpa)
     _example_values(packed_query, unpacked)
+    return DECODE_ATTENTION if attention is not sdpa else SDPA_PACKED
+
+
+def _inference(sdpa: Node) -> bool:
+    """No input of the call needs a gradient (dynamo's fake values say so)."""
+    values = [n.meta.get("example_value") for n in sdpa.all_input_nodes]
+    return all(isinstance(v, torch.Tensor) and not v.requires_grad for v in values)
 
 
 def _example_values(first: Node, last: Node) -> None:
