@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ditron_inductor import ops  # noqa: F401 - defines torch.ops.ditron.decode_attention
 from ditron_inductor.runtime.decode_attention import (BLOCK_L, decode_attention,
                                                       decode_attention_applies, keys_per_split)
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ditron_inductor import ops  # noqa: F401 - defines torch.ops.ditron.decode_attention
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
