@@ -101,7 +101,7 @@ def main() -> None:
                      f"{r['vs_repeated']:.3f} | {err} |")
     if args.out:
         write_tables(args.out, meta, rows_out, lines)
-    close_group()
+    close_group("cuda")
 
 
 if __name__ == "__main__":
