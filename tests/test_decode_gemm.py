@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from ditron_inductor import config
 from ditron_inductor.lowering.decode_gemm import rewrite_decode_mms
 from ditron_inductor.lowering.graph_pass import DitronPass
-from ditron_inductor.runtime.gemv import GemvConfig, decode_mm
+from ditron_inductor.runtime.gemv import ROWS, GemvConfig, config_for, decode_mm
 from ditron_inductor.scheduler.cost_model import choose_device_plan
 from ditron_inductor.scheduler.decide import with_options
 from ditron_inductor.scheduler.decode_gemm import gemv_applies, mm_not_rewritten
@@ -30,6 +30,20 @@ def test_decode_mm_matches_torch(M, K, N, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and out.shape == (M, N)
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("N", [37, 1500, 2100])  # each measured launch config's range
+def test_decode_mm_default_config_per_width(N):
+    gen = torch.Generator().manual_seed(N)
+    a, w = torch.randn(1, 300, generator=gen), torch.randn(N, 300, generator=gen)
+    torch.testing.assert_close(decode_mm(a, w.t()), a @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_config_for_narrow_outputs_reads_longer_k_slices():
+    assert config_for(1, 512) == GemvConfig(block_n=4, block_k=2048, num_warps=16)  # k/v, TP 2
+    assert config_for(1, 2048) == GemvConfig(block_n=8, block_k=2048, num_warps=16)  # q, TP 2
+    assert config_for(1, 4096) == GemvConfig()  # o, down: 8 x 1024 on 8 warps
+    assert config_for(4, 512) == config_for(16, 4096) == ROWS
 
 
 def test_decode_mm_empty_k_is_zeros():

@@ -4,7 +4,11 @@ Launch configs from benchmarks/bench_gemv.py on 1x H200 (benchmarks/results/gemv
 with one row, blocks of 8 weight rows x 1024 of K on 8 warps were the fastest or within 2% of it
 at every Llama-3-8B site at TP 1 and 2 (0.78-0.85x cuBLAS's time at TP 2 but lm_head's 0.97x);
 with 4 or 16 rows no config beat cuBLAS by much (0.85-1.07x), and the graph rewrite
-(lowering/decode_gemm.py) takes one-row products only.
+(lowering/decode_gemm.py) takes one-row products only. On 1x H100 with longer K slices and 16
+warps in the sweep (gemv_h100x1_tp2.md): at narrow outputs (N 512, 2048: k/v and q at TP 2) 8
+weight rows leave SMs without a program, and 4 rows x 2048 of K on 16 warps (N 512: 0.0044 ms
+against 0.0057) or 8 x 2048 on 16 (N 2048: 0.0078 against 0.0087) were the fastest; elsewhere 8 x
+1024 on 8 stayed within 1% of the best.
 """
 
 from __future__ import annotations
@@ -26,9 +30,18 @@ class GemvConfig:
 
 
 ONE_ROW = GemvConfig()
+ONE_ROW_NARROW = GemvConfig(block_n=8, block_k=2048, num_warps=16)  # N <= 2048
+ONE_ROW_NARROWER = GemvConfig(block_n=4, block_k=2048, num_warps=16)  # N <= 1024
 ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4)  # 2-16 rows: tl.dot's 16-column blocks
 
 stats = {"decode_mm": 0}  # calls served by the template (tests check it ran)
+
+
+def config_for(rows: int, n: int) -> GemvConfig:
+    """The launch config for `rows` rows of `n` output columns (measured, see above)."""
+    if rows > 1:
+        return ROWS
+    return ONE_ROW_NARROWER if n <= 1024 else ONE_ROW_NARROW if n <= 2048 else ONE_ROW
 
 
 def block_m(rows: int) -> int:
@@ -45,8 +58,8 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
     """a @ b (into out, if given) through the decode GEMM (the caller checked
     scheduler.decode_gemm.gemv_applies)."""
     M, K = a.shape
-    config = config or (ONE_ROW if M == 1 else ROWS)
     N = b.shape[1]
+    config = config or config_for(M, N)
     assert config_fits(config, M), f"{config} with {M} rows"
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
