@@ -17,6 +17,8 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.decode_gemm       DITRON_DECODE_GEMM        1 | 0 (1: one-row matmuls, a decode step's
                                                        at batch 1, take the decode GEMM template,
                                                        lowering/decode_gemm.py)
+    ditron.decode_gemm_groups DITRON_DECODE_GEMM_GROUPS 0 | 1 (1: the decode GEMMs of one input,
+                                                       q/k/v and gate/up, in one launch; GPU-unrun)
     ditron.gqa_packing       DITRON_GQA_PACKING        1 | 0 (1: a decode step's grouped-query
                                                        attention reads keys and values once per
                                                        key/value head, lowering/gqa_packing.py)
@@ -83,6 +85,9 @@ class Options:
     # One-row matmuls (a decode step at batch 1), plain and inside the fused all-reduces, in the
     # decode GEMM template instead of cuBLAS (lowering/decode_gemm.py).
     decode_gemm: bool = True
+    # The decode GEMMs of the same input (a step's q/k/v, gate/up) in one launch of the template
+    # (lowering/decode_gemm.py); off until timed on a GPU.
+    decode_gemm_groups: bool = False
     # SDPA calls on repeated keys/values (GQA, decode) take the query heads of each key/value
     # head as rows instead (lowering/gqa_packing.py).
     gqa_packing: bool = True
@@ -91,7 +96,8 @@ class Options:
         """The options that change compiled graphs, as text for the pass's uuid."""
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
                      self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
-                     self.measured_plans, self.decode_gemm, self.gqa_packing))
+                     self.measured_plans, self.decode_gemm, self.gqa_packing,
+                     self.decode_gemm_groups))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -148,6 +154,7 @@ OPTIONS = {
     "causal_mask": ("DITRON_CAUSAL_MASK", "causal_mask", _bool),
     "measured_plans": ("DITRON_MEASURED_PLANS", "measured_plans", _bool),
     "decode_gemm": ("DITRON_DECODE_GEMM", "decode_gemm", _bool),
+    "decode_gemm_groups": ("DITRON_DECODE_GEMM_GROUPS", "decode_gemm_groups", _bool),
     "gqa_packing": ("DITRON_GQA_PACKING", "gqa_packing", _bool),
 }
 
@@ -227,4 +234,5 @@ log_all_ranks: bool = _defaults.log_all_ranks
 causal_mask: bool = _defaults.causal_mask
 measured_plans: bool = _defaults.measured_plans
 decode_gemm: bool = _defaults.decode_gemm
+decode_gemm_groups: bool = _defaults.decode_gemm_groups
 gqa_packing: bool = _defaults.gqa_packing

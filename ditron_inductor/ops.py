@@ -702,6 +702,25 @@ def _decode_mm_fake(a, b):
 _define("decode_mm(Tensor a, Tensor b) -> Tensor", decode_mm, _decode_mm_fake)
 
 
+def decode_mm_group(a: Tensor, bs: list[Tensor]) -> list[Tensor]:
+    """[a @ b for b in bs]: one-row products of the same rows (lowering/decode_gemm.py groups
+    them), one launch of the decode GEMM template on CUDA where it takes them all, torch.mm
+    otherwise."""
+    if a.is_cuda and all(gemv_applies(a, b) is None for b in bs):
+        from .runtime.gemv import decode_mm_group as grouped_template
+
+        return grouped_template(a, bs)
+    return [torch.mm(a, b) for b in bs]
+
+
+def _decode_mm_group_fake(a, bs):
+    return [a.new_empty((a.shape[0], b.shape[1])) for b in bs]
+
+
+_define("decode_mm_group(Tensor a, Tensor[] bs) -> Tensor[]", decode_mm_group,
+        _decode_mm_group_fake)
+
+
 # ----------------------------------------------------------- decode attention (no collective)
 
 

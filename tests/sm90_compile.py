@@ -28,7 +28,9 @@ from ditron_inductor.templates import (  # noqa: E402
     ag_gemm,
     all_reduce_lamport,
     all_reduce_push,
+    decode_attention,
     flags,
+    gemv,
     gemm_ready,
     grouped_gemm,
     reduce,
@@ -135,11 +137,46 @@ def variants():
            dict(x_ptr="*bf16", dst_rank_ptr="*i32", dst_row_ptr="*i32", dst_tile_ptr="*i32",
                 data_table="*i64", count_table="*i64", rows="i32", K="i32"),
            dict(BLOCK_R=16, BLOCK_K=256, WORLD=8), 8)
+    yield from decode_variants()
     yield (flags.wait_flags_kernel,
            dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit="i32",
                 err_ptr="*i32"), {}, 1)
     yield (flags.notify_peers_kernel,
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
+
+
+def decode_variants():
+    """The decode GEMM (one row, the narrow configs, rows; the group of 3) and the decode
+    attention (bf16 with each mask kind, fp32 with IEEE dots; 4 and 64 packed rows)."""
+    mm = dict(a_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", K="i32",
+              stride_am="i32", stride_ak="i32", stride_bk="i32", stride_bn="i32",
+              stride_om="i32", stride_on="i32")
+    for block_m, block_n, block_k, warps in ((1, 8, 1024, 8), (1, 4, 2048, 16), (1, 8, 2048, 16),
+                                             (16, 32, 512, 4)):
+        yield (gemv.gemv_kernel, mm, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k),
+               warps)
+    group = dict(a_ptr="*bf16", **{f"{p}{i}_ptr": "*bf16" for p in ("b", "out") for i in range(3)},
+                 **{name: "i32" for name in ("M", "N0", "N1", "N2", "K", "programs0",
+                                             "programs1", "stride_am", "stride_ak",
+                                             "stride_b0k", "stride_b0n", "stride_b1k",
+                                             "stride_b1n", "stride_b2k", "stride_b2n",
+                                             "stride_o0m", "stride_o1m", "stride_o2m")})
+    yield (gemv.gemv_group_kernel, group, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024), 8)
+    split = decode_attention.decode_attention_split_kernel
+    for dtype, mask, precision, block_r in (("bf16", "i1", "tf32", 16), ("bf16", "bf16", "tf32", 64),
+                                            ("bf16", None, "tf32", 16), ("fp32", "i1", "ieee", 16)):
+        types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
+                     mask_ptr=f"*{mask or dtype}", part_ptr="*fp32", max_ptr="*fp32",
+                     sum_ptr="*fp32", scale="fp32",
+                     **{name: "i32" for name in split.arg_names
+                        if name in ("KV", "R", "L", "keys_per_split") or name[:2] in
+                        ("sq", "sk", "sv", "sm")})
+        yield (split, types, dict(HAS_MASK=mask is not None, BOOL_MASK=mask == "i1",
+                                  PRECISION=precision, BLOCK_R=block_r, BLOCK_L=64, D=128), 4)
+    combine = decode_attention.decode_attention_combine_kernel
+    yield (combine, dict(part_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", out_ptr="*bf16",
+                         KV="i32", R="i32", splits="i32", so_b="i32", so_h="i32", so_r="i32"),
+           dict(BLOCK_R=16, BLOCK_S=32, D=128), 4)
 
 
 def compile_for_hopper(fn, arg_types, constexprs, num_warps,

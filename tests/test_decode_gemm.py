@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from ditron_inductor import config
 from ditron_inductor.lowering.decode_gemm import rewrite_decode_mms
 from ditron_inductor.lowering.graph_pass import DitronPass
-from ditron_inductor.runtime.gemv import ROWS, GemvConfig, config_for, decode_mm
+from ditron_inductor.runtime.gemv import (ROWS, GemvConfig, config_for, decode_mm,
+                                          decode_mm_group)
 from ditron_inductor.scheduler.cost_model import choose_device_plan
 from ditron_inductor.scheduler.decide import with_options
 from ditron_inductor.scheduler.decode_gemm import gemv_applies, mm_not_rewritten
@@ -120,6 +121,73 @@ def test_the_pass_rewrites_under_the_option(on):
     g = mm_graph(fake_cuda(1, 64), fake_cuda(32, 64))
     DitronPass(config.Options(decode_gemm=on))(g)
     assert (torch.ops.ditron.decode_mm.default in targets(g)) is on
+
+
+def shared_rows_graph(widths, weight_from_product=False) -> torch.fx.Graph:
+    """A decode step's q/k/v as the post-grad graph has them: each product its own view of the
+    normed rows, each weight permuted right before its mm (after the first product); with
+    `weight_from_product`, the last weight is computed from the first product (a chain)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = fake_cuda(1, 1, 64)
+    weights = [g.placeholder(f"w{i}") for i in range(len(widths))]
+    outs = []
+    for i, (w, n) in enumerate(zip(weights, widths)):
+        w.meta["val"] = fake_cuda(n, 64)
+        rows = g.call_function(torch.ops.aten.view.default, (x, [1, 64]))
+        rows.meta["val"] = x.meta["val"].view(1, 64)
+        source = w
+        if weight_from_product and i == len(widths) - 1:
+            source = g.call_function(torch.ops.aten.add.Tensor, (w, outs[0]))
+            source.meta["val"] = w.meta["val"]
+        wt = g.call_function(torch.ops.aten.permute.default, (source, [1, 0]))
+        wt.meta["val"] = w.meta["val"].t()
+        mm = g.call_function(torch.ops.aten.mm.default, (rows, wt))
+        mm.meta["val"] = rows.meta["val"] @ wt.meta["val"]
+        outs.append(mm)
+    g.output(tuple(outs))
+    return g
+
+
+@pytest.mark.parametrize("widths, launches", [((32, 8, 8), [3]), ((48, 48), [2]),
+                                               ((16,) * 4, [3])])
+def test_products_of_the_same_rows_share_a_launch_under_the_option(widths, launches):
+    g = shared_rows_graph(widths)
+    DitronPass(config.Options(decode_gemm_groups=True))(g)
+    g.lint()
+    groups = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm_group.default]
+    assert [len(n.args[1]) for n in groups] == launches
+    singles = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm.default]
+    assert len(singles) == len(widths) - sum(launches)  # the 4th of 4 goes alone
+    out = [n for n in g.nodes if n.op == "output"][0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in out] == [(1, n) for n in widths]
+    assert groups[0].meta["val"][0].shape == (1, widths[0])
+    plain = shared_rows_graph(widths)
+    DitronPass(config.Options())(plain)  # off by default: one launch each
+    assert targets(plain).count(torch.ops.ditron.decode_mm.default) == len(widths)
+
+
+def test_a_weight_computed_from_a_product_is_not_grouped_with_it():
+    g = shared_rows_graph((32, 8, 8), weight_from_product=True)
+    DitronPass(config.Options(decode_gemm_groups=True))(g)
+    g.lint()
+    (group,) = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm_group.default]
+    assert len(group.args[1]) == 2 and targets(g).count(torch.ops.ditron.decode_mm.default) == 1
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("widths", [(37, 5, 64), (20, 33)])
+def test_decode_mm_group_matches_torch(M, widths):
+    gen = torch.Generator().manual_seed(M + sum(widths))
+    a = torch.randn(M, 100, generator=gen)
+    ws = [torch.randn(n, 100, generator=gen) for n in widths]
+    outs = decode_mm_group(a, [w.t() for w in ws], GemvConfig(block_n=16, block_k=64,
+                                                               num_warps=4))
+    for out, w in zip(outs, ws):
+        torch.testing.assert_close(out, a @ w.t(), rtol=1e-4, atol=1e-4)
+    # the op off CUDA: torch.mm each
+    for out, w in zip(torch.ops.ditron.decode_mm_group(a, [w.t() for w in ws]), ws):
+        torch.testing.assert_close(out, a @ w.t())
 
 
 def one_row_all_reduce_task(m=1, dtype=torch.bfloat16):

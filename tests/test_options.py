@@ -34,6 +34,7 @@ GOOD = [
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "0", "measured_plans", False),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
+    ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "1", "decode_gemm_groups", True),
 ]
 
 # option key, environment variable, bad value, the error's text after "<name>=<value!r>: "
@@ -58,6 +59,8 @@ BAD = [
      "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "cublas", "expected a boolean (1/0, true/false)"),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "repeat", "expected a boolean (1/0, true/false)"),
+    ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "qkv",
+     "expected a boolean (1/0, true/false)"),
 ]
 
 
@@ -91,7 +94,8 @@ def test_unknown_ditron_key_names_the_known_ones():
     assert str(error.value) == (
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
-        "ditron.causal_mask, ditron.measured_plans, ditron.decode_gemm, ditron.gqa_packing")
+        "ditron.causal_mask, ditron.measured_plans, ditron.decode_gemm, "
+        "ditron.decode_gemm_groups, ditron.gqa_packing")
 
 
 def test_options_win_over_the_environment_and_inductor_keys_pass_through(monkeypatch):

@@ -3,10 +3,14 @@
 Runs on the post-grad graph after the collective rewrites (which take the matmuls they fuse
 first; a fused all-reduce's own one-row GEMM takes the template through its plan), where the
 option `ditron.decode_gemm` is on. Which products qualify, and why only one-row ones, is
-scheduler/decode_gemm.py's to say: `mm_not_rewritten`.
+scheduler/decode_gemm.py's to say: `mm_not_rewritten`. With `ditron.decode_gemm_groups` on,
+the products of the same rows (a step's q/k/v, its gate/up) then become one
+ditron.decode_mm_group call: one launch instead of two or three.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import Graph, Node
@@ -37,3 +41,65 @@ def rewrite_decode_mms(graph: Graph) -> list[str]:
         graph.erase_node(node)
         replaced.append(node.name)
     return replaced
+
+
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+         torch.ops.aten.reshape.default)
+
+
+def group_decode_mms(graph: Graph) -> list[list[str]]:
+    """Replace the ditron.decode_mm calls of `graph` that multiply the same rows (views of one
+    node with one shape: a step's q/k/v, its gate/up) by ditron.decode_mm_group, up to
+    MAX_GROUP per call (in place); the names of the calls grouped, per group."""
+    from ..runtime.gemv import MAX_GROUP
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    by_rows: dict[tuple, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.ditron.decode_mm.default:
+            by_rows.setdefault(_rows_source(node.args[0]), []).append(node)
+    groups = []
+    for members in by_rows.values():
+        # a product whose weight is computed from another's output stays alone (no cycle)
+        members = [m for m in members if not _reads_any(m.args[1], members)]
+        for start in range(0, len(members) - 1, MAX_GROUP):
+            group = members[start:start + MAX_GROUP]
+            if len(group) < 2:
+                continue
+            with graph.inserting_before(group[0]):
+                grouped = graph.call_function(torch.ops.ditron.decode_mm_group.default,
+                                              (group[0].args[0], [m.args[1] for m in group]))
+                grouped.meta["val"] = [m.meta.get("val") for m in group]
+                products = [graph.call_function(operator.getitem, (grouped, index))
+                            for index in range(len(group))]
+            for member, product in zip(group, products):
+                product.meta.update(member.meta)
+                member.replace_all_uses_with(product)
+                graph.erase_node(member)
+            groups.append([m.name for m in group])
+    if groups:  # a later member's weight may be defined after the first member
+        stable_topological_sort(graph)
+    return groups
+
+
+def _reads_any(value: Node, nodes: list[Node]) -> bool:
+    """Whether `value` is computed from any of `nodes`."""
+    targets, seen, stack = set(nodes), set(), [value]
+    while stack:
+        node = stack.pop()
+        if node in targets:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return False
+
+
+def _rows_source(rows: Node) -> tuple:
+    """(the node `rows` views, its shape): products whose rows are equal share it."""
+    shape = tuple(rows.meta["val"].shape) if isinstance(rows.meta.get("val"), torch.Tensor) \
+        else None
+    while (isinstance(rows, Node) and rows.op == "call_function" and rows.target in VIEWS
+           and isinstance(rows.args[0], Node)):
+        rows = rows.args[0]
+    return rows, shape

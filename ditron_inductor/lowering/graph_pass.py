@@ -22,7 +22,7 @@ from torch.fx import Graph
 from .. import config
 from ..log_names import LOGGER_NAME
 from ..scheduler.decide import Decision, decide, reject
-from .decode_gemm import rewrite_decode_mms
+from .decode_gemm import group_decode_mms, rewrite_decode_mms
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_matches
 from .moe import (
     AllToAllGroupedMmMatch,
@@ -106,7 +106,7 @@ class DitronPass(CustomGraphPass):
         with config.using(self.options):
             run_pass(graph)
             if self.options.decode_gemm:
-                _rewrite_decode_mms(graph)
+                _rewrite_decode_mms(graph, self.options.decode_gemm_groups)
 
     def uuid(self) -> Any:
         user = None
@@ -209,12 +209,18 @@ def run_pass(graph: Graph) -> GraphReport:
     return report
 
 
-def _rewrite_decode_mms(graph: Graph) -> None:
+def _rewrite_decode_mms(graph: Graph, grouped: bool) -> None:
     replaced = rewrite_decode_mms(graph)
     if replaced:
         log.info("graph %s: %d one-row matmul(s) -> ditron.decode_mm (the decode GEMM template)",
                  graph_name(graph), len(replaced))
         log.debug("graph %s: decode_mm replaced %s", graph_name(graph), ", ".join(replaced))
+    groups = group_decode_mms(graph) if grouped and replaced else []
+    if groups:
+        log.info("graph %s: %d of them in %d launch(es) of ditron.decode_mm_group (products of "
+                 "the same rows)", graph_name(graph), sum(map(len, groups)), len(groups))
+        log.debug("graph %s: decode_mm_group took %s", graph_name(graph),
+                  "; ".join(", ".join(g) for g in groups))
 
 
 def _decide(match, task, rewritten: set) -> Decision:

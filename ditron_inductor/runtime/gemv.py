@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..templates.gemv import gemv_kernel
+from ..templates.gemv import gemv_group_kernel, gemv_kernel
 from .kernel_launch import launch
 
 
@@ -34,7 +34,8 @@ ONE_ROW_NARROW = GemvConfig(block_n=8, block_k=2048, num_warps=16)  # N <= 2048
 ONE_ROW_NARROWER = GemvConfig(block_n=4, block_k=2048, num_warps=16)  # N <= 1024
 ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4)  # 2-16 rows: tl.dot's 16-column blocks
 
-stats = {"decode_mm": 0}  # calls served by the template (tests check it ran)
+MAX_GROUP = 3  # products per gemv_group_kernel launch
+stats = {"decode_mm": 0, "decode_mm_group": 0}  # calls served by the template (tests check it ran)
 
 
 def config_for(rows: int, n: int) -> GemvConfig:
@@ -73,3 +74,28 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
            num_warps=config.num_warps)
     stats["decode_mm"] += 1
     return out
+
+
+def decode_mm_group(a: torch.Tensor, bs: list[torch.Tensor],
+                    config: Optional[GemvConfig] = None) -> list[torch.Tensor]:
+    """[a @ b for b in bs] (2 or 3 of them) in one launch of the decode GEMM (the caller checked
+    gemv_applies for each b)."""
+    assert 2 <= len(bs) <= MAX_GROUP, f"{len(bs)} products"
+    M, K = a.shape
+    widths = [b.shape[1] for b in bs]
+    config = config or config_for(M, sum(widths))
+    assert config_fits(config, M), f"{config} with {M} rows"
+    outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
+    if M == 0 or K == 0:
+        return [out.zero_() for out in outs]
+    programs = [(n + config.block_n - 1) // config.block_n for n in widths]
+    third = len(bs) == 3
+    b2, out2, n2 = (bs[2], outs[2], widths[2]) if third else (bs[1], outs[1], 0)
+    launch(gemv_group_kernel, (sum(programs),), a, bs[0], bs[1], b2, outs[0], outs[1], out2, M,
+           widths[0], widths[1], n2, K, programs[0], programs[1], a.stride(0), a.stride(1),
+           bs[0].stride(0), bs[0].stride(1), bs[1].stride(0), bs[1].stride(1), b2.stride(0),
+           b2.stride(1), outs[0].stride(0), outs[1].stride(0), out2.stride(0),
+           BLOCK_M=block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+           num_warps=config.num_warps)
+    stats["decode_mm_group"] += 1
+    return outs

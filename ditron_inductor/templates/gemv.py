@@ -6,7 +6,8 @@ memory bandwidth. Each program owns BLOCK_N output columns, i.e. BLOCK_N rows of
 in BLOCK_K slices, so every load is a run of contiguous weight bytes; a row of `a` is reused
 across the program's BLOCK_N columns from L1/L2. With a single row (BLOCK_M == 1) the product is
 a multiply and a row sum on CUDA cores (tl.dot needs 16 rows); with more rows, tl.dot with the
-rows padded to BLOCK_M.
+rows padded to BLOCK_M. `gemv_group_kernel` runs two or three products of the same rows in one
+launch (one kernel where a decode step had three: fewer launches and gaps between kernels).
 """
 
 import triton
@@ -17,7 +18,37 @@ import triton.language as tl
 def gemv_kernel(a_ptr, b_ptr, out_ptr, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
+    _gemv_columns(a_ptr, b_ptr, out_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  stride_om, stride_on, tl.program_id(0), BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def gemv_group_kernel(a_ptr, b0_ptr, b1_ptr, b2_ptr, out0_ptr, out1_ptr, out2_ptr,
+                      M, N0, N1, N2, K, programs0, programs1, stride_am, stride_ak,
+                      stride_b0k, stride_b0n, stride_b1k, stride_b1n, stride_b2k, stride_b2n,
+                      stride_o0m, stride_o1m, stride_o2m,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Up to three products of the same rows `a` (a decode step's q/k/v, or gate/up) in one
+    launch: programs [0, programs0) compute a @ b0, the next programs1 a @ b1, the rest a @ b2
+    (N2 0 where there are two). Outputs are row-major."""
+    pid = tl.program_id(0)
+    if pid < programs0:
+        _gemv_columns(a_ptr, b0_ptr, out0_ptr, M, N0, K, stride_am, stride_ak, stride_b0k,
+                      stride_b0n, stride_o0m, 1, pid, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif pid < programs0 + programs1:
+        _gemv_columns(a_ptr, b1_ptr, out1_ptr, M, N1, K, stride_am, stride_ak, stride_b1k,
+                      stride_b1n, stride_o1m, 1, pid - programs0, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _gemv_columns(a_ptr, b2_ptr, out2_ptr, M, N2, K, stride_am, stride_ak, stride_b2k,
+                      stride_b2n, stride_o2m, 1, pid - programs0 - programs1, BLOCK_M, BLOCK_N,
+                      BLOCK_K)
+
+
+@triton.jit
+def _gemv_columns(a_ptr, b_ptr, out_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, pid_n,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output columns [pid_n * BLOCK_N, + BLOCK_N) of a @ b."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
