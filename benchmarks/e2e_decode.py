@@ -31,9 +31,10 @@ contender) and `dynamic=False`. The cache position is a tensor of the cache, so 
 one graph: the table counts the graphs Dynamo compiled during the first `generate()` (1) and
 after it (0: each later step, of `generate()` or bare, replays it).
 
-Contenders: eager, inductor, ditron, and ditron_fusions_only (ditron with its rewrites that are
-not fusions off: the causal mask, the decode GEMM of one-row matmuls, the GQA packing of the
-attention; so that what fusing the all-reduces gains is told apart from what those gain).
+Contenders: eager, inductor, ditron, ditron_fusions_only (ditron with its rewrites that are not
+fusions off: the causal mask, the decode GEMM of one-row matmuls, the GQA packing of the
+attention; so that what fusing the all-reduces gains is told apart from what those gain), and
+ditron_gemm_groups (ditron with `ditron.decode_gemm_groups` on, to time that option).
 
 Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
@@ -93,8 +94,12 @@ from benchmarks import e2e_llama  # noqa: E402
 from tests import llama_tp  # noqa: E402
 
 # ditron_fusions_only: ditron with its rewrites that are not fusions off (e2e_llama.FUSIONS_ONLY:
-# the causal mask, the decode GEMM, the GQA packing), so the effects are told apart
-CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only")
+# the causal mask, the decode GEMM, the GQA packing), so the effects are told apart;
+# ditron_gemm_groups: ditron with its decode GEMMs of the same rows in one launch (the option
+# ditron.decode_gemm_groups, off by default until timed: run it beside ditron)
+CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only", "ditron_gemm_groups")
+CONTENDER_OPTIONS = {"ditron_fusions_only": e2e_llama.FUSIONS_ONLY,
+                     "ditron_gemm_groups": {"ditron.decode_gemm_groups": True}}
 PARAMS = ("dtensor", "local")
 MODE = "reduce-overhead"
 
@@ -172,10 +177,10 @@ def generation_config(contender: str, new_tokens: int, device: str, options=None
     if contender == "eager":
         config.disable_compile = True
         return config
-    if contender == "ditron_fusions_only":  # torch.compile takes a mode or options, not both
+    if contender in CONTENDER_OPTIONS:  # torch.compile takes a mode or options, not both
         from torch._inductor import list_mode_options
 
-        options = {**(options or list_mode_options(MODE)), **e2e_llama.FUSIONS_ONLY}
+        options = {**(options or list_mode_options(MODE)), **CONTENDER_OPTIONS[contender]}
     config.compile_config = CompileConfig(backend="ditron" if contender.startswith("ditron")
                                           else contender, mode=None if options else MODE,
                                           options=options, fullgraph=True, dynamic=False)

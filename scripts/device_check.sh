@@ -26,8 +26,8 @@
 # guards skipped, the host's time split; DECODE_ARGS adds options, e.g. "--layers 32"),
 # fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
 # _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
-# template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_attention_gpu
-# (the decode attention template's GPU tests, tests/gpu/test_decode_attention_gpu.py),
+# template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
+# decode attention and decode GEMM templates' GPU tests, tests/gpu/test_decode_*_gpu.py),
 # decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
@@ -133,8 +133,8 @@ decode_tp() { local world; world=$(nvidia-smi -L | wc -l)
     --profile-host 50 --json "$W/e2e_decode_tp.json" ${DECODE_ARGS:-}; }
 fp8_parity() { timeout -k 5 ${FP8_PARITY_LIMIT:-300} torchrun --nproc-per-node 1 \
   benchmarks/bench_fp8_parity.py --out "$W/fp8_parity" ${FP8_PARITY_ARGS:-}; }
-decode_attention_gpu() { timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
-  tests/gpu/test_decode_attention_gpu.py; }
+decode_gpu() { timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_gemm_gpu.py; }
 decode_attention() { timeout -k 5 ${DECODE_ATTENTION_LIMIT:-200} torchrun --nproc-per-node 1 \
   benchmarks/bench_decode_attention.py --out "$W/decode_attention" ${DECODE_ATTENTION_ARGS:-}; }
 gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
