@@ -79,15 +79,21 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
     return compiled
 
 
+def _optional_rewrite(rewrite, gm: torch.fx.GraphModule, name: str, left: str) -> list:
+    """rewrite(gm)'s sites, or none after a warning where it fails: an optimization, each step
+    of which leaves a valid graph."""
+    try:
+        return rewrite(gm)
+    except Exception as e:  # noqa: BLE001 - the graph stays valid; the user's model still runs
+        log.warning("%s failed (%s: %s); %s", name, type(e).__name__, e, left)
+        return []
+
+
 def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
     """SDPA calls with a constant causal (or empty) mask take is_causal=True (or no mask): one
     INFO line per graph, one per mask kept and why; every call at DEBUG."""
-    try:
-        sites = causal_mask.rewrite_causal_masks(gm)
-    except Exception as e:  # noqa: BLE001 - an optimization: each step it made leaves a valid graph
-        log.warning("the attention-mask rewrite failed (%s: %s); the masks it had not reached "
-                    "stay as they are", type(e).__name__, e)
-        return
+    sites = _optional_rewrite(causal_mask.rewrite_causal_masks, gm, "the attention-mask rewrite",
+                              "the masks it had not reached stay as they are")
     if not sites:
         return
     graph = str(torch._guards.CompileContext.current_compile_id() or "?")
@@ -102,12 +108,8 @@ def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
 def _pack_grouped_queries(gm: torch.fx.GraphModule) -> None:
     """SDPA calls on repeated keys/values take packed query heads: one INFO line per graph (with
     why the first call kept was kept: prefill and training keep every call); each at DEBUG."""
-    try:
-        sites = gqa_packing.pack_grouped_queries(gm)
-    except Exception as e:  # noqa: BLE001 - an optimization: the graph is left as it was
-        log.warning("the grouped-query packing failed (%s: %s); attention keeps its repeated "
-                    "keys and values", type(e).__name__, e)
-        return
+    sites = _optional_rewrite(gqa_packing.pack_grouped_queries, gm, "the grouped-query packing",
+                              "the calls it had not reached keep their repeated keys and values")
     if not sites:
         return
     graph = str(torch._guards.CompileContext.current_compile_id() or "?")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,18 @@ def dynamo_graph(fn, *args, dynamic: bool = False) -> tuple[torch.fx.GraphModule
     torch._dynamo.reset()
     torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
     return captured[0]
+
+
+def checked_rewrite(rewrite, fn, *args) -> tuple[Any, torch.fx.GraphModule]:
+    """(what `rewrite` returns, the graph it rewrote in place): dynamo's graph of fn(*args),
+    after checking that the rewritten graph computes what the original did on the same inputs."""
+    gm, inputs = dynamo_graph(fn, *args)
+    before = gm(*inputs)
+    result = rewrite(gm)
+    after = gm(*inputs)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return result, gm
 
 
 @contextlib.contextmanager

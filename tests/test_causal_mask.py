@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ditron_inductor.lowering import causal_mask
 from ditron_inductor.lowering.causal_mask import CAUSAL, NO_MASK, classify, rewrite_causal_masks
-from tests.fx_helpers import dynamo_graph
+from tests.fx_helpers import checked_rewrite, dynamo_graph
 
 L, S, E = 8, 8, 16  # queries, keys, head size
 
@@ -32,13 +32,7 @@ def sdpa_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def rewritten(fn, *args) -> tuple[list, torch.fx.GraphModule]:
     """(MaskSites, the rewritten graph), after checking it computes what the original does."""
-    gm, inputs = dynamo_graph(fn, *args)
-    before = gm(*inputs)
-    sites = rewrite_causal_masks(gm)
-    after = gm(*inputs)
-    for b, a in zip(before, after):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    return sites, gm
+    return checked_rewrite(rewrite_causal_masks, fn, *args)
 
 
 def hf_style_causal(q, k, v):

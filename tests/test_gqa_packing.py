@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ditron_inductor.lowering import causal_mask
 from ditron_inductor.lowering.gqa_packing import MAX_PACKED_ROWS, pack_grouped_queries
 
-from tests.fx_helpers import dynamo_graph
+from tests.fx_helpers import checked_rewrite, dynamo_graph
 
 KV, D, L = 2, 8, 12  # key/value heads, head size, keys
 
@@ -50,13 +50,7 @@ def keys_seen(batch: int, rows: int) -> torch.Tensor:
 
 def packed(fn, *args) -> tuple[list, torch.fx.GraphModule]:
     """(PackSites, the rewritten graph), after checking it computes what the original does."""
-    gm, example = dynamo_graph(fn, *args)
-    before = gm(*example)
-    sites = pack_grouped_queries(gm)
-    after = gm(*example)
-    for b, a in zip(before, after):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    return sites, gm
+    return checked_rewrite(pack_grouped_queries, fn, *args)
 
 
 def sdpa_calls(gm):
