@@ -99,6 +99,7 @@ def test_keys_per_split_fills_the_programs_in_whole_tiles():
     (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, m),
      "not contiguous"),
     (lambda q, k, v, m: (q, k, v, m.to(torch.int32)), "torch.int32 mask"),
+    (lambda q, k, v, m: (q, k, v, m[None]), "5-D mask"),
 ])
 def test_what_it_refuses_says_why(change, reason):
     q, k, v = qkv(2, 2, 4, 50, 16, torch.float32)

@@ -191,8 +191,9 @@ def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
         packed_query = graph.call_method("reshape", (query, batch, kv, n * rows, dim))
         packed_mask = _packed_mask(graph, mask, n, heads, rows) if isinstance(mask, Node) \
             else mask
-        if _inference(sdpa) and not _arg(sdpa, DROPOUT, "dropout_p"):
-            scale = _arg(sdpa, SCALE, "scale")
+        scale = _arg(sdpa, SCALE, "scale")
+        if (_inference(sdpa) and not _arg(sdpa, DROPOUT, "dropout_p")
+                and (scale is None or isinstance(scale, (int, float)))):
             attention = graph.call_function(
                 torch.ops.ditron.decode_attention.default,
                 (packed_query, key, value, packed_mask,

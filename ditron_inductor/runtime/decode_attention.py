@@ -45,6 +45,8 @@ def decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "a head dimension not contiguous"
     if mask is not None and not (mask.dtype == torch.bool or mask.dtype == q.dtype):
         return f"a {mask.dtype} mask"
+    if mask is not None and mask.dim() > 4:
+        return f"a {mask.dim()}-D mask"
     return None
 
 
