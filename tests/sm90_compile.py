@@ -163,7 +163,8 @@ def decode_variants():
                                              "stride_o0m", "stride_o1m", "stride_o2m")})
     yield (gemv.gemv_group_kernel, group, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024), 8)
     split = decode_attention.decode_attention_split_kernel
-    for dtype, mask, precision, block_r in (("bf16", "i1", "tf32", 16), ("bf16", "bf16", "tf32", 64),
+    for dtype, mask, precision, block_r in (("bf16", "i1", "tf32", 16),
+                                            ("bf16", "bf16", "tf32", 64),
                                             ("bf16", None, "tf32", 16), ("fp32", "i1", "ieee", 16)):
         types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}",
                      mask_ptr=f"*{mask or dtype}", part_ptr="*fp32", max_ptr="*fp32",

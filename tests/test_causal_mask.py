@@ -51,8 +51,8 @@ def test_causal_mask_becomes_is_causal_and_its_computation_goes():
     assert sites[0].describe() == (f"attention {sites[0].node}: mask [2x1x{L}x{S}] is causal -> "
                                    "is_causal=True, no mask")
     for call in sdpa_calls(gm):
-        assert causal_mask._arg(call, 3, "attn_mask") is None
-        assert causal_mask._arg(call, 5, "is_causal") is True
+        assert causal_mask.call_arg(call, 3, "attn_mask") is None
+        assert causal_mask.call_arg(call, 5, "is_causal") is True
     left = {n.op for n in gm.graph.nodes} - {"placeholder", "output"}
     assert left == {"call_function"} and len(gm.graph.nodes) == 3 + 2 + 1  # no arange, no mask
 
@@ -70,7 +70,7 @@ def test_float_causal_mask_and_empty_masks():
     (site,), gm = rewritten(empty, *qkv())
     assert site.became == NO_MASK and site.describe().endswith("masks nothing -> no mask")
     (call,) = sdpa_calls(gm)
-    assert causal_mask._arg(call, 3, "attn_mask") is None and not causal_mask._arg(call, 5,
+    assert causal_mask.call_arg(call, 3, "attn_mask") is None and not causal_mask.call_arg(call, 5,
                                                                                    "is_causal")
 
 
@@ -96,7 +96,7 @@ def test_other_masks_are_kept_with_their_reason(name, build, reason):
     assert site.became is None and reason in site.reason, site
     assert "kept: " + site.reason in site.describe()
     (call,) = sdpa_calls(gm)
-    assert isinstance(causal_mask._arg(call, 3, "attn_mask"), torch.fx.Node)
+    assert isinstance(causal_mask.call_arg(call, 3, "attn_mask"), torch.fx.Node)
 
 
 def test_mask_changed_in_place_is_kept():

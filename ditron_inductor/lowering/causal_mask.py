@@ -61,16 +61,17 @@ class MaskSite:
 def rewrite_causal_masks(gm: GraphModule) -> list[MaskSite]:
     """Rewrite the SDPA calls of `gm` whose constant mask is causal or empty (in place); one
     MaskSite per SDPA call that has a mask."""
-    calls = [(node, _arg(node, MASK_ARG, "attn_mask")) for node in gm.graph.nodes
+    calls = [(node, call_arg(node, MASK_ARG, "attn_mask")) for node in gm.graph.nodes
              if node.op == "call_function" and node.target in SDPA
-             and not _arg(node, CAUSAL_ARG, "is_causal")]
+             and not call_arg(node, CAUSAL_ARG, "is_causal")]
     verdicts: dict[tuple, tuple[Optional[str], str]] = {}  # the layers share one mask
     sites = []
     for sdpa, mask in calls:
         if not isinstance(mask, Node):
             continue
-        shape = tuple(_shape(mask) or ())
-        query, key = _shape(_arg(sdpa, 0, "query")), _shape(_arg(sdpa, 1, "key"))
+        shape = tuple(example_shape(mask) or ())
+        query = example_shape(call_arg(sdpa, 0, "query"))
+        key = example_shape(call_arg(sdpa, 1, "key"))
         scores = (query[-2], key[-2]) if query and key else ()
         if not scores or not shape:
             became, reason = None, "the shapes of query, key or mask are not known"
@@ -128,11 +129,13 @@ def classify(mask: torch.Tensor, queries: int, keys: int) -> Optional[str]:
     return CAUSAL if bool((attends == causal).all()) else None
 
 
-def _arg(node: Node, index: int, name: str) -> Any:
+def call_arg(node: Node, index: int, name: str) -> Any:
+    """The call's argument at `index`, or by `name` where passed by keyword."""
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
-def _shape(value: Any) -> Optional[list]:
+def example_shape(value: Any) -> Optional[list]:
+    """The shape of a node's traced value (dynamo's example_value, or val), else None."""
     meta = value.meta.get("example_value", value.meta.get("val")) if isinstance(value, Node) \
         else None
     return list(meta.shape) if isinstance(meta, torch.Tensor) else None

@@ -17,6 +17,7 @@ from torch.fx import Graph, Node
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from ..scheduler.decode_gemm import mm_not_rewritten
+from .nodes import RESHAPES
 
 
 def rewrite_decode_mms(graph: Graph) -> list[str]:
@@ -41,10 +42,6 @@ def rewrite_decode_mms(graph: Graph) -> list[str]:
         graph.erase_node(node)
         replaced.append(node.name)
     return replaced
-
-
-VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-         torch.ops.aten.reshape.default)
 
 
 def group_decode_mms(graph: Graph) -> list[list[str]]:
@@ -99,7 +96,7 @@ def _rows_source(rows: Node) -> tuple:
     """(the node `rows` views, its shape): products whose rows are equal share it."""
     shape = tuple(rows.meta["val"].shape) if isinstance(rows.meta.get("val"), torch.Tensor) \
         else None
-    while (isinstance(rows, Node) and rows.op == "call_function" and rows.target in VIEWS
+    while (isinstance(rows, Node) and rows.op == "call_function" and rows.target in RESHAPES
            and isinstance(rows.args[0], Node)):
         rows = rows.args[0]
     return rows, shape

@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
-from .causal_mask import SDPA, _arg, _shape
+from .causal_mask import SDPA, call_arg, example_shape
 
 QUERY, KEY, VALUE, MASK, DROPOUT, CAUSAL, SCALE, GQA = 0, 1, 2, 3, 4, 5, 6, 7
 # what a packed call became: the decode attention template's op (inference), or SDPA itself
@@ -73,12 +73,13 @@ def pack_grouped_queries(gm: GraphModule) -> list[PackSite]:
     try:
         for sdpa in [n for n in gm.graph.nodes
                      if n.op == "call_function" and n.target in SDPA]:
-            key, value = _repeat(_arg(sdpa, KEY, "key")), _repeat(_arg(sdpa, VALUE, "value"))
+            key = _repeat(call_arg(sdpa, KEY, "key"))
+            value = _repeat(call_arg(sdpa, VALUE, "value"))
             if key is None:
                 continue
             reason, became = _why_not(sdpa, key, value), ""
             if not reason:
-                repeats += [_arg(sdpa, KEY, "key"), _arg(sdpa, VALUE, "value")]
+                repeats += [call_arg(sdpa, KEY, "key"), call_arg(sdpa, VALUE, "value")]
                 became = _pack(sdpa, key[0], value[0], key[1])
             sites.append(PackSite(sdpa.name, key[1], became, reason))
     finally:  # each call packed leaves a valid graph: keep those, even after a failure
@@ -110,7 +111,7 @@ def _repeat(node: Any) -> Optional[tuple[Node, int]]:
         return None
     inserted = expand.args[0]
     source = _with_dim2_inserted(inserted)
-    shapes = [_shape(n) for n in (node, expand, source)]
+    shapes = [example_shape(n) for n in (node, expand, source)]
     if source is None or None in shapes:
         return None
     out, expanded, base = shapes
@@ -149,13 +150,13 @@ def _why_not(sdpa: Node, key: tuple[Node, int], value: Optional[tuple[Node, int]
     """Why this call keeps its repeats ("" where it can be packed)."""
     if value is None or value[1] != key[1]:
         return "the values are not repeated as the keys are"
-    if _arg(sdpa, CAUSAL, "is_causal"):
+    if call_arg(sdpa, CAUSAL, "is_causal"):
         return "is_causal=True (packed rows would change which keys a row sees)"
-    if _arg(sdpa, GQA, "enable_gqa"):
+    if call_arg(sdpa, GQA, "enable_gqa"):
         return "enable_gqa=True already"
-    query, keys = _shape(_arg(sdpa, QUERY, "query")), _shape(key[0])
-    mask = _arg(sdpa, MASK, "attn_mask")
-    mask_shape = _shape(mask) if isinstance(mask, Node) else []
+    query, keys = example_shape(call_arg(sdpa, QUERY, "query")), example_shape(key[0])
+    mask = call_arg(sdpa, MASK, "attn_mask")
+    mask_shape = example_shape(mask) if isinstance(mask, Node) else []
     if query is None or keys is None or mask_shape is None:
         return "the shapes of query, keys or mask are not known"
     if not all(isinstance(d, int) for d in (*query, *keys, *mask_shape)):
@@ -182,17 +183,17 @@ def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
     """sdpa(q, repeat(k), repeat(v), mask) -> attention(q packed, k, v, mask packed) unpacked,
     the attention ditron.decode_attention where nothing needs gradients and there is no dropout,
     else the same SDPA call; returns which."""
-    query = _arg(sdpa, QUERY, "query")
-    batch, heads, rows, dim = _shape(query)
+    query = call_arg(sdpa, QUERY, "query")
+    batch, heads, rows, dim = example_shape(query)
     kv = heads // n
-    mask = _arg(sdpa, MASK, "attn_mask")
+    mask = call_arg(sdpa, MASK, "attn_mask")
     graph = sdpa.graph
     with graph.inserting_before(sdpa):
         packed_query = graph.call_method("reshape", (query, batch, kv, n * rows, dim))
         packed_mask = _packed_mask(graph, mask, n, heads, rows) if isinstance(mask, Node) \
             else mask
-        scale = _arg(sdpa, SCALE, "scale")
-        if (_inference(sdpa) and not _arg(sdpa, DROPOUT, "dropout_p")
+        scale = call_arg(sdpa, SCALE, "scale")
+        if (_inference(sdpa) and not call_arg(sdpa, DROPOUT, "dropout_p")
                 and (scale is None or isinstance(scale, (int, float)))):
             attention = graph.call_function(
                 torch.ops.ditron.decode_attention.default,
@@ -250,7 +251,7 @@ def _packed_mask(graph: torch.fx.Graph, mask: Node, n: int, heads: int, rows: in
     """The mask over the packed rows, `[mb, 1 or kv, n * rows, L]`, from SDPA's broadcast of
     `mask` to `[mb, 1 or heads, rows, L]` (packed head k's row r * rows + i is head k * n + r's
     row i)."""
-    shape = _shape(mask)
+    shape = example_shape(mask)
     while len(shape) < 4:  # SDPA broadcasts from the right
         mask = graph.call_method("unsqueeze", (mask, 0))
         shape = [1, *shape]

@@ -34,7 +34,8 @@ def decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "query, keys and values are not 4-D"
     batch, heads, rows, dim = q.shape
     if k.shape != (batch, heads, k.shape[2], dim) or v.shape != k.shape:
-        return f"keys {tuple(k.shape)} / values {tuple(v.shape)} do not match query {tuple(q.shape)}"
+        return (f"keys {tuple(k.shape)} / values {tuple(v.shape)} do not match query "
+                f"{tuple(q.shape)}")
     if rows > MAX_ROWS:
         return f"{rows} query rows, over {MAX_ROWS}"
     if dim < 16 or dim > 256 or dim & (dim - 1):
