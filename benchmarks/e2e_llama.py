@@ -38,9 +38,9 @@ Workloads:
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
 enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
 its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what the collective
-fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions only with
-the AG/RS plans of the link model alone, `ditron.measured_plans=False`). Timing: random token ids, warm-up,
-then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
+fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions
+only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`). Timing: random
+token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
 --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
 repetitions, the maximum over ranks; the spread of the repetitions ((max - min) / median, the
 largest over contenders and ranks: differences smaller than it are noise); and the host's time per
