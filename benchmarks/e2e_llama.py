@@ -40,16 +40,16 @@ enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_
 its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what the collective
 fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions
 only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`). Timing: random
-token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls, or of as many as take
---min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on GPU; the median over
-repetitions, the maximum over ranks; the spread of the repetitions ((max - min) / median, the
-largest over contenders and ranks: differences smaller than it are noise); and the host's time per
-call (near the device's: the step is bound by the host). Checks: the training loss and a few
-gradients after the first step, and the logits, against Inductor's (same init, same data). Per
-compiled ditron graph: the number of `torch.ops.ditron.*` calls; under reduce-overhead, the graphs
-each contender's Inductor declined to capture (they run eagerly); and each line the `ditron` logger
-wrote at INFO (one per match: fused with the plan's reason, or not and why). Prints a markdown
-table; `--json PATH` writes the rows, the ditron lines and the command.
+token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls,
+or of as many as take --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on
+GPU; the median over repetitions, the maximum over ranks; the spread of the repetitions ((max - min)
+/ median, the largest over contenders and ranks: differences smaller than it are noise); and the
+host's time per call (near the device's: the step is bound by the host). Checks: the training loss
+and a few gradients after the first step, and the logits, against Inductor's (same init, same data).
+Per compiled ditron graph: the number of `torch.ops.ditron.*` calls; under reduce-overhead, the
+graphs each contender's Inductor declined to capture (they run eagerly); and each line the `ditron`
+logger wrote at INFO (one per match: fused with the plan's reason, or not and why). Prints a
+markdown table; `--json PATH` writes the rows, the ditron lines and the command.
 
 The bound (`--no-comm`): one process on one device, a fake process group of --world ranks (every
 collective returns at once; the functional ones write their outputs from the local input, see
