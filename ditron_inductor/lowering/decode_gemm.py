@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from ..scheduler.decode_gemm import mm_not_rewritten
-from .nodes import RESHAPES
+from .nodes import RESHAPES, is_call, output_among_inputs
 
 
 def rewrite_decode_mms(graph: Graph) -> list[str]:
@@ -53,12 +53,13 @@ def group_decode_mms(graph: Graph) -> list[list[str]]:
 
     by_rows: dict[tuple, list[Node]] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.ditron.decode_mm.default:
+        if is_call(node, torch.ops.ditron.decode_mm.default):
             by_rows.setdefault(_rows_source(node.args[0]), []).append(node)
     groups = []
     for members in by_rows.values():
         # a product whose weight is computed from another's output stays alone (no cycle)
-        members = [m for m in members if not _reads_any(m.args[1], members)]
+        same_rows = set(members)
+        members = [m for m in members if output_among_inputs(same_rows, [m.args[1]]) is None]
         for start in range(0, len(members) - 1, MAX_GROUP):
             group = members[start:start + MAX_GROUP]
             if len(group) < 2:
@@ -79,24 +80,10 @@ def group_decode_mms(graph: Graph) -> list[list[str]]:
     return groups
 
 
-def _reads_any(value: Node, nodes: list[Node]) -> bool:
-    """Whether `value` is computed from any of `nodes`."""
-    targets, seen, stack = set(nodes), set(), [value]
-    while stack:
-        node = stack.pop()
-        if node in targets:
-            return True
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return False
-
-
 def _rows_source(rows: Node) -> tuple:
     """(the node `rows` views, its shape): products whose rows are equal share it."""
     shape = tuple(rows.meta["val"].shape) if isinstance(rows.meta.get("val"), torch.Tensor) \
         else None
-    while (isinstance(rows, Node) and rows.op == "call_function" and rows.target in RESHAPES
-           and isinstance(rows.args[0], Node)):
+    while is_call(rows, *RESHAPES) and isinstance(rows.args[0], Node):
         rows = rows.args[0]
     return rows, shape

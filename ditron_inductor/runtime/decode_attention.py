@@ -7,16 +7,14 @@ each run of keys a whole number of BLOCK_L tiles.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Optional
 
 import torch
-import triton
 
 from ..templates.decode_attention import (decode_attention_combine_kernel,
                                           decode_attention_split_kernel)
 from .kernel_launch import launch
+from .launch import cdiv, next_power_of_2, num_sms
 
 BLOCK_L = 64  # keys per tile
 MAX_ROWS = 64  # query rows (packed heads x queries) per (batch, head)
@@ -51,17 +49,12 @@ def decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def keys_per_split(batch_heads: int, keys: int, programs: int) -> int:
     """Keys in each run: about `programs` programs over `batch_heads` (batch x heads), whole
     tiles, at most MAX_SPLITS runs."""
-    tiles = max(1, math.ceil(keys / BLOCK_L))
-    splits = min(tiles, MAX_SPLITS, max(1, math.ceil(programs / batch_heads)))
-    return math.ceil(tiles / splits) * BLOCK_L
+    tiles = max(1, cdiv(keys, BLOCK_L))
+    splits = min(tiles, MAX_SPLITS, max(1, cdiv(programs, batch_heads)))
+    return cdiv(tiles, splits) * BLOCK_L
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,10 +68,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if out.numel() == 0:
         return out
     if split_keys is None:
-        programs = PROGRAMS_PER_SM * (_sm_count(q.device.index or 0) if q.is_cuda else 4)
+        programs = PROGRAMS_PER_SM * (num_sms(q.device) if q.is_cuda else 4)
         split_keys = keys_per_split(batch * heads, keys, programs)
-    splits = max(1, math.ceil(keys / split_keys))
-    block_r = max(16, triton.next_power_of_2(rows))
+    splits = max(1, cdiv(keys, split_keys))
+    block_r = max(16, next_power_of_2(rows))
     part = torch.empty((batch * heads * splits * block_r, dim), dtype=torch.float32,
                        device=q.device)
     run_max = torch.empty((batch * heads * splits * block_r,), dtype=torch.float32,
@@ -97,6 +90,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            BLOCK_R=block_r, BLOCK_L=BLOCK_L, D=dim, num_warps=4)
     launch(decode_attention_combine_kernel, (batch * heads * rows,), part, run_max, run_sum, out,
            heads, rows, splits, *out.stride()[:3],
-           BLOCK_R=block_r, BLOCK_S=max(2, triton.next_power_of_2(splits)), D=dim, num_warps=4)
+           BLOCK_R=block_r, BLOCK_S=max(2, next_power_of_2(splits)), D=dim, num_warps=4)
     stats["decode_attention"] += 1
     return out
