@@ -301,3 +301,38 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     plan = plan_for(on_cuda, block_n=256)
     assert isinstance(plan, GroupedMmPlan) and (plan.block_m, plan.block_n) == (128, 256)
     assert decode(plan.encode()) == plan and family(plan) == "grouped_mm"
+
+
+@pytest.fixture
+def tf32_allowed(request):
+    """torch.backends.cuda.matmul.allow_tf32 set to the test's parameter, then restored."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = request.param
+    yield request.param
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("tf32_allowed", [False, True], indirect=True)
+def test_float32_takes_triton_gemms_only_where_tf32_is_allowed(tf32_allowed, monkeypatch):
+    """Triton's tl.dot takes fp32 operands as TF32: without torch's leave (allow_tf32), a float32
+    task gets only plans whose GEMM is cuBLAS, and the log says why; bf16 is not affected."""
+    from torch._inductor import config as inductor_config
+
+    ag32 = dataclasses.replace(AG, world_size=2, dtype=torch.float32)
+    prefill = dataclasses.replace(ag32, op=MATMUL_ALL_REDUCE, m=2048, k=3584, ns=(8192,),
+                                  reduce_op="sum")
+    with fake_group(2):
+        assert decide(dataclasses.replace(ag32, dtype=torch.bfloat16)).plan.gemm == "triton"
+        gather = decide(ag32)
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            assert decide(dataclasses.replace(prefill, dtype=torch.bfloat16)).plan.gemm == "triton"
+            reduce = decide(prefill)
+    assert gather.fuse and gather.plan.gemm == ("triton" if tf32_allowed else "cublas")
+    assert ("without TF32" in gather.reason) != tf32_allowed
+    assert reduce.fuse == tf32_allowed
+    if not tf32_allowed:
+        assert "beside a Triton GEMM; float32 without TF32" in reduce.reason
+        monkeypatch.setattr(config, "force_plan", "fused")
+        with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
+            forced = decide(prefill)
+        assert forced.plan.gemm == "triton" and "although float32 without TF32" in forced.reason
