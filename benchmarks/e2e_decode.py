@@ -1,8 +1,8 @@
 """Real decoding: Hugging Face Llama's `generate()` with a static KV cache under tensor
 parallelism, Inductor against ditron, both under CUDA graphs (`mode="reduce-overhead"`).
 
-On GPUs (bf16, Llama-3-8B layer sizes, 4 layers, TP over the GPUs torchrun starts; one GPU is
-world 1):
+On GPUs (bf16 unless `--dtype fp32`, Llama-3-8B layer sizes, 4 layers, TP over the GPUs torchrun
+starts; one GPU is world 1):
 
     torchrun --nproc-per-node 1 benchmarks/e2e_decode.py \\
         --json benchmarks/results/e2e_decode_h100x1.json
@@ -101,6 +101,7 @@ CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only", "ditron_gemm
 CONTENDER_OPTIONS = {"ditron_fusions_only": e2e_llama.FUSIONS_ONLY,
                      "ditron_gemm_groups": {"ditron.decode_gemm_groups": True}}
 PARAMS = ("dtensor", "local")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODE = "reduce-overhead"
 
 
@@ -117,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="the model's dtype: bf16 on CUDA, fp32 on CPU unless given (fp32 on "
+                        "CUDA: greedy tokens without bf16's near ties)")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompts", default="1024", help="prompt lengths")
@@ -153,6 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        batches="2", prompts="8", new_tokens="6", contenders="eager,inductor,ditron",
                        params="dtensor", warmup=0, reps=2, iters=2, min_ms=0.0)
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     for option, allowed in (("contenders", CONTENDERS), ("params", PARAMS)):
         bad = [v for v in getattr(args, option).split(",") if v not in allowed]
         if bad:
@@ -602,7 +607,7 @@ def report(result: dict, argv: list[str]) -> None:
     print(f"\n## Llama decode: generate() with a static cache, world {result['world']}, "
           f"{device}, hidden {args.hidden}, intermediate {args.intermediate}, heads "
           f"{args.heads}/{args.kv_heads}, {args.layers} layers, "
-          f"{'bf16' if args.device == 'cuda' else 'fp32'}, mode {MODE}\n")
+          f"{args.dtype}, mode {MODE}\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -625,7 +630,7 @@ def run(rank: int, world_size: int, argv=None) -> dict:
     from ditron_inductor.log_names import LOGGER_NAME
 
     args = parse_args(argv)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = DTYPES[args.dtype]
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     # each contender's model compiles each shape once; they share the model's code objects

@@ -64,6 +64,9 @@ limited() {
   wait "$pid"
 }
 
+# the ranks of the multi-GPU steps: every local GPU, or WORLD of them (e.g. WORLD=2 on 4 GPUs)
+ranks() { echo "${WORLD:-$(nvidia-smi -L | wc -l)}"; }
+
 torch_logs() { env TORCH_LOGS=+ditron,graph_breaks python3 -c "import torch; print('TORCH_LOGS accepted')"; }
 unit() { timeout -k 5 170 python3 -m pytest -q -p no:cacheprovider tests/test_backend.py \
   tests/test_lowering.py tests/test_scheduler.py tests/test_ops.py; }
@@ -85,7 +88,7 @@ ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running (the S
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them
-  local world; world=$(nvidia-smi -L | wc -l)
+  local world; world=$(ranks)
   CUDA_VISIBLE_DEVICES=0 timeout -k 5 ${E2E_BOUND_LIMIT:-180} python3 benchmarks/e2e_llama.py \
     --no-comm --world "$world" --json "$W/e2e_llama_no_comm.json" ${E2E_ARGS:-} \
     --contenders inductor,ditron
@@ -97,26 +100,26 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
 moe_multi_rank() { limited ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_moe_gpu.py -k "multi_rank ${MOE_ONLY:+and $MOE_ONLY}"; }
 fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
-fp8_tp() { local world; world=$(nvidia-smi -L | wc -l)
+fp8_tp() { local world; world=$(ranks)
   limited ${FP8_TP_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fp8_tp.py \
     --out "$W/fp8_tp"; }
-moe_ep() { local world; world=$(nvidia-smi -L | wc -l)  # MOE_EP_ARGS: e.g. "--models mixtral"
+moe_ep() { local world; world=$(ranks)  # MOE_EP_ARGS: e.g. "--models mixtral"
   limited ${MOE_EP_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
     --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }
-fused_sites() { local world tokens; world=$(nvidia-smi -L | wc -l)  # every AG/RS candidate
+fused_sites() { local world tokens; world=$(ranks)  # every AG/RS candidate
   for tokens in ${FUSED_TOKENS:-8192}; do  # per site, for each token count
     limited ${FUSED_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fused.py \
       --sites ${FUSED_SITES:-8b} --tokens "$tokens" --no-mlp --iters 10 --reps 5 \
       --out "$W/fused_sites_$tokens"
   done; }
-power() { local world; world=$(nvidia-smi -L | wc -l)  # POWER_ARGS: e.g. "--shape 8192,4096,7168"
+power() { local world; world=$(ranks)  # POWER_ARGS: e.g. "--shape 8192,4096,7168"
   limited ${POWER_LIMIT:-200} torchrun --nproc-per-node "$world" benchmarks/bench_power.py \
     --out "$W/power" ${POWER_ARGS:-}; }
-train_profile() { local world; world=$(nvidia-smi -L | wc -l)
+train_profile() { local world; world=$(ranks)
   limited ${E2E_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py \
     --workloads train --contenders ${TRAIN_CONTENDERS:-inductor,ditron} --profile-device 3 \
     --json "$W/e2e_train_profile.json" ${E2E_ARGS:-}; }
-e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
+e2e_fp8() { local world; world=$(ranks)
   local run=(torchrun --nproc-per-node "$world" benchmarks/e2e_llama.py --workloads train
              --fp8 tensorwise --contenders inductor,inductor_async_tp,ditron ${E2E_ARGS:-})
   local plan  # FP8_PLANS: "scheduler" (as the scheduler decides), "fused" (DITRON_PLAN=fused)
@@ -127,7 +130,7 @@ e2e_fp8() { local world; world=$(nvidia-smi -L | wc -l)
       limited ${E2E_LIMIT:-240} "${run[@]}" --json "$W/e2e_fp8.json"
     fi
   done; }
-decode_tp() { local world; world=$(nvidia-smi -L | wc -l)
+decode_tp() { local world; world=$(ranks)
   limited ${DECODE_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
     --params local --batches 1,16 --prompts 1024 --new-tokens 128 --reps 2 --skip-guard-eval \
     --profile-host 50 --json "$W/e2e_decode_tp.json" ${DECODE_ARGS:-}; }
