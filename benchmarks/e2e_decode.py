@@ -34,7 +34,8 @@ after it (0: each later step, of `generate()` or bare, replays it).
 Contenders: eager, inductor, ditron, ditron_fusions_only (ditron with its rewrites that are not
 fusions off: the causal mask, the decode GEMM of one-row matmuls, the GQA packing of the
 attention; so that what fusing the all-reduces gains is told apart from what those gain), and
-ditron_gemm_groups (ditron with `ditron.decode_gemm_groups` on, to time that option).
+ditron_no_gemm_groups (ditron with `ditron.decode_gemm_groups` off: each one-row product its own
+launch, to time that option).
 
 Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
@@ -95,11 +96,11 @@ from tests import llama_tp  # noqa: E402
 
 # ditron_fusions_only: ditron with its rewrites that are not fusions off (e2e_llama.FUSIONS_ONLY:
 # the causal mask, the decode GEMM, the GQA packing), so the effects are told apart;
-# ditron_gemm_groups: ditron with its decode GEMMs of the same rows in one launch (the option
-# ditron.decode_gemm_groups, off by default until timed: run it beside ditron)
-CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only", "ditron_gemm_groups")
+# ditron_no_gemm_groups: ditron with each one-row decode GEMM its own launch (the option
+# ditron.decode_gemm_groups off), what the groups gain
+CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only", "ditron_no_gemm_groups")
 CONTENDER_OPTIONS = {"ditron_fusions_only": e2e_llama.FUSIONS_ONLY,
-                     "ditron_gemm_groups": {"ditron.decode_gemm_groups": True}}
+                     "ditron_no_gemm_groups": {"ditron.decode_gemm_groups": False}}
 PARAMS = ("dtensor", "local")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODE = "reduce-overhead"

@@ -17,8 +17,8 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.decode_gemm       DITRON_DECODE_GEMM        1 | 0 (1: one-row matmuls, a decode step's
                                                        at batch 1, take the decode GEMM template,
                                                        lowering/decode_gemm.py)
-    ditron.decode_gemm_groups DITRON_DECODE_GEMM_GROUPS 0 | 1 (1: the decode GEMMs of one input,
-                                                       q/k/v and gate/up, in one launch; GPU-unrun)
+    ditron.decode_gemm_groups DITRON_DECODE_GEMM_GROUPS 1 | 0 (1: the decode GEMMs of one input,
+                                                       q/k/v and gate/up, in one launch)
     ditron.gqa_packing       DITRON_GQA_PACKING        1 | 0 (1: a decode step's grouped-query
                                                        attention reads keys and values once per
                                                        key/value head, lowering/gqa_packing.py)
@@ -87,7 +87,7 @@ class Options:
     decode_gemm: bool = True
     # The decode GEMMs of the same input (a step's q/k/v, gate/up) in one launch of the template
     # (lowering/decode_gemm.py); off until timed on a GPU.
-    decode_gemm_groups: bool = False
+    decode_gemm_groups: bool = True
     # SDPA calls on repeated keys/values (GQA, decode) take the query heads of each key/value
     # head as rows instead (lowering/gqa_packing.py).
     gqa_packing: bool = True

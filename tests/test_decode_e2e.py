@@ -169,8 +169,8 @@ def test_fusions_only_contender_is_ditron_with_its_other_rewrites_off():
     assert compile_config.backend == "ditron" and compile_config.mode is None
     assert compile_config.options == {"triton.cudagraphs": True, "ditron.causal_mask": False,
                                       "ditron.decode_gemm": False, "ditron.gqa_packing": False}
-    groups = e2e_decode.generation_config("ditron_gemm_groups", 4, "cuda").compile_config
+    groups = e2e_decode.generation_config("ditron_no_gemm_groups", 4, "cuda").compile_config
     assert groups.backend == "ditron" and groups.options == {
-        "triton.cudagraphs": True, "ditron.decode_gemm_groups": True}
+        "triton.cudagraphs": True, "ditron.decode_gemm_groups": False}
     plain = e2e_decode.generation_config("ditron", 4, "cuda").compile_config
     assert (plain.backend, plain.mode, plain.options) == ("ditron", "reduce-overhead", None)

@@ -153,7 +153,7 @@ def shared_rows_graph(widths, weight_from_product=False) -> torch.fx.Graph:
                                                ((16,) * 4, [3])])
 def test_products_of_the_same_rows_share_a_launch_under_the_option(widths, launches):
     g = shared_rows_graph(widths)
-    DitronPass(config.Options(decode_gemm_groups=True))(g)
+    DitronPass(config.Options())(g)  # on by default
     g.lint()
     groups = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm_group.default]
     assert [len(n.args[1]) for n in groups] == launches
@@ -163,7 +163,7 @@ def test_products_of_the_same_rows_share_a_launch_under_the_option(widths, launc
     assert [tuple(o.meta["val"].shape) for o in out] == [(1, n) for n in widths]
     assert groups[0].meta["val"][0].shape == (1, widths[0])
     plain = shared_rows_graph(widths)
-    DitronPass(config.Options())(plain)  # off by default: one launch each
+    DitronPass(config.Options(decode_gemm_groups=False))(plain)  # off: one launch each
     assert targets(plain).count(torch.ops.ditron.decode_mm.default) == len(widths)
 
 

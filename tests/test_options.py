@@ -34,7 +34,7 @@ GOOD = [
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "0", "measured_plans", False),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
-    ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "1", "decode_gemm_groups", True),
+    ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "0", "decode_gemm_groups", False),
 ]
 
 # option key, environment variable, bad value, the error's text after "<name>=<value!r>: "
