@@ -86,7 +86,7 @@ class Options:
     # decode GEMM template instead of cuBLAS (lowering/decode_gemm.py).
     decode_gemm: bool = True
     # The decode GEMMs of the same input (a step's q/k/v, gate/up) in one launch of the template
-    # (lowering/decode_gemm.py); off until timed on a GPU.
+    # (lowering/decode_gemm.py; timed: benchmarks/results/e2e_decode_h100x4_gemm_groups.md).
     decode_gemm_groups: bool = True
     # SDPA calls on repeated keys/values (GQA, decode) take the query heads of each key/value
     # head as rows instead (lowering/gqa_packing.py).

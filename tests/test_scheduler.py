@@ -305,11 +305,14 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
 
 @pytest.fixture
 def tf32_allowed(request):
-    """torch.backends.cuda.matmul.allow_tf32 set to the test's parameter, then restored."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = request.param
+    """TF32 allowed for float32 CUDA matmuls or not (the test's parameter), then as before."""
+    matmul = torch.backends.cuda.matmul
+    name, values = (("fp32_precision", ("ieee", "tf32")) if hasattr(matmul, "fp32_precision")
+                    else ("allow_tf32", (False, True)))
+    before = getattr(matmul, name)
+    setattr(matmul, name, values[request.param])
     yield request.param
-    torch.backends.cuda.matmul.allow_tf32 = before
+    setattr(matmul, name, before)
 
 
 @pytest.mark.parametrize("tf32_allowed", [False, True], indirect=True)
