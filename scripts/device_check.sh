@@ -8,8 +8,8 @@
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
-# taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k AG_IN_TURN_K), ar_w2 (the
-# all-reduce GPU tests on 2 ranks), moe_multi_rank (the MoE dispatch and combine on every local
+# taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K),
+# ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the MoE dispatch and combine on every local
 # GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
 # all-to-all + torch._grouped_mm), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
