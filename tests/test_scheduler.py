@@ -317,8 +317,9 @@ def tf32_allowed(request):
 
 @pytest.mark.parametrize("tf32_allowed", [False, True], indirect=True)
 def test_float32_takes_triton_gemms_only_where_tf32_is_allowed(tf32_allowed, monkeypatch):
-    """Triton's tl.dot takes fp32 operands as TF32: without torch's leave (allow_tf32), a float32
-    task gets only plans whose GEMM is cuBLAS, and the log says why; bf16 is not affected."""
+    """Triton's tl.dot takes fp32 operands as TF32: without torch's leave (fp32_precision "tf32"),
+    a float32 task gets only plans whose GEMM is cuBLAS, and the log says why; bf16 is not
+    affected; a forced plan keeps its Triton GEMM and says so."""
     from torch._inductor import config as inductor_config
 
     ag32 = dataclasses.replace(AG, world_size=2, dtype=torch.float32)
@@ -329,12 +330,12 @@ def test_float32_takes_triton_gemms_only_where_tf32_is_allowed(tf32_allowed, mon
         gather = decide(ag32)
         with inductor_config.patch({"triton.cudagraphs": True}):
             assert decide(dataclasses.replace(prefill, dtype=torch.bfloat16)).plan.gemm == "triton"
-            reduce = decide(prefill)
+            all_reduce = decide(prefill)
     assert gather.fuse and gather.plan.gemm == ("triton" if tf32_allowed else "cublas")
     assert ("without TF32" in gather.reason) != tf32_allowed
-    assert reduce.fuse == tf32_allowed
+    assert all_reduce.fuse == tf32_allowed
     if not tf32_allowed:
-        assert "beside a Triton GEMM; float32 without TF32" in reduce.reason
+        assert "beside a Triton GEMM; float32 without TF32" in all_reduce.reason
         monkeypatch.setattr(config, "force_plan", "fused")
         with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
             forced = decide(prefill)
