@@ -303,40 +303,20 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     assert decode(plan.encode()) == plan and family(plan) == "grouped_mm"
 
 
-@pytest.fixture
-def tf32_allowed(request):
-    """TF32 allowed for float32 CUDA matmuls or not (the test's parameter), then as before."""
-    matmul = torch.backends.cuda.matmul
-    name, values = (("fp32_precision", ("ieee", "tf32")) if hasattr(matmul, "fp32_precision")
-                    else ("allow_tf32", (False, True)))
-    before = getattr(matmul, name)
-    setattr(matmul, name, values[request.param])
-    yield request.param
-    setattr(matmul, name, before)
-
-
-@pytest.mark.parametrize("tf32_allowed", [False, True], indirect=True)
-def test_float32_takes_triton_gemms_only_where_tf32_is_allowed(tf32_allowed, monkeypatch):
-    """Triton's tl.dot takes fp32 operands as TF32: without torch's leave (fp32_precision "tf32"),
-    a float32 task gets only plans whose GEMM is cuBLAS, and the log says why; bf16 is not
-    affected; a forced plan keeps its Triton GEMM and says so."""
+@pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])
+def test_float32_on_cuda_keeps_nccl_and_cublas(op):
+    """The fused kernels compute in bf16/fp16 (float8 operands for the scaled ops): a float32
+    task on CUDA is left to NCCL + cuBLAS with the reason, where it used to get a plan the runtime
+    then declined; forced plans too. On CPU it still takes the reference plan (the tests' path)."""
     from torch._inductor import config as inductor_config
 
-    ag32 = dataclasses.replace(AG, world_size=2, dtype=torch.float32)
-    prefill = dataclasses.replace(ag32, op=MATMUL_ALL_REDUCE, m=2048, k=3584, ns=(8192,),
-                                  reduce_op="sum")
-    with fake_group(2):
-        assert decide(dataclasses.replace(ag32, dtype=torch.bfloat16)).plan.gemm == "triton"
-        gather = decide(ag32)
-        with inductor_config.patch({"triton.cudagraphs": True}):
-            assert decide(dataclasses.replace(prefill, dtype=torch.bfloat16)).plan.gemm == "triton"
-            all_reduce = decide(prefill)
-    assert gather.fuse and gather.plan.gemm == ("triton" if tf32_allowed else "cublas")
-    assert ("without TF32" in gather.reason) != tf32_allowed
-    assert all_reduce.fuse == tf32_allowed
-    if not tf32_allowed:
-        assert "beside a Triton GEMM; float32 without TF32" in all_reduce.reason
-        monkeypatch.setattr(config, "force_plan", "fused")
-        with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
-            forced = decide(prefill)
-        assert forced.plan.gemm == "triton" and "although float32 without TF32" in forced.reason
+    fp32 = dataclasses.replace(AG, op=op, world_size=2, m=2048, dim=0, dim_size=2048,
+                               reduce_op="sum", dtype=torch.float32)
+    with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
+        assert decide(dataclasses.replace(fp32, dtype=torch.bfloat16)).fuse
+        d = decide(fp32)
+        assert not d.fuse and d.reason.startswith("dtype torch.float32: the fused kernels compute")
+        with config.using(dataclasses.replace(config.current(), force_plan="fused")):
+            assert not decide(fp32).fuse
+        cpu = decide(dataclasses.replace(fp32, device_type="cpu"))
+    assert cpu.fuse and cpu.plan.impl == REFERENCE

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..scheduler.plan import CUBLAS, SM, TRITON, AllGatherPlan
+from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
 from . import driver
 from .context import OpContext, get_context, wait_polls
@@ -44,7 +45,7 @@ from .launch import (
     triton_gemm,
     wait_geq,
 )
-from .scaled import FLOAT8, Scaled
+from .scaled import Scaled
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
 stats = {"all_gather_matmul": 0, "all_gather_scaled_mm": 0}

@@ -16,6 +16,7 @@ import torch
 from ..log_names import LOGGER_NAME
 from ..scheduler.decode_gemm import gemv_applies
 from ..scheduler.plan import FusedPlan, GemmTile
+from ..scheduler.precision import FUSED_DTYPES
 from ..templates import flags
 from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
@@ -25,7 +26,7 @@ from .kernel_launch import current_stream, launch
 
 log = logging.getLogger(LOGGER_NAME)
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = FUSED_DTYPES  # the scheduler decides on them (scheduler/precision.py)
 
 
 def decline(msg: str):

@@ -19,9 +19,8 @@ from typing import Optional
 
 import torch
 
+from ..scheduler.precision import FLOAT8
 from .launch import DTYPES
-
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,6 @@ from typing import NamedTuple, Optional
 
 from .. import config
 from . import measured, measured_plans
-from .precision import triton_gemm_refused
 from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan, ReduceScatterPlan,
                    family, from_params)
 from .task import (
@@ -103,20 +102,6 @@ def unvalidated(world: int) -> frozenset:
     calibrated = _calibration_world(world)
     return frozenset(label for label in (*AG_CANDIDATES, *RS_CANDIDATES)
                      if calibrated not in VALIDATED_ON.get(label, ()))
-
-
-def imprecise(task: Task) -> frozenset:
-    """The labels whose GEMM would compute the task's products below the precision torch
-    promised (scheduler/precision.py): the Triton GEMMs' of a float32 task without TF32."""
-    if triton_gemm_refused(task) is None:
-        return frozenset()
-    return frozenset(label for label, p in (*AG_CANDIDATES.items(), *RS_CANDIDATES.items())
-                     if p["gemm"] == "triton")
-
-
-def unchosen(task: Task) -> frozenset:
-    """The labels the model does not choose for the task."""
-    return unvalidated(task.world_size) | imprecise(task)
 
 
 # First = preferred on a tie: the torch.sum reduction ("cublas") showed an unexplained 2.2 ms
@@ -307,8 +292,7 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
     row = measured_plans.nearest(task.op, task.world_size, task.dtype, m, k, n)
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
-    fastest = row and row.fastest(label for label in cands
-                                  if label in VALIDATED_ON and label not in imprecise(task))
+    fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
     if not fastest:
         return None
     copy_ms, sum_ms = rewrite_costs(task)
@@ -327,7 +311,7 @@ def _best_label(task: Task) -> str:
     measured = measured_decision(task)
     if measured is not None:
         return measured.fastest
-    skip = unchosen(task)
+    skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
     return min(cands, key=lambda label: preds.get(label, float("inf")))
@@ -469,9 +453,6 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
     if m > FUSED_MAX_M and not overlap:
         return None, (f"M={m} > {FUSED_MAX_M}: no fused kernel measured a gain over NCCL at "
                       f"this size on {world} ranks: {keep}")
-    refused = triton_gemm_refused(task)
-    if overlap and refused:  # the plan beside the GEMM is the persistent Triton GEMM's
-        return None, f"M={m}: the fused plan runs beside a Triton GEMM; {refused}: {keep}"
     if not cuda_graphs and not (overlap and m >= OVERLAP_EAGER_MIN_M):
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
@@ -595,14 +576,12 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
         plan = dataclasses.replace(candidate_plan(task, measured.label), predicted_ms=(
             ("nccl_cublas", measured.unfused_ms), ("fused", measured.fused_ms)))
         return plan, f"fused plan {measured.label}: {measured.summary}"
-    skip = unchosen(task)
+    skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")
     best = min(preds, key=preds.get)
     plan = candidate_plan(task, best)
-    refused = triton_gemm_refused(task)
     summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
-               f"{f' ({refused})' if refused else ''}"
                f"{world1_compute_note(task, plan, cuda_graphs)}")
     if preds[best] * MIN_GAIN > base:
         return None, f"no predicted gain: {summary}"

@@ -15,8 +15,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import config
 from .cost_model import choose_device_plan, fused_plan, has_fused_plan
 from .decode_gemm import with_decode_gemm
-from .plan import FUSED, REFERENCE, REFERENCE_PLAN, TRITON, FusedPlan, Plan
-from .precision import triton_gemm_refused
+from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
+from .precision import unserved_dtype
 from .task import REDUCE_SCATTER_PATTERNS, Task
 
 
@@ -82,12 +82,12 @@ def decide(task: Task) -> Decision:
             why += (": plan=fused forced, but the fused kernels run on CUDA only, "
                     f"not {task.device_type}")
         return Decision(True, why, REFERENCE_PLAN)
+    unserved = unserved_dtype(task)
+    if unserved:
+        return reject(unserved)
     plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
     if config.force_plan == FUSED and plan is None and has_fused_plan(task.op):
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
-        refused = triton_gemm_refused(task)
-        if refused and getattr(plan, "gemm", None) == TRITON:
-            why += f", its GEMM Triton's although {refused}"
     if plan is None:
         return reject(why)
     return Decision(True, why, with_options(plan, task))
