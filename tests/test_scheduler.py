@@ -319,4 +319,11 @@ def test_float32_on_cuda_keeps_nccl_and_cublas(op):
         with config.using(dataclasses.replace(config.current(), force_plan="fused")):
             assert not decide(fp32).fuse
         cpu = decide(dataclasses.replace(fp32, device_type="cpu"))
+        from ditron_inductor.scheduler.task import ALL_GATHER_SCALED_MM
+
+        scaled = dataclasses.replace(fp32, op=ALL_GATHER_SCALED_MM, dtype=torch.float8_e4m3fn,
+                                     out_dtype=torch.float32)
+        assert decide(scaled).reason.startswith("dtype torch.float8_e4m3fn -> torch.float32:")
+        bf16_out = decide(dataclasses.replace(scaled, out_dtype=torch.bfloat16))
+        assert not bf16_out.reason.startswith("dtype")
     assert cpu.fuse and cpu.plan.impl == REFERENCE
