@@ -13,6 +13,7 @@ from ditron_inductor.scheduler.decide import decide
 from ditron_inductor.scheduler.plan import FUSED, REFERENCE, AllGatherPlan, decode
 from ditron_inductor.scheduler.task import (
     ALL_GATHER_MATMUL,
+    ALL_GATHER_SCALED_MM,
     MATMUL_ALL_REDUCE,
     MATMUL_REDUCE_SCATTER,
     Task,
@@ -319,8 +320,6 @@ def test_float32_on_cuda_keeps_nccl_and_cublas(op):
         with config.using(dataclasses.replace(config.current(), force_plan="fused")):
             assert not decide(fp32).fuse
         cpu = decide(dataclasses.replace(fp32, device_type="cpu"))
-        from ditron_inductor.scheduler.task import ALL_GATHER_SCALED_MM
-
         scaled = dataclasses.replace(fp32, op=ALL_GATHER_SCALED_MM, dtype=torch.float8_e4m3fn,
                                      out_dtype=torch.float32)
         assert decide(scaled).reason.startswith("dtype torch.float8_e4m3fn -> torch.float32:")
