@@ -33,6 +33,7 @@ from torch import Tensor
 from .log_names import LOGGER_NAME
 from .scheduler.decode_gemm import gemv_applies
 from .scheduler.plan import FUSED, decode
+from .scheduler.precision import FLOAT8
 from .scheduler.task import (
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
@@ -500,7 +501,7 @@ _define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets,
 # b [K, N] in a float8 dtype, dequantised by float32 scales, tensorwise (one each) or rowwise
 # (scale_a [M, 1], scale_b [1, N]), the product (+ bias) in out_dtype (None: a's dtype).
 
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT8_DTYPES = FLOAT8  # the scaled ops' operands (scheduler/precision.py)
 
 
 def check_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,

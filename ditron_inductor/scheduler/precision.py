@@ -23,10 +23,12 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # the scaled ops' operands
 def unserved_dtype(task: Task) -> Optional[str]:
     """Why the fused CUDA kernels do not serve the task's dtypes (a scaled op's: its float8
     operands' and its output's), or None."""
-    scaled = task.out_dtype is not None
-    if (task.dtype in FLOAT8 if scaled else task.dtype in FUSED_DTYPES) and (
-            not scaled or task.out_dtype in FUSED_DTYPES):
+    if task.out_dtype is None:
+        served, dtype = task.dtype in FUSED_DTYPES, str(task.dtype)
+    else:  # a scaled op
+        served = task.dtype in FLOAT8 and task.out_dtype in FUSED_DTYPES
+        dtype = f"{task.dtype} -> {task.out_dtype}"
+    if served:
         return None
-    dtype = f"{task.dtype} -> {task.out_dtype}" if scaled else str(task.dtype)
     return (f"dtype {dtype}: the fused kernels compute in bfloat16 / float16 (their Triton "
             f"GEMMs would read float32 as TF32); NCCL + cuBLAS as before")
