@@ -429,9 +429,9 @@ def test_all_gather_plans_free_running(world, backend, tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("DITRON_TEST_AG_IN_TURN"),
                     reason="opt-in (DITRON_TEST_AG_IN_TURN=1; scripts/device_check.sh ag_in_turn "
-                           "runs it under a time limit with the ranks' stacks): on 4 H200 it printed "
-                           "nothing in 110 s (session 27), on 2 H200 it passed, both backends "
-                           "(session 28); on 4 H100 the plans run alone hung (session 30)")
+                           "runs it under a time limit with the ranks' stacks): on 4 H200 it "
+                           "printed nothing in 110 s (session 27), on 2 H200 it passed, both "
+                           "backends (session 28); on 4 H100 the plans run alone hung (session 30)")
 @pytest.mark.parametrize("backend", ["torch", "nvshmem"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_plans_in_turn_free_running(world, backend, tmp_path):
