@@ -59,18 +59,16 @@ from .context import (
 from .launch import (
     DTYPES,
     WAIT_NAMES,
-    cdiv,
     check_errors,
     decline,
     gemm_beside,
     matmul_into,
-    next_power_of_2,
     num_sms,
     ready_gemm,
     tile_launch,
     tma_ok,
 )
-from .kernel_launch import current_stream, launch
+from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .scaled import Scaled
 from .symm import group_barrier
 

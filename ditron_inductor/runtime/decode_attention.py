@@ -13,8 +13,8 @@ import torch
 
 from ..templates.decode_attention import (decode_attention_combine_kernel,
                                           decode_attention_split_kernel)
-from .kernel_launch import launch
-from .launch import cdiv, next_power_of_2, num_sms
+from .kernel_launch import cdiv, launch, next_power_of_2
+from .launch import num_sms
 
 BLOCK_L = 64  # keys per tile
 MAX_ROWS = 64  # query rows (packed heads x queries) per (batch, head)

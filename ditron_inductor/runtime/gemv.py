@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..templates.gemv import gemv_group_kernel, gemv_kernel
-from .kernel_launch import launch
+from .kernel_launch import cdiv, launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
         return out
     if K == 0:
         return out.zero_()
-    launch(gemv_kernel, ((N + config.block_n - 1) // config.block_n,), a, b, out, M, N, K,
+    launch(gemv_kernel, (cdiv(N, config.block_n),), a, b, out, M, N, K,
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
            BLOCK_M=block_m(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
            num_warps=config.num_warps)
@@ -88,7 +88,7 @@ def decode_mm_group(a: torch.Tensor, bs: list[torch.Tensor],
     outs = [torch.empty((M, n), dtype=a.dtype, device=a.device) for n in widths]
     if M == 0 or K == 0:
         return [out.zero_() for out in outs]
-    programs = [(n + config.block_n - 1) // config.block_n for n in widths]
+    programs = [cdiv(n, config.block_n) for n in widths]
     third = len(bs) == 3
     b2, out2, n2 = (bs[2], outs[2], widths[2]) if third else (bs[1], outs[1], 0)
     launch(gemv_group_kernel, (sum(programs),), a, bs[0], bs[1], b2, outs[0], outs[1], out2, M,

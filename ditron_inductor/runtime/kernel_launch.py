@@ -59,6 +59,16 @@ def arg_class(a: Any):
     return t, a  # anything else (an int or float subclass included): by its value
 
 
+# Host-side integer helpers for grids: triton.cdiv and triton.next_power_of_2 are constexpr
+# functions whose wrapper costs microseconds a call from Python (measured on 1x H200, Triton 3.6).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def current_stream() -> int:
     """The current CUDA stream's handle, without torch's Stream object."""
     if _current_stream is None:

@@ -22,7 +22,7 @@ from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_polls
 from .gemv import decode_mm
-from .kernel_launch import current_stream, launch
+from .kernel_launch import cdiv, current_stream, launch
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -88,16 +88,6 @@ def gemm_failed(ctx: OpContext, main: int, exc: Exception):
 @functools.lru_cache(None)
 def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Host-side integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions whose
-# wrapper costs microseconds a call from Python (measured on 1x H200, Triton 3.6).
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool]:

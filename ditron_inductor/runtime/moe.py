@@ -31,8 +31,8 @@ from ..log_names import LOGGER_NAME
 from ..scheduler.plan import GroupedMmPlan
 from ..scheduler.task import Task
 from . import moe_combine, moe_dispatch
-from .kernel_launch import launch
-from .launch import DTYPES, cdiv, decline, next_power_of_2, num_sms
+from .kernel_launch import cdiv, launch, next_power_of_2
+from .launch import DTYPES, decline, num_sms
 
 log = logging.getLogger(LOGGER_NAME)
 

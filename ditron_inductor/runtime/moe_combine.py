@@ -54,8 +54,8 @@ import torch
 from ..scheduler.plan import GroupedMmPlan
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
-from .kernel_launch import current_stream
-from .launch import cdiv, check_errors, decline, next_power_of_2, wait_geq
+from .kernel_launch import cdiv, current_stream, next_power_of_2
+from .launch import check_errors, decline, wait_geq
 from .moe_dispatch import Layout, route_tables
 
 OP = "grouped_mm_all_to_all"

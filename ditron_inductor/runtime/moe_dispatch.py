@@ -48,8 +48,8 @@ import torch
 from ..scheduler.plan import GroupedMmPlan
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_polls
-from .kernel_launch import current_stream, launch
-from .launch import cdiv, check_errors, decline, next_power_of_2, wait_geq
+from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
+from .launch import check_errors, decline, wait_geq
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256

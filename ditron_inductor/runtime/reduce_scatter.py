@@ -42,8 +42,8 @@ from ..templates import flags
 from ..templates.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_polls
-from .kernel_launch import current_stream, launch
-from .launch import (DTYPES, WAIT_NAMES, cdiv, check_errors, decline, gemm_beside, matmul_into,
+from .kernel_launch import cdiv, current_stream, launch
+from .launch import (DTYPES, WAIT_NAMES, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 from .scaled import Scaled, ScaledSum
 
