@@ -100,12 +100,17 @@ def test_decode_steps_do_not_recompile():
             assert rows["eager", params]["graphs_first_call"] == 0
 
 
+def _graph_verdicts(marker: str) -> tuple[list[str], list[str]]:
+    """Rank 0's ditron log, and its per-graph lines holding `marker`, without the graph name."""
+    log = _results()[0]["ditron_log"]
+    return log, [line.split(": ", 1)[1] for line in log if marker in line]
+
+
 @pytest.mark.slow
 def test_decode_masks_read_the_attention_mask():
     # generate() hands each step a [B, 1, 1, P + N] mask of the cache's filled positions, built
     # outside the graph: the causal-mask rewrite keeps it (it reads a graph input).
-    log = _results()[0]["ditron_log"]
-    verdicts = [line.split(": ", 1)[1] for line in log if "attention call(s) with a mask" in line]
+    log, verdicts = _graph_verdicts("attention call(s) with a mask")
     assert verdicts == ["2 attention call(s) with a mask: 0 causal -> is_causal=True, 0 masking "
                         "nothing -> no mask, 2 kept"] * len(COMPILED), log
     assert any("mask [2x1x1x14] kept: it depends on the graph input(s) l_kwargs_attention_mask_"
@@ -117,8 +122,7 @@ def test_decode_attention_reads_each_kv_head_once():
     # 2 query heads per key/value head on each rank (--tiny: 4/2 heads, TP 2): each layer's SDPA
     # takes them as packed rows of one head (lowering/gqa_packing.py), and the tokens above
     # stay eager's
-    log = _results()[0]["ditron_log"]
-    verdicts = [line.split(": ", 1)[1] for line in log if "on repeated keys/values" in line]
+    log, verdicts = _graph_verdicts("on repeated keys/values")
     assert verdicts == ["2 attention call(s) on repeated keys/values: 2 packed (query heads as "
                         "rows), 0 kept"] * len(COMPILED), log
 

@@ -134,10 +134,14 @@ def call_arg(node: Node, index: int, name: str) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
+def traced_value(node: Node) -> Any:
+    """The node's traced value: dynamo's example_value, or val."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def example_shape(value: Any) -> Optional[list]:
-    """The shape of a node's traced value (dynamo's example_value, or val), else None."""
-    meta = value.meta.get("example_value", value.meta.get("val")) if isinstance(value, Node) \
-        else None
+    """The shape of a node's traced value, else None."""
+    meta = traced_value(value) if isinstance(value, Node) else None
     return list(meta.shape) if isinstance(meta, torch.Tensor) else None
 
 

@@ -38,7 +38,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
-from .causal_mask import SDPA, call_arg, example_shape
+from .causal_mask import SDPA, call_arg, example_shape, traced_value
 
 QUERY, KEY, VALUE, MASK, DROPOUT, CAUSAL, SCALE, GQA = 0, 1, 2, 3, 4, 5, 6, 7
 # what a packed call became: the decode attention template's op (inference), or SDPA itself
@@ -175,7 +175,7 @@ def _why_not(sdpa: Node, key: tuple[Node, int], value: Optional[tuple[Node, int]
 def _fake_subclass(sdpa: Node) -> bool:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    values = [n.meta.get("example_value", n.meta.get("val")) for n in sdpa.all_input_nodes]
+    values = [traced_value(n) for n in sdpa.all_input_nodes]
     return any(is_traceable_wrapper_subclass(v) for v in values if isinstance(v, torch.Tensor))
 
 
@@ -221,7 +221,7 @@ def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
 
 def _inference(sdpa: Node) -> bool:
     """No input of the call needs a gradient (dynamo's fake values say so)."""
-    values = [n.meta.get("example_value") for n in sdpa.all_input_nodes]
+    values = [traced_value(n) for n in sdpa.all_input_nodes]
     return all(isinstance(v, torch.Tensor) and not v.requires_grad for v in values)
 
 
