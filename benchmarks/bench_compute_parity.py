@@ -83,13 +83,19 @@ VARIANTS = {
     # row chunks; lamport (decode)
     MATMUL_ALL_REDUCE_RMSNORM: {label: EXTRA_PLANS[label][0] for label in
                                 ("push", "push_b8k", "push_b16k", "tri_c16_p16_b16k",
-                                 "lap_c4_p16_b16k", "lamport")},
+                                 "lap_c4_p16_b16k", "lamport", "lamport_b1024",
+                                 "lamport_all_b1024", "all_b1024", "lamport_all_b1024_gemv",
+                                 "all_b1024_gemv")},
 }
 # variants timed for comparison, not plans the scheduler runs (kept out of its table)
 COMPARISON_ONLY = {"cublas_copies_first"}
 # the variants a row of that many rows takes (the others do not apply: lamport is the decode
 # kernel, the overlap plans the prefill ones)
 APPLIES = {"lamport": lambda m: m <= 512,
+           # the decode kernels with the blocks they had before they held whole rows
+           "lamport_b1024": lambda m: 8 < m <= 128, "lamport_all_b1024": lambda m: m <= 8,
+           "all_b1024": lambda m: m <= 8, "lamport_all_b1024_gemv": lambda m: m == 1,
+           "all_b1024_gemv": lambda m: m == 1,
            **{label: lambda m: m >= 1024
               for label in ("push_b8k", "push_b16k", "tri_c16_p16_b16k", "lap_c4_p16_b16k")}}
 DEFAULT_TOKENS = {"train": "8192", "prefill": "2048,4096,8192,16384", "decode": "1,16,64,256"}
@@ -115,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--table", default="",
                     help="also write the scheduler's world-1 compute table here "
                          "(ditron_inductor/scheduler/world1_compute.json)")
+    ap.add_argument("--table-merge", action="store_true",
+                    help="--table updates the rows this run measured, keeps the others")
     ap.add_argument("--from-json", default="",
                     help="no run: the table (--table) from this earlier run's <out>.json")
     args = ap.parse_args(argv)
@@ -491,13 +499,24 @@ def report(rows: list[dict], args, argv: list[str]) -> dict:
     return meta
 
 
-def export_table(rows: list[dict], meta: dict, path: str) -> None:
+def export_table(rows: list[dict], meta: dict, path: str, merge: bool = False) -> None:
     """The scheduler's world-1 compute table (scheduler/measured.py) from a run's rows: per op,
     plan family, mode and shape, the fused plan's and the unfused compute's ms, where the fused
-    path served the call."""
+    path served the call. merge: the table at `path` keeps the rows this run did not measure
+    (a partial run, e.g. --workloads decode, updates its own), and its head names both runs."""
     from ditron_inductor.scheduler.plan import decode, family
 
     table = {}
+    head = {"source": meta["command"], "card": meta["device"], "date": meta["date"]}
+    if merge and os.path.exists(path):
+        with open(path) as fh:
+            before = json.load(fh)
+        table = {tuple(r[:6]): r[6:] for r in before["rows"]}
+        if before["card"] != meta["device"]:
+            raise SystemExit(f"--table-merge: {path} was measured on {before['card']}, "
+                             f"this run on {meta['device']}")
+        head = {"source": f"{before['source']}; its rows measured again by {meta['command']}",
+                "card": before["card"], "date": f"{before['date']}; {meta['date']}"}
     # the chosen plans last: where a variant of the same family was timed too, theirs stand
     for r in sorted(rows, key=lambda r: r["chosen"]):
         if (r["plan_text"] and r["served"] and math.isfinite(r["ratio"])
@@ -505,7 +524,6 @@ def export_table(rows: list[dict], meta: dict, path: str) -> None:
             key = (r["op"], family(decode(r["plan_text"])), r["mode"], r["M"], r["K"],
                    sum(r["N"]))
             table[key] = [round(r["fused_ms"], 4), round(r["unfused_ms"], 4)]
-    head = {"source": meta["command"], "card": meta["device"], "date": meta["date"]}
     lines = [json.dumps(list(k) + v) for k, v in sorted(table.items())]
     with open(path, "w") as fh:  # a row a line: diffs of a re-measured table stay readable
         fh.write(json.dumps(head)[:-1] + ', "rows": [\n' + ",\n".join(lines) + "\n]}\n")
@@ -518,7 +536,7 @@ def main(argv=None) -> None:
     if args.from_json:
         with open(args.from_json) as fh:
             data = json.load(fh)
-        return export_table(data["rows"], data["meta"], args.table)
+        return export_table(data["rows"], data["meta"], args.table, args.table_merge)
     if args.device == "cuda":
         rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(rank)
@@ -531,7 +549,7 @@ def main(argv=None) -> None:
     rows = run(args, dist.group.WORLD.group_name)
     meta = report(rows, args, argv)
     if args.table:
-        export_table(rows, meta, args.table)
+        export_table(rows, meta, args.table, args.table_merge)
     if args.device == "cuda":
         from ditron_inductor import runtime
 

@@ -9,7 +9,8 @@
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
 # taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K),
-# ar_w2 (the all-reduce GPU tests on 2 ranks), moe_multi_rank (the MoE dispatch and combine on every local
+# ar_w2 (the all-reduce GPU tests on 2 ranks), ar_bench (benchmarks/bench_all_reduce.py on
+# $(ranks) GPUs; AR_BENCH_ARGS narrows it), moe_multi_rank (the MoE dispatch and combine on every local
 # GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
 # all-to-all + torch._grouped_mm), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
@@ -85,6 +86,9 @@ exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
 ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running (the SM-pull defect)
   DITRON_TEST_AG_IN_TURN=1 limited ${AG_IN_TURN_LIMIT:-300} python3 -m pytest -q -s \
     -p no:cacheprovider tests/gpu/test_fused_gpu.py -k "${AG_IN_TURN_K:-free_running}"; }
+ar_bench() { local world; world=$(ranks)  # AR_BENCH_ARGS: e.g. "--ms 1,16 --cols 4096"
+  limited ${AR_BENCH_LIMIT:-300} torchrun --nproc-per-node "$world" \
+    benchmarks/bench_all_reduce.py --out "$W/ar_bench_w$world" ${AR_BENCH_ARGS:-}; }
 ar_w2() { DITRON_AR_QUICK=1 timeout -k 5 360 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_all_reduce_gpu.py -k "fused[2]"; }
 e2e_llama() {  # the no-communication bound on one GPU first, then every contender on all of them

@@ -63,9 +63,17 @@ def variants():
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
                        dict(push, BLOCK=16384, CHUNKED=chunked, SCATTER=False, COPY=True,
                             ROW_BLOCK=4096), 32)
-            yield all_reduce_push.push_all_kernel, _AR_ARGS, push, 4
-            yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(push, COPY=True), 4
-            yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, push, 4
+            one_shot = dict(push, ROW_BLOCK=0)
+            yield all_reduce_push.push_all_kernel, _AR_ARGS, one_shot, 4
+            yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(one_shot, COPY=True), 4
+            yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, one_shot, 4
+            # the decode kernels with a row of 4096 a block (runtime decode_grid: 8 warps)
+            rows = dict(push, BLOCK=4096, ROW_BLOCK=4096)
+            for kernel, extra in ((all_reduce_push.push_all_kernel, {}),
+                                  (all_reduce_lamport.lamport_kernel, dict(COPY=True)),
+                                  (all_reduce_lamport.lamport_all_kernel, {})):
+                if norm:
+                    yield kernel, _AR_ARGS, dict(rows, **extra), 8
     # the GEMM beside push (TMA loads, B as given or as B^T), and beside the reduce-scatter's
     # pull (8 slices, the halves of the buffer by epoch parity)
     for b_trans, slices in ((False, 1), (True, 1), (False, 8)):

@@ -20,7 +20,11 @@ pytest.importorskip("triton")
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.templates import flags  # noqa: E402
 from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
-from ditron_inductor.runtime.all_reduce import _buffer_elements, region_elements  # noqa: E402
+from ditron_inductor.runtime.all_reduce import (  # noqa: E402
+    _buffer_elements,
+    region_elements,
+    row_block,
+)
 from ditron_inductor.templates.all_reduce_lamport import EMPTY_BITS  # noqa: E402
 
 LIMIT = 50  # polls before a wait gives up
@@ -109,7 +113,8 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
                           **flags.world_constants(world))
             if algo == "push_all":
                 stride = region(ranks, algo)
-                all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT, **consts)
+                all_reduce_push.push_all_kernel[(progs,)](*args, stride, stride, LIMIT,
+                                                          ROW_BLOCK=row_block, **consts)
             else:
                 grid = copy_progs if phase in ("COPY", "NORMALISE") and copy_progs else progs
                 all_reduce_push.push_kernel[(grid,)](
@@ -146,9 +151,11 @@ def region(ranks, algo):
 LAMPORT = ("lamport", "lamport_all")  # the kernels whose receive words hold the empty mark
 
 
-def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, algo="lamport"):
+def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, algo="lamport",
+            row_block=0):
     """A lamport kernel: every rank's SEND, then REDUCE, COPY (lamport_all: none) and (with a
-    norm) NORMALISE. After the call every receive word holds the empty mark again."""
+    norm) NORMALISE. After the call every receive word holds the empty mark again. row_block:
+    as push's."""
     m, n, world = ranks.m, ranks.n, ranks.world
     epoch = int(ranks.epoch[0][1])
     stride = region(ranks, algo)
@@ -161,7 +168,7 @@ def lamport(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, algo
             consts = dict(HAS_RES=residuals is not None, NORM=weight is not None,
                           W_FP32=w_fp32, BLOCK=block, BLOCK_N=block, SEND=phase == "SEND",
                           REDUCE=phase == "REDUCE", NORMALISE=phase == "NORMALISE",
-                          **flags.world_constants(world))
+                          ROW_BLOCK=row_block, **flags.world_constants(world))
             if algo == "lamport":
                 consts["COPY"] = phase == "COPY"
             kernel = (all_reduce_lamport.lamport_kernel if algo == "lamport"
@@ -224,6 +231,11 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
     (2, 37, 16, torch.float32, True, True, True, "push_rows"),
     (4, 21, 8, torch.bfloat16, True, True, False, "push_rows"),
     (3, 45, 8, torch.float16, False, True, False, "push_rows_chunked"),
+    # the one-shots and lamport with blocks of whole rows: REDUCE (lamport: COPY) normalises
+    (3, 5, 16, torch.float32, True, True, True, "push_all_rows"),
+    (2, 9, 8, torch.bfloat16, True, True, False, "lamport_all_rows"),
+    (4, 21, 8, torch.float16, True, True, True, "lamport_rows"),
+    (2, 1, 16, torch.bfloat16, False, True, False, "lamport_rows"),  # one row, one owner
 ]
 
 
@@ -231,7 +243,8 @@ CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
 def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
     """Several calls in a row on one set of ranks: the device epoch advances by itself."""
     gen = torch.Generator().manual_seed(m * 31 + n)
-    ranks = ranks_for(path, world, m, n, dtype)
+    algo = path.split("_rows")[0]  # the kernel; _rows: its blocks hold whole rows
+    ranks = ranks_for(algo, world, m, n, dtype)
     weight = (torch.randn(n, generator=gen) * 0.5 + 1).to(torch.float32 if w_fp32 else dtype) \
         if norm else None
     for call in range(3 if m < 100 else 2):
@@ -239,16 +252,16 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         residuals = [torch.randn(m, n, generator=gen).to(dtype) for _ in range(world)] \
             if res else None
         ranks.write_partials(partials)
-        if path in LAMPORT:
-            outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16, algo=path)
+        rows = row_block(n, 16) if "_rows" in path else 0  # as the runtime does
+        assert rows or "_rows" not in path
+        if algo in LAMPORT:
+            outs = lamport(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16, algo=algo,
+                           row_block=rows)
         else:
-            from ditron_inductor.runtime.all_reduce import row_block
-
-            assert row_block(n, 16) or not path.startswith("push_rows")  # as the runtime does
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
                         chunks=2 * world if path.endswith("chunked") else 0,
-                        algo=path if path in ("push_scatter", "push_all") else "push",
-                        row_block=row_block(n, 16))
+                        algo=algo if algo in ("push_scatter", "push_all") else "push",
+                        row_block=rows)
         check(outs, partials, residuals, weight, 1e-6, w_fp32, dtype)
         assert int(ranks.epoch[0][0]) == call + 1
 
@@ -409,8 +422,8 @@ def test_plans_and_declines():
     assert by_m == {1: "push_all", 8: "push_all", 9: "push", 512: "push"}
     four = Task(**{**task.__dict__, "world_size": 4})  # lamport: measured on 4 GPUs
     assert {m: all_reduce_params(Task(**{**four.__dict__, "m": m}))["algo"]
-            for m in (8, 32, 128, 256)} == {8: "lamport_all", 32: "lamport", 128: "lamport",
-                                            256: "push"}
+            for m in (8, 16, 17, 128, 256)} == {8: "lamport_all", 16: "lamport_all",
+                                                17: "lamport", 128: "lamport", 256: "push"}
     prefill = all_reduce_params(Task(**{**four.__dict__, "m": 2048}))  # measured on 4 GPUs
     assert prefill["overlap"] and prefill["gemm"] == "triton"
     plain = Task(**{**task.__dict__, "op": "matmul_all_reduce"})
@@ -453,6 +466,31 @@ def test_push_grid():
     assert push_grid(8, 128 * 8192, 132, block=512, progs=7) == (7, 512, 2)
     assert push_grid(8, 1 * 8192, 132, norm=True) == (1, 1024, 4)  # the norm's 4 warps
     assert push_grid(1, 1 * 8192, 132) == (32, 256, 1)  # push_all: every element
+
+
+def test_decode_grid_blocks_of_whole_rows():
+    """The one-shots with a norm over rows of a power of two 1024..16384: one row a block
+    (N / 512 warps), so their copy-out normalises it; the two-shot, a plan's own block, no norm,
+    or rows of another N keep push_grid's."""
+    from ditron_inductor.runtime.all_reduce import decode_grid, push_grid, row_block
+    from ditron_inductor.scheduler.plan import AllReducePlan
+
+    lamport_all, push_all = AllReducePlan(algo="lamport_all"), AllReducePlan(algo="push_all")
+    assert decode_grid(lamport_all, 1, 1, 4096, 132, norm=True) == (1, 4096, 8)
+    assert decode_grid(lamport_all, 1, 1, 8192, 132, norm=True) == (1, 8192, 16)
+    assert decode_grid(push_all, 1, 8, 1024, 132, norm=True) == (8, 1024, 4)
+    assert row_block(4096, decode_grid(lamport_all, 1, 7, 4096, 132, norm=True)[1]) == 4096
+    # as push_grid: the two-shot (lamport), a plan's own block, no norm, rows of another N
+    lamport = AllReducePlan(algo="lamport")
+    assert decode_grid(lamport, 2, 16, 4096, 132, norm=True) == push_grid(2, 16 * 4096, 132,
+                                                                          norm=True)
+    assert decode_grid(lamport_all, 1, 1, 4096, 132, norm=False) == push_grid(1, 4096, 132)
+    assert decode_grid(lamport_all, 1, 3, 4000, 132, norm=True) == push_grid(1, 12000, 132,
+                                                                              norm=True)
+    assert decode_grid(AllReducePlan(algo="lamport", block=1024), 2, 16, 4096, 132,
+                       norm=True) == push_grid(2, 16 * 4096, 132, block=1024, norm=True)
+    assert decode_grid(lamport_all, 1, 1, 32768, 132, norm=True) == push_grid(1, 32768, 132,
+                                                                              norm=True)
 
 
 def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):

@@ -28,6 +28,9 @@ class FakeCompiled:
             self.launches.append(("fast", grid, args, stream))
         return runner
 
+    def _init_handles(self):  # Triton's: loads the module
+        self.launches.append(("load",))
+
 
 class FakeKernel:
     """Stands for a @triton.jit kernel: fn (its signature), kernel[grid](...) -> compiled."""
@@ -44,6 +47,10 @@ class FakeKernel:
             self.launches.append(("triton", grid, args, meta))
             return self.compiled
         return run
+
+    def warmup(self, *args, grid, **meta):  # compiles, launches nothing
+        self.launches.append(("compile", grid, args, meta))
+        return self.compiled
 
 
 def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeypatch):
@@ -65,6 +72,26 @@ def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeyp
     kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=256, num_warps=4)
     kernel_launch.launch(k, (8,), x, 100, 0.5, BLOCK=128, num_warps=4)
     assert [entry[0] for entry in k.launches[3:]] == ["triton"] * 4
+
+
+def test_preload_compiles_and_loads_so_that_the_launch_loads_nothing(monkeypatch):
+    """The all-gather's SM pull loads its kernels before it queues a spinning one: preload
+    compiles and loads the module once per class, launches nothing, and the launch that follows
+    goes straight to the compiled launcher."""
+    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(kernel_launch, "_runners", {})
+    k = FakeKernel()
+    x = torch.zeros(64)
+    kernel_launch.preload(k, (4,), x, 100, 0.5, BLOCK=128, num_warps=4)
+    assert k.launches == [("compile", (4,), (x, 100, 0.5), dict(BLOCK=128, num_warps=4)),
+                          ("load",)]
+    kernel_launch.preload(k, (4,), x, 200, 0.5, BLOCK=128, num_warps=4)  # the same class
+    kernel_launch.launch(k, (4,), x, 200, 0.5, BLOCK=128, num_warps=4)
+    assert k.launches[2:] == [("fast", (4, 1, 1), (x, 200, 0.5, 128, True), 7)]
+    kernel_launch.preload(k, (4,), x, 1, 0.5, BLOCK=128, num_warps=4)  # n == 1: another class
+    assert k.launches[3:] == [("compile", (4,), (x, 1, 0.5), dict(BLOCK=128, num_warps=4)),
+                              ("load",)]
 
 
 def test_launch_without_a_compiled_kernel_always_goes_through_triton(monkeypatch):

@@ -34,7 +34,7 @@ from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
 from . import driver
 from .context import OpContext, get_context, wait_polls
-from .kernel_launch import current_stream, launch
+from .kernel_launch import current_stream, launch, preload
 from .launch import (
     DTYPES,
     check_errors,
@@ -154,44 +154,60 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         local = ctx.local.cuda_stream
         driver.stream_wait(local, ctx.ev_start)
 
-    # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
-    #    fill it and tell the peers (READY[r] = e on each)
-    for p in peers:
-        wait_geq(ctx, plan, local, ctx.DONE + p, e - 2)
     off = parity * half
-    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
-    ctx.signal(local, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
-
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
-    g0 = gathered.data_ptr()
-    flags0 = ctx.chunk_flags.data_ptr()
-
     polls = wait_polls(plan)
     if plan.transfer == SM:
-        # 2'. a few SMs pull every chunk (templates/transfer.py); the GEMM leaves them free and
-        #     waits on the chunks' arrival counters
+        # the SM pull's kernels, loaded before this call queues anything (kernel_launch.preload
+        # says why); a GEMM that cannot be still lets the pull and its DONE run below, which
+        # the peers' next calls wait for
         nprog = plan.comm_sms
         counts, expect = ctx.counters(nprog)
-        driver.record(ctx.ev_start, main)
-        driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
-        from ..templates.transfer import ag_pull_kernel
-
-        launch(ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
-               gathered.view(-1).view(torch.int32), ctx.flags.words, counts,
-               ctx.err, r, W, shard_bytes // 4, e, polls, stream=ctx.side.cuda_stream,
-               BLOCK=plan.pull_block, num_warps=plan.pull_warps)
-        # I have read every peer's buffer of this parity (DONE[r] = e on each)
-        ctx.signal(ctx.side.cuda_stream, 1, e,
-                   [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
-        driver.record(ctx.ev_end, ctx.side.cuda_stream)
         outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
                 for w in weights]
-        try:
+
+        def gemms(load_only):
             for w, b, out in zip(weights, biases, outs):
                 triton_gemm(gathered, w, b, out, plan.tile, flags=counts, err=ctx.err,
                             rows_per_chunk=rows, first_row=r * rows, epoch=expect,
                             num_progs=num_sms(a_shard.device) - nprog, proxy_fence=True,
-                            polls=polls)
+                            polls=polls, load_only=load_only)
+        from ..templates.transfer import ag_pull_kernel
+
+        pull = (ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
+                gathered.view(-1).view(torch.int32), ctx.flags.words, counts, ctx.err, r, W,
+                shard_bytes // 4, e, polls)
+        pull_meta = dict(BLOCK=plan.pull_block, num_warps=plan.pull_warps)
+        preload(*pull, **pull_meta)
+        failure = None
+        try:
+            gemms(load_only=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
+            failure = exc
+
+    # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
+    #    fill it and tell the peers (READY[r] = e on each)
+    for p in peers:
+        wait_geq(ctx, plan, local, ctx.DONE + p, e - 2)
+    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
+    ctx.signal(local, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+    g0 = gathered.data_ptr()
+    flags0 = ctx.chunk_flags.data_ptr()
+
+    if plan.transfer == SM:
+        # 2'. a few SMs pull every chunk (templates/transfer.py); the GEMM leaves them free and
+        #     waits on the chunks' arrival counters
+        driver.record(ctx.ev_start, main)
+        driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
+        launch(*pull, stream=ctx.side.cuda_stream, **pull_meta)
+        # I have read every peer's buffer of this parity (DONE[r] = e on each)
+        ctx.signal(ctx.side.cuda_stream, 1, e,
+                   [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
+        driver.record(ctx.ev_end, ctx.side.cuda_stream)
+        try:
+            if failure is not None:
+                raise failure
+            gemms(load_only=False)
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return gemm_failed(ctx, main, exc)
         return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)

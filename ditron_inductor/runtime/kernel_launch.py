@@ -86,10 +86,7 @@ def launch(kernel, grid: tuple, *args, stream: Optional[int] = None, **meta) -> 
     key = (kernel, grid, tuple(meta.items()), device, tuple(map(arg_class, args)))
     entry = _runners.get(key, False)
     if entry is False:
-        entry = _first_launch(kernel, grid, args, stream, meta)
-        if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over, Triton keeps
-            _runners.clear()              # its compiled kernels
-        _runners[key] = entry
+        _remember(key, _first_launch(kernel, grid, args, stream, meta))
         return
     if entry is None:
         _ordinary_launch(kernel, grid, args, stream, meta)
@@ -105,10 +102,43 @@ def _ordinary_launch(kernel, grid, args, stream, meta):
         return kernel[grid](*args, **meta)
 
 
+def preload(kernel, grid: tuple, *args, **meta) -> None:
+    """Compile `kernel` for this class of arguments and load its module, without launching it,
+    so that its launch (by `launch`, with these arguments) loads nothing. Where a kernel will be
+    queued behind one of ours that spins on a peer (the all-gather's SM pull), it must be loaded
+    first: CUDA's lazy loading may synchronise the context to load a module, and a host that
+    waits for its spinning kernel while the peers wait for it never returns (NVIDIA's lazy
+    loading guide, "concurrent execution"; on 4 H100 a rank hung in cuModuleLoadData there,
+    benchmarks/results/logs/ag_in_turn_h100x4_s30.log). A no-op under the interpreter."""
+    if _current_device is None or not hasattr(kernel, "warmup"):
+        return
+    key = (kernel, grid, tuple(meta.items()), _current_device(), tuple(map(arg_class, args)))
+    if key in _runners:
+        return
+    compiled = kernel.warmup(*args, grid=grid, **meta)
+    init_handles = getattr(compiled, "_init_handles", None)
+    if init_handles is None:
+        return  # a Triton without it: the first launch loads the module
+    init_handles()
+    _remember(key, _runner_entry(kernel, grid, args, meta, compiled))
+
+
+def _remember(key, entry) -> None:
+    if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over, Triton keeps its
+        _runners.clear()               # compiled kernels
+    _runners[key] = entry
+
+
 def _first_launch(kernel, grid, args, stream, meta):
-    """Launch through Triton, and return what later calls of this class launch with: the
-    compiled kernel's runner and the values Triton passes for the params after `args`."""
-    compiled = _ordinary_launch(kernel, grid, args, stream, meta)
+    """Launch through Triton, and return what later calls of this class launch with
+    (_runner_entry)."""
+    return _runner_entry(kernel, grid, args, meta,
+                         _ordinary_launch(kernel, grid, args, stream, meta))
+
+
+def _runner_entry(kernel, grid, args, meta, compiled):
+    """The compiled kernel's runner and the values Triton passes for the params after `args`,
+    or None (this kernel takes the ordinary path)."""
     if compiled is None or not hasattr(compiled, "__getitem__") or not hasattr(kernel, "fn"):
         return None  # the interpreter, or a Triton that does not hand the kernel back
     params = list(inspect.signature(kernel.fn).parameters.values())

@@ -22,7 +22,7 @@ from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_polls
 from .gemv import decode_mm
-from .kernel_launch import cdiv, current_stream, launch
+from .kernel_launch import cdiv, current_stream, launch, preload
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -112,9 +112,11 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool
 
 
 def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
-                first_row=0, epoch=0, num_progs=None, proxy_fence=False, polls=0):
+                first_row=0, epoch=0, num_progs=None, proxy_fence=False, polls=0,
+                load_only=False):
     """out = a @ b (+ bias) with the persistent tile program; with flags, tiles wait on them
-    (polls > 0: each wait gives up after that many polls, in debug mode)."""
+    (polls > 0: each wait gives up after that many polls, in debug mode). load_only: compile
+    and load the kernel this call would launch, launch nothing (kernel_launch.preload)."""
     from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
@@ -141,13 +143,13 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
         b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
                   else TensorDescriptor.from_tensor(b, [bk, bn]))
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-        launch(
+        (preload if load_only else launch)(
             ag_gemm_tma_kernel, (progs,), a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
             rows_per_chunk, first_row, epoch, polls,
             HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **options)
     else:
-        launch(
+        (preload if load_only else launch)(
             ag_gemm_kernel, (progs,), a, b, out, bias_arg, flags, err, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             rows_per_chunk, first_row, epoch, polls,

@@ -361,7 +361,8 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 # GEMM + all-reduce: the plan by M and world size, thresholds where the measurements crossed
 # over (docs/performance.md, "GEMM + all-reduce", has the figures and result files):
 #   M <= PUSH_ALL_MAX_M: push_all (one network wait, a local sum; its traffic is W - 1 partials
-#     per rank, too much from M=16), or lamport_all on up to LAMPORT_MAX_WORLD ranks;
+#     per rank, too much from M=16 on 8 ranks); on up to LAMPORT_MAX_WORLD ranks M <=
+#     LAMPORT_ALL_MAX_M: lamport_all (2 us below lamport at M=16 on 2 and 4 H100s, not at 32);
 #   M <= LAMPORT_MAX_M on up to LAMPORT_MAX_WORLD ranks: lamport (no flags: the data carries its
 #     own arrival); measured on 2 and 4 ranks only, so push on more;
 #   M <= FUSED_MAX_M: push after the whole GEMM;
@@ -372,7 +373,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 # fused only where the graph is replayed as a CUDA graph.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
-LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 128, 4
+LAMPORT_ALL_MAX_M, LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 16, 128, 4
 OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
 
 
@@ -387,9 +388,10 @@ def overlap_params(task: Task) -> dict:
 
 def all_reduce_params(task: Task) -> dict:
     """Parameters of a fused GEMM + all-reduce plan given without any (DITRON_PLAN=fused)."""
-    if task.m_hint <= PUSH_ALL_MAX_M:
-        return dict(algo="lamport_all" if task.world_size <= LAMPORT_MAX_WORLD else "push_all")
-    if task.m_hint <= LAMPORT_MAX_M and task.world_size <= LAMPORT_MAX_WORLD:
+    lamport = task.world_size <= LAMPORT_MAX_WORLD  # no flags: measured on up to 4 ranks
+    if task.m_hint <= (LAMPORT_ALL_MAX_M if lamport else PUSH_ALL_MAX_M):
+        return dict(algo="lamport_all" if lamport else "push_all")
+    if task.m_hint <= LAMPORT_MAX_M and lamport:
         return dict(algo="lamport")
     if task.m_hint > FUSED_MAX_M and task.world_size <= OVERLAP_MAX_WORLD:
         return overlap_params(task)

@@ -39,7 +39,7 @@ from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers 
     is_empty,
     sendable,
 )
-from .all_reduce_push import end_of_call, send_partial_to_all, store_h
+from .all_reduce_push import end_of_call, finish_block, send_partial_to_all, store_h
 from .flags import K_ERR_SENT, gave_up_before, peer_ptr, polling, record_give_up
 from .schedule import owned_block
 
@@ -72,7 +72,8 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                    NORM: tl.constexpr, W_FP32: tl.constexpr, BLOCK: tl.constexpr,
                    BLOCK_N: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                    SEND: tl.constexpr = True, REDUCE: tl.constexpr = True,
-                   COPY: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+                   COPY: tl.constexpr = True, NORMALISE: tl.constexpr = True,
+                   ROW_BLOCK: tl.constexpr = 0):
     # flag_table: unused (no flags cross GPUs here), kept so that every all-reduce kernel takes
     # the same leading arguments
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
@@ -102,12 +103,20 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                          mask=idx < numel)
     if COPY:
         for i in range(pid, block_rows, nprog):
-            idx = owned_block(i, ranks[:, None], WORLD) * BLOCK + offs[None, :]
-            mask = (ranks[:, None] < WORLD) & (idx < numel)
-            sums_of_row = take_when_full(mine + sums + idx, mask, limit, err_ptr)
-            store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)
+            if ROW_BLOCK > 0:  # block by block: each holds whole rows, normalised as written
+                for q in tl.static_range(WORLD):
+                    idx = owned_block(i, q, WORLD) * BLOCK + offs
+                    finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, idx < numel,
+                                 take_when_full(mine + sums + idx, idx < numel, limit, err_ptr),
+                                 eps, HAS_RES, NORM, W_FP32, BLOCK, ROW_BLOCK)
+            else:
+                idx = owned_block(i, ranks[:, None], WORLD) * BLOCK + offs[None, :]
+                mask = (ranks[:, None] < WORLD) & (idx < numel)
+                sums_of_row = take_when_full(mine + sums + idx, mask, limit, err_ptr)
+                store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)
+    # ROW_BLOCK: COPY normalised the rows itself, no NORMALISE phase (nor its barrier) follows
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
-                err_ptr, COPY, NORM, NORMALISE, W_FP32, BLOCK_N)
+                err_ptr, COPY, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -116,7 +125,8 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
                        HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
                        WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
-                       REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+                       REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True,
+                       ROW_BLOCK: tl.constexpr = 0):
     """push_all's one-shot (all_reduce_push.py) with lamport's empty mark instead of STARTED
     flags, for the smallest M. The buffer holds the partial, then 2 W slots of `stride`
     elements: the W slots of epoch parity e % 2, one per sender.
@@ -141,7 +151,8 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
             mask = idx < numel
             parts = take_when_full(mine + call_slots + ranks[:, None] * stride + idx[None, :],
                                    (ranks[:, None] < WORLD) & mask[None, :], limit, err_ptr)
-            store_h(h_ptr, res_ptr, idx, mask, tl.sum(parts.to(tl.float32), axis=0).to(dtype),
-                    HAS_RES)
+            finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask,
+                         tl.sum(parts.to(tl.float32), axis=0).to(dtype), eps, HAS_RES, NORM,
+                         W_FP32, BLOCK, ROW_BLOCK)
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
-                err_ptr, REDUCE, NORM, NORMALISE, W_FP32, BLOCK_N)
+                err_ptr, REDUCE, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)

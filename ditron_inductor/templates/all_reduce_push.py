@@ -284,7 +284,8 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
                     HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
                     WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
-                    REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True):
+                    REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True,
+                    ROW_BLOCK: tl.constexpr = 0):
     """The one-wait all-reduce for the smallest M (see the module doc, push_all)."""
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
@@ -311,6 +312,7 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
             for q in tl.static_range(WORLD):
                 acc += tl.load(mine + call_slots + q * stride + idx, mask=mask, other=0.0,
                                cache_modifier=".cg").to(tl.float32)
-            store_h(h_ptr, res_ptr, idx, mask, acc.to(dtype), HAS_RES)
+            finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, acc.to(dtype), eps, HAS_RES,
+                         NORM, W_FP32, BLOCK, ROW_BLOCK)
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
-                err_ptr, REDUCE, NORM, NORMALISE, W_FP32, BLOCK_N)
+                err_ptr, REDUCE, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)

@@ -422,8 +422,11 @@ def test_all_gather_plans_free_running(world, backend, tmp_path):
     """Each AG transfer back to back on fresh inputs, the ranks skewed, against the reference
     (passed on 2 and 4 H200 with the torch backend, session 27, the SM pulls too; on 4 H100,
     session 30, [4-torch] hung with rank 1 in cuModuleLoadData at its SM-pull plan's GEMM, the
-    other ranks waiting on their streams: not explained). Every call must be served by the fused
-    path: a wait limit (DITRON_WAIT_TIMEOUT_S) declines the SM pulls, which then go untested."""
+    other ranks waiting on their streams; session 38, with the SM pull's kernels loaded before
+    it spins, 3 of 4 four-rank runs hung with every rank waiting on its streams:
+    benchmarks/results/logs/ag_in_turn_h100x4_s38.log; not explained). Every call must be
+    served by the fused path: a wait limit (DITRON_WAIT_TIMEOUT_S) declines the SM pulls, which
+    then go untested."""
     _run(world, backend, tmp_path, False, worker=_free_running_worker)
 
 
