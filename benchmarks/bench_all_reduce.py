@@ -56,8 +56,9 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "lamport": (dict(algo="lamport"), lambda m: m <= 2048),
     "lamport_all": (dict(algo="lamport_all"), lambda m: m <= 32),  # push_all with the empty mark
     "lamport_b512": (dict(algo="lamport", block=512), lambda m: 8 < m <= 256),
-    # the decode kernels' blocks before they held whole rows (runtime decode_grid: blocks of
-    # 1024 at every decode M of N 4096 / 8192, then a barrier and a second pass for the norm)
+    # the decode kernels' blocks of 1024 (at every decode M of N 4096 / 8192, then a barrier and
+    # a second pass for the norm): the one-shots' before runtime decode_grid gave them a row a
+    # block, the two-shot's still
     "lamport_b1024": (dict(algo="lamport", block=1024), lambda m: 8 < m <= 256),
     "lamport_all_b1024": (dict(algo="lamport_all", block=1024), lambda m: m <= 32),
     "all_b1024": (dict(algo="push_all", block=1024), lambda m: m <= 32),

@@ -53,10 +53,15 @@ class FakeKernel:
         return self.compiled
 
 
-def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeypatch):
+def on_gpu(monkeypatch, stream: int) -> None:
+    """As on a CUDA build: a current device and stream (this handle), no runners yet."""
     monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: stream)
     monkeypatch.setattr(kernel_launch, "_runners", {})
+
+
+def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeypatch):
+    on_gpu(monkeypatch, stream=1234)
     k = FakeKernel()
     x = torch.zeros(64)
     kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=128, num_warps=4)
@@ -78,9 +83,7 @@ def test_preload_compiles_and_loads_so_that_the_launch_loads_nothing(monkeypatch
     """The all-gather's SM pull loads its kernels before it queues a spinning one: preload
     compiles and loads the module once per class, launches nothing, and the launch that follows
     goes straight to the compiled launcher."""
-    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 7)
-    monkeypatch.setattr(kernel_launch, "_runners", {})
+    on_gpu(monkeypatch, stream=7)
     k = FakeKernel()
     x = torch.zeros(64)
     kernel_launch.preload(k, (4,), x, 100, 0.5, BLOCK=128, num_warps=4)
@@ -96,9 +99,7 @@ def test_preload_compiles_and_loads_so_that_the_launch_loads_nothing(monkeypatch
 
 def test_launch_without_a_compiled_kernel_always_goes_through_triton(monkeypatch):
     """The interpreter (and a CPU build of torch) hands no compiled kernel back."""
-    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(kernel_launch, "_runners", {})
+    on_gpu(monkeypatch, stream=0)
     k = FakeKernel()
     k.compiled = None
     for _ in range(3):
@@ -108,9 +109,7 @@ def test_launch_without_a_compiled_kernel_always_goes_through_triton(monkeypatch
 
 def test_the_table_of_runners_is_bounded(monkeypatch):
     """Dynamic shapes give a new grid per size: the table starts over instead of growing."""
-    monkeypatch.setattr(kernel_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(kernel_launch, "_current_stream", lambda device: 0)
-    monkeypatch.setattr(kernel_launch, "_runners", {})
+    on_gpu(monkeypatch, stream=0)
     monkeypatch.setattr(kernel_launch, "_MAX_RUNNERS", 3)
     k = FakeKernel()
     x = torch.zeros(16)

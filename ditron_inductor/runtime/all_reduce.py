@@ -356,8 +356,8 @@ def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps,
                                       num_sms(a.device), consts["NORM"])
     stride = _region(ctx, partial, plan.algo)
     meta = _launch(consts, n, block, warps)
-    if not one_shot:  # the two-shot's rows measured slower on 2 and 4 ranks (decode_grid): off
-        meta["ROW_BLOCK"] = 0
+    if not one_shot and not plan.block:  # the two-shot's rows measured slower on 2 and 4 ranks
+        meta["ROW_BLOCK"] = 0            # (decode_grid): only a block a plan names takes them
     matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
     launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_polls(plan), **meta)

@@ -109,7 +109,9 @@ def preload(kernel, grid: tuple, *args, **meta) -> None:
     first: CUDA's lazy loading may synchronise the context to load a module, and a host that
     waits for its spinning kernel while the peers wait for it never returns (NVIDIA's lazy
     loading guide, "concurrent execution"; on 4 H100 a rank hung in cuModuleLoadData there,
-    benchmarks/results/logs/ag_in_turn_h100x4_s30.log). A no-op under the interpreter."""
+    benchmarks/results/logs/ag_in_turn_h100x4_s30.log). That was not the whole 4-rank hang:
+    with this, every rank hung waiting on its streams instead (ag_in_turn_h100x4_s38.log). A
+    no-op under the interpreter."""
     if _current_device is None or not hasattr(kernel, "warmup"):
         return
     key = (kernel, grid, tuple(meta.items()), _current_device(), tuple(map(arg_class, args)))
