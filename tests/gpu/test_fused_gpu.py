@@ -377,9 +377,14 @@ def _ag_free_running_case(group_name, world, rank, gen, in_turn, rows=1024, k=10
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
     if not in_turn:
-        wrong = {name: _ag_back_to_back(group_name, world, rank, gen, [params], [w], 12, rows,
-                                        k, n)
-                 for name, params in FREE_RUNNING_AG.items()}
+        wrong = {}
+        for name, params in FREE_RUNNING_AG.items():
+            # a line per plan: where a run hangs, the log names the plan (every rank waited on
+            # its streams in session 38, plan unknown)
+            print(f"rank {rank}: {name}: queueing 12 calls", flush=True)
+            wrong[name] = _ag_back_to_back(group_name, world, rank, gen, [params], [w], 12, rows,
+                                           k, n)
+            print(f"rank {rank}: {name}: checked", flush=True)
     else:
         # PyTorch's async TP first, as the training runs that went wrong had it set up before
         # ditron's contexts (it enables PyTorch's symmetric memory for the group)
