@@ -585,25 +585,17 @@ def test_push_beside_the_gemm_leaves_every_block_to_the_copy_launch(monkeypatch,
 def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     """all_reduce_fused's launch of the decode kernels with a norm: BLOCK and ROW_BLOCK as
     decode_grid and _lamport decide them (on 2 ranks emulated in host memory, launch recorded)."""
-    from types import SimpleNamespace
-
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.scheduler.decide import plan_for
     from ditron_inductor.scheduler.task import Task
-    from tests.test_fp8 import HostContext, host_driver
+    from tests.test_fp8 import HostContext, all_reduce_on_host
 
     task = Task(op="matmul_all_reduce_rmsnorm", group_name="0", world_size=2, m=m, k=8,
                 ns=(n,), dtype=torch.bfloat16, device_type="cuda", has_residual=True)
     ctx = HostContext(2, 0, 1 << 22)
     ctx.connect([ctx, HostContext(2, 1, 16)])
-    host_driver(all_reduce, monkeypatch)
     launched = []
-    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
-    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
-        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None))
-    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
-    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
-    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: launched.append(
+    all_reduce_on_host(monkeypatch, ctx, lambda kernel, grid, args, meta: launched.append(
         (grid, meta["BLOCK"], meta["ROW_BLOCK"])))
     a, b = torch.randn(m, 8, dtype=torch.bfloat16), torch.randn(8, n, dtype=torch.bfloat16)
     residual, weight = torch.randn(m, n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)

@@ -648,6 +648,22 @@ def host_driver(module, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
+def all_reduce_on_host(monkeypatch, ctx, on_launch):
+    """runtime/all_reduce on ranks emulated in host memory (host_driver): `ctx` as every
+    context, the device epoch 7, 132 SMs, each kernel launch handed to
+    on_launch(kernel, grid, args, meta) instead of Triton."""
+    from ditron_inductor.runtime import all_reduce
+
+    host_driver(all_reduce, monkeypatch)
+    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
+    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
+        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None, side=None))
+    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
+    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
+    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: on_launch(
+        kernel, grid, args, meta))
+
+
 @pytest.mark.parametrize("terms", [1, 2])
 def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch, terms):
     """The copy-engine plan's data path with the Scaled GEMM, on 2 ranks emulated in host
@@ -713,14 +729,8 @@ def test_fp8_all_reduce_partial_is_the_scaled_product_in_the_output_dtype(monkey
                                      0, "sum", "0", 2)
     ctx = HostContext(2, 0, 1 << 22)
     ctx.connect([ctx, HostContext(2, 1, 16)])
-    host_driver(all_reduce, monkeypatch)
     launched = []
-    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
-    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
-        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None, side=None))
-    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
-    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
-    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: launched.append(
+    all_reduce_on_host(monkeypatch, ctx, lambda kernel, grid, args, meta: launched.append(
         (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel),
          torch.equal(partial(), want))))
     monkeypatch.setattr(all_reduce, "gemm_beside",
