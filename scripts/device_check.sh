@@ -8,7 +8,8 @@
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
 # narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
-# taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K),
+# taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K;
+# DITRON_TEST_AG_PLANS=sm16_tma,... runs those plans alone),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), ar_bench (benchmarks/bench_all_reduce.py on
 # $(ranks) GPUs; AR_BENCH_ARGS narrows it), moe_multi_rank (the MoE dispatch and combine on every local
 # GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL

@@ -378,7 +378,11 @@ def _ag_free_running_case(group_name, world, rank, gen, in_turn, rows=1024, k=10
     w = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
     if not in_turn:
         wrong = {}
+        # DITRON_TEST_AG_PLANS=name,...: those plans alone (to find the one a hang is in)
+        only = [p for p in os.environ.get("DITRON_TEST_AG_PLANS", "").split(",") if p]
         for name, params in FREE_RUNNING_AG.items():
+            if only and name not in only:
+                continue
             # a line per plan: where a run hangs, the log names the plan (every rank waited on
             # its streams in session 38, plan unknown)
             print(f"rank {rank}: {name}: queueing 12 calls", flush=True)
