@@ -63,10 +63,10 @@ def variants():
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
                        dict(push, BLOCK=16384, CHUNKED=chunked, SCATTER=False, COPY=True,
                             ROW_BLOCK=4096), 32)
-            one_shot = dict(push, ROW_BLOCK=0)
-            yield all_reduce_push.push_all_kernel, _AR_ARGS, one_shot, 4
-            yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(one_shot, COPY=True), 4
-            yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, one_shot, 4
+            no_rows = dict(push, ROW_BLOCK=0)
+            yield all_reduce_push.push_all_kernel, _AR_ARGS, no_rows, 4
+            yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(no_rows, COPY=True), 4
+            yield all_reduce_lamport.lamport_all_kernel, _AR_ARGS, no_rows, 4
             # the decode kernels with a row of 4096 a block (runtime decode_grid: 8 warps)
             rows = dict(push, BLOCK=4096, ROW_BLOCK=4096)
             for kernel, extra in ((all_reduce_push.push_all_kernel, {}),

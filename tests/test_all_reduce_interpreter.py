@@ -588,7 +588,7 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.scheduler.decide import plan_for
     from ditron_inductor.scheduler.task import Task
-    from tests.test_fp8 import HostContext, all_reduce_on_host
+    from tests.host_ranks import HostContext, all_reduce_on_host
 
     task = Task(op="matmul_all_reduce_rmsnorm", group_name="0", world_size=2, m=m, k=8,
                 ns=(n,), dtype=torch.bfloat16, device_type="cuda", has_residual=True)

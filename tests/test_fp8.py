@@ -18,13 +18,10 @@ torchao SP does not run there at all; the ditron ops gather the bytes).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import importlib.util
-import math
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,6 +40,7 @@ from ditron_inductor.scheduler.task import (
     scaled_mm_collective_task,
 )
 from tests.distributed import launched_once
+from tests.host_ranks import HostContext, all_reduce_on_host, host_driver
 from tests.fx_helpers import fake_group, graph_text, trace
 
 c10d = torch.ops._c10d_functional
@@ -583,85 +581,6 @@ def test_fp8_all_gather_declines_what_scaled_mm_rejects_before_any_protocol_step
         messages = [r.getMessage() for r in caplog.records]
         assert out is None and len(messages) == 1 and messages[0].startswith(
             f"fused path declined: {reason}"), messages
-
-
-class HostBuffer:
-    """A rank's symmetric buffer as host memory (the runtime's view(rank, dtype, shape))."""
-
-    def __init__(self, nbytes):
-        self.local = torch.zeros(nbytes, dtype=torch.uint8)
-        self.nbytes, self.ptr_table = nbytes, None
-
-    def view(self, rank, dtype, shape, byte_offset=0):
-        return self.local[byte_offset:].view(dtype)[:math.prod(shape)].view(shape)
-
-
-class HostContext:
-    """What the runtimes read of an OpContext, on host memory: data and flag words behind real
-    addresses, so that the runtime's copies (driver.memcpy / write) move real bytes."""
-
-    READY, DONE = 0, 8
-
-    def __init__(self, world, rank, nbytes):
-        self.world, self.rank, self.epoch, self.device = world, rank, 0, "cpu"
-        self.data = HostBuffer(nbytes)
-        self.flag_words = torch.zeros(64, dtype=torch.int32)
-        self.tape = torch.zeros(8, dtype=torch.int32)
-        self.side = SimpleNamespace(cuda_stream=0)
-        self.ev_start = self.ev_end = 0
-        self.ev_chunks = [0] * world
-        self.flags = SimpleNamespace(ptr_table=None, words=self.flag_words)
-        self.err = None
-
-    def connect(self, ranks):
-        self.data_addrs = [r.data.local.data_ptr() for r in ranks]
-        self.flag_bases = [r.flag_words.data_ptr() for r in ranks]
-
-    def next_epoch(self):
-        self.epoch += 1
-        return self.epoch
-
-    def flag_addr(self, idx):
-        return self.flag_bases[self.rank] + 4 * idx
-
-    def peer_flag_addr(self, peer, idx):
-        return self.flag_bases[peer] + 4 * idx
-
-    def tape_addr(self, role, epoch):
-        return self.tape.data_ptr() + 4 * (role * 4 + epoch % 4)
-
-    def signal(self, stream, role, epoch, dst_addrs):
-        for dst in dst_addrs:
-            ctypes.c_int32.from_address(dst).value = epoch
-
-
-def host_driver(module, monkeypatch):
-    """The runtime module's stream operations on host memory: copies and writes done at once,
-    events and waits no-ops (the emulated ranks run one after the other)."""
-    fake = SimpleNamespace(record=lambda *a: None, stream_wait=lambda *a: None,
-                           memcpy=lambda dst, src, n, stream: ctypes.memmove(dst, src, n),
-                           write=lambda stream, addr, v: setattr(
-                               ctypes.c_int32.from_address(addr), "value", v))
-    monkeypatch.setattr(module, "driver", fake)
-    monkeypatch.setattr(module, "current_stream", lambda: 0)
-    monkeypatch.setattr(module, "check_errors", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-
-
-def all_reduce_on_host(monkeypatch, ctx, on_launch):
-    """runtime/all_reduce on ranks emulated in host memory (host_driver): `ctx` as every
-    context, the device epoch 7, 132 SMs, each kernel launch handed to
-    on_launch(kernel, grid, args, meta) instead of Triton."""
-    from ditron_inductor.runtime import all_reduce
-
-    host_driver(all_reduce, monkeypatch)
-    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctx)
-    monkeypatch.setattr(all_reduce, "device_epoch", lambda c: SimpleNamespace(
-        epoch=torch.tensor([0, 7], dtype=torch.int32), arrive=None, side=None))
-    monkeypatch.setattr(all_reduce, "num_sms", lambda device: 132)
-    monkeypatch.setattr(all_reduce, "build_outside_graph_pools", lambda device, fn: None)
-    monkeypatch.setattr(all_reduce, "launch", lambda kernel, grid, *args, **meta: on_launch(
-        kernel, grid, args, meta))
 
 
 @pytest.mark.parametrize("terms", [1, 2])
