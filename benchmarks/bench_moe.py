@@ -80,13 +80,24 @@ LAYERS = {
     "deepseek": MoeLayer("DeepSeek-V3", 32, 7168, 2048, 8, "256 routed experts, EP 8 slice"),
     "tiny": MoeLayer("tiny", 4, 32, 48, 2),
 }
-# label -> GroupedMmPlan parameters (scheduler/plan.py)
+# label -> GroupedMmPlan parameters (scheduler/plan.py); rows and weights through pointers
+# unless the label says _tma (both through TMA descriptors) or _tma_b (the weights only)
+_POINTERS = dict(tma_a=False, tma_b=False)
 PLANS = {
-    "128x128": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8),
-    "128x256": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8),
-    "64x128": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4),
-    # the weights through TMA descriptors (their layout allows it at every model's shapes)
-    "128x128_tma": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8, tma_b=True),
+    "128x128": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8, **_POINTERS),
+    "128x256": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, **_POINTERS),
+    "64x128": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4, **_POINTERS),
+    "128x128_tma": dict(block_m=128, block_n=128, block_k=64, stages=3, warps=8, tma_a=False,
+                        tma_b=True),
+    "128x256_tma_b": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_a=False,
+                          tma_b=True),
+    # the scheduler's tile for the op and world size (cost_model.grouped_mm_params)
+    "default": {},
+    # the default tile at world size 1 (the dispatch gathers the rows first)
+    "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
+                        tma_a=True),
+    "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
+                           tma_a=True),
 }
 TINY_PLANS = {"16x32": dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4)}
 STAGES = ("gate+up", "down")
@@ -99,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny layer only (a smoke run)")
     ap.add_argument("--models", default="mixtral,qwen3,deepseek")
     ap.add_argument("--tokens", default="128,512,2048,8192,16384", help="tokens per rank")
-    ap.add_argument("--plans", default=",".join(PLANS), help="fused tiles (PLANS labels)")
+    ap.add_argument("--plans", default="default,128x128",
+                    help="fused tiles (PLANS labels; 'default': the plan's default tile)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
@@ -111,8 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def plan_text(op: str, layer: MoeLayer, label: str, dtype) -> str:
-    task = Task(op=op, group_name="", world_size=1, m=0, k=layer.hidden, ns=(layer.inter,),
+def plan_text(op: str, layer: MoeLayer, label: str, dtype, world: int = 1) -> str:
+    task = Task(op=op, group_name="", world_size=world, m=0, k=layer.hidden, ns=(layer.inter,),
                 dtype=dtype, device_type="cuda", experts=layer.experts)
     return plan_for(task, label=label, **{**PLANS, **TINY_PLANS}[label]).encode()
 

@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny layer only (a smoke run)")
     ap.add_argument("--models", default="mixtral,qwen3,deepseek")
     ap.add_argument("--tokens", default="128,512,2048,8192,16384", help="tokens per rank")
-    ap.add_argument("--plans", default="128x128,128x128_tma", help="fused tiles (PLANS labels)")
+    ap.add_argument("--plans", default="default,128x128_tma",
+                    help="fused tiles (PLANS labels; 'default': the plan's default tile)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
@@ -170,7 +171,7 @@ def run(args, group) -> list[dict]:
                 nccl_ms = timed_ms(nccl, inputs, args)
                 for label in args.plans.split(","):
                     fused = fused_contender(stage, weights, group.group_name, world,
-                                            plan_text(op, layer, label, dtype))
+                                            plan_text(op, layer, label, dtype, world))
                     before = served_count()
                     error, err, ms = "", math.nan, math.nan
                     try:

@@ -12,7 +12,9 @@
 # DITRON_TEST_AG_PLANS=sm16_tma,... runs those plans alone),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), ar_bench (benchmarks/bench_all_reduce.py on
 # $(ranks) GPUs; AR_BENCH_ARGS narrows it), moe_multi_rank (the MoE dispatch and combine on every local
-# GPU), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
+# GPU), moe_gpu (every MoE GPU test: world size 1 and the multi-rank ones), moe_bench
+# (benchmarks/bench_moe.py at world size 1: the grouped GEMM tiles beside torch._grouped_mm;
+# MOE_BENCH_ARGS narrows it), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
 # all-to-all + torch._grouped_mm), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
@@ -104,6 +106,10 @@ e2e_llama() {  # the no-communication bound on one GPU first, then every contend
 
 moe_multi_rank() { limited ${MOE_LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_moe_gpu.py -k "multi_rank ${MOE_ONLY:+and $MOE_ONLY}"; }
+moe_gpu() { limited ${MOE_LIMIT:-400} python3 -m pytest -q -s -p no:cacheprovider \
+  tests/gpu/test_moe_gpu.py; }
+moe_bench() { timeout -k 5 ${MOE_BENCH_LIMIT:-300} torchrun --nproc-per-node 1 \
+  benchmarks/bench_moe.py --out "$W/moe_bench" ${MOE_BENCH_ARGS:-}; }
 fp8_gpu() { timeout -k 5 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py; }
 fp8_tp() { local world; world=$(ranks)
   limited ${FP8_TP_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fp8_tp.py \

@@ -117,15 +117,16 @@ def variants():
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
     # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
     # the combine's push into the peers' buffers; and the dispatch's push
-    moe_args = dict(a_ptr="*bf16", a_index_ptr="*i64", b_ptr="*bf16", offsets_ptr="*i32",
-                    c_ptr="*bf16", c_index_ptr="*i64", scale_ptr="*fp32", rows_out_ptr="*bf16",
+    moe_args = dict(a_ptr="*bf16", a_desc="*bf16", a_index_ptr="*i64", b_ptr="*bf16",
+                    offsets_ptr="*i32", c_ptr="*bf16", c_index_ptr="*i64", scale_ptr="*fp32",
+                    rows_out_ptr="*bf16",
                     count_ptr="*i32", expect_ptr="*i32", err_ptr="*i32", dst_rank_ptr="*i32",
                     recv_table="*i64", count_table="*i64", M="i32", N="i32",
                     K="i32", E="i32", stride_am="i32", stride_ak="i32", stride_be="i32",
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
     moe_tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_P2=32, NUM_PROGS=132, GROUP_M=8,
-                     B_DESC=0)
+                     B_DESC=0, A_DESC=False, PROXY_FENCE=False)
     for gather, scatter, scale, wait in ((True, False, False, False), (False, False, False, False),
                                          (False, True, False, False), (False, True, True, False),
                                          (False, False, False, True)):
@@ -141,6 +142,18 @@ def variants():
                dict(moe_args, b_ptr=f"tensordesc<bf16[{block}]>"),
                dict(moe_tiles, GATHER=True, WRITE_ROWS=True, SCATTER=False, SCALE=False,
                     ACCUMULATE=False, WAIT=False, PUSH=False) | dict(B_DESC=b_desc), 8)
+    # the rows through TMA (tma_a): plain with TMA weights, the combine's accumulation, the
+    # tiles waiting on their counters (with the proxy fence), the combine's push
+    rows_desc = "tensordesc<bf16[128,64]>"
+    for gather_free in (dict(B_DESC=1, SCATTER=False, SCALE=False, WAIT=False, PUSH=False),
+                        dict(SCATTER=True, SCALE=True, WAIT=False, PUSH=False),
+                        dict(SCATTER=False, SCALE=False, WAIT=True, PUSH=False, PROXY_FENCE=True),
+                        dict(SCATTER=True, SCALE=False, WAIT=False, PUSH=True)):
+        yield (grouped_gemm.grouped_gemm_kernel,
+               dict(moe_args, a_desc=rows_desc, c_ptr="*fp32" if gather_free["SCALE"] else "*bf16",
+                    b_ptr="tensordesc<bf16[64,128]>" if gather_free.get("B_DESC") else "*bf16"),
+               dict(moe_tiles, GATHER=False, WRITE_ROWS=gather_free["WAIT"],
+                    ACCUMULATE=gather_free["SCALE"], A_DESC=True) | gather_free, 8)
     yield (grouped_gemm.dispatch_put_kernel,
            dict(x_ptr="*bf16", dst_rank_ptr="*i32", dst_row_ptr="*i32", dst_tile_ptr="*i32",
                 data_table="*i64", count_table="*i64", rows="i32", K="i32"),

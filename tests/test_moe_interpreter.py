@@ -13,6 +13,7 @@ kernel never wrote fails; the experts' weights differ, so a row multiplied by th
 weight (a wrong offset) fails.
 """
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
@@ -33,7 +34,9 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
 from ditron_inductor.templates import grouped_gemm  # noqa: E402
 
 F16 = torch.float16
-PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, group_m=2, warps=4, stages=2, progs=3)
+PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, group_m=2, warps=4, stages=2, progs=3,
+                     tma_a=False, tma_b=False)  # rows and weights through pointers
+TMA_A = dataclasses.replace(PLAN, tma_a=True)  # the rows through a TMA descriptor (gathered first)
 LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first)
 
 
@@ -73,10 +76,14 @@ CASES = [  # (tokens, experts, top_k, case)
 ]
 
 
+@pytest.mark.parametrize("plan", [PLAN, TMA_A], ids=["pointers", "tma_a"])
 @pytest.mark.parametrize("tokens,experts,top_k,case", CASES)
-def test_dispatch_gathers_rows_by_expert(tokens, experts, top_k, case):
+def test_dispatch_gathers_rows_by_expert(tokens, experts, top_k, case, plan):
     """all_to_all_grouped_mm at world size 1: rows = x[row_index], each weight's grouped GEMM
-    (a plain [E, K, N] weight and a transposed one, K and N no multiples of the blocks)."""
+    (a plain [E, K, N] weight and a transposed one, K and N no multiples of the blocks); the
+    rows gathered in the first GEMM (pointers) or before the GEMMs, which then read them
+    through TMA (tma_a: the tiles' blocks of rows reach into the next expert's rows, and past
+    K into TMA's zero fill)."""
     gen = torch.Generator().manual_seed(tokens)
     k, ns = 40, (48, 33)
     x = torch.randn(tokens, k, generator=gen).to(F16)
@@ -84,9 +91,11 @@ def test_dispatch_gathers_rows_by_expert(tokens, experts, top_k, case):
     ws = [weights(experts, k, ns[0], gen), weights(experts, k, ns[1], gen, transposed=True)]
     args = (x, [tokens], [tokens], row_index, ws, offsets, "0", 1)
     before = moe.stats[ALL_TO_ALL_GROUPED_MM]
-    rows, *outs = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
+    rows, *outs = moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), plan,
                                                   *args)
     assert moe.stats[ALL_TO_ALL_GROUPED_MM] == before + 1
+    if plan.tma_a:  # the rows' layout takes a descriptor: the TMA loads ran, not pointers
+        assert moe.rows_descriptor(rows, plan) is not None
     assert torch.equal(rows, x[row_index])
     ref_rows = x[row_index].float()
     for w, out in zip(ws, outs):
@@ -135,6 +144,27 @@ def test_combine_scatters_rows_back(tokens, experts, top_k, case, accumulate):
     ref = torch.zeros(sent, n).index_put_((index,), y, accumulate=accumulate)
     assert out.dtype == F16 and out.shape == (sent, n)
     assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_combine_reads_rows_through_a_tma_descriptor(accumulate):
+    """tma_a: the combine's rows through a TMA descriptor (blocks of rows reaching into the next
+    expert's, an expert without rows, K no multiple of BLOCK_K), the same products as the
+    reference; rows whose stride is no multiple of 16 bytes take pointers instead."""
+    gen = torch.Generator().manual_seed(8)
+    tokens, experts, top_k, k, n = 21, 4, 2, 40, 40
+    _, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
+    left = torch.randn(tokens * top_k, k, generator=gen).to(F16)
+    w = weights(experts, k, n, gen, transposed=True)
+    assert moe.rows_descriptor(left, TMA_A) is not None
+    index = order // top_k if accumulate else order
+    sent = tokens if accumulate else tokens * top_k
+    args = ([left], [w], offsets, index, accumulate, [sent], [sent], "0", 1)
+    out = moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), TMA_A, *args)
+    y = torch._grouped_mm(left.float(), w.float(), offs=offsets)
+    ref = torch.zeros(sent, n).index_put_((index,), y, accumulate=accumulate)
+    assert rel_err(out, ref) < 2e-3
+    assert moe.rows_descriptor(torch.zeros(8, 36, dtype=F16), TMA_A) is None
 
 
 def test_combine_without_index_and_a_sum_declined():
@@ -260,7 +290,7 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
             m = len(rows)
             out = torch.full((m, n), float("nan"), dtype=F16)
             grouped_gemm.grouped_gemm_kernel[(3,)](
-                rank.recv, out, ws[q], offsets, out, out, out, out, rank.counts, expect,
+                rank.recv, out, out, ws[q], offsets, out, out, out, out, rank.counts, expect,
                 rank.err, out, out, out, m, n, k, local_experts, rank.recv.stride(0),
                 rank.recv.stride(1), *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
                 GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False,
@@ -290,11 +320,11 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     recv[first_row:first_row + tile_rows[missing]] = float("nan")
     out = torch.full((m, n), float("nan"), dtype=F16)
     grouped_gemm.grouped_gemm_kernel[(3,)](
-        recv, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, out, out, out,
-        m, n, k, local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
-        out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
-        ACCUMULATE=False, WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2,
-        NUM_PROGS=3, GROUP_M=2)
+        recv, out, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, out, out,
+        out, m, n, k, local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(),
+        out.stride(0), out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False,
+        SCALE=False, ACCUMULATE=False, WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16,
+        BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
     assert int(rank.err) == grouped_gemm.ERR_ROWS
     skipped = torch.zeros(m, dtype=torch.bool)
     skipped[first_row:first_row + tile_rows[missing]] = True
@@ -350,8 +380,6 @@ def test_weights_through_tma_descriptors(transposed):
     """tma_b: the weights through a TMA descriptor over their 2-d view ([E * K, N], or [E * N,
     K] for nn.Linear's layout, whose N tail reaches into the next expert's rows); an expert
     with no rows between two with rows; the same products as through pointers."""
-    import dataclasses
-
     gen = torch.Generator().manual_seed(7)
     tokens, experts, top_k, k, n = 21, 4, 2, 64, 40
     row_index, offsets, _, _ = routing(tokens, experts, top_k, "empty_expert", gen)
@@ -420,22 +448,21 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
     return [x for x, _ in xs], splits, receivers
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_multi_rank_dispatch_steps_match_the_reference(world):
+@pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (2, True)])
+def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
     (moe_dispatch.publish, push, compute: the routes, dispatch_put_kernel, the grouped GEMM
     waiting on its tiles' counters), the signals between them played by running every rank's
     step before the next step: two consecutive calls on the same buffers and counters (the
     second expecting on top of the first), then a call in which the last rank receives
     nothing and one in which every row goes to rank 0. Each rank's outputs against the op's
-    reference (received[row_index], torch._grouped_mm per weight)."""
-    import dataclasses
-
+    reference (received[row_index], torch._grouped_mm per weight). tma_a: the waiting GEMM
+    reads the receive buffer through a TMA descriptor."""
     from ditron_inductor.runtime import moe_dispatch
 
     gen = torch.Generator().manual_seed(10 + world)
     local_experts, k, ns = 3, 40, (24, 33)
-    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a)
     ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
           for _ in range(world)]
     capacity = 64
@@ -443,6 +470,8 @@ def test_multi_rank_dispatch_steps_match_the_reference(world):
     copies = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)]
     ctxs = [EmulatedContext(copies, r) for r in range(world)]
     states = [moe_dispatch.new_state(ctx, layout) for ctx in ctxs]
+    recv = ctxs[0].data.view(-1, F16, [capacity, k], layout.recv_offset)
+    assert (moe.rows_descriptor(recv, plan) is not None) or not tma_a
     calls = [("random", [13, 20, 7][:world]), ("random", [9, 4, 17][:world]),
              ("last_receives_nothing", [11, 6, 10][:world]), ("all_to_one", [5, 12, 8][:world])]
     for call, (case, tokens) in enumerate(calls):
@@ -498,8 +527,8 @@ def emulated_all_to_all(sent, send_splits):
                        for q in range(world)]) for p in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_multi_rank_combine_steps_match_the_reference(world, monkeypatch):
+@pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (2, True)])
+def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch):
     """grouped_mm_all_to_all on 2 and 3 emulated ranks through the runtime's own steps
     (moe_combine.publish, push, collect: the published starts, the grouped GEMM pushing each
     row into its receiver's buffer and counting it there), the signals played by running every
@@ -508,12 +537,13 @@ def test_multi_rank_combine_steps_match_the_reference(world, monkeypatch):
     rank with no row, the last rank sending nothing back, every row from rank 0, every row to
     rank 0; fp16 calls one after the other on the same buffers (the arrival count set back
     between them), then fp32. Each rank's output against the op's reference, its all-to-all
-    emulated."""
+    emulated. tma_a: the pushing GEMM reads its rows through a TMA descriptor."""
     from ditron_inductor import ops
     from ditron_inductor.runtime import moe_combine
 
     gen = torch.Generator().manual_seed(20 + world)
     local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
+    plan = dataclasses.replace(PLAN, tma_a=tma_a)
     monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
     ranks = {}  # dtype -> (layout, contexts, states, weights)
     calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
@@ -541,7 +571,7 @@ def test_multi_rank_combine_steps_match_the_reference(world, monkeypatch):
             moe_combine.publish(ctx, layout, back_splits[r])
         for q, ctx in enumerate(ctxs):
             _, row_index, offsets, _ = experts_side[q]
-            moe_combine.push(ctx, layout, states[q], PLAN, lefts[q], ws[q], offsets, row_index,
+            moe_combine.push(ctx, layout, states[q], plan, lefts[q], ws[q], offsets, row_index,
                              sends[q], moe.grouped_gemm)
         refs = emulated_all_to_all([
             ops.grouped_mm_all_to_all_reference([lefts[q].float()], [ws[q].float()],

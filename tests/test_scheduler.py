@@ -299,9 +299,19 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     from ditron_inductor.scheduler.decide import plan_for
     from ditron_inductor.scheduler.plan import GroupedMmPlan, decode, family
 
-    plan = plan_for(on_cuda, block_n=256)
+    plan = plan_for(on_cuda)  # the default tile: 128 x 256, rows and weights through TMA
     assert isinstance(plan, GroupedMmPlan) and (plan.block_m, plan.block_n) == (128, 256)
+    assert plan.tma_a and plan.tma_b
     assert decode(plan.encode()) == plan and family(plan) == "grouped_mm"
+    # the combine on several ranks pushes from 128 x 128 tiles unless a tile is named
+    from ditron_inductor.scheduler.task import grouped_mm_all_to_all_task
+
+    combine = dataclasses.replace(grouped_mm_all_to_all_task(
+        [torch.empty(16, 64, dtype=torch.bfloat16)], [torch.empty(2, 64, 32, dtype=torch.bfloat16)],
+        None, None, False, [4, 4, 4, 4], [3, 5, 0, 8], "0", 4), device_type="cuda")
+    assert plan_for(combine).block_n == 128
+    assert plan_for(combine, block_n=256).block_n == 256
+    assert plan_for(dataclasses.replace(combine, world_size=1)).block_n == 256
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

@@ -3,18 +3,20 @@
 through the combine's.
 
 At world size 1 the all-to-all is the identity over ranks (every row stays), so
-  dispatch  rows = x[row_index] (x itself when None), outs_i = grouped_mm(rows, W_i): the first
-            weight's kernel gathers x's rows through row_index and stores them as the op's rows
-            output from its n-tile-0 programs; each further weight reads those rows;
+  dispatch  rows = x[row_index] (x itself when None), outs_i = grouped_mm(rows, W_i): with the
+            rows through TMA (plan.tma_a, the default) one index_select gathers them into the
+            op's rows output and every weight's GEMM reads that; else the first weight's kernel
+            gathers x's rows through row_index and stores them from its n-tile-0 programs, and
+            each further weight reads those rows;
   combine   y = grouped_mm(left, W), row j of y to row row_index[j] of zeros [sum(splits), N]
             (summed where several land, accumulate: atomic adds into an fp32 buffer, cast once),
             or y itself when row_index is None.
 On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
 the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
-combine is moe_combine.py (passed on 2x H200): the GEMM's epilogue stores each row into its
-receiver's buffer, where the all-to-all would land it, and counts it there. The scheduler plans
-neither op fused (cost_model.MOE_NOT_FUSED: slower than NCCL + torch._grouped_mm on 2x H200;
-a plan is named explicitly). A sum of several
+combine is moe_combine.py (passed on 2x H200 and 2x H100): the GEMM's epilogue stores each row
+into its receiver's buffer, where the all-to-all would land it, and counts it there. The
+scheduler plans neither op fused (cost_model.MOE_NOT_FUSED: slower than NCCL +
+torch._grouped_mm on 2x H100; a plan is named explicitly). A sum of several
 grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
@@ -75,8 +77,10 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
     b, b_desc = weight, 0
     if plan.tma_b:
         b, b_desc = weight_descriptor(weight, plan)
+    a_desc = rows_descriptor(a, plan) if plan.tma_a and a_index is None else None
     launch(grouped_gemm_kernel(), (progs,),
-           a, unused if a_index is None else a_index, b, offsets, c,
+           a, unused if a_desc is None else a_desc, unused if a_index is None else a_index, b,
+           offsets, c,
            unused if c_index is None else c_index, unused if scale is None else scale,
            unused if rows_out is None else rows_out, *(wait[:3] if wait else (offsets,) * 3),
            *(push if push else (offsets,) * 3),
@@ -87,8 +91,29 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
            WAIT=wait is not None, PUSH=push is not None, BLOCK_M=bm, BLOCK_N=bn,
            BLOCK_K=plan.block_k, E_P2=next_power_of_2(experts), NUM_PROGS=progs,
-           GROUP_M=plan.group_m, B_DESC=b_desc,
+           GROUP_M=plan.group_m, B_DESC=b_desc, A_DESC=a_desc is not None,
+           PROXY_FENCE=a_desc is not None and wait is not None and a.device.type == "cuda",
            num_warps=plan.warps, num_stages=plan.stages)
+
+
+def _tensor_descriptor():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def rows_descriptor(a, plan: GroupedMmPlan):
+    """A TMA descriptor over the GEMM's rows a [R, K] (blocks of block_m x block_k), or None
+    where their layout does not allow one (TMA: 16-byte aligned base and rows, unit column
+    stride): the kernel then reads them through pointers."""
+    descriptor = _tensor_descriptor()
+    r, k = a.shape
+    if (descriptor is None or a.stride(1) != 1 or a.data_ptr() % 16
+            or a.stride(0) * a.element_size() % 16 or r == 0 or r >= 2 ** 31):
+        return None
+    return descriptor(a, [r, k], [a.stride(0), 1], [plan.block_m, plan.block_k])
 
 
 def weight_descriptor(weight, plan: GroupedMmPlan):
@@ -98,9 +123,8 @@ def weight_descriptor(weight, plan: GroupedMmPlan):
     16-byte aligned rows and base. Else (weight, 0): pointers."""
     from ..templates.grouped_gemm import B_ROWS_K, B_ROWS_N
 
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
+    TensorDescriptor = _tensor_descriptor()
+    if TensorDescriptor is None:
         return weight, 0
     e, k, n = weight.shape
     if weight.data_ptr() % 16 or e * max(k, n) >= 2 ** 31:
@@ -176,13 +200,19 @@ def all_to_all_grouped_mm_fused(task: Task, plan: GroupedMmPlan, x, output_split
     if rows and k == 0:
         rows_out.zero_()
         return [rows_out] + [o.zero_() for o in outs]
+    gathered = plan.tma_a
+    if gathered:  # the rows first, in order, so that every GEMM reads them through TMA
+        if row_index is None:
+            rows_out.copy_(x)
+        else:
+            torch.index_select(x, 0, row_index, out=rows_out)
     for i, (w, out) in enumerate(zip(weights, outs)):
-        if i == 0:  # gathers x's rows and stores them as it reads them
+        if i == 0 and not gathered:  # gathers x's rows and stores them as it reads them
             grouped_gemm(plan, x, w, offsets, out, rows=rows, a_index=row_index,
                          rows_out=rows_out)
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=rows)
-    if outs[0].shape[1] == 0:  # no n-tile stored the rows
+    if outs[0].shape[1] == 0 and not gathered:  # no n-tile stored the rows
         rows_out.copy_(x if row_index is None else x[row_index])
     _served(task, plan)
     return [rows_out] + outs

@@ -1,7 +1,10 @@
 """grouped_mm_all_to_all on more than one rank, fused: the experts' grouped GEMM writes each row
 of its product straight into its destination rank's receive buffer, at the row where the
 all-to-all would land it, and the receiver's output is that buffer once every row has come.
-Passed on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU
+Passed on 2x H100 (36 consecutive calls on 2 ranks with stream waits, 2026-11-26; with bounded
+waits, plan.wait_timeout_s > 0, the first call returned rank 0's rows as zeros on rank 1 in two
+runs: not found, benchmarks/results/logs/gpu_checks_2x_s39.log) and on 2x H200
+(tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU
 runs hung at the first call, rank 0's arrival count at 600 of 1200, while the count was one
 word for all senders raised by one scalar add per tile and rank; now one word per sender, one
 add per row as the dispatch counts); CPU-tested below the context (the routes and the kernel's

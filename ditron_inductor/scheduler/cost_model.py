@@ -42,6 +42,7 @@ from .task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
+    GROUPED_MM_ALL_TO_ALL,
     MOE_PATTERNS,
     SCALED_MM_ALL_REDUCE,
     SCALED_MM_REDUCE_SCATTER,
@@ -326,6 +327,18 @@ def candidate_plan(task: Task, label: str, **fields) -> FusedPlan:
                        **fields).for_world(task.world_size)
 
 
+def grouped_mm_params(task: Task) -> dict:
+    """The MoE grouped GEMM's tile where it differs from GroupedMmPlan's defaults (128 x 256,
+    rows and weights through TMA: 0.90x torch._grouped_mm's time at world size 1 on H100,
+    benchmarks/results/moe_h100x1_tma.md): the combine on several ranks pushes its product
+    rows into the peers' buffers from 128 x 128 tiles, whose push measured 1.2-1.5x NCCL +
+    torch._grouped_mm at DeepSeek-V3 sizes on 2 H100s against 2.6-2.9x from 128 x 256 tiles
+    (the push's [block_m, block_n] peer addresses; moe_ep_h100x2_tma.md)."""
+    if task.op == GROUPED_MM_ALL_TO_ALL and task.world_size > 1:
+        return dict(block_n=128)
+    return {}
+
+
 def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     """The fused plan for the task given the parameters a user or a test names: with none, or
     none that names the kind (gemm for AG/RS, algo for the all-reduce), the task's default (the
@@ -342,7 +355,8 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(AllReducePlan, merged, label=merged["algo"]).for_world(
             task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
-        return from_params(GroupedMmPlan, params, label=params.pop("label", "grouped_mm"))
+        merged = {**grouped_mm_params(task), **params}
+        return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         cls, selector, label = AllReducePlan, "algo", ""
         base = {} if selector in params else all_reduce_params(task)
@@ -532,14 +546,16 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
 
 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
-# world size 1, where a plan names it (benchmarks/bench_moe.py). On more ranks the dispatch
-# (runtime/moe_dispatch.py) and the combine (runtime/moe_combine.py) are correct on 2x H200 and
-# measured slower than NCCL all-to-all + torch._grouped_mm at every row of
-# benchmarks/results/moe_ep_h200x2.md (1.17-3.65x its time: Mixtral and Qwen3-30B-A3B layers,
-# 512-16384 tokens per rank): the graph keeps NCCL + grouped GEMM.
+# world size 1, where a plan names it (benchmarks/bench_moe.py: 0.90x torch._grouped_mm's time
+# with its default tile on H100). On more ranks the dispatch (runtime/moe_dispatch.py) and the
+# combine (runtime/moe_combine.py) are correct on 2x H100 and 2x H200 and measured slower than
+# NCCL all-to-all + torch._grouped_mm at every row: 1.09-1.50x its time with the default tiles
+# on 2x H100 (benchmarks/results/moe_ep_h100x2_defaults.md: Mixtral and DeepSeek-V3 layers,
+# 2048-16384 tokens per rank; 1.17-3.65x on 2x H200 with the earlier tile, moe_ep_h200x2.md):
+# the graph keeps NCCL + grouped GEMM.
 MOE_NOT_FUSED = ("{op}: the fused MoE kernels measured slower than NCCL all-to-all + "
-                 "torch._grouped_mm on 2x H200 (1.17-3.65x its time, moe_ep_h200x2.md; a plan "
-                 "names them): NCCL all-to-all + torch._grouped_mm")
+                 "torch._grouped_mm on 2x H100 (1.09-1.50x its time, moe_ep_h100x2_defaults.md;"
+                 " a plan names them): NCCL all-to-all + torch._grouped_mm")
 
 
 def world1_compute_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:

@@ -189,13 +189,16 @@ class GroupedMmPlan(FusedPlan):
     kind: ClassVar[str] = "grouped_mm"
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
     group_m: int = 8  # swizzle within an expert: m-tiles per group over the n-tiles
     stages: int = 3
     warps: int = 8
     progs: int = 0
-    tma_b: bool = False  # the weights through a TMA descriptor where their layout allows
+    tma_b: bool = True  # the weights through a TMA descriptor where their layout allows
+    # the rows through a TMA descriptor where they are in order (at world size 1 the dispatch
+    # then gathers x's rows before its GEMMs instead of in the first one)
+    tma_a: bool = True
 
 
 def family(plan: FusedPlan) -> str:

@@ -39,10 +39,13 @@ threads, so that the rows are visible before the count). Counters only grow: a c
 each tile's counter at its previous value plus the rows of the tile this call (expect[], the
 receiver's), so nothing is reset between calls.
 
-A is read through pointers (the gathered rows are not one block of a tensor), B through pointers
-or (B_DESC) a Hopper TMA descriptor over the weights' 2-d view, [E * K, N] (K a multiple of
-BLOCK_K: a K block never reaches into the next expert) or [E * N, K] (nn.Linear's layout; the
-columns past N that reach into the next expert are not stored).
+A is read through pointers (GATHER: the gathered rows are not one block of a tensor) or (A_DESC,
+rows in order) a Hopper TMA descriptor over A [rows, K] (a tile's block of BLOCK_M rows from its
+first; the rows past the expert's, the next expert's or the zeros past the end, are multiplied
+and not stored; after a WAIT, PROXY_FENCE orders the peers' stores before the TMA reads). B
+through pointers or (B_DESC) a Hopper TMA descriptor over the weights' 2-d view, [E * K, N] (K
+a multiple of BLOCK_K: a K block never reaches into the next expert) or [E * N, K]
+(nn.Linear's layout; the columns past N that reach into the next expert are not stored).
 (Ceil-divisions and zero fills are written out, as in ag_gemm.py, for the interpreter.)
 """
 
@@ -116,7 +119,7 @@ def push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, dst_row_ptr, recv_tabl
 
 @triton.jit(do_not_specialize=["M", "limit"])
 def grouped_gemm_kernel(
-    a_ptr, a_index_ptr, b_ptr, offsets_ptr, c_ptr, c_index_ptr, scale_ptr, rows_out_ptr,
+    a_ptr, a_desc, a_index_ptr, b_ptr, offsets_ptr, c_ptr, c_index_ptr, scale_ptr, rows_out_ptr,
     count_ptr, expect_ptr, err_ptr, dst_rank_ptr, recv_table, count_table,
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -125,7 +128,7 @@ def grouped_gemm_kernel(
     SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     E_P2: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr = 8,
-    B_DESC: tl.constexpr = 0,
+    B_DESC: tl.constexpr = 0, A_DESC: tl.constexpr = False, PROXY_FENCE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -156,6 +159,9 @@ def grouped_gemm_kernel(
                     n += 1
                 record_give_up(v < want, 0, err_ptr, K_ERR_ROWS)
                 ready = v >= want  # a bounded wait that gave up: the tile is left unwritten
+                if PROXY_FENCE:  # the peers' ordinary stores, then A_DESC's async-proxy reads
+                    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;",
+                                              "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
         if ready:
             local = t * BLOCK_M + tl.arange(0, BLOCK_M)  # rows within the expert
             row_ok = local < count
@@ -166,14 +172,19 @@ def grouped_gemm_kernel(
                 src = rows.to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+            if not A_DESC:
+                a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
             if B_DESC == 0:
                 b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk
                           + offs_n[None, :] * stride_bn)
             acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
             for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 k_left = K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                if A_DESC:  # rows past the tile's (the next expert's, or zeros) are not stored
+                    a = a_desc.load([start + t * BLOCK_M, kk * BLOCK_K])
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left),
+                                other=0.0)
                 if B_DESC == B_ROWS_K:  # B [E * K, N]: rows expert * K + k (K % BLOCK_K == 0)
                     b = b_ptr.load([expert * K + kk * BLOCK_K, pid_n * BLOCK_N])
                 elif B_DESC == B_ROWS_N:  # B^T [E * N, K]: rows expert * N + n
@@ -182,7 +193,8 @@ def grouped_gemm_kernel(
                     b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N),
                                 other=0.0)
                 acc = tl.dot(a, b, acc)
-                a_ptrs += BLOCK_K * stride_ak
+                if not A_DESC:
+                    a_ptrs += BLOCK_K * stride_ak
                 if B_DESC == 0:
                     b_ptrs += BLOCK_K * stride_bk
             if WRITE_ROWS:

@@ -6,7 +6,9 @@ without an index), the TMA weights, and both ops captured in a CUDA graph and re
 case asserts that the fused path served it.
 
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
-passed on 2x H100) and combine (runtime/moe_combine.py; passed on 2x H200) on 2 ranks (and on
+passed on 2x H100) and combine (runtime/moe_combine.py; passed on 2x H200, and on 2x H100 with
+DITRON_TEST_WAIT_S=0: with the bounded waits its first call failed there, rank 0's rows zeros
+on rank 1) on 2 ranks (and on
 every GPU when there are more than 2): several consecutive calls on the same symmetric buffers,
 each routing drawn anew (random, an expert of every rank without rows, the last rank receiving
 nothing, every row to rank 0; the combine sends the rows back along the same routing), against
@@ -26,13 +28,17 @@ import pytest
 import torch
 
 from .ranks import report_and_close, spawn_ranks
-from .test_fused_gpu import _check, _free_port
+from .test_fused_gpu import _check, _free_port, _rel
 
 pytestmark = pytest.mark.gpu
 
-TILES = ({}, dict(block_m=128, block_n=256), dict(block_m=64, block_n=128, stages=4, warps=4),
-         dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4, progs=7),
-         dict(tma_b=True), dict(block_m=64, block_n=64, block_k=64, warps=4, tma_b=True))
+POINTERS = dict(tma_a=False, tma_b=False)
+TILES = ({},  # the default: 128 x 256, rows and weights through TMA descriptors
+         dict(block_n=128, **POINTERS),
+         dict(block_m=64, block_n=128, stages=4, warps=4, **POINTERS),
+         dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4, progs=7, **POINTERS),
+         dict(block_n=128, tma_a=False), dict(block_m=64, block_n=64, block_k=64, warps=4),
+         dict(block_n=128))
 
 
 def _plan(op, **params):
@@ -226,7 +232,7 @@ def _routed_calls(group, world, rank, op, k, gen):
     """(tag, plan, dtype, a dispatch's arguments: x [TOKENS, k], splits, row_index, offsets)
     for each dtype, tile and routing case, consecutive calls on the same buffers."""
     for dtype in (torch.bfloat16, torch.float16):
-        for tile in TILES[:1] + TILES[3:4]:
+        for tile in TILES[:2] + TILES[3:4]:  # TMA (the default), pointers, a small tile
             plan = _plan(op, **tile)
             for case in MULTI_RANK_CASES:
                 yield (f"world {world} rank {rank} {case} {dtype} {tile}", plan, dtype,
@@ -292,9 +298,25 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
         ref = grouped_mm_all_to_all_reference(*args)
         assert out.shape == ref.shape, f"{tag}: shape {tuple(out.shape)}"
         if ref.shape[0]:
-            _check(f"multi-rank combine {tag}", out, ref)
+            err = _rel(out, ref) if torch.isfinite(out).all() else float("inf")
+            assert err < 2e-2, (f"multi-rank combine {tag}: relative error {err:.3e}, "
+                                f"{_wrong_rows(out, ref, in_splits)}")
         count += 1
     return f"{count} multi-rank combine calls fused and checked"
+
+
+def _wrong_rows(out, ref, received_splits) -> str:
+    """Which senders' rows came out wrong (the received rows are sender-major), and whether
+    they are zeros: where a failing combine went wrong."""
+    wrong = ~((out.float() - ref.float()).abs() <= 0.05 * ref.float().abs().max()).all(dim=1)
+    parts, start = [], 0
+    for sender, n in enumerate(received_splits):
+        rows = slice(start, start + n)
+        bad = wrong[rows]
+        zeros = int((out[rows][bad] == 0).all(dim=1).sum()) if bad.any() else 0
+        parts.append(f"from rank {sender}: {int(bad.sum())} of {n} rows wrong ({zeros} zeros)")
+        start += n
+    return "; ".join(parts)
 
 
 def _multi_rank_worker(rank, world, port, result_dir, calls):
@@ -302,7 +324,9 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 
     from ditron_inductor import config
 
-    config.wait_timeout_s = 20.0  # the plans' waits bounded: a row that never lands raises
+    # the plans' waits bounded: a row that never lands raises (DITRON_TEST_WAIT_S=0: the stream
+    # waits a model's call takes)
+    config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "20"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     # a rank left alone in a collective (its peer failed) is aborted by NCCL's watchdog after
@@ -327,7 +351,8 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 @pytest.mark.parametrize("calls", [_dispatch_calls, _combine_calls],
                          ids=["dispatch", "combine"])
 def test_moe_multi_rank(tmp_path, world, calls):
-    """The dispatch passed on 2x H100 and 2x H200, the combine on 2x H200."""
+    """The dispatch passed on 2x H100 and 2x H200; the combine on 2x H200, and on 2x H100 with
+    DITRON_TEST_WAIT_S=0 (bounded waits: its first call fails there, see the module doc)."""
     if world == "all":
         if torch.cuda.device_count() == 2:
             pytest.skip("2 GPUs: the world-2 case ran")
