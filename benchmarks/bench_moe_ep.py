@@ -81,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="CUDA: also profile CALLS calls of each contender (torch profiler on "
+                         "every rank): its kernels' device time per call, rank 0's, in the JSON "
+                         "and the table's notes")
     args = ap.parse_args(argv)
     if args.tiny:
         args.models, args.tokens, args.iters, args.reps = "tiny", "16,37", 2, 2
@@ -154,6 +158,28 @@ def timed_ms(fn, inputs, args) -> float:
     return bench_on(args.device, fn, [(i,) for i in inputs], args.iters, args.reps)
 
 
+def kernel_profile(fn, inputs, calls: int) -> dict:
+    """Device ms per call by kind and the longest kernels (e2e_llama.kernel_times) over `calls`
+    calls of fn, on every rank (the calls exchange rows); rank 0's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.e2e_llama import kernel_times
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for c in range(calls):
+            fn(inputs[c % len(inputs)])
+        torch.cuda.synchronize()
+    return kernel_times(prof.events(), calls)
+
+
+def profile_note(times: dict) -> str:
+    """The profile as a table note: busy and idle ms per call, then the longest kernels."""
+    top = "; ".join(f"{name[:40]} {ms:.3f}" for name, _, ms in times["top"][:5])
+    return f"busy {times['busy']:.3f}, idle {times['idle']:.3f} ms/call: {top}"
+
+
 def run(args, group) -> list[dict]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.device == "cpu":
@@ -169,6 +195,9 @@ def run(args, group) -> list[dict]:
                 nccl = nccl_contender(stage, weights, group)
                 ref = nccl(inputs[0])
                 nccl_ms = timed_ms(nccl, inputs, args)
+                profiles = {}
+                if args.profile and args.device == "cuda":
+                    profiles["nccl"] = kernel_profile(nccl, inputs, args.profile)
                 for label in args.plans.split(","):
                     fused = fused_contender(stage, weights, group.group_name, world,
                                             plan_text(op, layer, label, dtype, world))
@@ -182,13 +211,16 @@ def run(args, group) -> list[dict]:
                             error = f"relative error {err:.2e}"
                         elif served:
                             ms = timed_ms(fused, inputs, args)
+                            if profiles:
+                                profiles["fused"] = kernel_profile(fused, inputs, args.profile)
                     except Exception as exc:  # noqa: BLE001 - the row says what failed
                         error, served = f"{type(exc).__name__}: {exc}".splitlines()[0], False
                     rows.append(dict(model=layer.name, experts_per_rank=layer.experts,
                                      hidden=layer.hidden, inter=layer.inter, top_k=layer.top_k,
                                      tokens=tokens, rows=tokens * layer.top_k, stage=stage,
                                      plan=label, nccl_ms=nccl_ms, fused_ms=ms, served=served,
-                                     rel_err=err, error=error))
+                                     rel_err=err, error=error, profiles=dict(profiles)))
+                    profiles.pop("fused", None)
                     if dist.get_rank() == 0:
                         print(f"{layer.name} T={tokens} {stage} {label}: nccl {nccl_ms:.3f} ms, "
                               f"fused {ms:.3f} ms, served {served}, rel err {err:.1e} {error}",
@@ -207,6 +239,7 @@ def report(rows: list[dict], args, argv) -> None:
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         note = r["error"] or ("" if r["served"] else "not served: the reference ran")
+        note += "".join(f" {who}: {profile_note(times)}." for who, times in r["profiles"].items())
         lines.append("| " + " | ".join(str(c) for c in (
             r["model"], r["experts_per_rank"], r["hidden"], r["inter"], r["top_k"], r["tokens"],
             r["rows"], r["stage"], r["plan"], f"{r['nccl_ms']:.3f}",
