@@ -96,6 +96,8 @@ PLANS = {
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
                         tma_a=True),
+    # the combine on several ranks: its rows stored in send order, then put (a 128 x 256 tile)
+    "staged": dict(block_n=256, staged_push=True),
     "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
                            tma_a=True),
 }

@@ -527,8 +527,11 @@ def emulated_all_to_all(sent, send_splits):
                        for q in range(world)]) for p in range(world)]
 
 
-@pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (2, True)])
-def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch):
+@pytest.mark.parametrize("world,fields", [
+    (2, {}), (3, {}), (2, {"tma_a": True}), (2, {"staged_push": True}),
+    (3, {"staged_push": True, "tma_a": True})],
+    ids=["2", "3", "2-tma_a", "2-staged", "3-staged-tma_a"])
+def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch):
     """grouped_mm_all_to_all on 2 and 3 emulated ranks through the runtime's own steps
     (moe_combine.publish, push, collect: the published starts, the grouped GEMM pushing each
     row into its receiver's buffer and counting it there), the signals played by running every
@@ -537,13 +540,14 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
     rank with no row, the last rank sending nothing back, every row from rank 0, every row to
     rank 0; fp16 calls one after the other on the same buffers (the arrival count set back
     between them), then fp32. Each rank's output against the op's reference, its all-to-all
-    emulated. tma_a: the pushing GEMM reads its rows through a TMA descriptor."""
+    emulated. tma_a: the pushing GEMM reads its rows through a TMA descriptor; staged_push: the
+    GEMM stores its rows locally in send order and the put kernel sends them."""
     from ditron_inductor import ops
     from ditron_inductor.runtime import moe_combine
 
     gen = torch.Generator().manual_seed(20 + world)
     local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
-    plan = dataclasses.replace(PLAN, tma_a=tma_a)
+    plan = dataclasses.replace(PLAN, **fields)
     monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
     ranks = {}  # dtype -> (layout, contexts, states, weights)
     calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
@@ -582,7 +586,7 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
             received = sum(back_splits[r])
             arrived = ctx.flags.view(-1, torch.int32, [world], 4 * moe_combine.arrived_word(world))
             # each sender's rows counted in its own word
-            assert arrived.tolist() == moe_combine.expected_counts(layout, PLAN, back_splits[r])
+            assert arrived.tolist() == moe_combine.expected_counts(layout, plan, back_splits[r])
             out = moe_combine.collect(ctx, layout, received)
             assert not arrived.any()
             assert out.shape == (received, n) and out.dtype == dtype

@@ -279,7 +279,7 @@ def test_calibration_by_world_picks_what_was_measured_best():
 
 
 def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(group4, monkeypatch):
-    from ditron_inductor.scheduler.cost_model import MOE_NOT_FUSED
+    from ditron_inductor.scheduler.cost_model import moe_not_fused
     from ditron_inductor.scheduler.task import all_to_all_grouped_mm_task
 
     x, w = torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16)
@@ -292,7 +292,7 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     for forced in ("", "fused"):
         monkeypatch.setattr(config, "force_plan", forced)
         d = decide(on_cuda)
-        assert (d.fuse, d.reason) == (False, MOE_NOT_FUSED.format(op="all_to_all_grouped_mm"))
+        assert (d.fuse, d.reason) == (False, moe_not_fused("all_to_all_grouped_mm"))
     monkeypatch.setattr(config, "force_plan", "reference")
     assert decide(on_cuda).plan.impl == REFERENCE
     # a plan named for it (the world-1 benchmark, the GPU tests): the grouped GEMM's family
@@ -303,15 +303,16 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     assert isinstance(plan, GroupedMmPlan) and (plan.block_m, plan.block_n) == (128, 256)
     assert plan.tma_a and plan.tma_b
     assert decode(plan.encode()) == plan and family(plan) == "grouped_mm"
-    # the combine on several ranks pushes from 128 x 128 tiles unless a tile is named
+    # the combine on several ranks stores its rows, then puts them (a plan may say otherwise)
     from ditron_inductor.scheduler.task import grouped_mm_all_to_all_task
 
     combine = dataclasses.replace(grouped_mm_all_to_all_task(
         [torch.empty(16, 64, dtype=torch.bfloat16)], [torch.empty(2, 64, 32, dtype=torch.bfloat16)],
         None, None, False, [4, 4, 4, 4], [3, 5, 0, 8], "0", 4), device_type="cuda")
-    assert plan_for(combine).block_n == 128
-    assert plan_for(combine, block_n=256).block_n == 256
-    assert plan_for(dataclasses.replace(combine, world_size=1)).block_n == 256
+    assert plan_for(combine).staged_push and plan_for(combine).block_n == 256
+    assert not plan_for(combine, staged_push=False).staged_push
+    assert not plan_for(dataclasses.replace(combine, world_size=1)).staged_push
+    assert not plan_for(on_cuda).staged_push  # the dispatch: nothing to stage
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

@@ -13,10 +13,11 @@ At world size 1 the all-to-all is the identity over ranks (every row stays), so
             or y itself when row_index is None.
 On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
 the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
-combine is moe_combine.py (passed on 2x H200 and 2x H100): the GEMM's epilogue stores each row
-into its receiver's buffer, where the all-to-all would land it, and counts it there. The
-scheduler plans neither op fused (cost_model.MOE_NOT_FUSED: slower than NCCL +
-torch._grouped_mm on 2x H100; a plan is named explicitly). A sum of several
+combine is moe_combine.py (passed on 2x H200 and 2x H100): the GEMM stores its rows in the
+order they are sent and a put kernel sends each where the all-to-all would land it (or, without
+staged_push, the GEMM's epilogue pushes them), counted there. The scheduler plans neither op
+fused (cost_model.moe_not_fused: the dispatch measured slower than NCCL + torch._grouped_mm on
+2x H100, the combine faster at one token count only; a plan is named explicitly). A sum of several
 grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:

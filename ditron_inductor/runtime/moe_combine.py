@@ -1,7 +1,12 @@
-"""grouped_mm_all_to_all on more than one rank, fused: the experts' grouped GEMM writes each row
-of its product straight into its destination rank's receive buffer, at the row where the
-all-to-all would land it, and the receiver's output is that buffer once every row has come.
-Passed on 2x H100 (36 consecutive calls on 2 ranks with stream waits, 2026-11-26; with bounded
+"""grouped_mm_all_to_all on more than one rank, fused: each row of the experts' grouped GEMM goes
+straight into its destination rank's receive buffer, at the row where the all-to-all would land
+it, and the receiver's output is that buffer once every row has come. By default (staged_push)
+the GEMM stores its rows here in the order they are sent and the dispatch's put kernel sends
+them (0.85-0.87x NCCL all-to-all + torch._grouped_mm's time at 8192 tokens per rank on 2x H100,
+benchmarks/results/moe_ep_h100x2_staged.md: the reference's index_put is the GEMM's stores);
+else the GEMM's epilogue pushes each tile's rows (1.22-1.39x there: remote stores from the
+epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged push
+among them, 2026-11-26; with bounded
 waits, plan.wait_timeout_s > 0, the first call returned rank 0's rows as zeros on rank 1 in two
 runs: not found, benchmarks/results/logs/gpu_checks_2x_s39.log) and on 2x H200
 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU
@@ -19,11 +24,14 @@ One call, epoch e, on rank r (everything on the caller's stream, in this order):
   2. read      for each rank q that r sends rows to: wait until READY + q >= e, read start_q[r];
                row j of the product goes to rank q, row start_q[r] + row_index[j] - s_q, where
                q's rows [s_q, s_q + n_q) of what r sends (input_split_sizes) hold row_index[j];
-  3. push      the grouped GEMM, its epilogue storing each row there; after a tile's stores, a
-               release add of one per row to its destination q's ARRIVED + r (a flag word per
-               sender): one add per row and n-tile, no atomics on the data;
-  4. collect   wait until each ARRIVED + p = the rows I receive from p x the n-tiles, copy the
-               buffer's rows out (the op's output), set the ARRIVED words back to 0.
+  3. push      staged: the grouped GEMM stores row j at row_index[j] of a local buffer, then
+               the put kernel writes each row there and adds one to q's ARRIVED + r (a flag word
+               per sender; release, after the rows); from the epilogue: the grouped GEMM stores
+               each row there, then a release add of one per row and n-tile; no atomics on
+               the data either way;
+  4. collect   wait until each ARRIVED + p = the rows I receive from p (x the n-tiles for the
+               epilogue's push), copy the buffer's rows out (the op's output), set the ARRIVED
+               words back to 0.
 A count per sender, not one for all: a row that never lands names its sender, and a receiver
 cannot mistake one sender's surplus for another's missing rows.
 Each destination row is written by exactly one store of one rank (row_index a permutation):
@@ -59,7 +67,7 @@ from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import cdiv, current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_geq
-from .moe_dispatch import Layout, route_tables
+from .moe_dispatch import Layout, put_rows, route_tables
 
 OP = "grouped_mm_all_to_all"
 
@@ -180,6 +188,9 @@ def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
          row_index, input_split_sizes, grouped_gemm) -> torch.Tensor:
     """2 and 3 (after the receivers' signals): each product row into its receiver's buffer,
     counted there. Returns each row's destination rank."""
+    if plan.staged_push:
+        return staged_push(ctx, layout, state, plan, left, weight, offsets, row_index,
+                           input_split_sizes, grouped_gemm)
     dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
                                                        route_tables(ctx, layout), row_index)
     grouped_gemm(plan, left, weight, offsets, left, rows=left.shape[0], c_index=dst_row,
@@ -187,9 +198,30 @@ def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
     return dst_rank
 
 
+def staged_push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight,
+                offsets, row_index, input_split_sizes, grouped_gemm) -> torch.Tensor:
+    """plan.staged_push: the GEMM stores its rows here, in the order they are sent (row j at
+    row_index[j], as the reference's index_put puts them), then the dispatch's put kernel sends
+    each to its receiver, one count per row. The push from the GEMM's epilogue measured 1.6-2.9x
+    the plain GEMM's time on 2x H100 (benchmarks/results/moe_ep_h100x2_profile.md). Rows past
+    offsets[-1] belong to no expert: their products are undefined, as torch._grouped_mm leaves
+    them, and sent all the same (the counts expect every row). Returns each sent row's rank."""
+    dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
+                                                       route_tables(ctx, layout), None)
+    rows = left.shape[0]
+    staged = torch.empty((rows, weight.shape[-1]), dtype=left.dtype, device=left.device)
+    grouped_gemm(plan, left, weight, offsets, staged, rows=rows, c_index=row_index)
+    one_counter = torch.zeros(rows, dtype=torch.int32, device=left.device)
+    put_rows(staged, dst_rank, dst_row, one_counter, state.recv_table, state.count_table,
+             layout.world)
+    return dst_rank
+
+
 def expected_counts(layout: Layout, plan: GroupedMmPlan, output_split_sizes) -> list:
-    """ARRIVED + p once every row p sent me landed: one count per row and n-tile."""
-    return [rows * cdiv(layout.k, plan.block_n) for rows in output_split_sizes]
+    """ARRIVED + p once every row p sent me landed: one count per row and n-tile (one per
+    row for the staged push)."""
+    per_row = 1 if plan.staged_push else cdiv(layout.k, plan.block_n)
+    return [rows * per_row for rows in output_split_sizes]
 
 
 def collect(ctx, layout: Layout, received: int) -> torch.Tensor:

@@ -192,12 +192,19 @@ def push(ctx, layout: Layout, state: DispatchState, x, input_split_sizes) -> Non
     and counted."""
     dst_rank, dst_row, dst_tile = moe_routes.read_routes(ctx.rank, input_split_sizes,
                                                          route_tables(ctx, layout))
-    x = x.contiguous()
+    put_rows(x.contiguous(), dst_rank, dst_row, dst_tile, state.recv_table, state.count_table,
+             layout.world)
+
+
+def put_rows(x, dst_rank, dst_row, dst_tile, recv_table, count_table, world: int) -> None:
+    """dispatch_put_kernel: row i of x (contiguous) into row dst_row[i] of rank dst_rank[i]'s
+    buffer (recv_table), then one added to that rank's counter dst_tile[i] (count_table: each
+    rank's counters). The combine's staged push takes it too."""
     if x.shape[0]:
+        width = x.shape[1]
         launch(dispatch_put_kernel(), (cdiv(x.shape[0], PUT_ROWS),), x, dst_rank, dst_row,
-               dst_tile, state.recv_table, state.count_table, x.shape[0], layout.k,
-               BLOCK_R=PUT_ROWS, BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(layout.k)),
-               WORLD=layout.world)
+               dst_tile, recv_table, count_table, x.shape[0], width, BLOCK_R=PUT_ROWS,
+               BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(width)), WORLD=world)
 
 
 def route_tables(ctx, layout: Layout) -> list:

@@ -38,6 +38,7 @@ from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan, Reduc
 from .task import (
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
+    ALL_TO_ALL_GROUPED_MM,
     SCALED_MM_PATTERNS,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
@@ -328,14 +329,14 @@ def candidate_plan(task: Task, label: str, **fields) -> FusedPlan:
 
 
 def grouped_mm_params(task: Task) -> dict:
-    """The MoE grouped GEMM's tile where it differs from GroupedMmPlan's defaults (128 x 256,
+    """The MoE grouped GEMM's plan where it differs from GroupedMmPlan's defaults (128 x 256,
     rows and weights through TMA: 0.90x torch._grouped_mm's time at world size 1 on H100,
-    benchmarks/results/moe_h100x1_tma.md): the combine on several ranks pushes its product
-    rows into the peers' buffers from 128 x 128 tiles, whose push measured 1.2-1.5x NCCL +
-    torch._grouped_mm at DeepSeek-V3 sizes on 2 H100s against 2.6-2.9x from 128 x 256 tiles
-    (the push's [block_m, block_n] peer addresses; moe_ep_h100x2_tma.md)."""
+    benchmarks/results/moe_h100x1_tma.md): the combine on several ranks stores its rows in send
+    order and puts them after its GEMM (staged_push: 0.85-0.87x NCCL + torch._grouped_mm's time
+    on 2 H100s at Mixtral and DeepSeek-V3 sizes, where the push from the GEMM's epilogue took
+    1.22-1.39x; moe_ep_h100x2_staged.md)."""
     if task.op == GROUPED_MM_ALL_TO_ALL and task.world_size > 1:
-        return dict(block_n=128)
+        return dict(staged_push=True)
     return {}
 
 
@@ -548,14 +549,27 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
 # world size 1, where a plan names it (benchmarks/bench_moe.py: 0.90x torch._grouped_mm's time
 # with its default tile on H100). On more ranks the dispatch (runtime/moe_dispatch.py) and the
-# combine (runtime/moe_combine.py) are correct on 2x H100 and 2x H200 and measured slower than
-# NCCL all-to-all + torch._grouped_mm at every row: 1.09-1.50x its time with the default tiles
-# on 2x H100 (benchmarks/results/moe_ep_h100x2_defaults.md: Mixtral and DeepSeek-V3 layers,
-# 2048-16384 tokens per rank; 1.17-3.65x on 2x H200 with the earlier tile, moe_ep_h200x2.md):
-# the graph keeps NCCL + grouped GEMM.
-MOE_NOT_FUSED = ("{op}: the fused MoE kernels measured slower than NCCL all-to-all + "
-                 "torch._grouped_mm on 2x H100 (1.09-1.50x its time, moe_ep_h100x2_defaults.md;"
-                 " a plan names them): NCCL all-to-all + torch._grouped_mm")
+# combine (runtime/moe_combine.py) are correct on 2x H100 and 2x H200; the graph keeps NCCL +
+# grouped GEMM for both: the dispatch measured slower at every row (1.08-1.23x on 2x H100,
+# benchmarks/results/moe_ep_h100x2_defaults.md: its push precedes its GEMM), the combine with
+# its staged push faster where measured (0.85-0.87x, moe_ep_h100x2_staged.md), which is one
+# token count on 2 ranks and no model yet.
+MOE_NOT_FUSED = ("{op}: {why} (a plan names the fused kernels): NCCL all-to-all + "
+                 "torch._grouped_mm")
+MOE_WHY = {
+    ALL_TO_ALL_GROUPED_MM: ("the fused dispatch measured slower than NCCL all-to-all + "
+                            "torch._grouped_mm on 2x H100 (1.08-1.23x its time, "
+                            "moe_ep_h100x2_defaults.md)"),
+    GROUPED_MM_ALL_TO_ALL: ("the fused combine measured faster only at 8192 tokens per rank on "
+                            "2x H100 (0.85-0.87x NCCL all-to-all + torch._grouped_mm's time, "
+                            "moe_ep_h100x2_staged.md), not yet at other token counts, ranks or "
+                            "in a model"),
+}
+
+
+def moe_not_fused(op: str) -> str:
+    """Why the graph keeps NCCL + grouped GEMM at an MoE op on CUDA."""
+    return MOE_NOT_FUSED.format(op=op, why=MOE_WHY[op])
 
 
 def world1_compute_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
@@ -579,7 +593,7 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         return all_reduce_plan(task, cuda_graphs)
     if task.op in MOE_PATTERNS:
-        return None, MOE_NOT_FUSED.format(op=task.op)
+        return None, moe_not_fused(task.op)
     # Where no fused kernel applies, the graph keeps NCCL + cuBLAS, which Inductor can still
     # schedule, rather than the same work hidden inside an opaque reference op.
     if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):

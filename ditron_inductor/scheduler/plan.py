@@ -199,6 +199,9 @@ class GroupedMmPlan(FusedPlan):
     # the rows through a TMA descriptor where they are in order (at world size 1 the dispatch
     # then gathers x's rows before its GEMMs instead of in the first one)
     tma_a: bool = True
+    # the combine on several ranks: the products stored here in the order they are sent, then
+    # pushed by the dispatch's put kernel (else each tile pushes its rows from its epilogue)
+    staged_push: bool = False
 
 
 def family(plan: FusedPlan) -> str:
