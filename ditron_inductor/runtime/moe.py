@@ -17,8 +17,9 @@ combine is moe_combine.py (passed on 2x H200 and 2x H100): the GEMM stores its r
 order they are sent and a put kernel sends each where the all-to-all would land it (or, without
 staged_push, the GEMM's epilogue pushes them), counted there. The scheduler plans neither op
 fused (cost_model.moe_not_fused: the dispatch measured slower than NCCL + torch._grouped_mm on
-2x H100, the combine faster at one token count only; a plan is named explicitly). A sum of several
-grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any world size.
+2x H100, the combine faster at one token count only; a plan is named explicitly). A sum of
+several grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any
+world size.
 
 Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
 TORCH_LOGS=ditron shows which path ran and why.

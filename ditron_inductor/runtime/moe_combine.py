@@ -6,16 +6,15 @@ them (0.85-0.87x NCCL all-to-all + torch._grouped_mm's time at 8192 tokens per r
 benchmarks/results/moe_ep_h100x2_staged.md: the reference's index_put is the GEMM's stores);
 else the GEMM's epilogue pushes each tile's rows (1.22-1.39x there: remote stores from the
 epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged push
-among them, 2026-11-26; with bounded
-waits, plan.wait_timeout_s > 0, the first call returned rank 0's rows as zeros on rank 1 in two
-runs: not found, benchmarks/results/logs/gpu_checks_2x_s39.log) and on 2x H200
-(tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU
-runs hung at the first call, rank 0's arrival count at 600 of 1200, while the count was one
-word for all senders raised by one scalar add per tile and rank; now one word per sender, one
-add per row as the dispatch counts); CPU-tested below the context (the routes and the kernel's
-push under the interpreter: tests/test_moe_interpreter.py). The dispatch's transpose, built
-from its pieces (moe_dispatch: the symmetric layout and the signals; moe_routes: the published
-starts; the grouped GEMM template with its PUSH epilogue).
+among them, 2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned
+rank 0's rows as zeros on rank 1 in two runs: not found, benchmarks/results/logs/
+gpu_checks_2x_s39.log) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2
+ranks; its first GPU runs hung at the first call, rank 0's arrival count at 600 of 1200, while
+the count was one word for all senders raised by one scalar add per tile and rank; now one word
+per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes
+and the kernels' push under the interpreter: tests/test_moe_interpreter.py). The dispatch's
+transpose, built from its pieces (moe_dispatch: the symmetric layout, the signals and the put
+kernel; moe_routes: the published starts; the grouped GEMM template with its PUSH epilogue).
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
   1. publish   where each sender's rows start among the rows r receives (rank-major:

@@ -3,7 +3,7 @@ the receivers' expert-major receive buffers, and each receiver's grouped GEMM st
 soon as that tile's rows have landed. CPU-tested below the context (moe_routes, the kernels
 under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
 (tests/gpu/test_moe_gpu.py -k multi_rank: 36 calls fused and checked, the rows read through TMA
-and through pointers, 2026-11-26); 1.09-1.23x NCCL all-to-all + torch._grouped_mm's time
+and through pointers, 2026-11-26); 1.08-1.23x NCCL all-to-all + torch._grouped_mm's time
 (benchmarks/results/moe_ep_h100x2_defaults.md): the push (4.) precedes the GEMM and a tile's
 rows come from anywhere in the senders' x, so the exchange does not overlap the GEMM.
 
