@@ -29,6 +29,7 @@ CUDA-graph capture); the host's clock on CPU. Writes <out>.json ({meta, rows}) a
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -159,19 +160,13 @@ def timed_ms(fn, inputs, args) -> float:
 
 
 def kernel_profile(fn, inputs, calls: int) -> dict:
-    """Device ms per call by kind and the longest kernels (e2e_llama.kernel_times) over `calls`
-    calls of fn, on every rank (the calls exchange rows); rank 0's."""
-    from torch.profiler import ProfilerActivity, profile
+    """Device ms per call by kind and the longest kernels (e2e_llama.device_profile) over
+    `calls` calls of fn, taking the input sets in turn, on every rank (the calls exchange
+    rows); rank 0's."""
+    from benchmarks.e2e_llama import Timer, device_profile
 
-    from benchmarks.e2e_llama import kernel_times
-
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for c in range(calls):
-            fn(inputs[c % len(inputs)])
-        torch.cuda.synchronize()
-    return kernel_times(prof.events(), calls)
+    turns = itertools.cycle(inputs)
+    return device_profile(lambda: fn(next(turns)), calls, Timer("cuda"))
 
 
 def profile_note(times: dict) -> str:

@@ -111,11 +111,11 @@ def rows_descriptor(a, plan: GroupedMmPlan):
     where their layout does not allow one (TMA: 16-byte aligned base and rows, unit column
     stride): the kernel then reads them through pointers."""
     descriptor = _tensor_descriptor()
-    r, k = a.shape
+    r = a.shape[0]
     if (descriptor is None or a.stride(1) != 1 or a.data_ptr() % 16
             or a.stride(0) * a.element_size() % 16 or r == 0 or r >= 2 ** 31):
         return None
-    return descriptor(a, [r, k], [a.stride(0), 1], [plan.block_m, plan.block_k])
+    return descriptor.from_tensor(a, [plan.block_m, plan.block_k])
 
 
 def weight_descriptor(weight, plan: GroupedMmPlan):
