@@ -19,6 +19,33 @@ def test_arg_class_separates_what_triton_specializes_on():
     assert c(1.0) == c(2.5) and c(1.0) != c(1)
 
 
+def test_descriptor_class_is_its_dtype_and_block_not_its_shape():
+    """One runner for every row count (the MoE GEMMs' rows through TMA change call after call),
+    and never coarser than the installed Triton's own key for a descriptor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    c = kernel_launch.arg_class
+
+    def desc(rows, width=64, block=(16, 32), dtype=torch.bfloat16):
+        return TensorDescriptor.from_tensor(torch.zeros(rows, width, dtype=dtype), list(block))
+
+    strided = torch.zeros(40, 128, dtype=torch.bfloat16)[:, :64]
+    descs = [desc(16), desc(100), desc(4097), desc(16, width=128),
+             TensorDescriptor(strided, list(strided.shape), list(strided.stride()), [16, 32]),
+             desc(16, block=(32, 32)), desc(16, dtype=torch.float16)]
+    classes = [c(d) for d in descs]
+    assert len(set(classes[:5])) == 1  # rows, width and strides: one class
+    assert len(set(classes)) == 3  # another block shape or dtype: a class of its own
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError:  # a Triton that specializes in Python: the classes above still hold
+        return
+    keys = [native_specialize_impl(BaseBackend, d, False, True, True)[0] for d in descs]
+    for i, j in ((i, j) for i in range(len(descs)) for j in range(i)):
+        assert classes[i] != classes[j] or keys[i] == keys[j], (keys[i], keys[j])
+
+
 class FakeCompiled:
     def __init__(self, launches):
         self.launches = launches

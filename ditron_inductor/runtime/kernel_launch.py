@@ -9,7 +9,8 @@ runner Triton itself uses) directly.
 
 The class of an argument is everything Triton specializes a kernel on, or more: a tensor's dtype
 and whether its address is 16-byte aligned; an int's value class (1, divisible by 16, 32 or 64
-bit); a bool or None by value; a tensor descriptor's dtype, shape, strides, block and alignment.
+bit); a bool or None by value; a tensor descriptor's dtype, block shape, alignment and padding (not
+its shape and strides, which Triton's launcher reads at each launch).
 A class finer than Triton's costs at most a few extra lookups; one coarser could launch a kernel
 specialized for other inputs, so anything not recognised is classed by its value. Under the
 Triton interpreter, or where a Triton release returns no compiled kernel, every call takes the
@@ -53,9 +54,13 @@ def arg_class(a: Any):
     if t is float:
         return float
     if isinstance(a, TensorDescriptor):
+        # Triton keys a descriptor on its dtype and block shape ("tensordesc<bf16[128, 64]>",
+        # specialize.cc); its launcher builds the TMA descriptor from the shape and strides at
+        # every launch. So one runner serves every row count (the MoE GEMMs' rows change call
+        # after call); alignment and padding are kept, finer than Triton's key.
         base = a.base
-        return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape),
-                tuple(a.strides), tuple(a.block_shape), getattr(a, "padding", None))
+        return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0, tuple(a.block_shape),
+                getattr(a, "padding", None))
     return t, a  # anything else (an int or float subclass included): by its value
 
 
