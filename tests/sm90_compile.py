@@ -33,6 +33,7 @@ from ditron_inductor.templates import (  # noqa: E402
     gemv,
     gemm_ready,
     grouped_gemm,
+    moe_routes,
     reduce,
     reduce_scatter,
     transfer,
@@ -154,16 +155,35 @@ def variants():
                     b_ptr="tensordesc<bf16[64,128]>" if gather_free.get("B_DESC") else "*bf16"),
                dict(moe_tiles, GATHER=False, WRITE_ROWS=gather_free["WAIT"],
                     ACCUMULATE=gather_free["SCALE"], A_DESC=True) | gather_free, 8)
-    yield (grouped_gemm.dispatch_put_kernel,
-           dict(x_ptr="*bf16", dst_rank_ptr="*i32", dst_row_ptr="*i32", dst_tile_ptr="*i32",
-                data_table="*i64", count_table="*i64", rows="i32", K="i32"),
-           dict(BLOCK_R=16, BLOCK_K=256, WORLD=8), 8)
+    yield from moe_route_variants()
     yield from decode_variants()
     yield (flags.wait_flags_kernel,
            dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit="i32",
                 err_ptr="*i32"), {}, 1)
     yield (flags.notify_peers_kernel,
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
+
+
+def moe_route_variants():
+    """The MoE routes (templates/moe_routes.py): the dispatch's publish (with and without an
+    index), the routes for the combine's epilogue push, the put kernel of the dispatch and of
+    the combine, at 2 and 8 ranks (the 3-rank world of the interpreter tests as well)."""
+    table = dict(table_table="*i64", rank="i32", capacity="i32")
+    for has_index in (True, False):
+        yield (moe_routes.publish_routes_kernel,
+               dict(table_ptr="*i32", row_index_ptr="*i64", offsets_ptr="*i32",
+                    expect_ptr="*i32", received="i32", capacity="i32", E="i32"),
+               dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index), 4)
+        yield (moe_routes.routes_kernel,
+               dict(index_ptr="*i64", dst_rank_ptr="*i32", dst_row_ptr="*i32",
+                    dst_tile_ptr="*i32", rows="i32", **table),
+               dict(BLOCK=128, WORLD=8, WORLD_P2=8, EXPERT_MAJOR=False, HAS_INDEX=has_index), 4)
+    for world, expert_major in ((2, True), (8, True), (3, False), (8, False)):
+        yield (moe_routes.put_rows_kernel,
+               dict(x_ptr="*bf16", data_table="*i64", count_table="*i64", rows="i32", K="i32",
+                    **table),
+               dict(BLOCK_R=16, BLOCK_K=128, WORLD=world,
+                    WORLD_P2=1 << (world - 1).bit_length(), EXPERT_MAJOR=expert_major), 8)
 
 
 def decode_variants():

@@ -31,7 +31,9 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
 )
+from ditron_inductor.runtime import moe_routes  # noqa: E402
 from ditron_inductor.templates import grouped_gemm  # noqa: E402
+from ditron_inductor.templates import moe_routes as moe_routes_kernels  # noqa: E402
 
 F16 = torch.float16
 PLAN = GroupedMmPlan(block_m=16, block_n=32, block_k=32, group_m=2, warps=4, stages=2, progs=3,
@@ -236,7 +238,8 @@ class Rank:
 def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     """World size 2, two calls: each rank pushes its rows into the peers' receive buffers, at
     their expert-major positions (experts 0-1 on rank 0, 2-3 on rank 1: rank 0's expert 1 gets
-    no row), counting them per destination tile; each rank's GEMM waits on its tiles' counters
+    no row) read from the receivers' route tables (built by hand here, not by moe_routes), counting
+    them per destination tile; each rank's GEMM waits on its tiles' counters
     (expected: the previous call's count plus this call's rows) and reads the buffer. Then a
     call with one tile's rows missing: its bounded wait reports ERR_ROWS instead of hanging."""
     world, local_experts, k, n, bm = 2, 2, 32, 24, 16
@@ -246,14 +249,18 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     ranks = [Rank(max_rows, k, max_tiles) for _ in range(world)]
     data_table = torch.tensor([r.recv.data_ptr() for r in ranks], dtype=torch.int64)
     count_table = torch.tensor([r.counts.data_ptr() for r in ranks], dtype=torch.int64)
+    tables = [torch.zeros(moe_routes.table_words(world, max_rows), dtype=torch.int32)
+              for _ in range(world)]
+    table_table = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64)
     previous = [torch.zeros(max_tiles, dtype=torch.int32) for _ in range(world)]
     for call, tokens in enumerate(((11, 20), (25, 3))):
-        # each rank's tokens and their global expert (top-1); rank 0's expert 1 gets none
+        # each rank's tokens and their global expert (top-1), sent rank-major (sorted by
+        # expert); rank 0's expert 1 gets none
         xs, experts_of = [], []
         for r in range(world):
-            xs.append(torch.randn(tokens[r], k, generator=gen).to(F16))
             e = torch.randint(0, 4, (tokens[r],), generator=gen)
-            experts_of.append(torch.where(e == 1, 0, e))
+            experts_of.append(torch.where(e == 1, 0, e).sort().values)
+            xs.append(torch.randn(tokens[r], k, generator=gen).to(F16))
         # receiver q's expert-major layout: per local expert, source rank order, then the
         # sender's order (moe_ep.expert_major_order)
         layouts = []
@@ -268,20 +275,25 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
                 start = len(rows)
                 offsets.append(start)
             layouts.append((rows, tile_rows, torch.tensor(offsets, dtype=torch.int32)))
-        # each sender's destination rank, row and tile per row (the runtime's job, from counts)
+        # each receiver's table, built by hand: its senders' starts (rank-major arrival), its
+        # own rows' ends per receiver, and the expert-major row and tile of each arrival
+        sends = [torch.bincount(experts_of[p] // local_experts, minlength=world).tolist()
+                 for p in range(world)]
+        for q, (rows, tile_rows, offsets) in enumerate(layouts):
+            arrivals = [(p, int(i)) for p in range(world)
+                        for i in torch.nonzero(experts_of[p] // local_experts == q).flatten()]
+            tile_of = [t for t, n in enumerate(tile_rows) for _ in range(n)]
+            words = [sum(sends[p][q] for p in range(p_)) for p_ in range(world)]
+            words += [sum(sends[q][:w + 1]) for w in range(world)]
+            table = tables[q]
+            table[:2 * world] = torch.tensor(words, dtype=torch.int32)
+            for pos, row in enumerate(arrivals):
+                table[2 * world + pos] = rows.index(row)
+                table[2 * world + max_rows + pos] = tile_of[rows.index(row)]
         for p in range(world):
-            dst = torch.full((tokens[p], 3), -1, dtype=torch.int32)
-            for q, (rows, tile_rows, offsets) in enumerate(layouts):
-                starts = [0] + offsets.tolist()[:-1]
-                for pos, (src, i) in enumerate(rows):
-                    if src == p:
-                        le = sum(pos >= o for o in offsets.tolist())
-                        tiles_before = sum(-(-(offsets[j] - starts[j]).item() // bm)
-                                           for j in range(le))
-                        dst[i] = torch.tensor([q, pos, tiles_before + (pos - starts[le]) // bm])
-            grouped_gemm.dispatch_put_kernel[(triton.cdiv(tokens[p], 8),)](
-                xs[p], dst[:, 0].contiguous(), dst[:, 1].contiguous(), dst[:, 2].contiguous(),
-                data_table, count_table, tokens[p], k, BLOCK_R=8, BLOCK_K=16, WORLD=world)
+            moe_routes_kernels.put_rows_kernel[(triton.cdiv(tokens[p], 8),)](
+                xs[p], table_table, data_table, count_table, tokens[p], k, p, max_rows,
+                BLOCK_R=8, BLOCK_K=16, WORLD=world, WORLD_P2=world, EXPERT_MAJOR=True)
         for q, (rows, tile_rows, offsets) in enumerate(layouts):
             rank = ranks[q]
             expect = previous[q].clone()
@@ -451,7 +463,7 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
 @pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (2, True)])
 def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
-    (moe_dispatch.publish, push, compute: the routes, dispatch_put_kernel, the grouped GEMM
+    (moe_dispatch.publish, push, compute: the routes, put_rows_kernel, the grouped GEMM
     waiting on its tiles' counters), the signals between them played by running every rank's
     step before the next step: two consecutive calls on the same buffers and counters (the
     second expecting on top of the first), then a call in which the last rank receives
@@ -480,9 +492,10 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a):
             ctx.data.view(-1, F16, [capacity, k], layout.recv_offset).fill_(float("nan"))
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, _ = receivers[r]
-            moe_dispatch.publish(ctx, layout, out_splits, row_index, offsets, PLAN.block_m)
+            moe_dispatch.publish(ctx, layout, states[r], out_splits, splits[r], row_index,
+                                 offsets, PLAN.block_m)
         for r, ctx in enumerate(ctxs):
-            moe_dispatch.push(ctx, layout, states[r], xs[r], splits[r])
+            moe_dispatch.push(ctx, layout, states[r], xs[r])
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
             rows, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
@@ -572,11 +585,11 @@ def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch
         for ctx in ctxs:  # a row left unwritten shows as NaN
             ctx.data.view(-1, dtype, [capacity, n], layout.recv_offset).fill_(float("nan"))
         for r, ctx in enumerate(ctxs):
-            moe_combine.publish(ctx, layout, back_splits[r])
+            moe_combine.publish(ctx, layout, back_splits[r], sends[r])
         for q, ctx in enumerate(ctxs):
             _, row_index, offsets, _ = experts_side[q]
             moe_combine.push(ctx, layout, states[q], plan, lefts[q], ws[q], offsets, row_index,
-                             sends[q], moe.grouped_gemm)
+                             moe.grouped_gemm)
         refs = emulated_all_to_all([
             ops.grouped_mm_all_to_all_reference([lefts[q].float()], [ws[q].float()],
                                                 experts_side[q][2], experts_side[q][1], False,

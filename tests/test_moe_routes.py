@@ -1,14 +1,19 @@
-"""The multi-rank dispatch's routes (runtime/moe_routes.py) on emulated ranks, against the op's
-reference semantics (all_to_all_grouped_mm_reference: all_to_all_single of x by the splits, then
-received[row_index]): every receiver publishes its table, every sender reads its routes from all
-of them, the rows are put where the routes say, and each receiver's buffer must then hold exactly
-its reference rows, and each tile's counter exactly the rows of that tile. Rows are labelled
+"""The multi-rank MoE routes (runtime/moe_routes.py, its kernels templates/moe_routes.py under the
+Triton interpreter) on emulated ranks, against the op's reference semantics
+(all_to_all_grouped_mm_reference: all_to_all_single of x by the splits, then received[row_index]):
+every receiver publishes its table, every sender reads its routes from all of them and puts its
+rows where they say; each receiver's buffer must then hold exactly its reference rows, and each
+tile's counter (and the count its GEMM expects) exactly the rows of that tile. Rows are labelled
 (sender, row) so a row in the wrong place fails; the receive buffers start at -1."""
 
-import pytest
-import torch
+import os
 
-from ditron_inductor.runtime import moe_routes
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported by the kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ditron_inductor.runtime import moe_routes  # noqa: E402
 
 BLOCK_M = 4
 EXPERTS = 3  # per rank
@@ -68,6 +73,10 @@ def expert_major(received_rows, case, gen):
 CASES = ["random", "empty_expert", "one_receives_nothing", "all_to_one", "arrival_order"]
 
 
+def addresses(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("seed", range(6))
@@ -75,7 +84,8 @@ def test_routes_put_every_row_where_the_reference_has_it(world, case, seed):
     gen = torch.Generator().manual_seed(seed * 31 + world)
     xs, splits = routing(world, case, gen)
     capacity = 12 * world
-    tables, layouts = [], []
+    tiles = moe_routes.max_tiles(capacity, EXPERTS, BLOCK_M)
+    tables, layouts, expects = [], [], []
     for q in range(world):
         out_splits = [splits[p][q] for p in range(world)]
         received = sum(out_splits)
@@ -83,43 +93,53 @@ def test_routes_put_every_row_where_the_reference_has_it(world, case, seed):
         if case == "arrival_order":
             row_index = None
         table = torch.zeros(moe_routes.table_words(world, capacity), dtype=torch.int32)
-        moe_routes.publish(table, out_splits, row_index, offsets, BLOCK_M)
+        expect = torch.full((tiles,), 5, dtype=torch.int32)  # the previous call's counts
+        moe_routes.publish(table, out_splits, splits[q], row_index, offsets, BLOCK_M, expect)
         tables.append(table)
         layouts.append((received, row_index, offsets))
-    tiles = moe_routes.max_tiles(capacity, EXPERTS, BLOCK_M)
+        expects.append(expect - 5)
+    table_table = addresses(tables)
     recv = [torch.full((capacity, 2), -1.0) for _ in range(world)]
     counts = [torch.zeros(tiles, dtype=torch.int32) for _ in range(world)]
     for p in range(world):
-        dst_rank, dst_row, dst_tile = moe_routes.read_routes(p, splits[p], tables)
-        assert dst_rank.shape == (xs[p].shape[0],)
+        rows = xs[p].shape[0]
+        dst_rank, dst_row, dst_tile = moe_routes.routes(table_table, p, world, rows, capacity,
+                                                        None, expert_major=True)
         assert (dst_rank >= 0).all()  # a permutation places every row
         assert dst_rank.tolist() == sorted(dst_rank.tolist())  # x's rank-major order
-        for i in range(xs[p].shape[0]):  # the push, one row at a time
-            q = int(dst_rank[i])
-            assert torch.equal(recv[q][dst_row[i]], torch.tensor([-1.0, -1.0])), "written twice"
-            recv[q][dst_row[i]] = xs[p][i]
-            counts[q][dst_tile[i]] += 1
+        assert dst_rank.tolist() == [q for q in range(world) for _ in range(splits[p][q])]
+        placed = {(int(q), int(row)) for q, row in zip(dst_rank, dst_row)}
+        assert len(placed) == rows, "two rows to one place"
+        moe_routes.put_rows(xs[p], table_table, addresses(recv), addresses(counts), p, world,
+                            capacity, expert_major=True)
+        for i in range(rows):  # the put kernel put each row where its route says
+            assert torch.equal(recv[int(dst_rank[i])][int(dst_row[i])], xs[p][i])
     for q, (received, row_index, offsets) in enumerate(layouts):
         ref = reference_received(world, xs, splits, q)
         if row_index is not None:
             ref = ref[row_index]
         assert torch.equal(recv[q][:received], ref), (q, case)
         assert (recv[q][received:] == -1).all()
-        expect = moe_routes.tile_rows(offsets, received, BLOCK_M, tiles)
-        assert torch.equal(counts[q], expect)
-        if row_index is not None:  # the tile of each row, and each tile's rows, as counted
+        assert torch.equal(counts[q], expects[q])  # the count each tile's GEMM waits for
+        if row_index is not None:  # each tile's rows, counted the plain way
             host = torch.bincount(torch.tensor(host_tiles(offsets, BLOCK_M), dtype=torch.int64),
                                   minlength=tiles)
-            assert expect.tolist() == host.tolist()
+            assert expects[q].tolist() == host.tolist()
 
 
 def test_tiles_as_the_kernel_numbers_them():
     """Expert after expert, ceil(rows / block_m) tiles each (none for an empty expert), then the
     rows past the last offset (as grouped_gemm.expert_of_tile: test_experts_of_tiles)."""
     offsets = torch.tensor([0, 17, 17, 40, 41], dtype=torch.int32)
-    tiles = moe_routes.tile_of_rows(offsets, 45, 16).tolist()
+    table = torch.zeros(moe_routes.table_words(1, 45), dtype=torch.int32)
+    expect = torch.zeros(8, dtype=torch.int32)
+    moe_routes.publish(table, [45], [45], None, offsets, 16, expect)
+    words = moe_routes.split_words(1)
+    assert table[:words].tolist() == [0, 45]  # my senders' starts, my rows' ends
+    assert table[words:words + 45].tolist() == list(range(45))
+    tiles = table[words + 45:].tolist()
     assert tiles == [0] * 16 + [1] + [2] * 16 + [3] * 7 + [4] + [5] * 4
-    assert moe_routes.tile_rows(offsets, 45, 16, 8).tolist() == [16, 1, 16, 7, 1, 4, 0, 0]
+    assert expect.tolist() == [16, 1, 16, 7, 1, 4, 0, 0]
 
 
 def test_a_repeated_row_index_entry_leaves_a_row_unsent():
@@ -127,6 +147,28 @@ def test_a_repeated_row_index_entry_leaves_a_row_unsent():
     (dst_rank -1) and its tile is one row short of what the receiver expects."""
     table = torch.zeros(moe_routes.table_words(1, 4), dtype=torch.int32)
     offsets = torch.tensor([4], dtype=torch.int32)
-    moe_routes.publish(table, [4], torch.tensor([0, 2, 2, 3]), offsets, 2)
-    dst_rank, dst_row, _ = moe_routes.read_routes(0, [4], [table])
+    moe_routes.publish(table, [4], [4], torch.tensor([0, 2, 2, 3]), offsets, 2,
+                       torch.zeros(3, dtype=torch.int32))
+    dst_rank, _, _ = moe_routes.routes(addresses([table]), 0, 1, 4, 4, None, expert_major=True)
     assert dst_rank.tolist() == [0, -1, 0, 0]
+
+
+def test_combine_routes_are_the_receivers_rank_major_positions():
+    """The combine's routes (no expert-major table): send position i of rank p goes to rank q
+    at q's start for p plus i's index among p's rows to q; through an index (the GEMM rows'
+    send positions, as the epilogue's push takes them) in the index's order."""
+    world, sends = 3, [[2, 0, 3], [1, 4, 0], [0, 2, 2]]  # sends[p][q]: rows p sends q
+    tables = [torch.zeros(moe_routes.split_words(world), dtype=torch.int32) for _ in sends]
+    for q, table in enumerate(tables):
+        moe_routes.publish_splits(table, [sends[p][q] for p in range(world)], sends[q])
+    table_table = addresses(tables)
+    dst_rank, dst_row, dst_tile = moe_routes.routes(table_table, 1, world, 5, 0, None,
+                                                    expert_major=False)
+    assert dst_rank.tolist() == [0, 1, 1, 1, 1]
+    assert dst_row.tolist() == [2, 0, 1, 2, 3]  # rank 0 receives p 0's 2 rows first
+    assert not dst_tile.any()
+    index = torch.tensor([3, 0, 2, 1])  # rank 2's positions 0-1 go to rank 1, 2-3 to itself
+    dst_rank, dst_row, _ = moe_routes.routes(table_table, 2, world, 4, 0, index,
+                                             expert_major=False)
+    assert dst_rank.tolist() == [2, 1, 2, 1]
+    assert dst_row.tolist() == [4, 4, 3, 5]  # after p 0's and 1's rows: 4 on rank 1, 3 on 2

@@ -8,19 +8,23 @@ else the GEMM's epilogue pushes each tile's rows (1.22-1.39x there: remote store
 epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged push
 among them, 2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned
 rank 0's rows as zeros on rank 1 in two runs: not found, benchmarks/results/logs/
-gpu_checks_2x_s39.log) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2
+gpu_checks_2x_s39.log; its routes read by torch ops then, by the put and routes kernels of
+templates/moe_routes.py since: not yet run on a GPU) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2
 ranks; its first GPU runs hung at the first call, rank 0's arrival count at 600 of 1200, while
 the count was one word for all senders raised by one scalar add per tile and rank; now one word
 per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes
 and the kernels' push under the interpreter: tests/test_moe_interpreter.py). The dispatch's
-transpose, built from its pieces (moe_dispatch: the symmetric layout, the signals and the put
-kernel; moe_routes: the published starts; the grouped GEMM template with its PUSH epilogue).
+transpose, built from its pieces (moe_dispatch: the symmetric layout and the signals;
+moe_routes: the published starts and the put kernel; the grouped GEMM template with its PUSH
+epilogue).
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
   1. publish   where each sender's rows start among the rows r receives (rank-major:
-               start_r[p] = sum of output_split_sizes[:p]) into r's symmetric table, then
+               start_r[p] = sum of output_split_sizes[:p]) into r's symmetric table, with
+               where r's rows to each rank end among its own (one host-to-device copy), then
                signal READY + r = e to every peer (after the table's writes);
-  2. read      for each rank q that r sends rows to: wait until READY + q >= e, read start_q[r];
+  2. read      for each rank q that r sends rows to: wait until READY + q >= e; the put kernel
+               (or, for the epilogue's push, a routes kernel) reads start_q[r] from q's table:
                row j of the product goes to rank q, row start_q[r] + row_index[j] - s_q, where
                q's rows [s_q, s_q + n_q) of what r sends (input_split_sizes) hold row_index[j];
   3. push      staged: the grouped GEMM stores row j at row_index[j] of a local buffer, then
@@ -66,7 +70,7 @@ from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import cdiv, current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_geq
-from .moe_dispatch import Layout, put_rows, route_tables
+from .moe_dispatch import Layout
 
 OP = "grouped_mm_all_to_all"
 
@@ -81,6 +85,7 @@ def arrived_word(world: int, sender: int = 0) -> int:
 class CombineState:
     """Per context, local: the peers' addresses as the kernel takes them."""
 
+    table_table: torch.Tensor  # [world] int64: each rank's table (its starts)
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
     count_table: torch.Tensor  # [world] int64: each rank's ARRIVED word for my rows
 
@@ -89,14 +94,17 @@ _states: "weakref.WeakKeyDictionary[OpContext, CombineState]" = weakref.WeakKeyD
 
 
 def new_state(ctx, layout: Layout) -> CombineState:
-    return CombineState(recv_table=ctx.data.ptr_table + layout.recv_offset,
+    return CombineState(table_table=ctx.data.ptr_table + layout.table_offset,
+                        recv_table=ctx.data.ptr_table + layout.recv_offset,
                         count_table=ctx.flags.ptr_table + 4 * arrived_word(layout.world,
                                                                            ctx.rank))
 
 
 def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Layout:
-    """[the starts table | the receive buffer]: ARRIVED is a flag word (stream waits take it)."""
-    return Layout(world, capacity, n, dtype, tiles=0, table_words=world)
+    """[the starts and send ends | the receive buffer]: ARRIVED is a flag word (stream waits
+    take it)."""
+    return Layout(world, capacity, n, dtype, tiles=0,
+                  table_words=moe_routes.split_words(world))
 
 
 def problem(left, weight, row_index, accumulate: bool) -> str:
@@ -141,14 +149,13 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
                                                          lambda: new_state(ctx, layout))
     r, e = ctx.rank, ctx.next_epoch()
     main = current_stream()
-    publish(ctx, layout, output_split_sizes)
+    publish(ctx, layout, output_split_sizes, input_split_sizes)
     ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(world_size) if p != r])
     for q, count in enumerate(input_split_sizes):  # the receivers I send to have published
         if count and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
-    dst_rank = push(ctx, layout, state, plan, left, weight, offsets, row_index,
-                    input_split_sizes, grouped_gemm)
+    push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm)
     expected = expected_counts(layout, plan, output_split_sizes)
     for p, count in enumerate(expected):
         wait_geq(ctx, plan, main, arrived_word(world_size, p), count)
@@ -157,8 +164,7 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     check_errors(ctx, plan, OP, lambda code: (
         f"{wait_name(code - 1, world_size)}; flag words {before_reset.tolist()} (READY and "
         f"DONE of ranks 0..{world_size - 1}, then ARRIVED from each: expected {expected}); "
-        f"rows this rank pushed to each rank "
-        f"{torch.bincount(dst_rank.long(), minlength=world_size).tolist()}"))
+        f"rows this rank sent to each rank {list(input_split_sizes)}"))
     return out
 
 
@@ -178,42 +184,39 @@ def flag_words(ctx, layout: Layout) -> torch.Tensor:
 # test runs on emulated ranks: tests/test_moe_interpreter.py).
 
 
-def publish(ctx, layout: Layout, output_split_sizes) -> None:
-    """1. Where each sender's rows start among mine."""
-    moe_routes.publish_starts(route_tables(ctx, layout)[ctx.rank], output_split_sizes)
+def publish(ctx, layout: Layout, output_split_sizes, input_split_sizes) -> None:
+    """1. Where each sender's rows start among mine (and where mine to each rank end)."""
+    table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
+    moe_routes.publish_splits(table, output_split_sizes, input_split_sizes)
 
 
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
-         row_index, input_split_sizes, grouped_gemm) -> torch.Tensor:
+         row_index, grouped_gemm) -> None:
     """2 and 3 (after the receivers' signals): each product row into its receiver's buffer,
-    counted there. Returns each row's destination rank."""
+    counted there: staged (the GEMM, then the put kernel) or from the GEMM's epilogue, its
+    rows' routes read first (moe_routes.routes)."""
     if plan.staged_push:
-        return staged_push(ctx, layout, state, plan, left, weight, offsets, row_index,
-                           input_split_sizes, grouped_gemm)
-    dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
-                                                       route_tables(ctx, layout), row_index)
+        staged_push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm)
+        return
+    dst_rank, dst_row, _ = moe_routes.routes(state.table_table, ctx.rank, layout.world,
+                                             left.shape[0], 0, row_index, expert_major=False)
     grouped_gemm(plan, left, weight, offsets, left, rows=left.shape[0], c_index=dst_row,
                  push=(dst_rank, state.recv_table, state.count_table))
-    return dst_rank
 
 
 def staged_push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight,
-                offsets, row_index, input_split_sizes, grouped_gemm) -> torch.Tensor:
+                offsets, row_index, grouped_gemm) -> None:
     """plan.staged_push: the GEMM stores its rows here, in the order they are sent (row j at
-    row_index[j], as the reference's index_put puts them), then the dispatch's put kernel sends
-    each to its receiver, one count per row. The push from the GEMM's epilogue measured 1.6-2.9x
-    the plain GEMM's time on 2x H100 (benchmarks/results/moe_ep_h100x2_profile.md). Rows past
+    row_index[j], as the reference's index_put puts them), then the put kernel sends each to
+    its receiver, one count per row. The push from the GEMM's epilogue measured 1.6-2.9x the
+    plain GEMM's time on 2x H100 (benchmarks/results/moe_ep_h100x2_profile.md). Rows past
     offsets[-1] belong to no expert: their products are undefined, as torch._grouped_mm leaves
-    them, and sent all the same (the counts expect every row). Returns each sent row's rank."""
-    dst_rank, dst_row = moe_routes.read_combine_routes(ctx.rank, input_split_sizes,
-                                                       route_tables(ctx, layout), None)
+    them, and sent all the same (the counts expect every row)."""
     rows = left.shape[0]
     staged = torch.empty((rows, weight.shape[-1]), dtype=left.dtype, device=left.device)
     grouped_gemm(plan, left, weight, offsets, staged, rows=rows, c_index=row_index)
-    one_counter = torch.zeros(rows, dtype=torch.int32, device=left.device)
-    put_rows(staged, dst_rank, dst_row, one_counter, state.recv_table, state.count_table,
-             layout.world)
-    return dst_rank
+    moe_routes.put_rows(staged, state.table_table, state.recv_table, state.count_table,
+                        ctx.rank, layout.world, 0, expert_major=False)
 
 
 def expected_counts(layout: Layout, plan: GroupedMmPlan, output_split_sizes) -> list:

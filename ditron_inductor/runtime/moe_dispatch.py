@@ -3,20 +3,22 @@ the receivers' expert-major receive buffers, and each receiver's grouped GEMM st
 soon as that tile's rows have landed. CPU-tested below the context (moe_routes, the kernels
 under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
 (tests/gpu/test_moe_gpu.py -k multi_rank: 36 calls fused and checked, the rows read through TMA
-and through pointers, 2026-11-26); 1.08-1.23x NCCL all-to-all + torch._grouped_mm's time
+and through pointers, 2026-11-26; the routes computed by torch ops then, by the kernels of
+templates/moe_routes.py since, not yet run on a GPU); 1.08-1.23x NCCL all-to-all + torch._grouped_mm's time
 (benchmarks/results/moe_ep_h100x2_defaults.md): the push (4.) precedes the GEMM and a tile's
 rows come from anywhere in the senders' x, so the exchange does not overlap the GEMM.
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
-  1. publish   r's routes (moe_routes.publish) into its symmetric table, then signal READY + r
-               = e to every peer (a copy-engine copy of the epoch, after the table's writes);
-  2. read      for each rank q that r sends rows to: wait until READY + q >= e, then read r's
-               slice of q's table: each x row's destination rank, expert-major row and tile;
-  3. push      dispatch_put_kernel: each row into its receiver's buffer, one added to the
+  1. publish   r's routes (moe_routes.publish) into its symmetric table and this call's rows
+               per tile onto expect (counters only grow), then signal READY + r = e to every
+               peer (a copy-engine copy of the epoch, after the table's writes);
+  2. read      for each rank q that r sends rows to: wait until READY + q >= e;
+  3. push      put_rows_kernel: each x row's destination rank, expert-major row and tile read
+               from its receiver's table, the row put into that rank's buffer, one added to the
                row's tile counter there (release, after the rows);
   4. GEMM      the first weight's grouped GEMM reads the receive buffer, each tile after its
-               counter reached expect[tile] (expect += this call's rows per tile: counters only
-               grow), copying the rows into the op's rows output; the other weights read that.
+               counter reached expect[tile], copying the rows into the op's rows output; the
+               other weights read that.
 Every rank signals (1) before it waits (2), so no rank waits on one that waits on it.
 
 Why the symmetric buffers can be reused call after call without a reset or a barrier:
@@ -51,12 +53,11 @@ import torch
 from ..scheduler.plan import GroupedMmPlan
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_polls
-from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
+from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_geq
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
-PUT_ROWS, PUT_BLOCK_K = 16, 128  # dispatch_put_kernel: rows per program, columns a step
 
 
 def _aligned(n: int) -> int:
@@ -93,6 +94,7 @@ class DispatchState:
     """Per context, local: the expected counts and the peers' addresses as kernels take them."""
 
     expect: torch.Tensor  # [tiles] int32: each tile's counter once this call's rows landed
+    table_table: torch.Tensor  # [world] int64: each rank's route table
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
     count_table: torch.Tensor  # [world] int64: each rank's tile counters
 
@@ -109,6 +111,7 @@ def dispatch_layout(world: int, capacity: int, k: int, dtype: torch.dtype, exper
 def new_state(ctx, layout: Layout) -> DispatchState:
     return DispatchState(
         expect=torch.zeros(layout.tiles, dtype=torch.int32, device=ctx.data.ptr_table.device),
+        table_table=ctx.data.ptr_table + layout.table_offset,
         recv_table=ctx.data.ptr_table + layout.recv_offset,
         count_table=ctx.data.ptr_table.clone())
 
@@ -148,7 +151,8 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     if why:
         return decline(f"{OP} on {world_size} ranks: {why}")
     received = sum(output_split_sizes)
-    if sum(input_split_sizes) != x.shape[0] or len(output_split_sizes) != world_size:
+    if (sum(input_split_sizes) != x.shape[0] or len(input_split_sizes) != world_size
+            or len(output_split_sizes) != world_size):
         raise ValueError(f"{OP}: splits {input_split_sizes}/{output_split_sizes} for "
                          f"{x.shape[0]} rows on {world_size} ranks")
     if row_index is not None and row_index.shape[0] != received:
@@ -165,13 +169,14 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     state = _state(ctx, layout)
     r, e = ctx.rank, ctx.next_epoch()
     main = current_stream()
-    publish(ctx, layout, output_split_sizes, row_index, offsets, plan.block_m)
+    publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
+            plan.block_m)
     ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(world_size) if p != r])
     for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
         if n and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
-    push(ctx, layout, state, x, input_split_sizes)
+    push(ctx, layout, state, x)
     outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
     check_errors(ctx, plan, OP, lambda code: "a tile's arrival counter (its rows never landed)")
     return outputs
@@ -181,43 +186,26 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
 # test runs on emulated ranks: tests/test_moe_interpreter.py).
 
 
-def publish(ctx, layout: Layout, output_split_sizes, row_index, offsets, block_m: int) -> None:
-    """1. My routes into my table."""
+def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input_split_sizes,
+            row_index, offsets, block_m: int) -> None:
+    """1. My routes into my table, this call's rows per tile onto expect."""
     table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
-    moe_routes.publish(table, output_split_sizes, row_index, offsets, block_m)
+    moe_routes.publish(table, output_split_sizes, input_split_sizes, row_index, offsets, block_m,
+                       state.expect)
 
 
-def push(ctx, layout: Layout, state: DispatchState, x, input_split_sizes) -> None:
-    """2 and 3 (after the receivers' signals): my routes read from their tables, my rows pushed
-    and counted."""
-    dst_rank, dst_row, dst_tile = moe_routes.read_routes(ctx.rank, input_split_sizes,
-                                                         route_tables(ctx, layout))
-    put_rows(x.contiguous(), dst_rank, dst_row, dst_tile, state.recv_table, state.count_table,
-             layout.world)
-
-
-def put_rows(x, dst_rank, dst_row, dst_tile, recv_table, count_table, world: int) -> None:
-    """dispatch_put_kernel: row i of x (contiguous) into row dst_row[i] of rank dst_rank[i]'s
-    buffer (recv_table), then one added to that rank's counter dst_tile[i] (count_table: each
-    rank's counters). The combine's staged push takes it too."""
-    if x.shape[0]:
-        width = x.shape[1]
-        launch(dispatch_put_kernel(), (cdiv(x.shape[0], PUT_ROWS),), x, dst_rank, dst_row,
-               dst_tile, recv_table, count_table, x.shape[0], width, BLOCK_R=PUT_ROWS,
-               BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(width)), WORLD=world)
-
-
-def route_tables(ctx, layout: Layout) -> list:
-    """Every rank's route table as this rank sees it (int32 words)."""
-    return [ctx.data.view(q if q != ctx.rank else -1, torch.int32, [layout.table_words],
-                          layout.table_offset) for q in range(layout.world)]
+def push(ctx, layout: Layout, state: DispatchState, x) -> None:
+    """2 and 3 (after the receivers' signals): my rows, each read its route from its
+    receiver's table, put and counted there."""
+    moe_routes.put_rows(x.contiguous(), state.table_table, state.recv_table, state.count_table,
+                        ctx.rank, layout.world, layout.capacity, expert_major=True)
 
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
             weights, offsets, grouped_gemm) -> list:
     """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows
-    landed, and stores the rows it read as the op's rows output; the others read that."""
-    state.expect += moe_routes.tile_rows(offsets, received, plan.block_m, layout.tiles)
+    landed (state.expect, which publish raised), and stores the rows it read as the op's rows
+    output; the others read that."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
@@ -230,9 +218,3 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
     return [rows_out] + outs
-
-
-def dispatch_put_kernel():
-    from ..templates.grouped_gemm import dispatch_put_kernel as kernel
-
-    return kernel

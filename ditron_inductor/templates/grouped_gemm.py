@@ -1,6 +1,6 @@
 """Expert parallelism: the experts' grouped GEMM, reading its rows through the dispatch's index
-and writing them back through the combine's (on several ranks: into the peers' buffers), and
-the dispatch's push into the peers' buffers.
+and writing them back through the combine's (on several ranks: into the peers' buffers; the
+routes and the push between ranks are templates/moe_routes.py).
 
 The grouped GEMM (`grouped_gemm_kernel`). Expert e owns GEMM rows [offsets[e-1], offsets[e])
 (offsets: int32 cumulative row counts, as torch._grouped_mm takes them; offsets[-1] = 0) and
@@ -19,7 +19,7 @@ programs that run together share rows and the expert's weight in L2.
             expert); else row i of A. WRITE_ROWS: the n-tile-0 programs copy their rows into
             rows_out (the op's first output, the rows the experts read) after their K loop.
   WAIT      (world size > 1) tile (e, t) first waits until its arrival counter, which the
-            peers' dispatch (`dispatch_put_kernel`) raises, reaches expect[tile]: its rows have
+            peers' dispatch (moe_routes.put_rows_kernel) raises, reaches expect[tile]: its rows have
             all landed in this rank's receive buffer (A).
   epilogue  SCALE: row i times scale[i] (the routing weight), in fp32. SCATTER: row i goes to
             row c_index[i] of C (the combine: y's rows back to the sender's order); ACCUMULATE:
@@ -30,14 +30,11 @@ programs that run together share rows and the expert's weight in L2.
             last offset are pushed as zeros (torch._grouped_mm leaves them undefined), so that
             every row the receivers count on comes.
 
-The dispatch push (`dispatch_put_kernel`, world size > 1): each program copies a block of x's
-rows to their destinations, row i to row dst_row[i] of rank dst_rank[i]'s receive buffer
-(the expert-major position at which that rank's GEMM reads it; the sender reads both from the
-table the receiver published: runtime/moe_routes.py), then adds, per destination tile it wrote
-to, the rows it wrote to that tile's arrival counter on that rank (release, system scope; after a barrier over the program's
-threads, so that the rows are visible before the count). Counters only grow: a call expects
-each tile's counter at its previous value plus the rows of the tile this call (expect[], the
-receiver's), so nothing is reset between calls.
+The dispatch's push (templates/moe_routes.py `put_rows_kernel`, world size > 1) puts each row
+of x at its expert-major row of its receiver's buffer and adds one to that tile's arrival
+counter there. Counters only grow: a call expects each tile's counter at its previous value
+plus the rows of the tile this call (expect[], the receiver's), so nothing is reset between
+calls.
 
 A is read through pointers (GATHER: the gathered rows are not one block of a tensor) or (A_DESC,
 rows in order) a Hopper TMA descriptor over A [rows, K] (a tile's block of BLOCK_M rows from its
@@ -235,36 +232,3 @@ def grouped_gemm_kernel(
                     push_rows(tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), rows, row_ok, offs_n,
                               N, dst_rank_ptr, c_index_ptr, recv_table, count_table,
                               a_ptr.dtype.element_ty)
-
-
-@triton.jit(do_not_specialize=["rows", "K"])
-def dispatch_put_kernel(x_ptr, dst_rank_ptr, dst_row_ptr, dst_tile_ptr, data_table,
-                        count_table, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        WORLD: tl.constexpr):
-    """x's rows [pid * BLOCK_R, (pid + 1) * BLOCK_R) to row dst_row[i] of rank dst_rank[i]'s
-    receive buffer (data_table: each rank's base address; row length K), then, for each
-    (rank, tile) they went to, their count added to that rank's arrival counter of the tile
-    (count_table: each rank's counter base). Rows whose dst_rank is < 0 are not sent."""
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_range = r < rows
-    rank = tl.load(dst_rank_ptr + r, mask=in_range, other=-1)
-    ok = in_range & (rank >= 0)
-    dst_row = tl.load(dst_row_ptr + r, mask=ok, other=0).to(tl.int64)
-    # each row's destination buffer, from the table (one int64 address per row)
-    base = tl.load(data_table + rank, mask=ok, other=0).to(tl.pointer_type(x_ptr.dtype.element_ty))
-    offs_k = tl.arange(0, BLOCK_K)
-    for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        cols = kk * BLOCK_K + offs_k
-        m = ok[:, None] & (cols[None, :] < K)
-        v = tl.load(x_ptr + r[:, None].to(tl.int64) * K + cols[None, :], mask=m)
-        tl.store(base[:, None] + dst_row[:, None] * K + cols[None, :], v, mask=m)
-    tl.debug_barrier()  # every thread's rows, then the counts that release them
-    tile = tl.load(dst_tile_ptr + r, mask=ok, other=-1)
-    # one add per distinct (rank, tile) of the block: the rows of a block usually go to one or
-    # two tiles; each row adds 1 (one atomic per row, counted at the tile's owner)
-    for q in range(WORLD):
-        counters = tl.load(count_table + q).to(tl.pointer_type(tl.int32))
-        mine = ok & (rank == q)
-        tl.atomic_add(counters + tile, tl.where(mine, 1, 0), mask=mine, sem="release",
-                      scope="sys")

@@ -1,0 +1,139 @@
+"""Expert parallelism's routes and rows between ranks (the protocol: runtime/moe_routes.py): a
+receiver publishes where the rows it receives go (`publish_routes_kernel`), a sender reads its
+rows' destinations from the receivers' tables (`route_of_rows`) and puts its rows there
+(`put_rows_kernel`), or hands them to the grouped GEMM's epilogue (`routes_kernel`).
+
+Each rank's route table (int32 words, symmetric memory; `table_table`: every rank's table
+address):
+    [start[0..W) | send_end[0..W) | dst_row[0..capacity) | dst_tile[0..capacity)]
+start[p]: where sender p's rows start among the rows this rank receives (rank-major, as
+all_to_all_single lands them); send_end[q]: the end of the rows this rank sends to rank q among
+its own (cumulative input split sizes: rows [send_end[q - 1], send_end[q]) go to q), read only
+by this rank; dst_row[j], dst_tile[j] (the dispatch only): the expert-major row and GEMM tile of
+the j-th row this rank receives. One launch each, in place of the dozens of small torch ops that
+computed these on the caller's stream.
+
+Tiles are numbered as the grouped GEMM numbers them (grouped_gemm.expert_of_tile): expert after
+expert, ceil(rows_e / BLOCK_M) each, then the rows past offsets[-1] (none in an MoE layer).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
+    """The GEMM m-tile of expert-major rows j: the expert holding each (the ends at or before
+    it), that expert's first tile plus the row's tile within it."""
+    e = tl.arange(0, E_P2)
+    valid = e < E
+    ends = tl.load(offsets_ptr + e, mask=valid, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=valid & (e > 0), other=0)
+    tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    first = tl.cumsum(tiles, 0) - tiles
+    expert = tl.sum(tl.where(valid[None, :] & (ends[None, :] <= j[:, None]), 1, 0), 1)
+    mine = e[None, :] == expert[:, None]
+    inside = expert < E  # else past the last offset: after every expert's tiles
+    first_j = tl.where(inside, tl.sum(tl.where(mine, first[None, :], 0), 1), tl.sum(tiles, 0))
+    start_j = tl.where(inside, tl.sum(tl.where(mine, starts[None, :], 0), 1),
+                       tl.max(tl.where(valid, ends, 0), 0))
+    return first_j + (j - start_j) // BLOCK_M
+
+
+@triton.jit(do_not_specialize=["received", "capacity", "E"])
+def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, received, capacity,
+                          E, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
+                          WORLD: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """The dispatch's receiver, rows [pid * BLOCK, (pid + 1) * BLOCK) of its expert-major rows:
+    row j is received row row_index[j] (j without an index), so dst_row[row_index[j]] = j and
+    dst_tile[row_index[j]] = j's tile; and one added to expect[tile] per row (the count the
+    tile's GEMM waits for: counters only grow, so each call adds its rows)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < received
+    tile = tile_of_rows(j, offsets_ptr, E, BLOCK_M, E_P2)
+    if HAS_INDEX:
+        at = tl.load(row_index_ptr + j, mask=ok, other=0).to(tl.int64)
+    else:
+        at = j.to(tl.int64)
+    tl.store(table_ptr + 2 * WORLD + at, j, mask=ok)
+    tl.store(table_ptr + 2 * WORLD + capacity + at, tile, mask=ok)
+    tl.atomic_add(expect_ptr + tile, tl.where(ok, 1, 0), mask=ok, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
+                  WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """(dst_rank, dst_row, dst_tile) of this sender's rows r (in send order: rank-major, by its
+    send_end words): the receiver q of each, its position among q's received rows (q's
+    start[rank] + its index among the rows sent to q) and, EXPERT_MAJOR (the dispatch), the
+    expert-major row and tile q published for that position; else (the combine) the position
+    itself, tile 0. dst_rank -1: not sent (out of range, or a position q's table leaves
+    unclaimed: a row index that is no permutation). Only the tables of the ranks a row goes to
+    are read."""
+    w = tl.arange(0, WORLD_P2)
+    my_table = tl.load(table_table + rank).to(tl.pointer_type(tl.int32))
+    ends = tl.load(my_table + WORLD + w, mask=w < WORLD, other=0)
+    q = tl.sum(tl.where((w[None, :] < WORLD) & (ends[None, :] <= r[:, None]), 1, 0), 1)
+    ok = in_range & (q < WORLD)
+    first = tl.sum(tl.where(w[None, :] == q[:, None] - 1, ends[None, :], 0), 1)
+    table = tl.load(table_table + q, mask=ok, other=0).to(tl.pointer_type(tl.int32))
+    at = tl.load(table + rank, mask=ok, other=0) + (r - first)
+    if EXPERT_MAJOR:
+        dst_row = tl.load(table + 2 * WORLD + at, mask=ok, other=-1)
+        dst_tile = tl.load(table + 2 * WORLD + capacity + at, mask=ok, other=0)
+        ok = ok & (dst_row >= 0)
+    else:
+        dst_row = at
+        dst_tile = tl.zeros_like(at)
+    return tl.where(ok, q, -1), dst_row, dst_tile
+
+
+@triton.jit(do_not_specialize=["rows", "rank", "capacity"])
+def routes_kernel(index_ptr, dst_rank_ptr, dst_row_ptr, dst_tile_ptr, table_table, rows, rank,
+                  capacity, BLOCK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                  EXPERT_MAJOR: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """route_of_rows of send positions index[i] (i without an index) into dst_*[i], for the
+    rows [pid * BLOCK, (pid + 1) * BLOCK): the combine's GEMM rows for its epilogue's push."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = i < rows
+    if HAS_INDEX:
+        r = tl.load(index_ptr + i, mask=in_range, other=0).to(tl.int32)
+    else:
+        r = i
+    dst_rank, dst_row, dst_tile = route_of_rows(r, in_range, table_table, rank, capacity, WORLD,
+                                                WORLD_P2, EXPERT_MAJOR)
+    tl.store(dst_rank_ptr + i, dst_rank, mask=in_range)
+    tl.store(dst_row_ptr + i, dst_row, mask=in_range)
+    tl.store(dst_tile_ptr + i, dst_tile, mask=in_range)
+
+
+@triton.jit(do_not_specialize=["rows", "K", "rank", "capacity"])
+def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, capacity,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORLD: tl.constexpr,
+                    WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """x's rows [pid * BLOCK_R, (pid + 1) * BLOCK_R) (in send order, row length K) each to its
+    route (route_of_rows) in its receiver's buffer (data_table: each rank's base address), then
+    one added per row to its receiver's counter of the row's tile (count_table: each rank's
+    counter base; release at system scope after a barrier over the program's threads, so that
+    the rows are visible before the counts)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rank_of, dst_row, tile = route_of_rows(r, r < rows, table_table, rank, capacity, WORLD,
+                                           WORLD_P2, EXPERT_MAJOR)
+    ok = rank_of >= 0
+    base = tl.load(data_table + rank_of, mask=ok, other=0).to(
+        tl.pointer_type(x_ptr.dtype.element_ty))
+    dst_row = dst_row.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        cols = kk * BLOCK_K + offs_k
+        m = ok[:, None] & (cols[None, :] < K)
+        v = tl.load(x_ptr + r[:, None].to(tl.int64) * K + cols[None, :], mask=m)
+        tl.store(base[:, None] + dst_row[:, None] * K + cols[None, :], v, mask=m)
+    tl.debug_barrier()  # every thread's rows, then the counts that release them
+    # one atomic per row, counted at its receiver (per receiver: the ranks' counter bases are
+    # a scalar load each)
+    for q in range(WORLD):
+        counters = tl.load(count_table + q).to(tl.pointer_type(tl.int32))
+        mine = ok & (rank_of == q)
+        tl.atomic_add(counters + tile, tl.where(mine, 1, 0), mask=mine, sem="release",
+                      scope="sys")
