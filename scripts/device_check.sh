@@ -15,7 +15,8 @@
 # GPU), moe_gpu (every MoE GPU test: world size 1 and the multi-rank ones), moe_bench
 # (benchmarks/bench_moe.py at world size 1: the grouped GEMM tiles beside torch._grouped_mm;
 # MOE_BENCH_ARGS narrows it), moe_ep (benchmarks/bench_moe_ep.py: the fused dispatch and combine against NCCL
-# all-to-all + torch._grouped_mm), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
+# all-to-all + torch._grouped_mm), e2e_moe (benchmarks/e2e_moe.py: an MoE model's training step,
+# Inductor, ditron, every MoE op fused, the fused combine alone; E2E_MOE_ARGS), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
 # scheduler/measured_plans.json), power (benchmarks/bench_power.py: SM clock and power while
@@ -117,6 +118,9 @@ fp8_tp() { local world; world=$(ranks)
 moe_ep() { local world; world=$(ranks)  # MOE_EP_ARGS: e.g. "--models mixtral"
   limited ${MOE_EP_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/bench_moe_ep.py \
     --out "$W/moe_ep" ${MOE_EP_ARGS:-}; }
+e2e_moe() { local world; world=$(ranks)  # E2E_MOE_ARGS: e.g. "--model qwen3 --tokens 4096"
+  limited ${E2E_MOE_LIMIT:-400} torchrun --nproc-per-node "$world" benchmarks/e2e_moe.py \
+    --out "$W/e2e_moe" ${E2E_MOE_ARGS:-}; }
 fused_sites() { local world tokens; world=$(ranks)  # every AG/RS candidate
   for tokens in ${FUSED_TOKENS:-8192}; do  # per site, for each token count
     limited ${FUSED_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/bench_fused.py \
