@@ -98,6 +98,8 @@ PLANS = {
                         tma_a=True),
     # the combine on several ranks: its rows stored in send order, then put (a 128 x 256 tile)
     "staged": dict(block_n=256, staged_push=True),
+    # the dispatch on several ranks: its put beside its first GEMM, which leaves it 16 SMs
+    "put16": dict(put_sms=16),
     "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
                            tma_a=True),
 }

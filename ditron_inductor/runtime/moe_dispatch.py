@@ -19,7 +19,11 @@ One call, epoch e, on rank r (everything on the caller's stream, in this order):
   4. GEMM      the first weight's grouped GEMM reads the receive buffer, each tile after its
                counter reached expect[tile], copying the rows into the op's rows output; the
                other weights read that.
-Every rank signals (1) before it waits (2), so no rank waits on one that waits on it.
+Every rank signals (1) before it waits (2), so no rank waits on one that waits on it. With
+plan.put_sms, 3 runs on a side stream that joins the caller's after the waits of 2, beside the
+first GEMM, which leaves that many SMs free (its tiles spin until their rows land: the put must
+find SMs to run on), and the caller's stream waits for the put before the op returns. Not run
+on a GPU yet (bench_moe_ep.py's plan "put16").
 
 Why the symmetric buffers can be reused call after call without a reset or a barrier:
   - r's table and receive buffer of call e + 1 are written only after r's call-e GEMM: r's table
@@ -51,10 +55,10 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
-from . import moe_routes
+from . import driver, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_polls
 from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, decline, wait_geq
+from .launch import check_errors, decline, num_sms, wait_geq
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
@@ -176,8 +180,19 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
         if n and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
-    push(ctx, layout, state, x)
-    outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
+    if plan.put_sms:  # the put on a side stream, beside the first GEMM
+        side = ctx.side.cuda_stream
+        x = x.contiguous()  # on the caller's stream, before the side stream joins it
+        driver.record(ctx.ev_start, main)  # after the READY waits
+        driver.stream_wait(side, ctx.ev_start)
+        push(ctx, layout, state, x, stream=side)
+        driver.record(ctx.ev_end, side)
+        outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm,
+                          first_progs=max(1, num_sms(x.device) - plan.put_sms))
+        driver.stream_wait(main, ctx.ev_end)  # x read, every row of mine sent
+    else:
+        push(ctx, layout, state, x)
+        outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
     check_errors(ctx, plan, OP, lambda code: "a tile's arrival counter (its rows never landed)")
     return outputs
 
@@ -194,18 +209,21 @@ def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input
                        state.expect)
 
 
-def push(ctx, layout: Layout, state: DispatchState, x) -> None:
+def push(ctx, layout: Layout, state: DispatchState, x, stream=None) -> None:
     """2 and 3 (after the receivers' signals): my rows, each read its route from its
-    receiver's table, put and counted there."""
+    receiver's table, put and counted there (on `stream`, a CUstream handle, or the current)."""
     moe_routes.put_rows(x.contiguous(), state.table_table, state.recv_table, state.count_table,
-                        ctx.rank, layout.world, layout.capacity, expert_major=True)
+                        ctx.rank, layout.world, layout.capacity, expert_major=True,
+                        stream=stream)
 
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
-            weights, offsets, grouped_gemm) -> list:
+            weights, offsets, grouped_gemm, first_progs: int = 0) -> list:
     """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows
     landed (state.expect, which publish raised), and stores the rows it read as the op's rows
-    output; the others read that."""
+    output; the others read that. first_progs: the first GEMM's programs (0: the plan's), fewer
+    than the SMs where the put runs beside it: its tiles spin until their rows land, so the put
+    must find SMs they leave free."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
@@ -213,7 +231,8 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
             for w in weights]
     for i, (w, out) in enumerate(zip(weights, outs)):
         if i == 0:
-            grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
+            first = dataclasses.replace(plan, progs=first_progs) if first_progs else plan
+            grouped_gemm(first, recv, w, offsets, out, rows=received, rows_out=rows_out,
                          wait=(counters, state.expect, ctx.err, wait_polls(plan)))
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)

@@ -135,10 +135,11 @@ def routes(table_table: torch.Tensor, rank: int, world: int, rows: int, capacity
 
 def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tensor,
              count_table: torch.Tensor, rank: int, world: int, capacity: int,
-             expert_major: bool) -> None:
+             expert_major: bool, stream: Optional[int] = None) -> None:
     """put_rows_kernel: x's rows (contiguous, in send order) each into its route's row of its
     receiver's buffer (recv_table: each rank's), one added to the receiver's counter of its
-    tile (count_table: each rank's counter base, for the combine one word per sender)."""
+    tile (count_table: each rank's counter base, for the combine one word per sender); on
+    `stream` (a CUstream handle; default: the current stream)."""
     from ..templates.moe_routes import put_rows_kernel
 
     if x.shape[0]:
@@ -146,4 +147,4 @@ def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tenso
         launch(put_rows_kernel, (cdiv(x.shape[0], PUT_ROWS),), x, table_table, recv_table,
                count_table, x.shape[0], width, rank, capacity, BLOCK_R=PUT_ROWS,
                BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(width)), WORLD=world,
-               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major)
+               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major, stream=stream)

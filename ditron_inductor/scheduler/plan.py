@@ -202,6 +202,10 @@ class GroupedMmPlan(FusedPlan):
     # the combine on several ranks: the products stored here in the order they are sent, then
     # pushed by the dispatch's put kernel (else each tile pushes its rows from its epilogue)
     staged_push: bool = False
+    # the dispatch on several ranks: its put kernel on a side stream beside the first GEMM,
+    # which then runs on all SMs but this many (0: the put, then the GEMM, on the caller's
+    # stream; the GEMM's tiles wait for their rows either way)
+    put_sms: int = 0
 
 
 def family(plan: FusedPlan) -> str:
