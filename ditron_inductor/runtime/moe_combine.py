@@ -9,10 +9,10 @@ epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits,
 among them, 2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned
 rank 0's rows as zeros on rank 1 in two runs: not found, benchmarks/results/logs/
 gpu_checks_2x_s39.log; its routes read by torch ops then, by the put and routes kernels of
-templates/moe_routes.py since: not yet run on a GPU) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2
-ranks; its first GPU runs hung at the first call, rank 0's arrival count at 600 of 1200, while
-the count was one word for all senders raised by one scalar add per tile and rank; now one word
-per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes
+templates/moe_routes.py since: not yet run on a GPU) and on 2x H200 (tests/gpu/test_moe_gpu.py,
+24 consecutive calls on 2 ranks; its first GPU runs hung at the first call, rank 0's arrival
+count at 600 of 1200, while the count was one word for all senders raised by one scalar add per
+tile and rank; now one word per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes
 and the kernels' push under the interpreter: tests/test_moe_interpreter.py). The dispatch's
 transpose, built from its pieces (moe_dispatch: the symmetric layout and the signals;
 moe_routes: the published starts and the put kernel; the grouped GEMM template with its PUSH

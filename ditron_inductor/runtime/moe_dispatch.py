@@ -4,9 +4,10 @@ soon as that tile's rows have landed. CPU-tested below the context (moe_routes, 
 under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
 (tests/gpu/test_moe_gpu.py -k multi_rank: 36 calls fused and checked, the rows read through TMA
 and through pointers, 2026-11-26; the routes computed by torch ops then, by the kernels of
-templates/moe_routes.py since, not yet run on a GPU); 1.08-1.23x NCCL all-to-all + torch._grouped_mm's time
-(benchmarks/results/moe_ep_h100x2_defaults.md): the push (4.) precedes the GEMM and a tile's
-rows come from anywhere in the senders' x, so the exchange does not overlap the GEMM.
+templates/moe_routes.py since, not yet run on a GPU); 1.08-1.23x NCCL all-to-all +
+torch._grouped_mm's time (benchmarks/results/moe_ep_h100x2_defaults.md): the push (3.) precedes
+the GEMM and a tile's rows come from anywhere in the senders' x, so the exchange does not overlap
+the GEMM (plan.put_sms, below, runs them side by side).
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
   1. publish   r's routes (moe_routes.publish) into its symmetric table and this call's rows
