@@ -261,14 +261,16 @@ def _expert_weights(k, n, dev, transposed):
 
 
 def _dispatch_calls(group, world, rank, dev, gen) -> str:
-    """Consecutive multi-rank dispatch calls (gate and up) against the reference."""
+    """Consecutive multi-rank dispatch calls (gate and up) against the reference, the put
+    beside the first GEMM among them (plan.put_sms: not run on a GPU yet)."""
     from ditron_inductor.ops import all_to_all_grouped_mm_reference
     from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM
 
     k, n, count = 512, 384, 0
     gate, up = _expert_weights(k, n, dev, True), _expert_weights(k, n, dev, False)
+    tiles = MULTI_RANK_TILES + (dict(put_sms=16),)  # and the put beside the first GEMM
     for tag, plan, dtype, (x, out_splits, in_splits, row_index, offsets) in _routed_calls(
-            group, world, rank, ALL_TO_ALL_GROUPED_MM, k, gen):
+            group, world, rank, ALL_TO_ALL_GROUPED_MM, k, gen, tiles):
         args = (x, out_splits, in_splits, row_index, [gate[dtype], up[dtype]], offsets,
                 group.group_name, world)
         out = _fused(ALL_TO_ALL_GROUPED_MM, args, plan, tag)
