@@ -519,7 +519,8 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, first_progs
 
 def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
     """What the multi-rank dispatch does not serve declines for reasons that hold on every rank
-    (here: CPU tensors), never for a rank's own row counts; the world-1 path is unchanged."""
+    (here: CPU tensors, and the rows sent below the plan's minimum), never for the rows a rank
+    receives; the world-1 path is unchanged."""
     import logging
 
     gen = torch.Generator().manual_seed(12)
@@ -532,6 +533,16 @@ def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
             assert moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
                                                    *args) is None
         assert "all_to_all_grouped_mm on 2 ranks: x on cpu" in caplog.text
+    # fewer rows than the plan's minimum: the rows each rank sends (its tokens x top-k, as many
+    # on every rank), whatever each rank receives
+    caplog.clear()
+    for splits in ([3, 3], [6, 0]):
+        args = (x, [2, 2], splits, torch.arange(4), [w], offsets, "0", 2)
+        with caplog.at_level(logging.DEBUG, logger="ditron"):
+            assert moe.all_to_all_grouped_mm_fused(
+                task_of(ALL_TO_ALL_GROUPED_MM, *args), dataclasses.replace(PLAN, min_rows=7),
+                *args) is None
+        assert "2 ranks: 6 rows to send, fewer than the plan's 7" in caplog.text
 
 
 def emulated_all_to_all(sent, send_splits):
@@ -614,7 +625,8 @@ def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch
 def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplog):
     """What the multi-rank combine does not serve declines, alike on every rank and before its
     context (the symmetric memory and the signals) is touched: rows summed into one
-    (accumulate), a sum of grouped GEMMs, CPU tensors."""
+    (accumulate), a sum of grouped GEMMs, CPU tensors, fewer rows received back than the plan's
+    minimum."""
     import logging
 
     from ditron_inductor.runtime import moe_combine
@@ -627,14 +639,16 @@ def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplo
     left = torch.randn(6, 16, generator=gen).to(F16)
     w = weights(2, 16, 16, gen)
     offsets = torch.tensor([2, 6], dtype=torch.int32)
-    for accumulate, lefts, reason in (
-            (True, [left], "2 ranks: rows summed into one (accumulate)"),
-            (False, [left, left], "a sum of 2 grouped GEMMs"),
-            (False, [left], "2 ranks: rows on cpu")):
+    for accumulate, lefts, plan, reason in (
+            (True, [left], PLAN, "2 ranks: rows summed into one (accumulate)"),
+            (False, [left, left], PLAN, "a sum of 2 grouped GEMMs"),
+            (False, [left], PLAN, "2 ranks: rows on cpu"),
+            (False, [left], dataclasses.replace(PLAN, min_rows=8),
+             "2 ranks: 7 rows to receive, fewer than the plan's 8")):
         args = (lefts, [w] * len(lefts), offsets, torch.arange(6), accumulate, [3, 4], [6, 0],
                 "0", 2)
         with caplog.at_level(logging.DEBUG, logger="ditron"):
-            assert moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), PLAN,
+            assert moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), plan,
                                                    *args) is None
         assert reason in caplog.text
 

@@ -315,8 +315,9 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
     assert not plan_for(on_cuda).staged_push  # the dispatch: nothing to stage
     # the dispatch's put beside its first GEMM only where a plan names it
     assert plan_for(on_cuda).put_sms == 0
-    beside = plan_for(on_cuda, put_sms=16)
-    assert beside.put_sms == 16 and decode(beside.encode()) == beside
+    beside = plan_for(on_cuda, put_sms=16, min_rows=4096)
+    assert (beside.put_sms, beside.min_rows) == (16, 4096) and decode(beside.encode()) == beside
+    assert plan_for(combine).min_rows == 0  # no token count declines where a plan is named
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

@@ -107,9 +107,13 @@ def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Lay
                   table_words=moe_routes.split_words(world))
 
 
-def problem(left, weight, row_index, accumulate: bool) -> str:
+def problem(plan: GroupedMmPlan, left, weight, row_index, accumulate: bool,
+            received: int) -> str:
     """Why the multi-rank combine declines ("" if it serves): rank-invariant properties only
-    (graph, dtypes, widths), so every rank declines alike, before any protocol step."""
+    (graph, dtypes, widths; the rows received back, a rank's tokens x top-k, as many on every
+    rank), so every rank declines alike, before any protocol step."""
+    if received < plan.min_rows:
+        return f"{received} rows to receive, fewer than the plan's {plan.min_rows}"
     if row_index is not None and accumulate:
         return "rows summed into one (accumulate): each row is stored once, never added"
     if row_index is not None and row_index.dtype not in (torch.int32, torch.int64):
@@ -128,11 +132,11 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
             grouped_gemm):
     """grouped_mm_all_to_all_reference's result; None: declined (the op runs its reference).
     grouped_gemm: runtime.moe's launcher."""
-    why = problem(left, weight, row_index, accumulate)
+    received = sum(output_split_sizes)
+    why = problem(plan, left, weight, row_index, accumulate, received)
     if why:
         return decline(f"{OP} on {world_size} ranks: {why}")
     rows, n = left.shape[0], weight.shape[-1]
-    received = sum(output_split_sizes)
     if (sum(input_split_sizes) != rows or len(input_split_sizes) != world_size
             or len(output_split_sizes) != world_size):
         raise ValueError(f"{OP}: splits {input_split_sizes}/{output_split_sizes} for {rows} "

@@ -134,9 +134,12 @@ def _state(ctx: OpContext, layout: Layout) -> DispatchState:
     return state
 
 
-def problem(x, row_index, weights, world_size: int) -> str:
+def problem(plan: GroupedMmPlan, x, row_index, weights) -> str:
     """Why the multi-rank dispatch declines ("" if it serves): rank-invariant properties only
-    (graph, dtypes, widths, experts), so every rank declines alike."""
+    (graph, dtypes, widths, experts; x's rows, as many on every rank), so every rank declines
+    alike."""
+    if x.shape[0] < plan.min_rows:
+        return f"{x.shape[0]} rows to send, fewer than the plan's {plan.min_rows}"
     if x.device.type != "cuda":
         return f"x on {x.device.type}"
     if torch.cuda.is_current_stream_capturing():
@@ -152,7 +155,7 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
              offsets, group_name: str, world_size: int, grouped_gemm):
     """[rows, rows @ W_0, ...] as all_to_all_grouped_mm_reference computes them; None: declined
     (the op runs its reference). grouped_gemm: runtime.moe's launcher."""
-    why = problem(x, row_index, weights, world_size)
+    why = problem(plan, x, row_index, weights)
     if why:
         return decline(f"{OP} on {world_size} ranks: {why}")
     received = sum(output_split_sizes)

@@ -553,7 +553,9 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
 # grouped GEMM for both: the dispatch measured slower at every row (1.08-1.23x on 2x H100,
 # benchmarks/results/moe_ep_h100x2_defaults.md: its push precedes its GEMM), the combine with
 # its staged push faster where measured (0.85-0.87x, moe_ep_h100x2_staged.md), which is one
-# token count on 2 ranks and no model yet.
+# token count on 2 ranks and no model yet. The token counts are unbacked SymInts at compile time:
+# a plan chosen for some of them carries GroupedMmPlan.min_rows, which the runtime applies per
+# call alike on every rank (benchmarks/e2e_moe.py measures the fused ops in a model).
 MOE_NOT_FUSED = ("{op}: {why} (a plan names the fused kernels): NCCL all-to-all + "
                  "torch._grouped_mm")
 MOE_WHY = {

@@ -206,6 +206,11 @@ class GroupedMmPlan(FusedPlan):
     # which then runs on all SMs but this many (0: the put, then the GEMM, on the caller's
     # stream; the GEMM's tiles wait for their rows either way)
     put_sms: int = 0
+    # on several ranks: fewer rows than this (the dispatch's sent, the combine's received back:
+    # each a rank's tokens x top-k) run the reference, NCCL all-to-all + grouped GEMM, where the
+    # fused op measured slower. Every rank decides alike where every rank has as many tokens,
+    # which the fused ops' buffers assume already (their size class comes from these rows)
+    min_rows: int = 0
 
 
 def family(plan: FusedPlan) -> str:
