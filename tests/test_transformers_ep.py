@@ -1,0 +1,109 @@
+"""transformers' MoE models under its expert parallelism on 2 CPU ranks over gloo
+(ditron_inductor/transformers_ep.py): with ep_implementation="ditron" a tiny Mixtral and a tiny
+Qwen3-MoE compile whole under `torch.compile(backend="ditron")`, forward and backward, every
+MoE layer's dispatch and combine rewritten into ditron ops (on CPU their reference runs), and
+the logits and gradients match transformers' own "all_to_all" exchange run eagerly (bf16: within
+BF16_TOL of the largest magnitude; a row sent to the wrong expert or token is off by the whole
+magnitude). transformers' own exchange does not compile (the module doc says why): that is
+checked too (on Mixtral), so that the note goes when transformers changes."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.test_e2e_gloo import RANK_ENV
+
+pytest.importorskip("transformers.distributed.expert_parallel")
+
+THIS = "tests.test_transformers_ep"
+DISPATCH, COMBINE = "all_to_all_grouped_mm", "grouped_mm_all_to_all"
+BF16_TOL = 2e-2
+KINDS = ("mixtral", "qwen3_moe")
+SIZES = {"mixtral": dict(intermediate_size=48), "qwen3_moe": dict(moe_intermediate_size=48,
+                                                                  intermediate_size=64)}
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def _far(what, got, want) -> list[str]:
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item() or 1.0
+    return [f"{what}: max error {err:.3g} > {BF16_TOL} x max |reference| {scale:.3g}"] if (
+        err > BF16_TOL * scale) else []
+
+
+def _step(model, ids):
+    """Logits and the gradients of a router and of this rank's experts, after a backward."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    logits.float().square().mean().backward()
+    mlp = model.model.layers[0].mlp
+    grads = [mlp.gate.weight.grad, mlp.experts.gate_up_proj.grad, mlp.experts.down_proj.grad]
+    return [logits.detach()] + [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def ep_ranks(rank: int, world: int) -> dict:
+    from ditron_inductor.lowering import graph_pass
+    from tests import hf_moe_ep
+
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.capture_scalar_outputs = True  # the split sizes, unbacked SymInts
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for kind in KINDS:
+        cfg = hf_moe_ep.config(kind, 4, 2, **COMMON, **SIZES[kind])
+        want = _step(hf_moe_ep.build(cfg, kind, "all_to_all", world), ids)
+        errors, fused = [], {}
+        for impl in ("ditron", "all_to_all") if kind == "mixtral" else ("ditron",):
+            torch._dynamo.reset()
+            graph_pass.reports.clear()
+            model = hf_moe_ep.build(cfg, kind, impl, world)
+            got = _step(torch.compile(model, backend="ditron", dynamic=False), ids)
+            fused[impl] = {r.graph.split()[-1]: sorted(c.op for c in r.candidates if c.fused)
+                           for r in graph_pass.reports if r.candidates}
+            if impl == "ditron":
+                for name, a, b in zip(("logits", "router grad", "gate_up grad", "down grad"),
+                                      got, want):
+                    errors += _far(f"{kind} {name}", a, b)
+        results[kind] = {"errors": errors, "fused": fused}
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _launch():
+    try:
+        return run_ranks(f"{THIS}:ep_ranks", 2, timeout_s=300, env=RANK_ENV)
+    except Exception as e:  # noqa: BLE001 - every test of the launch reports it
+        return e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_ditron_ep_compiles_whole_and_matches_transformers(kind):
+    ranks = _launch()
+    if isinstance(ranks, Exception):
+        raise ranks
+    layers = [DISPATCH, DISPATCH, COMBINE, COMBINE]  # 2 MoE layers
+    for rank, res in enumerate(ranks):
+        res = res[kind]
+        assert not res["errors"], f"rank {rank}: " + "\n".join(res["errors"])
+        # one forward and one backward graph, each MoE layer's two ops rewritten
+        assert res["fused"]["ditron"] == {"forward": layers, "backward": layers}, res["fused"]
+        if kind == "mixtral":  # transformers' own exchange: no MoE op reaches the pass
+            assert not any(res["fused"]["all_to_all"].values()), res["fused"]
+
+
+def test_unserved_experts_keep_transformers_exchange():
+    from types import SimpleNamespace
+
+    from ditron_inductor.transformers_ep import unserved
+
+    assert unserved(SimpleNamespace(has_bias=False), 1) == ""
+    assert unserved(SimpleNamespace(has_bias=True), 1) == "experts with a bias"
+    assert unserved(SimpleNamespace(has_post_expert_norm=True), 1) == "a norm after the experts"
+    assert "tp_size 2" in unserved(SimpleNamespace(), 2)
