@@ -19,7 +19,15 @@ Contenders (each `torch.compile(model, dynamic=False)`, the step's loss a sum ov
   ditron_fused           every MoE op's fused plan (ditron.plan=fused): the dispatch and the
                          combine on symmetric memory where they serve;
   ditron_fused_combine   the combine's fused plan alone (ditron.patterns: the combine's), the
-                         dispatch left to NCCL.
+                         dispatch left to NCCL;
+  inductor_transformers_ep  (--hf) Inductor on the model with transformers' own exchange
+                         (ep_implementation "all_to_all", which does not compile: its expert
+                         layers run eagerly; ditron_inductor/transformers_ep.py), what a
+                         transformers user gets today; the others run ep_implementation "ditron".
+--hf mixtral|qwen3_moe: transformers' MixtralForCausalLM / Qwen3MoeForCausalLM (attention and
+all) at the layer's expert sizes, --layers decoder layers, batches of --seq tokens, its experts
+spread over the ranks by its own EP plan (tests/hf_moe_ep.py), instead of tests/moe_ep.py's
+model.
 Per contender: the step's median time (bench_fused.bench_on: CUDA events, --reps of --iters
 steps after a sync of every rank, the maximum over ranks; the host's clock on CPU), the ditron
 ops its graphs hold (forward and backward), the fused MoE calls a step made (runtime/moe.stats:
@@ -49,13 +57,21 @@ from ditron_inductor.patterns import GROUPED_MM_ALL_TO_ALL, MOE_PATTERNS  # noqa
 from ditron_inductor.lowering import graph_pass  # noqa: E402
 from ditron_inductor.runtime import moe  # noqa: E402
 
-CONTENDERS = ("inductor", "ditron", "ditron_fused", "ditron_fused_combine")
+CONTENDERS = ("inductor", "ditron", "ditron_fused", "ditron_fused_combine",
+              "inductor_transformers_ep")
 DITRON_OPTIONS = {"ditron": {}, "ditron_fused": {"ditron.plan": "fused"},
                   "ditron_fused_combine": {"ditron.plan": "fused",
                                            "ditron.patterns": GROUPED_MM_ALL_TO_ALL}}
 GRADS = ("moes.0.router.weight", "moes.0.w2", "head.weight")
+HF_GRADS = ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj",
+            "lm_head.weight")
+# --hf: attention beside the experts (heads of 128), a short sequence per batch row
+HF_ATTENTION = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=128)
 VOCAB = 512  # the head stays small beside the experts
-DIFFERS = 2e-2  # bf16 rounding between right answers stays well below this (of the magnitude)
+# of the largest magnitude: bf16 rounding between right answers stays below this (0.019 between
+# transformers' exchange and ditron's on the tiny Mixtral, CPU); a row sent to the wrong expert
+# or token is off by about the whole magnitude
+DIFFERS = 5e-2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,15 +82,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="mixtral", choices=sorted(LAYERS))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", default="2048,8192", help="tokens per rank")
+    ap.add_argument("--hf", choices=("mixtral", "qwen3_moe"),
+                    help="transformers' model of this kind under its expert parallelism "
+                         "(ep_implementation ditron; inductor_transformers_ep: its own), at "
+                         "--model's layer sizes, instead of tests/moe_ep.py's")
+    ap.add_argument("--seq", type=int, default=1024, help="--hf: tokens per batch row")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     if args.tiny:
         args.model, args.layers, args.tokens, args.iters, args.reps = "tiny", 1, "16", 1, 2
-    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+        args.seq = 8
+    names = args.contenders.split(",")
+    unknown = set(names) - set(CONTENDERS)
     if unknown:
         ap.error(f"--contenders: {sorted(unknown)} not among {CONTENDERS}")
+    if not args.hf and "inductor_transformers_ep" in names:
+        args.contenders = ",".join(n for n in names if n != "inductor_transformers_ep")
     return args
 
 
@@ -102,8 +127,25 @@ def build_model(args, group, device):
     return model.to(torch.bfloat16), layer
 
 
+def build_hf_model(args, group, device, ep_implementation: str):
+    """transformers' --hf model at the layer's sizes (tests/hf_moe_ep.py: random init from one
+    seed, the experts spread over the ranks by its EP plan)."""
+    from tests import hf_moe_ep
+
+    layer = LAYERS[args.model]
+    inter = "intermediate_size" if args.hf == "mixtral" else "moe_intermediate_size"
+    attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8) if (
+        args.model == "tiny") else HF_ATTENTION
+    cfg = hf_moe_ep.config(args.hf, layer.experts * group.size(), layer.top_k,
+                           vocab_size=VOCAB, hidden_size=layer.hidden,
+                           num_hidden_layers=args.layers,
+                           max_position_embeddings=max(args.seq, 64), **{inter: layer.inter},
+                           **attention)
+    return hf_moe_ep.build(cfg, args.hf, ep_implementation, group.size(), device=device), layer
+
+
 def compiled(contender: str, model):
-    if contender == "inductor":
+    if contender in ("inductor", "inductor_transformers_ep"):
         return torch.compile(model, dynamic=False)
     options = DITRON_OPTIONS[contender]
     if not options:  # as a user writes it
@@ -114,7 +156,8 @@ def compiled(contender: str, model):
 def step(model, ids):
     """One training step's work: forward, a scalar loss, backward (no optimizer)."""
     model.zero_grad(set_to_none=True)
-    loss = model(ids).float().square().mean()
+    out = model(ids)
+    loss = getattr(out, "logits", out).float().square().mean()
     loss.backward()
     return loss
 
@@ -129,21 +172,37 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / scale
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def run(args, group) -> list[dict]:
     device = torch.device(args.device if args.device == "cpu" else "cuda")
-    model, layer = build_model(args, group, device)
-    params = dict(model.named_parameters())
+    if args.hf:
+        model, layer = build_hf_model(args, group, device, "ditron")
+        models = {c: model for c in CONTENDERS}
+        if "inductor_transformers_ep" in args.contenders.split(","):
+            models["inductor_transformers_ep"] = build_hf_model(args, group, device,
+                                                                "all_to_all")[0]
+        grads = HF_GRADS
+    else:
+        model, layer = build_model(args, group, device)
+        models, grads = {c: model for c in CONTENDERS}, GRADS
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",") if t]:
         gen = torch.Generator().manual_seed(100 + tokens + group.rank())
-        inputs = [(torch.randint(0, VOCAB, (tokens,), generator=gen).to(device),)
+        shape = (max(1, tokens // args.seq), min(tokens, args.seq)) if args.hf else (tokens,)
+        inputs = [(torch.randint(0, VOCAB, shape, generator=gen).to(device),)
                   for _ in range(2)]
-        row = dict(model=layer.name, experts=layer.experts * group.size(), layers=args.layers,
-                   tokens=tokens, ms={}, ditron_ops={}, fused_calls={}, diff={}, notes={})
+        name = f"{layer.name} (transformers {args.hf})" if args.hf else layer.name
+        row = dict(model=name, experts=layer.experts * group.size(), layers=args.layers,
+                   tokens=inputs[0][0].numel(), ms={}, ditron_ops={}, fused_calls={}, diff={},
+                   notes={})
         reference = None
         for contender in args.contenders.split(","):
             torch._dynamo.reset()
-            fn = compiled(contender, model)
+            fn = compiled(contender, models[contender])
+            params = dict(models[contender].named_parameters())
             try:
                 before = fused_calls()
                 graph_pass.reports.clear()  # the graphs this contender's first step compiles
@@ -151,7 +210,7 @@ def run(args, group) -> list[dict]:
                 row["fused_calls"][contender] = max_over_ranks(fused_calls() - before)
                 row["ditron_ops"][contender] = [c.op for r in graph_pass.reports
                                                 for c in r.candidates if c.fused]
-                got = [loss.detach()] + [params[n].grad.detach().clone() for n in GRADS]
+                got = [loss.detach()] + [local(params[n].grad).detach().clone() for n in grads]
                 if reference is None:
                     reference = (contender, got)
                 else:
