@@ -33,6 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
+# the received rows' expert-major order (shared with ditron's transformers EP adapter)
+from ditron_inductor.transformers_ep import expert_major_order
+
 EXPERTS_GROUPED_MM = "grouped_mm"
 EXPERTS_LOOP = "loop"
 
@@ -109,15 +112,6 @@ class ExpertParallelMoE(nn.Module):
             h = F.silu(piece @ self.w1[e].t()) * (piece @ self.w3[e].t())
             outs.append(h @ self.w2[e].t())
         return torch.cat(outs)
-
-
-def expert_major_order(recv_counts: torch.Tensor, rows) -> torch.Tensor:
-    """The received rows' indices in expert-major order (stable: by source rank within an
-    expert), from the counts [source rank, local expert] of the `rows` received rank-major."""
-    world, local = recv_counts.shape
-    expert_of_row = torch.arange(local, device=recv_counts.device).repeat(world)
-    expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=rows)
-    return torch.argsort(expert_of_row, stable=True)
 
 
 class TinyMoEModel(nn.Module):
