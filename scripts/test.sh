@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what is missing (scripts/install.sh: nothing when all is there), then run the test
-# suite (GPU tests skip themselves where no GPU is present): about 13 minutes on 2 CPU cores
-# (a fresh clone: 13 min 43 s with the install; the tests alone 12 min 46 s, 2026-11-25).
+# suite (GPU tests skip themselves where no GPU is present): about 17 minutes on 2 CPU cores
+# (a fresh clone, 2026-11-27: the tests alone 15 min 50 s; the MoE model smoke runs and the
+# transformers EP test took 6 of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
