@@ -119,7 +119,9 @@ def implementation():
                                                          output_splits, group)
             pairs = torch.empty_like(returned).index_put((order,), returned)
             pairs = pairs.view(tokens, top_k, dim)
-            return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+            # as transformers weighs them: in the weights' dtype (the router's float32), the
+            # caller (its ep_forward) casts the sum back
+            return (pairs * top_k_weights.unsqueeze(-1)).sum(1)
 
     return DitronAllToAllEP
 
