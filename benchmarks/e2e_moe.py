@@ -33,7 +33,8 @@ steps after a sync of every rank, the maximum over ranks; the host's clock on CP
 ops its graphs hold (forward and backward), the fused MoE calls a step made (runtime/moe.stats:
 the others declined and ran their reference: NCCL all-to-all + grouped GEMM), and the
 first step's loss and gradients (the router's, an expert weight's, the head's) against
-Inductor's: the largest difference over the largest magnitude. Writes <out>.json ({meta, rows})
+Inductor's: the largest difference over the largest magnitude; with --profile CALLS (CUDA),
+the device's busy and idle ms a step and its longest kernels. Writes <out>.json ({meta, rows})
 and <out>.md.
 """
 
@@ -53,6 +54,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_fused import bench_on, max_over_ranks, ranks_meta, write_tables  # noqa: E402
 from benchmarks.bench_moe import LAYERS, close_group, init_group  # noqa: E402
+from benchmarks.bench_moe_ep import kernel_profile, profile_note  # noqa: E402
 from ditron_inductor.patterns import GROUPED_MM_ALL_TO_ALL, MOE_PATTERNS  # noqa: E402
 from ditron_inductor.lowering import graph_pass  # noqa: E402
 from ditron_inductor.runtime import moe  # noqa: E402
@@ -90,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="CUDA: also profile CALLS steps of each contender (busy and idle ms a "
+                         "step, the longest kernels; bench_moe_ep.kernel_profile)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.model, args.layers, args.tokens, args.iters, args.reps = "tiny", 1, "16", 1, 2
@@ -197,7 +202,7 @@ def run(args, group) -> list[dict]:
         name = f"{layer.name} (transformers {args.hf})" if args.hf else layer.name
         row = dict(model=name, experts=layer.experts * group.size(), layers=args.layers,
                    tokens=inputs[0][0].numel(), ms={}, ditron_ops={}, fused_calls={}, diff={},
-                   notes={})
+                   notes={}, profiles={})
         reference = None
         for contender in args.contenders.split(","):
             torch._dynamo.reset()
@@ -221,6 +226,9 @@ def run(args, group) -> list[dict]:
                                                    f"{row['diff'][contender]:.2e}")
                 row["ms"][contender] = bench_on(args.device, lambda ids: step(fn, ids), inputs,
                                                 args.iters, args.reps)
+                if args.profile and args.device == "cuda":
+                    row["profiles"][contender] = kernel_profile(
+                        lambda ids: step(fn, *ids), inputs, args.profile)
             except Exception as exc:  # noqa: BLE001 - a contender that fails is reported
                 row["notes"][contender] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
         if dist.get_rank() == 0:
@@ -247,7 +255,8 @@ def report(rows: list[dict], args, argv) -> None:
                   for c in contenders[1:]]
         calls = ", ".join(f"{c} {int(n)}" for c, n in r["fused_calls"].items() if n)
         ops = ", ".join(f"{c} {len(o)}" for c, o in r["ditron_ops"].items() if o)
-        notes = "; ".join(f"{c}: {v}" for c, v in r["notes"].items())
+        notes = "; ".join([f"{c}: {v}" for c, v in r["notes"].items()]
+                          + [f"{c}: {profile_note(t)}" for c, t in r["profiles"].items()])
         lines.append("| " + " | ".join([r["model"], str(r["experts"]), str(r["layers"]),
                                         str(r["tokens"])] + cells + ratios
                                        + [ops or "none", calls or "none", notes or "-"]) + " |")
