@@ -137,6 +137,11 @@ def build_hf_model(args, group, device, ep_implementation: str):
     seed, the experts spread over the ranks by its EP plan)."""
     from tests import hf_moe_ep
 
+    try:
+        import transformers.distributed.expert_parallel  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"--hf needs transformers' expert parallelism (transformers 5.x): "
+                         f"{exc}") from exc
     layer = LAYERS[args.model]
     inter = "intermediate_size" if args.hf == "mixtral" else "moe_intermediate_size"
     attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8) if (
