@@ -16,7 +16,8 @@ weighted sum. Those are the patterns ditron rewrites (lowering/moe.py).
     import ditron_inductor.transformers_ep
     ditron_inductor.transformers_ep.register()
     model = AutoModelForCausalLM.from_pretrained(
-        name, distributed_config=DistributedConfig(ep_size=2, ep_implementation="ditron"))
+        name, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2,
+                                                   ep_implementation="ditron"))
     torch._dynamo.config.capture_scalar_outputs = True
     model = torch.compile(model, backend="ditron")
 
