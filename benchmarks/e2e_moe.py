@@ -55,6 +55,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.bench_fused import bench_on, max_over_ranks, ranks_meta, write_tables  # noqa: E402
 from benchmarks.bench_moe import LAYERS, close_group, init_group  # noqa: E402
 from benchmarks.bench_moe_ep import kernel_profile, profile_note  # noqa: E402
+from benchmarks.e2e_llama import max_diff  # noqa: E402
 from ditron_inductor.patterns import GROUPED_MM_ALL_TO_ALL, MOE_PATTERNS  # noqa: E402
 from ditron_inductor.lowering import graph_pass  # noqa: E402
 from ditron_inductor.runtime import moe  # noqa: E402
@@ -176,12 +177,6 @@ def fused_calls() -> int:
     return sum(moe.stats[op] for op in MOE_PATTERNS)
 
 
-def difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest elementwise difference over the largest magnitude of b."""
-    scale = b.float().abs().max().item() or 1.0
-    return (a.float() - b.float()).abs().max().item() / scale
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -225,7 +220,7 @@ def run(args, group) -> list[dict]:
                     reference = (contender, got)
                 else:
                     row["diff"][contender] = max_over_ranks(max(
-                        difference(a, b) for a, b in zip(got, reference[1])))
+                        max_diff(a, b) for a, b in zip(got, reference[1])))
                     if row["diff"][contender] > DIFFERS:
                         row["notes"][contender] = (f"differs from {reference[0]} by "
                                                    f"{row['diff'][contender]:.2e}")

@@ -17,6 +17,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.test_e2e_gloo import RANK_ENV
+from tests.test_moe_gloo import _far
 
 pytest.importorskip("transformers.distributed.expert_parallel")
 
@@ -28,13 +29,6 @@ SIZES = {"mixtral": dict(intermediate_size=48), "qwen3_moe": dict(moe_intermedia
                                                                   intermediate_size=64)}
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-
-
-def _far(what, got, want) -> list[str]:
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.float().abs().max().item() or 1.0
-    return [f"{what}: max error {err:.3g} > {BF16_TOL} x max |reference| {scale:.3g}"] if (
-        err > BF16_TOL * scale) else []
 
 
 def _step(model, ids):
@@ -69,7 +63,7 @@ def ep_ranks(rank: int, world: int) -> dict:
             if impl == "ditron":
                 for name, a, b in zip(("logits", "router grad", "gate_up grad", "down grad"),
                                       got, want):
-                    errors += _far(f"{kind} {name}", a, b)
+                    errors += _far(f"{kind} {name}", a, b, BF16_TOL)
         results[kind] = {"errors": errors, "fused": fused}
     return results
 
