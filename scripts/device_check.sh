@@ -43,7 +43,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($NF)}')
 export MACHINE_KIND=${MACHINE_KIND:-nvidia-$card-x$(nvidia-smi -L | wc -l)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+# EXTRA_PYTHONPATH: packages a step needs in other versions than the machine's (put first); e.g.
+# e2e_moe --hf needs transformers' EP interface (5.24; the machine has 5.17): here
+# `pip download --no-deps -d .device/hf transformers==5.24.0 regex` (.device carried), there
+# `pip install --no-deps --target /tmp/hf .device/hf/*.whl` and EXTRA_PYTHONPATH=/tmp/hf
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}/tmp/site PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 

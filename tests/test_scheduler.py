@@ -278,8 +278,12 @@ def test_calibration_by_world_picks_what_was_measured_best():
                         "cublas_triton_reduce", "nccl_cublas", "cublas_triton_reduce"]
 
 
-def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(group4, monkeypatch):
+def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, monkeypatch):
+    """The scheduler keeps NCCL + torch._grouped_mm at the MoE ops on CUDA (not measured faster
+    in a model); DITRON_PLAN=fused rewrites them into their fused plans (what e2e_moe.py's
+    ditron_fused contenders measure: before, the forced plan was ignored there)."""
     from ditron_inductor.scheduler.cost_model import moe_not_fused
+    from ditron_inductor.scheduler.plan import FUSED, GroupedMmPlan, decode, family
     from ditron_inductor.scheduler.task import all_to_all_grouped_mm_task
 
     x, w = torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16)
@@ -289,15 +293,16 @@ def test_moe_ops_keep_the_graph_on_cuda_until_they_have_a_multi_rank_runtime(gro
                                    "group=0 experts=2 tokens=16")
     assert decide(dispatch).plan.impl == REFERENCE  # on CPU
     on_cuda = dataclasses.replace(dispatch, device_type="cuda")
-    for forced in ("", "fused"):
-        monkeypatch.setattr(config, "force_plan", forced)
-        d = decide(on_cuda)
-        assert (d.fuse, d.reason) == (False, moe_not_fused("all_to_all_grouped_mm"))
+    d = decide(on_cuda)
+    assert (d.fuse, d.reason) == (False, moe_not_fused("all_to_all_grouped_mm"))
+    monkeypatch.setattr(config, "force_plan", "fused")
+    d = decide(on_cuda)
+    assert d.fuse and d.reason == "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
+    assert family(d.plan) == "grouped_mm" and d.plan.impl == FUSED
     monkeypatch.setattr(config, "force_plan", "reference")
     assert decide(on_cuda).plan.impl == REFERENCE
     # a plan named for it (the world-1 benchmark, the GPU tests): the grouped GEMM's family
     from ditron_inductor.scheduler.decide import plan_for
-    from ditron_inductor.scheduler.plan import GroupedMmPlan, decode, family
 
     plan = plan_for(on_cuda)  # the default tile: 128 x 256, rows and weights through TMA
     assert isinstance(plan, GroupedMmPlan) and (plan.block_m, plan.block_n) == (128, 256)

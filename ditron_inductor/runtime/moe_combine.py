@@ -9,7 +9,9 @@ epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits,
 among them, 2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned
 rank 0's rows as zeros on rank 1 in two runs: not found, benchmarks/results/logs/
 gpu_checks_2x_s39.log; its routes read by torch ops then, by the put and routes kernels of
-templates/moe_routes.py since: not yet run on a GPU) and on 2x H200 (tests/gpu/test_moe_gpu.py,
+templates/moe_routes.py since: with them its multi-rank GPU test passed on 2x H100, 48
+calls with stream waits, and bench_moe_ep.py on 2 of 4x H100 was exact against the reference at
+0.82-0.95x its time, moe_ep_h100x4_routes.md, 2026-11-27) and on 2x H200 (tests/gpu/test_moe_gpu.py,
 24 consecutive calls on 2 ranks; its first GPU runs hung at the first call, rank 0's arrival
 count at 600 of 1200, while the count was one word for all senders raised by one scalar add per
 tile and rank; now one word per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes

@@ -3,9 +3,10 @@ the receivers' expert-major receive buffers, and each receiver's grouped GEMM st
 soon as that tile's rows have landed. CPU-tested below the context (moe_routes, the kernels
 under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
 (tests/gpu/test_moe_gpu.py -k multi_rank: 36 calls fused and checked, the rows read through TMA
-and through pointers, 2026-11-26; the routes computed by torch ops then, by the kernels of
-templates/moe_routes.py since, not yet run on a GPU); 1.08-1.23x NCCL all-to-all +
-torch._grouped_mm's time (benchmarks/results/moe_ep_h100x2_defaults.md): the push (3.) precedes
+and through pointers, 2026-11-26, the routes computed by torch ops then) and, with the routes
+in the kernels of templates/moe_routes.py, on 2 and 4 of 4x H100 (48 calls each, 2026-11-27);
+0.99-1.20x NCCL all-to-all + torch._grouped_mm's time (benchmarks/results/
+moe_ep_h100x4_routes.md; 1.08-1.23x with the routes in torch ops): the push (3.) precedes
 the GEMM and a tile's rows come from anywhere in the senders' x, so the exchange does not overlap
 the GEMM (plan.put_sms, below, runs them side by side).
 
@@ -23,8 +24,9 @@ One call, epoch e, on rank r (everything on the caller's stream, in this order):
 Every rank signals (1) before it waits (2), so no rank waits on one that waits on it. With
 plan.put_sms, 3 runs on a side stream that joins the caller's after the waits of 2, beside the
 first GEMM, which leaves that many SMs free (its tiles spin until their rows land: the put must
-find SMs to run on), and the caller's stream waits for the put before the op returns. Not run
-on a GPU yet (bench_moe_ep.py's plan "put16").
+find SMs to run on), and the caller's stream waits for the put before the op returns. Correct on
+2 and 4 of 4x H100, and slower: 1.17-1.66x NCCL + torch._grouped_mm's time where the default
+took 0.99-1.20x (bench_moe_ep.py's plan "put16", moe_ep_h100x4_routes.md); off by default.
 
 Why the symmetric buffers can be reused call after call without a reset or a barrier:
   - r's table and receive buffer of call e + 1 are written only after r's call-e GEMM: r's table

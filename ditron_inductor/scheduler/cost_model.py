@@ -506,7 +506,7 @@ FP8_LABEL = "cublas_scaled_mm"
 FP8_CHOSEN_WORLD, FP8_CHOSEN_MIN_M = 2, 8192
 FP8_AG_PARAMS, FP8_RS_PARAMS = dict(gemm="cublas"), dict(gemm="cublas", reduce="triton")
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-                   MATMUL_ALL_REDUCE_RMSNORM, *SCALED_MM_PATTERNS)
+                   MATMUL_ALL_REDUCE_RMSNORM, *SCALED_MM_PATTERNS, *MOE_PATTERNS)
 
 
 def fp8_all_reduce_params(task: Task) -> dict:
@@ -549,23 +549,26 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
 # The MoE ops on more than one rank. The fused grouped GEMM (templates/grouped_gemm.py) runs at
 # world size 1, where a plan names it (benchmarks/bench_moe.py: 0.90x torch._grouped_mm's time
 # with its default tile on H100). On more ranks the dispatch (runtime/moe_dispatch.py) and the
-# combine (runtime/moe_combine.py) are correct on 2x H100 and 2x H200; the graph keeps NCCL +
-# grouped GEMM for both: the dispatch measured slower at every row (1.08-1.23x on 2x H100,
-# benchmarks/results/moe_ep_h100x2_defaults.md: its push precedes its GEMM), the combine with
-# its staged push faster where measured (0.85-0.87x, moe_ep_h100x2_staged.md), which is one
-# token count on 2 ranks and no model yet. The token counts are unbacked SymInts at compile time:
-# a plan chosen for some of them carries GroupedMmPlan.min_rows, which the runtime applies per
-# call alike on every rank (benchmarks/e2e_moe.py measures the fused ops in a model).
-MOE_NOT_FUSED = ("{op}: {why} (a plan names the fused kernels): NCCL all-to-all + "
+# combine (runtime/moe_combine.py) are correct on 2x H100, 2x H200 and (the dispatch) 4x H100;
+# the graph keeps NCCL + grouped GEMM for both, because no model step got faster: with the route
+# kernels the dispatch is level to 1.20x NCCL + torch._grouped_mm's time and the staged combine
+# 0.82-0.95x (2x H100, benchmarks/results/moe_ep_h100x4_routes.md), but in transformers'
+# Mixtral training step (2 layers, EP 2, 4096 and 8192 tokens per rank) both fused are 1.02x
+# Inductor's step and the combine alone 0.994-1.002x (e2e_moe_h100x4_mixtral.md): the exchange
+# is too small a part of the step. The token counts are unbacked SymInts at compile time: a plan
+# chosen for some of them would carry GroupedMmPlan.min_rows, which the runtime applies per call
+# alike on every rank. `ditron.plan=fused` fuses them (decide.py; e2e_moe.py's contenders).
+MOE_NOT_FUSED = ("{op}: {why} (ditron.plan=fused fuses it): NCCL all-to-all + "
                  "torch._grouped_mm")
 MOE_WHY = {
-    ALL_TO_ALL_GROUPED_MM: ("the fused dispatch measured slower than NCCL all-to-all + "
-                            "torch._grouped_mm on 2x H100 (1.08-1.23x its time, "
-                            "moe_ep_h100x2_defaults.md)"),
-    GROUPED_MM_ALL_TO_ALL: ("the fused combine measured faster only at 8192 tokens per rank on "
-                            "2x H100 (0.85-0.87x NCCL all-to-all + torch._grouped_mm's time, "
-                            "moe_ep_h100x2_staged.md), not yet at other token counts, ranks or "
-                            "in a model"),
+    ALL_TO_ALL_GROUPED_MM: ("the fused dispatch measured level to slower than NCCL all-to-all + "
+                            "torch._grouped_mm on 2x H100 (0.99-1.20x its time, "
+                            "moe_ep_h100x4_routes.md) and 1.02x Inductor's step with the "
+                            "combine in transformers' Mixtral (e2e_moe_h100x4_mixtral.md)"),
+    GROUPED_MM_ALL_TO_ALL: ("the fused combine measured 0.82-0.95x NCCL all-to-all + "
+                            "torch._grouped_mm's time on 2x H100 (moe_ep_h100x4_routes.md) but "
+                            "level in transformers' Mixtral training step (0.994-1.002x "
+                            "Inductor's, e2e_moe_h100x4_mixtral.md)"),
 }
 
 

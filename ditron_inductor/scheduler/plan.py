@@ -204,7 +204,8 @@ class GroupedMmPlan(FusedPlan):
     staged_push: bool = False
     # the dispatch on several ranks: its put kernel on a side stream beside the first GEMM,
     # which then runs on all SMs but this many (0: the put, then the GEMM, on the caller's
-    # stream; the GEMM's tiles wait for their rows either way)
+    # stream; the GEMM's tiles wait for their rows either way). Measured slower (1.17-1.66x
+    # NCCL + grouped GEMM where 0 took 0.99-1.20x, moe_ep_h100x4_routes.md): off
     put_sms: int = 0
     # on several ranks: fewer rows than this (the dispatch's sent, the combine's received back:
     # each a rank's tokens x top-k) run the reference, NCCL all-to-all + grouped GEMM, where the

@@ -6,14 +6,14 @@ without an index), the TMA weights, and both ops captured in a CUDA graph and re
 case asserts that the fused path served it.
 
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
-passed on 2x H100) and combine (runtime/moe_combine.py; passed on 2x H200, and on 2x H100 with
-DITRON_TEST_WAIT_S=0: with the bounded waits its first call failed there, rank 0's rows zeros
-on rank 1) on 2 ranks (and on
-every GPU when there are more than 2): several consecutive calls on the same symmetric buffers,
-each routing drawn anew (random, an expert of every rank without rows, the last rank receiving
-nothing, every row to rank 0; the combine sends the rows back along the same routing), against
-the reference's NCCL all-to-all and torch._grouped_mm, with bounded waits (a row that never
-lands fails the test instead of hanging it).
+passed on 2x H100, and with the route kernels on 2 and 4 of 4x H100, 2026-11-27) and combine
+(runtime/moe_combine.py; passed on 2x H200, and on 2x H100 with DITRON_TEST_WAIT_S=0: with the
+bounded waits its first call failed there, rank 0's rows zeros on rank 1; with the route
+kernels, 48 calls with DITRON_TEST_WAIT_S=0 on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2): several consecutive
+calls on the same symmetric buffers, each routing drawn anew (random, an expert of every rank
+without rows, the last rank receiving nothing, every row to rank 0; the combine sends the rows
+back along the same routing), against the reference's NCCL all-to-all and torch._grouped_mm,
+with bounded waits (a row that never lands fails the test instead of hanging it).
 
 Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_gpu.py
 """
@@ -247,7 +247,10 @@ def _fused(op, args, plan, tag):
     from ditron_inductor.runtime.moe import stats
 
     served = stats[op]
-    out = getattr(torch.ops.ditron, op)(*args, plan)
+    try:
+        out = getattr(torch.ops.ditron, op)(*args, plan)
+    except RuntimeError as exc:  # which call of the sequence (a bounded wait gave up)
+        raise RuntimeError(f"{tag}: {exc}") from exc
     assert stats[op] == served + 1, f"{tag}: not fused"
     return out
 
@@ -262,7 +265,7 @@ def _expert_weights(k, n, dev, transposed):
 
 def _dispatch_calls(group, world, rank, dev, gen) -> str:
     """Consecutive multi-rank dispatch calls (gate and up) against the reference, the put
-    beside the first GEMM among them (plan.put_sms: not run on a GPU yet)."""
+    beside the first GEMM among them (plan.put_sms; passed on 2 and 4 of 4x H100)."""
     from ditron_inductor.ops import all_to_all_grouped_mm_reference
     from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM
 
@@ -271,6 +274,8 @@ def _dispatch_calls(group, world, rank, dev, gen) -> str:
     tiles = MULTI_RANK_TILES + (dict(put_sms=16),)  # and the put beside the first GEMM
     for tag, plan, dtype, (x, out_splits, in_splits, row_index, offsets) in _routed_calls(
             group, world, rank, ALL_TO_ALL_GROUPED_MM, k, gen, tiles):
+        print(f"dispatch call {count}: {tag}, rows {x.shape[0]}, sends {in_splits}, "
+              f"receives {out_splits}", flush=True)  # where a run that does not end stopped
         args = (x, out_splits, in_splits, row_index, [gate[dtype], up[dtype]], offsets,
                 group.group_name, world)
         out = _fused(ALL_TO_ALL_GROUPED_MM, args, plan, tag)
@@ -331,8 +336,9 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
     from ditron_inductor import config
 
     # the plans' waits bounded: a row that never lands raises (DITRON_TEST_WAIT_S=0: the stream
-    # waits a model's call takes)
-    config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "20"))
+    # waits a model's call takes); 120 s nominal: at 20 the 4-rank dispatch gave up once on 4x
+    # H100 where 300 passed every call (a bound in polls runs out sooner: context.POLLS_PER_S)
+    config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "120"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     # a rank left alone in a collective (its peer failed) is aborted by NCCL's watchdog after
