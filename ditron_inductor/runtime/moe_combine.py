@@ -1,24 +1,23 @@
 """grouped_mm_all_to_all on more than one rank, fused: each row of the experts' grouped GEMM goes
-straight into its destination rank's receive buffer, at the row where the all-to-all would land
-it, and the receiver's output is that buffer once every row has come. By default (staged_push)
-the GEMM stores its rows here in the order they are sent and the dispatch's put kernel sends
-them (0.85-0.87x NCCL all-to-all + torch._grouped_mm's time at 8192 tokens per rank on 2x H100,
-benchmarks/results/moe_ep_h100x2_staged.md: the reference's index_put is the GEMM's stores);
-else the GEMM's epilogue pushes each tile's rows (1.22-1.39x there: remote stores from the
-epilogue). Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged push
-among them, 2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned
-rank 0's rows as zeros on rank 1 in two runs: not found, benchmarks/results/logs/
-gpu_checks_2x_s39.log; its routes read by torch ops then, by the put and routes kernels of
-templates/moe_routes.py since: with them its multi-rank GPU test passed on 2x H100, 48
-calls with stream waits, and bench_moe_ep.py on 2 of 4x H100 was exact against the reference at
-0.82-0.95x its time, moe_ep_h100x4_routes.md, 2026-11-27) and on 2x H200 (tests/gpu/test_moe_gpu.py,
-24 consecutive calls on 2 ranks; its first GPU runs hung at the first call, rank 0's arrival
-count at 600 of 1200, while the count was one word for all senders raised by one scalar add per
-tile and rank; now one word per sender, one add per row as the dispatch counts); CPU-tested below the context (the routes
-and the kernels' push under the interpreter: tests/test_moe_interpreter.py). The dispatch's
-transpose, built from its pieces (moe_dispatch: the symmetric layout and the signals;
-moe_routes: the published starts and the put kernel; the grouped GEMM template with its PUSH
-epilogue).
+straight into its destination rank's receive buffer, at the row where the all-to-all would land it,
+and the receiver's output is that buffer once every row has come. By default (staged_push) the GEMM
+stores its rows here in the order they are sent and the dispatch's put kernel sends them (0.85-0.87x
+NCCL all-to-all + torch._grouped_mm's time at 8192 tokens per rank on 2x H100,
+benchmarks/results/moe_ep_h100x2_staged.md: the reference's index_put is the GEMM's stores); else
+the GEMM's epilogue pushes each tile's rows (1.22-1.39x there: remote stores from the epilogue).
+Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged push among them,
+2026-11-26; with bounded waits, plan.wait_timeout_s > 0, the first call returned rank 0's rows as
+zeros on rank 1 in two runs: not found, benchmarks/results/logs/gpu_checks_2x_s39.log; its routes
+read by torch ops then, by the put and routes kernels of templates/moe_routes.py since: with them
+its multi-rank GPU test passed on 2x H100, 48 calls with stream waits, and bench_moe_ep.py on 2 of
+4x H100 was exact against the reference at 0.82-0.95x its time, moe_ep_h100x4_routes.md, 2026-11-27)
+and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU runs hung
+at the first call, rank 0's arrival count at 600 of 1200, while the count was one word for all
+senders raised by one scalar add per tile and rank; now one word per sender, one add per row as the
+dispatch counts); CPU-tested below the context (the routes and the kernels' push under the
+interpreter: tests/test_moe_interpreter.py). The dispatch's transpose, built from its pieces
+(moe_dispatch: the symmetric layout and the signals; moe_routes: the published starts and the put
+kernel; the grouped GEMM template with its PUSH epilogue).
 
 One call, epoch e, on rank r (everything on the caller's stream, in this order):
   1. publish   where each sender's rows start among the rows r receives (rank-major:

@@ -8,12 +8,12 @@ case asserts that the fused path served it.
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
 passed on 2x H100, and with the route kernels on 2 and 4 of 4x H100, 2026-11-27) and combine
 (runtime/moe_combine.py; passed on 2x H200, and on 2x H100 with DITRON_TEST_WAIT_S=0: with the
-bounded waits its first call failed there, rank 0's rows zeros on rank 1; with the route
-kernels, 48 calls with DITRON_TEST_WAIT_S=0 on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2): several consecutive
-calls on the same symmetric buffers, each routing drawn anew (random, an expert of every rank
-without rows, the last rank receiving nothing, every row to rank 0; the combine sends the rows
-back along the same routing), against the reference's NCCL all-to-all and torch._grouped_mm,
-with bounded waits (a row that never lands fails the test instead of hanging it).
+bounded waits its first call failed there, rank 0's rows zeros on rank 1; with the route kernels, 48
+calls with DITRON_TEST_WAIT_S=0 on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are
+more than 2): several consecutive calls on the same symmetric buffers, each routing drawn anew
+(random, an expert of every rank without rows, the last rank receiving nothing, every row to rank 0;
+the combine sends the rows back along the same routing), against the reference's NCCL all-to-all and
+torch._grouped_mm, with bounded waits (a row that never lands fails the test instead of hanging it).
 
 Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_gpu.py
 """
