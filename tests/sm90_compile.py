@@ -157,9 +157,10 @@ def variants():
                     ACCUMULATE=gather_free["SCALE"], A_DESC=True) | gather_free, 8)
     yield from moe_route_variants()
     yield from decode_variants()
-    yield (flags.wait_flags_kernel,
-           dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit="i32",
-                err_ptr="*i32"), {}, 1)
+    for limit in ("i32", "i64"):  # a bound in ns past 2^31 (2.1 s) comes as an int64
+        yield (flags.wait_flags_kernel,
+               dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit=limit,
+                    err_ptr="*i32"), {}, 1)
     yield (flags.notify_peers_kernel,
            dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
 

@@ -33,7 +33,7 @@ from ..scheduler.plan import CUBLAS, SM, TRITON, AllGatherPlan
 from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
 from . import driver
-from .context import OpContext, get_context, wait_polls
+from .context import OpContext, get_context, wait_limit
 from .kernel_launch import current_stream, launch, preload
 from .launch import (
     DTYPES,
@@ -156,7 +156,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
 
     off = parity * half
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
-    polls = wait_polls(plan)
+    limit = wait_limit(plan)
     if plan.transfer == SM:
         # the SM pull's kernels, loaded before this call queues anything (kernel_launch.preload
         # says why); a GEMM that cannot be still lets the pull and its DONE run below, which
@@ -171,12 +171,12 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                 triton_gemm(gathered, w, b, out, plan.tile, flags=counts, err=ctx.err,
                             rows_per_chunk=rows, first_row=r * rows, epoch=expect,
                             num_progs=num_sms(a_shard.device) - nprog, proxy_fence=True,
-                            polls=polls, load_only=load_only)
+                            limit=limit, load_only=load_only)
         from ..templates.transfer import ag_pull_kernel
 
         pull = (ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
                 gathered.view(-1).view(torch.int32), ctx.flags.words, counts, ctx.err, r, W,
-                shard_bytes // 4, e, polls)
+                shard_bytes // 4, e, limit)
         pull_meta = dict(BLOCK=plan.pull_block, num_warps=plan.pull_warps)
         preload(*pull, **pull_meta)
         failure = None
@@ -244,7 +244,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         try:
             for w, b, out in zip(weights, biases, outs):
                 triton_gemm(gathered, w, b, out, plan.tile, flags=ctx.chunk_flags, err=ctx.err,
-                            rows_per_chunk=rows, first_row=r * rows, epoch=e, polls=polls)
+                            rows_per_chunk=rows, first_row=r * rows, epoch=e, limit=limit)
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return gemm_failed(ctx, main, exc)
     else:

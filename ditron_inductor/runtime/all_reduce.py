@@ -55,7 +55,7 @@ from .context import (
     device_epoch,
     get_context,
     size_class,
-    wait_polls,
+    wait_limit,
 )
 from .launch import (
     DTYPES,
@@ -301,14 +301,14 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
     m, n = partial.shape
     scatter = plan.algo == "push_scatter"
     sms = num_sms(a.device)
-    polls = wait_polls(plan)
+    limit = wait_limit(plan)
     progs, block, warps = push_grid(ctx.world, m * n, sms, plan.block, plan.warps, plan.progs,
                                     norm=consts["NORM"])
     meta = dict(_launch(consts, n, block, warps), SCATTER=scatter)
     slots = _region(ctx, partial, plan.algo)
     if not plan.overlap:
         matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
-        launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, slots, polls,
+        launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, slots, limit,
                **meta)
         return
     if plan.gemm == TRITON:
@@ -322,13 +322,13 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
         queue_gemm = lambda: _cublas_chunks(  # noqa: E731
             ctx, dev, a, b, bias, partial, rows, carveout, scaled)
     gemm_beside(ctx, dev, queue_gemm, lambda side: launch(
-        push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
+        push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, limit,
         stream=side, CHUNKED=True, COPY=False, NORMALISE=False, **meta))
     # the copy-out (+ residual) and the norm once the GEMM is done, on a multiple of `progs`
     # programs (the COPY phase's condition), as many as fit at once (the norm's barrier);
     # CHUNKED as the REDUCE beside the GEMM: it left my own blocks to this launch
     copy_progs = progs * max(1, min(flags.MAX_PROGS, sms - 4) // progs)
-    launch(push_kernel, (copy_progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, polls,
+    launch(push_kernel, (copy_progs,), *common, m, n, eps, ctx.rank, rows, progs, slots, limit,
            CHUNKED=True, SEND=False, REDUCE=False, **meta)
 
 
@@ -340,7 +340,7 @@ def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps
     stride = _region(ctx, partial, "push_all")
     matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
     launch(push_all_kernel, (progs,), *common, m, n, eps, ctx.rank, stride, stride,
-           wait_polls(plan), **_launch(consts, n, block, warps))
+           wait_limit(plan), **_launch(consts, n, block, warps))
 
 
 def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, scaled=None):
@@ -360,7 +360,7 @@ def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps,
         meta["ROW_BLOCK"] = 0            # (decode_grid): only a block a plan names takes them
     matmul_into(a, b, bias, partial, scaled=scaled, decode=plan.gemm == GEMV)
     kernel = lamport_all_kernel if one_shot else lamport_kernel
-    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_polls(plan), **meta)
+    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_limit(plan), **meta)
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()

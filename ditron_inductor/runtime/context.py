@@ -169,18 +169,15 @@ def get_context(op: str, group_name: str, symm_mem_backend: str, data_bytes: int
     return ctx
 
 
-# A poll of a peer's flag takes about a microsecond; of a local word (the MoE dispatch's tile
-# counters) less, so a bound in polls runs out sooner than its seconds say: the 4-rank dispatch
-# test gave up at its third call at a nominal 20 s on 4x H100, where 300 s (and unbounded
-# stream waits) passed all 48 calls: something held a sender for seconds there (a Triton
-# compile on one rank, likely; not found).
-POLLS_PER_S = 1_000_000
+POLLS_PER_S = 1_000_000  # where waits count polls (templates/flags.WAIT_IN_NS): about 1 us each
 
 
-def wait_polls(plan) -> int:
-    """Polls after which a bounded wait gives up (0: unbounded), from the plan's timeout: a
-    bound in polls, not in time (see POLLS_PER_S)."""
-    return int(plan.wait_timeout_s * POLLS_PER_S)
+def wait_limit(plan) -> int:
+    """The bound of the kernels' waits (0: unbounded) from the plan's timeout, in their units:
+    nanoseconds on a GPU, polls under the interpreter (templates/flags.WAIT_IN_NS)."""
+    from ..templates.flags import WAIT_IN_NS
+
+    return int(plan.wait_timeout_s * (1e9 if WAIT_IN_NS else POLLS_PER_S))
 
 
 def clear_contexts() -> None:

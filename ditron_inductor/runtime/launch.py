@@ -20,7 +20,7 @@ from ..scheduler.precision import FUSED_DTYPES
 from ..templates import flags
 from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
-from .context import OpContext, wait_polls
+from .context import OpContext, wait_limit
 from .gemv import decode_mm
 from .kernel_launch import cdiv, current_stream, launch, preload
 
@@ -45,7 +45,7 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
         from ..templates.flags import wait_flags_kernel
 
         launch(wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value,
-               wait_polls(plan), ctx.err, stream=stream)
+               wait_limit(plan), ctx.err, stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
@@ -112,11 +112,12 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool
 
 
 def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
-                first_row=0, epoch=0, num_progs=None, proxy_fence=False, polls=0,
+                first_row=0, epoch=0, num_progs=None, proxy_fence=False, limit=0,
                 load_only=False):
     """out = a @ b (+ bias) with the persistent tile program; with flags, tiles wait on them
-    (polls > 0: each wait gives up after that many polls, in debug mode). load_only: compile
-    and load the kernel this call would launch, launch nothing (kernel_launch.preload)."""
+    (limit > 0: each wait gives up after that long, context.wait_limit, in debug mode).
+    load_only: compile and load the kernel this call would launch, launch nothing
+    (kernel_launch.preload)."""
     from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
@@ -124,7 +125,7 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
     bm, bn, bk, group_m = tile.block_m, tile.block_n, tile.block_k, tile.group_m
     tiles = cdiv(m, bm) * cdiv(n, bn)
     sms = num_progs or num_sms(a.device)
-    if polls and flags is not None:
+    if limit and flags is not None:
         sms = max(1, sms - 2)  # debug waits run as kernels on the side stream: leave them SMs
     progs = max(1, min(sms, tiles))
     wait = flags is not None
@@ -145,14 +146,14 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
         (preload if load_only else launch)(
             ag_gemm_tma_kernel, (progs,), a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
-            rows_per_chunk, first_row, epoch, polls,
+            rows_per_chunk, first_row, epoch, limit,
             HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **options)
     else:
         (preload if load_only else launch)(
             ag_gemm_kernel, (progs,), a, b, out, bias_arg, flags, err, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            rows_per_chunk, first_row, epoch, polls,
+            rows_per_chunk, first_row, epoch, limit,
             HAS_BIAS=has_bias, WAIT=wait, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=group_m, NUM_PROGS=progs, **options)
     return out

@@ -64,7 +64,7 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
                  wait=None, push=None) -> None:
     """c (+)= the grouped GEMM of `rows` GEMM rows (row i: a[a_index[i]] or a[i]) by weight
     [E, K, N] per offsets, row i of the product to c[c_index[i]] or c[i] (times scale[i]);
-    rows_out: the rows read, stored there. wait: (tile counters, expect, err word, polls):
+    rows_out: the rows read, stored there. wait: (tile counters, expect, err word, limit):
     each tile first waits until counters[tile] >= expect[tile] (the multi-rank dispatch).
     push: (dst_rank, receive buffers, arrival counters): row i to row c_index[i] of rank
     dst_rank[i]'s receive buffer instead of c, counted in its counter (the multi-rank combine;

@@ -59,7 +59,7 @@ import torch
 
 from ..scheduler.plan import GroupedMmPlan
 from . import driver, moe_routes
-from .context import OpContext, build_outside_graph_pools, get_context, wait_polls
+from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
 from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, num_sms, wait_geq
 
@@ -239,7 +239,7 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
         if i == 0:
             first = dataclasses.replace(plan, progs=first_progs) if first_progs else plan
             grouped_gemm(first, recv, w, offsets, out, rows=received, rows_out=rows_out,
-                         wait=(counters, state.expect, ctx.err, wait_polls(plan)))
+                         wait=(counters, state.expect, ctx.err, wait_limit(plan)))
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
     return [rows_out] + outs

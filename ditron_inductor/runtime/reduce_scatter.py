@@ -41,7 +41,7 @@ from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.reduce_scatter import pull_reduce_kernel
 from . import driver
-from .context import device_epoch, get_context, size_class, wait_polls
+from .context import device_epoch, get_context, size_class, wait_limit
 from .kernel_launch import cdiv, current_stream, launch
 from .launch import (DTYPES, WAIT_NAMES, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
@@ -214,7 +214,7 @@ def matmul_reduce_scatter_pull(task, plan: ReduceScatterPlan, a, b, bias, reduce
         lambda side: launch(
             pull_reduce_kernel, (progs,), ctx.data.ptr_table, ctx.flags.ptr_table, dev.epoch,
             dev.arrive, ctx.err, out, rows, n, ctx.rank, per_chunk * tile["BLOCK_M"], half,
-            1.0 / world, wait_polls(plan), stream=side, BLOCK=plan.pull_block,
+            1.0 / world, wait_limit(plan), stream=side, BLOCK=plan.pull_block,
             SCALE=reduce_op == "avg", num_warps=plan.pull_warps,
             **flags.world_constants(world)))
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))

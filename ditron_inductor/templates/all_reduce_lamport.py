@@ -40,7 +40,8 @@ from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers 
     sendable,
 )
 from .all_reduce_push import end_of_call, finish_block, send_partial_to_all, store_h
-from .flags import K_ERR_SENT, gave_up_before, peer_ptr, polling, record_give_up
+from .flags import (K_ERR_SENT, gave_up_before, peer_ptr, polling, record_give_up, wait_start,
+                    waited)
 from .schedule import owned_block
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
@@ -56,11 +57,12 @@ def take_when_full(ptrs, mask, limit, err_ptr):
     """Poll *ptrs (where mask) until no word holds the empty mark, mark them empty again and
     return what they held. Bounded when limit > 0 (debug): gives up and records K_ERR_SENT."""
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-    n = 0
+    since = wait_start()
+    n = since * 0
     skip = gave_up_before(limit, err_ptr)
     while polling(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, n, limit, skip):
         x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-        n += 1
+        n = waited(n, since, limit)
     record_give_up(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, skip, err_ptr, K_ERR_SENT)
     tl.store(ptrs, empty_like(x), mask=mask)
     return x

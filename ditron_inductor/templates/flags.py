@@ -15,13 +15,18 @@ vector), `wait_rows` and `wait_chunks_through` (the chunks that a range of rows 
 lamport's `take_when_full` (all_reduce_lamport.py: it polls the data itself for the empty mark).
 Waits are bounded when limit > 0 (debug, the plan's wait timeout): a wait that gives up writes
 its code into an error word that the host reads, instead of hanging (`polling` and
-`record_give_up` state that rule for every wait). The world size is a compile-time constant
+`record_give_up` state that rule for every wait). The bound is time on a GPU, nanoseconds of its
+global timer (`wait_start`, `waited`), and polls under the interpreter, which has no inline
+assembly (runtime/context.wait_limit converts the plan's seconds to either). The world size is a compile-time constant
 (WORLD, and WORLD_P2 its next power of two): the loops over the ranks are unrolled, and a wait
 for all ranks polls their W flags with one vector of loads.
 
 Peer buffers are reached through a table of peer base addresses (one int64 per rank).
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -44,6 +49,15 @@ K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
 K_ERR_READY, K_ERR_PUSHED = tl.constexpr(ERR_READY), tl.constexpr(ERR_PUSHED)
 K_ERR_LOCAL, K_ERR_STARTED = tl.constexpr(ERR_LOCAL), tl.constexpr(ERR_STARTED)
 K_ERR_SENT = tl.constexpr(ERR_SENT)
+
+
+# Bounded waits count nanoseconds of the GPU's global timer: a bound in polls is no bound in time
+# (a poll of a peer's flag takes about a microsecond, of a local word less; the 4-rank MoE
+# dispatch test gave up at a nominal 20 s of polls on 4x H100 where 300 passed). Polls where
+# there is no PTX: the interpreter, ROCm.
+WAIT_IN_NS = (os.environ.get("TRITON_INTERPRET", "0") != "1"
+              and getattr(torch.version, "hip", None) is None)
+K_WAIT_IN_NS = tl.constexpr(WAIT_IN_NS)
 
 
 def world_constants(world: int) -> dict:
@@ -69,9 +83,37 @@ def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False
 
 
 @triton.jit
+def global_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_start():
+    """Where a wait's clock starts: the global timer (ns), or 0 where waits count polls."""
+    if K_WAIT_IN_NS:
+        start = global_ns()
+    else:
+        start = tl.full([], 0, tl.int64)
+    return start
+
+
+@triton.jit
+def waited(n, start, limit):
+    """How long a wait has waited after one more poll, in the units of `limit`: ns since
+    `start`, or polls; unbounded waits (limit 0) leave the clock alone."""
+    if K_WAIT_IN_NS:
+        if limit > 0:
+            n = global_ns() - start
+    else:
+        n = n + 1
+    return n
+
+
+@triton.jit
 def polling(pending, n, limit, skip):
     """Whether a wait polls again: something it waits for is pending and, when waits are bounded
-    (limit > 0), it has polled fewer than `limit` times and no earlier wait gave up (skip)."""
+    (limit > 0), it has waited less than `limit` (`waited`) and no earlier wait gave up (skip)."""
     return pending & ((limit == 0) | (n < limit)) & (skip == 0)
 
 
@@ -95,16 +137,17 @@ def gave_up_before(limit, err_ptr):
 
 @triton.jit
 def wait_flag(ptr, epoch, limit, err_ptr, code):
-    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` polls and record `code`.
+    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` (`waited`) and record `code`.
 
     Unlike the vector waits it does not skip after another wait gave up (gave_up_before): each
     of its waiters names its own flag in `code` (the chunk, the rank), and the check would add
     a load of the error word to every wait of the all-gather's GEMM tiles and pull."""
     v = load_acquire(ptr)
-    n = 0
+    since = wait_start()
+    n = since * 0
     while polling(v < epoch, n, limit, 0):
         v = load_acquire(ptr)
-        n += 1
+        n = waited(n, since, limit)
     record_give_up(v < epoch, 0, err_ptr, code)
 
 
@@ -113,11 +156,12 @@ def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
     """Wait until every flag *ptrs[i] (where mask) >= epoch, polling them together: one vector of
     acquire loads per poll (one NVLink round trip for remote flags, not one per flag)."""
     v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
-    n = 0
+    since = wait_start()
+    n = since * 0
     skip = gave_up_before(limit, err_ptr)
     while polling(tl.min(v, 0) < epoch, n, limit, skip):
         v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
-        n += 1
+        n = waited(n, since, limit)
     record_give_up(tl.min(v, 0) < epoch, skip, err_ptr, code)
 
 

@@ -49,7 +49,7 @@ a multiple of BLOCK_K: a K block never reaches into the next expert) or [E * N, 
 import triton
 import triton.language as tl
 
-from .flags import load_acquire, polling, record_give_up
+from .flags import load_acquire, polling, record_give_up, wait_start, waited
 
 # B_DESC: the weight through a TMA descriptor over its 2-d view, [E * K, N] or (a transposed
 # nn.Linear weight) [E * N, K]; 0: through pointers
@@ -150,10 +150,11 @@ def grouped_gemm_kernel(
             if ready:
                 want = tl.load(expect_ptr + m_tile)
                 v = load_acquire(count_ptr + m_tile)
-                n = 0
+                since = wait_start()
+                n = since * 0
                 while polling(v < want, n, limit, 0):
                     v = load_acquire(count_ptr + m_tile)
-                    n += 1
+                    n = waited(n, since, limit)
                 record_give_up(v < want, 0, err_ptr, K_ERR_ROWS)
                 ready = v >= want  # a bounded wait that gave up: the tile is left unwritten
                 if PROXY_FENCE:  # the peers' ordinary stores, then A_DESC's async-proxy reads
