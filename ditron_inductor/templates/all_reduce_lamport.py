@@ -57,7 +57,7 @@ def take_when_full(ptrs, mask, limit, err_ptr):
     """Poll *ptrs (where mask) until no word holds the empty mark, mark them empty again and
     return what they held. Bounded when limit > 0 (debug): gives up and records K_ERR_SENT."""
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-    since = wait_start()
+    since = wait_start(limit)
     n = since * 0
     skip = gave_up_before(limit, err_ptr)
     while polling(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, n, limit, skip):

@@ -17,9 +17,9 @@ Waits are bounded when limit > 0 (debug, the plan's wait timeout): a wait that g
 its code into an error word that the host reads, instead of hanging (`polling` and
 `record_give_up` state that rule for every wait). The bound is time on a GPU, nanoseconds of its
 global timer (`wait_start`, `waited`), and polls under the interpreter, which has no inline
-assembly (runtime/context.wait_limit converts the plan's seconds to either). The world size is a compile-time constant
-(WORLD, and WORLD_P2 its next power of two): the loops over the ranks are unrolled, and a wait
-for all ranks polls their W flags with one vector of loads.
+assembly (runtime/context.wait_limit converts the plan's seconds to either). The world size is
+a compile-time constant (WORLD, and WORLD_P2 its next power of two): the loops over the ranks
+are unrolled, and a wait for all ranks polls their W flags with one vector of loads.
 
 Peer buffers are reached through a table of peer base addresses (one int64 per rank).
 """
@@ -89,12 +89,13 @@ def global_ns():
 
 
 @triton.jit
-def wait_start():
-    """Where a wait's clock starts: the global timer (ns), or 0 where waits count polls."""
+def wait_start(limit):
+    """Where a bounded wait's clock starts: the global timer (ns); 0 where waits count polls
+    or are unbounded (limit 0: the clock is never read)."""
+    start = tl.full([], 0, tl.int64)
     if K_WAIT_IN_NS:
-        start = global_ns()
-    else:
-        start = tl.full([], 0, tl.int64)
+        if limit > 0:
+            start = global_ns()
     return start
 
 
@@ -143,7 +144,7 @@ def wait_flag(ptr, epoch, limit, err_ptr, code):
     of its waiters names its own flag in `code` (the chunk, the rank), and the check would add
     a load of the error word to every wait of the all-gather's GEMM tiles and pull."""
     v = load_acquire(ptr)
-    since = wait_start()
+    since = wait_start(limit)
     n = since * 0
     while polling(v < epoch, n, limit, 0):
         v = load_acquire(ptr)
@@ -156,7 +157,7 @@ def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
     """Wait until every flag *ptrs[i] (where mask) >= epoch, polling them together: one vector of
     acquire loads per poll (one NVLink round trip for remote flags, not one per flag)."""
     v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
-    since = wait_start()
+    since = wait_start(limit)
     n = since * 0
     skip = gave_up_before(limit, err_ptr)
     while polling(tl.min(v, 0) < epoch, n, limit, skip):

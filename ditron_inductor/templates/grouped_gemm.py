@@ -150,7 +150,7 @@ def grouped_gemm_kernel(
             if ready:
                 want = tl.load(expect_ptr + m_tile)
                 v = load_acquire(count_ptr + m_tile)
-                since = wait_start()
+                since = wait_start(limit)
                 n = since * 0
                 while polling(v < want, n, limit, 0):
                     v = load_acquire(count_ptr + m_tile)
