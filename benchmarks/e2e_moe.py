@@ -31,8 +31,8 @@ model.
 Per contender: the step's median time (bench_fused.bench_on: CUDA events, --reps of --iters
 steps after a sync of every rank, the maximum over ranks; the host's clock on CPU), the ditron
 ops its graphs hold (forward and backward), the fused MoE calls a step made (runtime/moe.stats:
-the others declined and ran their reference: NCCL all-to-all + grouped GEMM), and the
-first step's loss and gradients (the router's, an expert weight's, the head's) against
+the others declined and ran their reference: NCCL all-to-all + grouped GEMM; the notes say
+why, runtime/launch.declined), and the first step's loss and gradients (the router's, an expert weight's, the head's) against
 Inductor's: the largest difference over the largest magnitude; with --profile CALLS (CUDA),
 the device's busy and idle ms a step and its longest kernels. Writes <out>.json ({meta, rows})
 and <out>.md.
@@ -41,6 +41,7 @@ and <out>.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 
@@ -58,7 +59,7 @@ from benchmarks.bench_moe_ep import kernel_profile, profile_note  # noqa: E402
 from benchmarks.e2e_llama import max_diff  # noqa: E402
 from ditron_inductor.patterns import GROUPED_MM_ALL_TO_ALL, MOE_PATTERNS  # noqa: E402
 from ditron_inductor.lowering import graph_pass  # noqa: E402
-from ditron_inductor.runtime import moe  # noqa: E402
+from ditron_inductor.runtime import launch, moe  # noqa: E402
 
 CONTENDERS = ("inductor", "ditron", "ditron_fused", "ditron_fused_combine",
               "inductor_transformers_ep")
@@ -202,17 +203,19 @@ def run(args, group) -> list[dict]:
         name = f"{layer.name} (transformers {args.hf})" if args.hf else layer.name
         row = dict(model=name, experts=layer.experts * group.size(), layers=args.layers,
                    tokens=inputs[0][0].numel(), ms={}, ditron_ops={}, fused_calls={}, diff={},
-                   notes={}, profiles={})
+                   declined={}, notes={}, profiles={})
         reference = None
         for contender in args.contenders.split(","):
             torch._dynamo.reset()
             fn = compiled(contender, models[contender])
             params = dict(models[contender].named_parameters())
             try:
-                before = fused_calls()
+                before, declined = fused_calls(), collections.Counter(launch.declined)
                 graph_pass.reports.clear()  # the graphs this contender's first step compiles
                 loss = step(fn, *inputs[0])
                 row["fused_calls"][contender] = max_over_ranks(fused_calls() - before)
+                # the ops the runtime declined in that step, by reason (alike on every rank)
+                row["declined"][contender] = dict(launch.declined - declined)
                 row["ditron_ops"][contender] = [c.op for r in graph_pass.reports
                                                 for c in r.candidates if c.fused]
                 got = [loss.detach()] + [local(params[n].grad).detach().clone() for n in grads]
@@ -256,6 +259,9 @@ def report(rows: list[dict], args, argv) -> None:
         calls = ", ".join(f"{c} {int(n)}" for c, n in r["fused_calls"].items() if n)
         ops = ", ".join(f"{c} {len(o)}" for c, o in r["ditron_ops"].items() if o)
         notes = "; ".join([f"{c}: {v}" for c, v in r["notes"].items()]
+                          + [f"{c}: declined at runtime: " + ", ".join(
+                              f"{n} x {why}" for why, n in reasons.items())
+                             for c, reasons in r["declined"].items() if reasons]
                           + [f"{c}: {profile_note(t)}" for c, t in r["profiles"].items()])
         lines.append("| " + " | ".join([r["model"], str(r["experts"]), str(r["layers"]),
                                         str(r["tokens"])] + cells + ratios

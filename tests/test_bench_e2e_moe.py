@@ -37,6 +37,7 @@ def test_e2e_moe_runs_every_contender_on_two_cpu_ranks(tmp_path, hf):
         "inductor": [], "ditron": both, "ditron_fused": both,
         "ditron_fused_combine": [COMBINE, COMBINE], **{c: [] for c in own_exchange}}
     assert set(row["fused_calls"].values()) == {0}
+    assert row["declined"] == {c: {} for c in contenders + own_exchange}  # no fused path on CPU
     assert {c: row["diff"][c] for c in contenders[1:]} == {c: 0.0 for c in contenders[1:]}
     for c in own_exchange:  # another order of sums in bf16
         assert row["diff"][c] < 5e-2, row["diff"]

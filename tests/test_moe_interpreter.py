@@ -13,6 +13,7 @@ kernel never wrote fails; the experts' weights differ, so a row multiplied by th
 weight (a wrong offset) fails.
 """
 
+import collections
 import dataclasses
 import os
 
@@ -25,7 +26,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from ditron_inductor.ops import task_of  # noqa: E402
-from ditron_inductor.runtime import moe  # noqa: E402
+from ditron_inductor.runtime import launch, moe  # noqa: E402
 from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_TO_ALL_GROUPED_MM,
@@ -647,10 +648,14 @@ def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplo
              "2 ranks: 7 rows to receive, fewer than the plan's 8")):
         args = (lefts, [w] * len(lefts), offsets, torch.arange(6), accumulate, [3, 4], [6, 0],
                 "0", 2)
+        declined = collections.Counter(launch.declined)
         with caplog.at_level(logging.DEBUG, logger="ditron"):
             assert moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *args), plan,
                                                    *args) is None
         assert reason in caplog.text
+        # counted by reason, once (what benchmarks/e2e_moe.py reports beside the fused calls)
+        (why,) = launch.declined - declined
+        assert reason in why and (launch.declined - declined)[why] == 1
 
 
 def test_combine_push_sends_rows_past_the_last_offset_as_zeros():

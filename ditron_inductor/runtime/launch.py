@@ -7,6 +7,7 @@ serve; `decline` says why at debug level.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from typing import Optional
@@ -29,7 +30,12 @@ log = logging.getLogger(LOGGER_NAME)
 DTYPES = FUSED_DTYPES  # the scheduler decides on them (scheduler/precision.py)
 
 
+# each runtime decline's reason, counted (what the benchmarks report beside the fused calls)
+declined: collections.Counter = collections.Counter()
+
+
 def decline(msg: str):
+    declined[msg] += 1
     log.debug("fused path declined: %s", msg)
     return None
 
