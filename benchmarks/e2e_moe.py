@@ -32,10 +32,10 @@ Per contender: the step's median time (bench_fused.bench_on: CUDA events, --reps
 steps after a sync of every rank, the maximum over ranks; the host's clock on CPU), the ditron
 ops its graphs hold (forward and backward), the fused MoE calls a step made (runtime/moe.stats:
 the others declined and ran their reference: NCCL all-to-all + grouped GEMM; the notes say
-why, runtime/launch.declined), and the first step's loss and gradients (the router's, an expert weight's, the head's) against
-Inductor's: the largest difference over the largest magnitude; with --profile CALLS (CUDA),
-the device's busy and idle ms a step and its longest kernels. Writes <out>.json ({meta, rows})
-and <out>.md.
+why, runtime/launch.declined), and the first step's loss and gradients (the router's, an
+expert weight's, the head's) against Inductor's: the largest difference over the largest
+magnitude; with --profile CALLS (CUDA), the device's busy and idle ms a step and its longest
+kernels. Writes <out>.json ({meta, rows}) and <out>.md.
 """
 
 from __future__ import annotations
