@@ -7,13 +7,14 @@ case asserts that the fused path served it.
 
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
 passed on 2x H100, and with the route kernels on 2 and 4 of 4x H100, 2026-11-27) and combine
-(runtime/moe_combine.py; passed on 2x H200, and on 2x H100 with DITRON_TEST_WAIT_S=0: with the
-bounded waits its first call failed there, rank 0's rows zeros on rank 1; with the route kernels, 48
-calls with DITRON_TEST_WAIT_S=0 on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are
-more than 2): several consecutive calls on the same symmetric buffers, each routing drawn anew
-(random, an expert of every rank without rows, the last rank receiving nothing, every row to rank 0;
-the combine sends the rows back along the same routing), against the reference's NCCL all-to-all and
-torch._grouped_mm, with bounded waits (a row that never lands fails the test instead of hanging it).
+(runtime/moe_combine.py; passed on 2x H200, and with the route kernels 48 calls on 2x H100 and on 2
+of 4x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2): several
+consecutive calls on the same symmetric buffers, each routing drawn anew (random, an expert of every
+rank without rows, the last rank receiving nothing, every row to rank 0; the combine sends the rows
+back along the same routing), against the reference's NCCL all-to-all and torch._grouped_mm. The
+dispatch with bounded waits (a row that never lands fails the test instead of hanging it; 96 calls
+passed on 2 and 4 H100s, 2026-11-27); the combine with stream waits, since it declines bounded ones
+(its first call read a sender's rows before they landed: moe_combine's doc).
 
 Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_gpu.py
 """
@@ -295,8 +296,11 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
     from ditron_inductor.ops import grouped_mm_all_to_all_reference
     from ditron_inductor.scheduler.task import GROUPED_MM_ALL_TO_ALL
 
+    from ditron_inductor import config
+
     k, n, count = 384, 512, 0  # down: hidden 384 -> model 512
     down = _expert_weights(k, n, dev, True)
+    config.wait_timeout_s = 0.0  # the fused combine declines bounded waits (moe_combine.problem)
     tiles = MULTI_RANK_TILES + (dict(staged_push=True),)  # and the rows stored, then put
     for tag, plan, dtype, (_, out_splits, in_splits, row_index, offsets) in _routed_calls(
             group, world, rank, GROUPED_MM_ALL_TO_ALL, k, gen, tiles):
@@ -311,9 +315,38 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
         if ref.shape[0]:
             err = _rel(out, ref) if torch.isfinite(out).all() else float("inf")
             assert err < 2e-2, (f"multi-rank combine {tag}: relative error {err:.3e}, "
-                                f"{_wrong_rows(out, ref, in_splits)}")
+                                f"{_wrong_rows(out, ref, in_splits)}; "
+                                f"{_combine_buffer_later(ref, in_splits)}")
         count += 1
     return f"{count} multi-rank combine calls fused and checked"
+
+
+def _combine_buffer_later(ref, received_splits) -> str:
+    """After a wrong combine: its receive buffer a while later (the peers' writes of this call
+    done by then: no barrier, a peer that passed is in its next call's collectives), every
+    rank's table and this rank's flag words. Rows right there now came after the collect's copy
+    (the wait let it read early); rows still wrong went elsewhere."""
+    import time
+
+    from ditron_inductor.runtime import moe_combine
+    from ditron_inductor.runtime.context import _contexts
+    from ditron_inductor.runtime.kernel_launch import next_power_of_2
+
+    torch.cuda.synchronize()
+    time.sleep(2)
+    received, n, world = ref.shape[0], ref.shape[1], len(received_splits)
+    capacity = max(64, next_power_of_2(received))
+    ctxs = [c for key, c in _contexts.items()
+            if key[0] == f"{moe_combine.OP}:{capacity}x{n}:{ref.dtype}"]
+    if len(ctxs) != 1:
+        return f"{len(ctxs)} combine contexts of this size"
+    ctx, layout = ctxs[0], moe_combine.combine_layout(world, capacity, n, ref.dtype)
+    recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+    tables = [ctx.data.view(p, torch.int32, [2 * world], layout.table_offset).tolist()
+              for p in range(world)]
+    return (f"later, the receive buffer: {_wrong_rows(recv[:received], ref, received_splits)}; "
+            f"each rank's table {tables}, my flag words "
+            f"{moe_combine.flag_words(ctx, layout).tolist()}")
 
 
 def _wrong_rows(out, ref, received_splits) -> str:
@@ -335,9 +368,9 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 
     from ditron_inductor import config
 
-    # the plans' waits bounded: a row that never lands raises (DITRON_TEST_WAIT_S=0: the stream
-    # waits a model's call takes). 60 s: with the bound in polls, 20 s nominal gave up once on
-    # the 4-rank dispatch on 4x H100 where 300 passed every call (templates/flags.WAIT_IN_NS)
+    # the dispatch's waits bounded: a row that never lands raises (DITRON_TEST_WAIT_S=0: the
+    # stream waits a model's call takes). 60 s: with the bound in polls, 20 s nominal gave up once
+    # on the 4-rank dispatch on 4x H100 where 300 passed every call (templates/flags.WAIT_IN_NS)
     config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "60"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -363,8 +396,8 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 @pytest.mark.parametrize("calls", [_dispatch_calls, _combine_calls],
                          ids=["dispatch", "combine"])
 def test_moe_multi_rank(tmp_path, world, calls):
-    """The dispatch passed on 2x H100 and 2x H200; the combine on 2x H200, and on 2x H100 with
-    DITRON_TEST_WAIT_S=0 (bounded waits: its first call fails there, see the module doc)."""
+    """The dispatch passed on 2x H100 and 2x H200, and on 4 of 4x H100; the combine (stream
+    waits) on 2x H200 and 2x H100 (the module doc says when)."""
     if world == "all":
         if torch.cuda.device_count() == 2:
             pytest.skip("2 GPUs: the world-2 case ran")
