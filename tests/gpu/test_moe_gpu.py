@@ -7,8 +7,8 @@ case asserts that the fused path served it.
 
 On 2 or more GPUs, `test_moe_multi_rank` runs the multi-rank dispatch (runtime/moe_dispatch.py;
 passed on 2x H100, and with the route kernels on 2 and 4 of 4x H100, 2026-11-27) and combine
-(runtime/moe_combine.py; passed on 2x H200, and with the route kernels 48 calls on 2x H100 and on 2
-of 4x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2): several
+(runtime/moe_combine.py; passed on 2x H200, and with the route kernels 48 calls with stream waits
+on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2): several
 consecutive calls on the same symmetric buffers, each routing drawn anew (random, an expert of every
 rank without rows, the last rank receiving nothing, every row to rank 0; the combine sends the rows
 back along the same routing), against the reference's NCCL all-to-all and torch._grouped_mm. The
@@ -293,10 +293,9 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
     """Consecutive multi-rank combine calls (down, back along each dispatch routing: its
     row_index, the splits reversed, as the MoE layer's forward combines) against the
     reference (passed on 2x H200)."""
+    from ditron_inductor import config
     from ditron_inductor.ops import grouped_mm_all_to_all_reference
     from ditron_inductor.scheduler.task import GROUPED_MM_ALL_TO_ALL
-
-    from ditron_inductor import config
 
     k, n, count = 384, 512, 0  # down: hidden 384 -> model 512
     down = _expert_weights(k, n, dev, True)
