@@ -67,8 +67,9 @@ limited() {
       echo "=== process $child: $(tr '\0' ' ' < "/proc/$child/cmdline" | cut -c1-120)"
       command -v py-spy >/dev/null && timeout 60 py-spy dump --native --pid "$child" | head -120
     done
-    for child in $(descendants "$pid"); do kill -USR1 "$child" 2>/dev/null; done; sleep 3
-    kill -- "$pid"; sleep 5; pkill -9 -P "$pid"; kill -9 "$pid" 2>/dev/null
+    local all; all=$(descendants "$pid")  # torch.multiprocessing's ranks are grandchildren
+    for child in $all; do kill -USR1 "$child" 2>/dev/null; done; sleep 3
+    kill -- "$pid"; sleep 5; kill -9 $all "$pid" 2>/dev/null
   fi
   wait "$pid"
 }
