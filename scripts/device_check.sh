@@ -63,11 +63,11 @@ limited() {
   while kill -0 "$pid" 2>/dev/null && [ "$t" -lt "$limit" ]; do sleep 1; t=$((t + 1)); done
   if kill -0 "$pid" 2>/dev/null; then
     echo "still running after ${limit} s: the stacks of its processes, then the kill"
-    for child in "$pid" $(descendants "$pid"); do
+    local all; all=$(descendants "$pid")  # torch.multiprocessing's ranks are grandchildren
+    for child in "$pid" $all; do
       echo "=== process $child: $(tr '\0' ' ' < "/proc/$child/cmdline" | cut -c1-120)"
       command -v py-spy >/dev/null && timeout 60 py-spy dump --native --pid "$child" | head -120
     done
-    local all; all=$(descendants "$pid")  # torch.multiprocessing's ranks are grandchildren
     for child in $all; do kill -USR1 "$child" 2>/dev/null; done; sleep 3
     kill -- "$pid"; sleep 5; kill -9 $all "$pid" 2>/dev/null
   fi

@@ -112,6 +112,13 @@ def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Lay
                   table_words=moe_routes.split_words(world))
 
 
+def context_of(world: int, received: int, n: int, dtype: torch.dtype) -> tuple:
+    """(the name of the context, its layout) of a call that receives `received` rows of n: one
+    context per power-of-two size class of the rows."""
+    capacity = max(64, next_power_of_2(received))
+    return f"{OP}:{capacity}x{n}:{dtype}", combine_layout(world, capacity, n, dtype)
+
+
 def problem(plan: GroupedMmPlan, left, weight, row_index, accumulate: bool,
             received: int) -> str:
     """Why the multi-rank combine declines ("" if it serves): rank-invariant properties only
@@ -151,10 +158,9 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
                          f"rows on {world_size} ranks (the fused combine sends each row once)")
     if row_index is not None and row_index.shape[0] != rows:
         raise ValueError(f"{OP}: a row index of {row_index.shape[0]} entries for {rows} rows")
-    capacity = max(64, next_power_of_2(received))
-    layout = combine_layout(world_size, capacity, n, left.dtype)
-    ctx = get_context(f"{OP}:{capacity}x{n}:{left.dtype}", group_name, plan.symm_mem_backend,
-                      layout.nbytes, flag_words=arrived_word(world_size, world_size))
+    name, layout = context_of(world_size, received, n, left.dtype)
+    ctx = get_context(name, group_name, plan.symm_mem_backend, layout.nbytes,
+                      flag_words=arrived_word(world_size, world_size))
     state = _states.get(ctx)
     if state is None:
         state = _states[ctx] = build_outside_graph_pools(ctx.device,

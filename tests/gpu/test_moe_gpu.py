@@ -329,17 +329,15 @@ def _combine_buffer_later(ref, received_splits) -> str:
 
     from ditron_inductor.runtime import moe_combine
     from ditron_inductor.runtime.context import _contexts
-    from ditron_inductor.runtime.kernel_launch import next_power_of_2
 
     torch.cuda.synchronize()
     time.sleep(2)
     received, n, world = ref.shape[0], ref.shape[1], len(received_splits)
-    capacity = max(64, next_power_of_2(received))
-    ctxs = [c for key, c in _contexts.items()
-            if key[0] == f"{moe_combine.OP}:{capacity}x{n}:{ref.dtype}"]
+    name, layout = moe_combine.context_of(world, received, n, ref.dtype)
+    ctxs = [c for key, c in _contexts.items() if key[0] == name]
     if len(ctxs) != 1:
         return f"{len(ctxs)} combine contexts of this size"
-    ctx, layout = ctxs[0], moe_combine.combine_layout(world, capacity, n, ref.dtype)
+    ctx = ctxs[0]
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     tables = [ctx.data.view(p, torch.int32, [2 * world], layout.table_offset).tolist()
               for p in range(world)]
