@@ -33,7 +33,8 @@
 # _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
 # template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
 # decode attention and decode GEMM templates' GPU tests, tests/gpu/test_decode_*_gpu.py),
-# decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU).
+# decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU),
+# launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its stream's order).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail
@@ -160,6 +161,8 @@ decode_gpu() { timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_gemm_gpu.py; }
 decode_attention() { timeout -k 5 ${DECODE_ATTENTION_LIMIT:-200} torchrun --nproc-per-node 1 \
   benchmarks/bench_decode_attention.py --out "$W/decode_attention" ${DECODE_ATTENTION_ARGS:-}; }
+launch_gpu() { timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_kernel_launch_gpu.py; }
 gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
   --out "$W/gemv" ${GEMV_ARGS:-}; }
 

@@ -2,6 +2,8 @@
 differently, and the fast path launches the compiled kernel with the arguments Triton would pass
 (a fake Triton kernel stands in for the GPU)."""
 
+import contextlib
+
 import torch
 
 from ditron_inductor.runtime import kernel_launch
@@ -104,6 +106,32 @@ def test_launch_compiles_once_per_class_then_calls_the_compiled_launcher(monkeyp
     kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=256, num_warps=4)
     kernel_launch.launch(k, (8,), x, 100, 0.5, BLOCK=128, num_warps=4)
     assert [entry[0] for entry in k.launches[3:]] == ["triton"] * 4
+
+
+def test_a_first_launch_runs_on_the_stream_its_handle_names(monkeypatch):
+    """Triton launches on torch's current stream, so a first launch (Triton's path) on a given
+    handle makes that stream current: for handle 0 the default stream's own object, since
+    torch.cuda.ExternalStream(0) is a new stream of torch's pool (a null pointer reads as "none
+    given"), which a kernel meant for the default stream then ran on, unordered with it."""
+    on_gpu(monkeypatch, stream=0)
+    entered = []
+
+    @contextlib.contextmanager
+    def current(stream):
+        entered.append(stream)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", current)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda: "the default stream")
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle: f"stream {handle}")
+    k = FakeKernel()
+    x = torch.zeros(64)
+    kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=128, stream=0)
+    kernel_launch.launch(k, (4,), x, 1, 0.5, BLOCK=128, stream=1234)  # another class
+    kernel_launch.launch(k, (4,), x, 100, 0.5, BLOCK=128, stream=0)  # the compiled launcher's
+    assert [entry[0] for entry in k.launches] == ["triton", "triton", "fast"]
+    assert entered == ["the default stream", "stream 1234"]
+    assert k.launches[2][3] == 0  # the handle itself: 0 is the default stream there
 
 
 def test_preload_compiles_and_loads_so_that_the_launch_loads_nothing(monkeypatch):

@@ -103,8 +103,20 @@ def launch(kernel, grid: tuple, *args, stream: Optional[int] = None, **meta) -> 
 def _ordinary_launch(kernel, grid, args, stream, meta):
     if stream is None:
         return kernel[grid](*args, **meta)
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+    with torch.cuda.stream(stream_of(stream)):
         return kernel[grid](*args, **meta)
+
+
+def stream_of(handle: int) -> torch.cuda.Stream:
+    """torch's stream object for a CUstream handle. Handle 0 (the default stream, which
+    `current_stream` returns for it) needs the default stream's own object: torch reads
+    ExternalStream(0)'s null pointer as "none given" and hands out a new stream of its pool
+    (THCPStream_pynew), so the first launch of each argument class, which takes this path, ran
+    unordered with the caller's stream: the MoE combine's bounded arrival waits passed while the
+    copy after them had already read (2x H100, benchmarks/results/logs/gpu_checks_s43.log)."""
+    if handle == 0:
+        return torch.cuda.default_stream()
+    return torch.cuda.ExternalStream(handle)
 
 
 def preload(kernel, grid: tuple, *args, **meta) -> None:

@@ -9,13 +9,11 @@ Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged
 2026-11-26; its routes read by torch ops then, by the put and routes kernels of
 templates/moe_routes.py since: with them its multi-rank GPU test passed on 2x H100, 48 calls with
 stream waits, and bench_moe_ep.py on 2 of 4x H100 was exact against the reference at 0.82-0.95x its
-time, moe_ep_h100x4_routes.md, 2026-11-27). With bounded waits (plan.wait_timeout_s > 0: the waits
-are kernels that can give up) it declines (`problem`): its first call returned one sender's rows as
-zeros in 7 of 11 runs on 2 and 4 H100s (gpu_checks_2x_s39.log, gpu_checks_4x_s42.log), and the
-buffer read a while later held those rows, with that sender's count arrived after the reset: the
-arrival wait let the copy read before the rows and their counts came, without giving up (not
-found: the same wait kernel serves the dispatch, which passed 96 bounded calls on 2 and 4 ranks)
-and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU runs hung
+time, moe_ep_h100x4_routes.md, 2026-11-27; with bounded waits, plan.wait_timeout_s > 0, whose
+waits are kernels that can give up, its first call returned one sender's rows as zeros in 14 of 18
+runs on 2 and 4 H100s while the first launch of a kernel class for the default stream went to a
+new stream of torch's pool, so that the copy after an arrival wait read before the rows came:
+kernel_launch.stream_of, gpu_checks_s43.log) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU runs hung
 at the first call, rank 0's arrival count at 600 of 1200, while the count was one word for all
 senders raised by one scalar add per tile and rank; now one word per sender, one add per row as the
 dispatch counts); CPU-tested below the context (the routes and the kernels' push under the
@@ -126,9 +124,6 @@ def problem(plan: GroupedMmPlan, left, weight, row_index, accumulate: bool,
     rank), so every rank declines alike, before any protocol step."""
     if received < plan.min_rows:
         return f"{received} rows to receive, fewer than the plan's {plan.min_rows}"
-    if plan.debug_waits:
-        return ("bounded waits (ditron.wait_timeout_s > 0): the combine's first call read a "
-                "sender's rows before they landed on 2 and 4 H100s (see this module's doc)")
     if row_index is not None and accumulate:
         return "rows summed into one (accumulate): each row is stored once, never added"
     if row_index is not None and row_index.dtype not in (torch.int32, torch.int64):

@@ -12,9 +12,9 @@ on 2x H100, 2026-11-27) on 2 ranks (and on every GPU when there are more than 2)
 consecutive calls on the same symmetric buffers, each routing drawn anew (random, an expert of every
 rank without rows, the last rank receiving nothing, every row to rank 0; the combine sends the rows
 back along the same routing), against the reference's NCCL all-to-all and torch._grouped_mm. The
-dispatch with bounded waits (a row that never lands fails the test instead of hanging it; 96 calls
-passed on 2 and 4 H100s, 2026-11-27); the combine with stream waits, since it declines bounded ones
-(its first call read a sender's rows before they landed: moe_combine's doc).
+dispatch and combine with bounded waits unless DITRON_TEST_WAIT_S=0 (a row that never lands
+fails the test instead of hanging it; the dispatch: 96 calls passed on 2 and 4 H100s, 2026-11-27;
+the combine's first call read rows before they landed until the fix in moe_combine's doc).
 
 Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_gpu.py
 """
@@ -293,13 +293,11 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
     """Consecutive multi-rank combine calls (down, back along each dispatch routing: its
     row_index, the splits reversed, as the MoE layer's forward combines) against the
     reference (passed on 2x H200)."""
-    from ditron_inductor import config
     from ditron_inductor.ops import grouped_mm_all_to_all_reference
     from ditron_inductor.scheduler.task import GROUPED_MM_ALL_TO_ALL
 
     k, n, count = 384, 512, 0  # down: hidden 384 -> model 512
     down = _expert_weights(k, n, dev, True)
-    config.wait_timeout_s = 0.0  # the fused combine declines bounded waits (moe_combine.problem)
     tiles = MULTI_RANK_TILES + (dict(staged_push=True),)  # and the rows stored, then put
     for tag, plan, dtype, (_, out_splits, in_splits, row_index, offsets) in _routed_calls(
             group, world, rank, GROUPED_MM_ALL_TO_ALL, k, gen, tiles):
