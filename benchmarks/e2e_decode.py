@@ -608,7 +608,9 @@ def report(result: dict, argv: list[str]) -> None:
     print(f"\n## Llama decode: generate() with a static cache, world {result['world']}, "
           f"{device}, hidden {args.hidden}, intermediate {args.intermediate}, heads "
           f"{args.heads}/{args.kv_heads}, {args.layers} layers, "
-          f"{args.dtype}, mode {MODE}\n")
+          f"{args.dtype}, "
+          + (f"options {json.dumps(args.compile_options)}" if args.compile_options
+             else f"mode {MODE}") + "\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
