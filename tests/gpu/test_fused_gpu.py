@@ -43,8 +43,10 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # they gave one peer's rows wrong at a shape's first call (relative error 0.58-0.67, rank 1 at 37
 # rows, rank 0 at 64) in both runs that printed their failure, and the test hung on the other
 # rank in two more (benchmarks/results/logs/gpu_checks_4x_s42.log); the code of session 39 passed
-# once there; at 4 ranks they gave wrong gradients in a training step before. A plan known to
-# fail at random would hide a regression of the plans the scheduler does choose.
+# once there; at 4 ranks they gave wrong gradients in a training step before. Still so on 2x H100
+# after the first-launch stream fix of session 43 (gpu_checks_s43.log, call 5: 37 rows, 8 SMs,
+# call 0, 6.7e-01), so not that. A plan known to fail at random would hide a regression of the
+# plans the scheduler does choose.
 SM_PULL_AG_PLANS = [
     dict(gemm="triton", tma=True, transfer="sm", comm_sms=16),
     dict(gemm="triton", tma=False, block_m=64, block_n=128, transfer="sm", comm_sms=8),

@@ -8,7 +8,8 @@ import triton.language as tl
 
 from ditron_inductor.runtime import kernel_launch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SPIN_NS = 50_000_000  # long enough that work queued behind it, if unordered, runs first
 
