@@ -9,12 +9,14 @@ Passed on 2x H100 (48 consecutive calls on 2 ranks with stream waits, the staged
 2026-11-26; its routes read by torch ops then, by the put and routes kernels of
 templates/moe_routes.py since: with them its multi-rank GPU test passed on 2x H100, 48 calls with
 stream waits, and bench_moe_ep.py on 2 of 4x H100 was exact against the reference at 0.82-0.95x its
-time, moe_ep_h100x4_routes.md, 2026-11-27; with bounded waits, plan.wait_timeout_s > 0, whose
-waits are kernels that can give up, its first call returned one sender's rows as zeros in 14 of 18
-runs on 2 and 4 H100s while the first launch of a kernel class for the default stream went to a
-new stream of torch's pool, so that the copy after an arrival wait read before the rows came:
-kernel_launch.stream_of, gpu_checks_s43.log) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24 consecutive calls on 2 ranks; its first GPU runs hung
-at the first call, rank 0's arrival count at 600 of 1200, while the count was one word for all
+time, moe_ep_h100x4_routes.md, 2026-11-27; on 4 of 4x H100, 48 calls with stream waits,
+2026-11-27; with bounded waits, plan.wait_timeout_s > 0, whose waits are kernels that can give up,
+5 of 5 runs of 48 calls on 2x H100 since the first launch of a kernel class for the default stream
+stays on it, kernel_launch.stream_of: it went to a new stream of torch's pool, the copy after an
+arrival wait read before the rows came, and the first call returned one sender's rows as zeros in
+14 of 18 runs on 2 and 4 H100s, gpu_checks_s43.log) and on 2x H200 (tests/gpu/test_moe_gpu.py, 24
+consecutive calls on 2 ranks; its first GPU runs hung at the first call, rank 0's arrival count
+at 600 of 1200, while the count was one word for all
 senders raised by one scalar add per tile and rank; now one word per sender, one add per row as the
 dispatch counts); CPU-tested below the context (the routes and the kernels' push under the
 interpreter: tests/test_moe_interpreter.py). The dispatch's transpose, built from its pieces
