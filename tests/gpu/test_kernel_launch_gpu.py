@@ -27,10 +27,11 @@ def late_write_kernel(x_ptr, ns, value):
 
 
 @pytest.mark.parametrize("stream_kind", ["default", "side"])
-def test_work_queued_after_a_launch_sees_its_writes(stream_kind):
+def test_work_queued_after_a_launch_sees_its_writes(stream_kind, monkeypatch):
     """The value a spinning kernel stores is what a copy queued after it on the same stream
     reads, for the default stream (handle 0: its first launch once ran on a new pool stream,
     and the copy read the old value) and for another stream."""
+    monkeypatch.setattr(kernel_launch, "_runners", {})  # each case's first launch is Triton's
     stream = torch.cuda.default_stream() if stream_kind == "default" else torch.cuda.Stream()
     with torch.cuda.stream(stream):
         handle = kernel_launch.current_stream()
