@@ -34,7 +34,8 @@
 # template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
 # decode attention and decode GEMM templates' GPU tests, tests/gpu/test_decode_*_gpu.py),
 # decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU),
-# launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its stream's order).
+# launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its
+# stream's order).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ditron_inductor.runtime import kernel_launch
+from ditron_inductor.templates.flags import global_ns
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,12 +18,10 @@ SPIN_NS = 50_000_000  # long enough that work queued behind it, if unordered, ru
 @triton.jit(do_not_specialize=["ns", "value"])
 def late_write_kernel(x_ptr, ns, value):
     """Spin `ns` nanoseconds of the global timer, then store `value` at x_ptr."""
-    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                      is_pure=False, pack=1)
+    start = global_ns()
     now = start
     while now - start < ns:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                        is_pure=False, pack=1)
+        now = global_ns()
     tl.store(x_ptr, value)
 
 

@@ -364,8 +364,8 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 
     from ditron_inductor import config
 
-    # the dispatch's waits bounded: a row that never lands raises (DITRON_TEST_WAIT_S=0: the
-    # stream waits a model's call takes). 60 s: with the bound in polls, 20 s nominal gave up once
+    # the dispatch's and combine's waits bounded: a row that never lands raises
+    # (DITRON_TEST_WAIT_S=0: the stream waits a model's call takes). 60 s: with the bound in polls, 20 s nominal gave up once
     # on the 4-rank dispatch on 4x H100 where 300 passed every call (templates/flags.WAIT_IN_NS)
     config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "60"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -392,8 +392,8 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
 @pytest.mark.parametrize("calls", [_dispatch_calls, _combine_calls],
                          ids=["dispatch", "combine"])
 def test_moe_multi_rank(tmp_path, world, calls):
-    """The dispatch passed on 2x H100 and 2x H200, and on 4 of 4x H100; the combine (stream
-    waits) on 2x H200 and 2x H100 (the module doc says when)."""
+    """The dispatch passed on 2x H100 and 2x H200, and on 4 of 4x H100; the combine on 2x H200,
+    2x H100 and 4 of 4x H100 (the module doc says with which waits)."""
     if world == "all":
         if torch.cuda.device_count() == 2:
             pytest.skip("2 GPUs: the world-2 case ran")
