@@ -35,7 +35,10 @@ Contenders: eager, inductor, ditron, ditron_fusions_only (ditron with its rewrit
 fusions off: the causal mask, the decode GEMM of one-row matmuls, the GQA packing of the
 attention; so that what fusing the all-reduces gains is told apart from what those gain), and
 ditron_no_gemm_groups (ditron with `ditron.decode_gemm_groups` off: each one-row product its own
-launch, to time that option).
+launch, to time that option). A compiled contender's name with `+graph` (e.g. `ditron+graph`)
+compiles its step without "reduce-overhead" and replays the whole call from one CUDA graph of
+`ditron_inductor.step_graph.StepGraph`, in `generate()` and in the bare step: no Dynamo frame,
+AOTAutograd wrapper or CUDA-graph tree on the host at each step.
 
 Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
@@ -99,6 +102,7 @@ from tests import llama_tp  # noqa: E402
 # ditron_no_gemm_groups: ditron with each one-row decode GEMM its own launch (the option
 # ditron.decode_gemm_groups off), what the groups gain
 CONTENDERS = ("eager", "inductor", "ditron", "ditron_fusions_only", "ditron_no_gemm_groups")
+STEP_GRAPH = "+graph"  # a compiled contender's suffix: its whole step in StepGraph's CUDA graph
 CONTENDER_OPTIONS = {"ditron_fusions_only": e2e_llama.FUSIONS_ONLY,
                      "ditron_no_gemm_groups": {"ditron.decode_gemm_groups": False}}
 PARAMS = ("dtensor", "local")
@@ -159,7 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        params="dtensor", warmup=0, reps=2, iters=2, min_ms=0.0)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    for option, allowed in (("contenders", CONTENDERS), ("params", PARAMS)):
+    graphed = tuple(c + STEP_GRAPH for c in CONTENDERS if c != "eager")
+    for option, allowed in (("contenders", CONTENDERS + graphed), ("params", PARAMS)):
         bad = [v for v in getattr(args, option).split(",") if v not in allowed]
         if bad:
             p.error(f"--{option}: {', '.join(map(repr, bad))} not among {', '.join(allowed)}")
@@ -173,23 +178,39 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ one run
 
 
+def split_contender(contender: str) -> tuple[str, bool]:
+    """(the contender without the suffix, whether its step replays from a StepGraph)."""
+    if contender.endswith(STEP_GRAPH):
+        return contender[:-len(STEP_GRAPH)], True
+    return contender, False
+
+
 def generation_config(contender: str, new_tokens: int, device: str, options=None):
     """Greedy, `new_tokens` tokens, the decode step compiled by transformers with the
-    contender's backend (eager: not compiled), in mode "reduce-overhead" or with `options`."""
+    contender's backend (eager: not compiled), in mode "reduce-overhead" or with `options`
+    (with the `+graph` suffix: neither, StepGraph is the step's CUDA graph)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
+    contender, step_graph = split_contender(contender)
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, use_cache=True)
     if contender == "eager":
         config.disable_compile = True
         return config
-    if contender in CONTENDER_OPTIONS:  # torch.compile takes a mode or options, not both
+    if step_graph:
+        options = {**(options or {}), **CONTENDER_OPTIONS.get(contender, {})} or None
+        if options and options.get("triton.cudagraphs"):
+            raise ValueError(f"{contender}{STEP_GRAPH}: StepGraph is the step's CUDA graph; "
+                             "compile options with triton.cudagraphs would nest another")
+    elif contender in CONTENDER_OPTIONS:  # torch.compile takes a mode or options, not both
         from torch._inductor import list_mode_options
 
         options = {**(options or list_mode_options(MODE)), **CONTENDER_OPTIONS[contender]}
     config.compile_config = CompileConfig(backend="ditron" if contender.startswith("ditron")
                                           else contender, mode=None if options else MODE,
                                           options=options, fullgraph=True, dynamic=False)
+    if step_graph:
+        config.compile_config.mode = None
     # transformers compiles on accelerators only, unless told to
     config.compile_config._compile_all_devices = device == "cpu"
     return config
@@ -257,6 +278,14 @@ class Decoder:
         self.model, self.ids, self.new_tokens = model, ids, new_tokens
         self.cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
         self.config = generation_config(contender, new_tokens, device, options)
+        if split_contender(contender)[1]:
+            # generate() and bare_step take the compiled call from here: the whole call replayed
+            # from StepGraph's CUDA graph
+            from ditron_inductor.step_graph import StepGraph
+
+            graphed = StepGraph(torch.compile(model.__call__,
+                                              **self.config.compile_config.to_dict()))
+            model.get_compiled_call = lambda compile_config: graphed
         self.clock = StepClock(device == "cuda")
         self.criteria = StoppingCriteriaList([self.clock])
         self.tokens = None  # the first call's, which every later call must make
@@ -436,7 +465,7 @@ def first_call(row: dict, model, ids: torch.Tensor, args):
         row["tokens"], row["margins"] = decoder.tokens.tolist(), margins.per_row()
         row["graphs_first_call"] = compiled_graphs() - graphs
         row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
-        if row["contender"].startswith("ditron"):
+        if split_contender(row["contender"])[0].startswith("ditron"):
             row["ditron_graphs"] = e2e_llama.ditron_graphs(start)
         for _ in range(args.warmup):
             decoder.generate()
@@ -610,7 +639,9 @@ def report(result: dict, argv: list[str]) -> None:
           f"{args.heads}/{args.kv_heads}, {args.layers} layers, "
           f"{args.dtype}, "
           + (f"options {json.dumps(args.compile_options)}" if args.compile_options
-             else f"mode {MODE}") + "\n")
+             else f"mode {MODE}")
+          + (f" (`{STEP_GRAPH}`: no mode, the step in StepGraph's CUDA graph)"
+             if STEP_GRAPH in args.contenders else "") + "\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -42,9 +42,13 @@ def release_cuda_graphs() -> None:
     both). NCCL keeps a communicator until every CUDA graph that captured one of its collectives
     is destroyed, and its finalize in `destroy_process_group()` waits for that: with the trees
     alive (mode="reduce-overhead") it waited for good (py-spy on 2x H100: both ranks in
-    ncclCommFinalize -> commDestroySync). Nothing to do where CUDA never started."""
+    ncclCommFinalize -> commDestroySync); StepGraph's graphs go first (step_graph.release_all).
+    Nothing to do where CUDA never started."""
     import torch
 
+    step_graph = sys.modules.get("ditron_inductor.step_graph")  # loaded by a StepGraph's user
+    if step_graph is not None:
+        step_graph.release_all()
     if not torch.cuda.is_initialized():
         return
     log.info("exit: releasing the compiled graphs and CUDA graphs before the process group")

@@ -22,6 +22,10 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.gqa_packing       DITRON_GQA_PACKING        1 | 0 (1: a decode step's grouped-query
                                                        attention reads keys and values once per
                                                        key/value head, lowering/gqa_packing.py)
+    ditron.cuda_graphs       DITRON_CUDA_GRAPHS        auto | 1 | 0 (whether the compiled graph
+                                                       will be replayed from a CUDA graph, which
+                                                       picks the plans: auto, as Inductor's
+                                                       triton.cudagraphs says; StepGraph sets 1)
 
 Every value is validated (`OptionError` names the option, the value and what is allowed). The
 module attributes below hold the options of the compile in progress (`using`), the environment's
@@ -37,7 +41,7 @@ import contextlib
 import dataclasses
 import os
 import types
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch._dynamo.exc import ShortenTraceback
@@ -91,13 +95,17 @@ class Options:
     # SDPA calls on repeated keys/values (GQA, decode) take the query heads of each key/value
     # head as rows instead (lowering/gqa_packing.py).
     gqa_packing: bool = True
+    # Whether the graph will be replayed from a CUDA graph (the plans measured that way are
+    # chosen): None follows Inductor's triton.cudagraphs ("reduce-overhead"); step_graph.py's
+    # StepGraph, which captures a whole compiled call itself, sets True.
+    cuda_graphs: Optional[bool] = None
 
     def cache_key(self) -> str:
         """The options that change compiled graphs, as text for the pass's uuid."""
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
                      self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
                      self.measured_plans, self.decode_gemm, self.gqa_packing,
-                     self.decode_gemm_groups))
+                     self.decode_gemm_groups, self.cuda_graphs))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -133,6 +141,16 @@ def _symm_mem_backend(name: str, value: Any) -> str:
     return text
 
 
+def _auto_bool(name: str, value: Any) -> Optional[bool]:
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        return _bool(name, value)
+    except OptionError:
+        raise OptionError(
+            f"{name}={value!r}: expected auto or a boolean (1/0, true/false)") from None
+
+
 def _seconds(name: str, value: Any) -> float:
     try:
         seconds = float(value)
@@ -156,6 +174,7 @@ OPTIONS = {
     "decode_gemm": ("DITRON_DECODE_GEMM", "decode_gemm", _bool),
     "decode_gemm_groups": ("DITRON_DECODE_GEMM_GROUPS", "decode_gemm_groups", _bool),
     "gqa_packing": ("DITRON_GQA_PACKING", "gqa_packing", _bool),
+    "cuda_graphs": ("DITRON_CUDA_GRAPHS", "cuda_graphs", _auto_bool),
 }
 
 
@@ -236,3 +255,4 @@ measured_plans: bool = _defaults.measured_plans
 decode_gemm: bool = _defaults.decode_gemm
 decode_gemm_groups: bool = _defaults.decode_gemm_groups
 gqa_packing: bool = _defaults.gqa_packing
+cuda_graphs: Optional[bool] = _defaults.cuda_graphs

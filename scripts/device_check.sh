@@ -35,7 +35,8 @@
 # decode attention and decode GEMM templates' GPU tests, tests/gpu/test_decode_*_gpu.py),
 # decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU),
 # launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its
-# stream's order).
+# stream's order), step_graph_gpu (tests/gpu/test_step_graph_gpu.py: a whole compiled step
+# replayed from StepGraph's CUDA graph).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail
@@ -164,6 +165,8 @@ decode_attention() { timeout -k 5 ${DECODE_ATTENTION_LIMIT:-200} torchrun --npro
   benchmarks/bench_decode_attention.py --out "$W/decode_attention" ${DECODE_ATTENTION_ARGS:-}; }
 launch_gpu() { timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_kernel_launch_gpu.py; }
+step_graph_gpu() { timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_step_graph_gpu.py; }
 gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
   --out "$W/gemv" ${GEMV_ARGS:-}; }
 

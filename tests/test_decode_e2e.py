@@ -178,3 +178,21 @@ def test_fusions_only_contender_is_ditron_with_its_other_rewrites_off():
         "triton.cudagraphs": True, "ditron.decode_gemm_groups": False}
     plain = e2e_decode.generation_config("ditron", 4, "cuda").compile_config
     assert (plain.backend, plain.mode, plain.options) == ("ditron", "reduce-overhead", None)
+
+
+def test_graph_contenders_compile_without_a_mode():
+    """`+graph`: the step in StepGraph's CUDA graph, so no mode and no Inductor CUDA graphs
+    (they would nest a graph in the capture); the contender's own options kept."""
+    from benchmarks import e2e_decode
+
+    for name, options in (("inductor+graph", None), ("ditron+graph", None),
+                          ("ditron_fusions_only+graph", e2e_decode.e2e_llama.FUSIONS_ONLY)):
+        compile_config = e2e_decode.generation_config(name, 4, "cuda").compile_config
+        want_backend = "inductor" if name.startswith("inductor") else "ditron"
+        assert (compile_config.backend, compile_config.mode, compile_config.options) == (
+            want_backend, None, options), name
+    with pytest.raises(ValueError, match="StepGraph is the step's CUDA graph"):
+        e2e_decode.generation_config("ditron+graph", 4, "cuda", {"triton.cudagraphs": True})
+    assert e2e_decode.parse_args(["--contenders", "inductor,ditron+graph"]).contenders
+    with pytest.raises(SystemExit):  # eager has no compiled step to graph
+        e2e_decode.parse_args(["--contenders", "eager+graph"])

@@ -35,6 +35,9 @@ GOOD = [
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "0", "decode_gemm_groups", False),
+    ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "1", "cuda_graphs", True),
+    ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "off", "cuda_graphs", False),
+    ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "auto", "cuda_graphs", None),
 ]
 
 # option key, environment variable, bad value, the error's text after "<name>=<value!r>: "
@@ -58,6 +61,8 @@ BAD = [
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "model",
      "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "cublas", "expected a boolean (1/0, true/false)"),
+    ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "always",
+     "expected auto or a boolean (1/0, true/false)"),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "repeat", "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "qkv",
      "expected a boolean (1/0, true/false)"),
@@ -95,7 +100,7 @@ def test_unknown_ditron_key_names_the_known_ones():
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
         "ditron.causal_mask, ditron.measured_plans, ditron.decode_gemm, "
-        "ditron.decode_gemm_groups, ditron.gqa_packing")
+        "ditron.decode_gemm_groups, ditron.gqa_packing, ditron.cuda_graphs")
 
 
 def test_options_win_over_the_environment_and_inductor_keys_pass_through(monkeypatch):

@@ -49,8 +49,12 @@ def group_problem(group_name: str, world_size: int) -> Optional[str]:
 
 
 def _cuda_graphs() -> bool:
-    """Whether Inductor will replay this graph as a CUDA graph (mode="reduce-overhead"): the same
-    on every rank, since every rank compiles with the same mode and options."""
+    """Whether this graph will be replayed from a CUDA graph: as the ditron.cuda_graphs option
+    says (StepGraph's captures set it), else whether Inductor replays it as one
+    (mode="reduce-overhead"). The same on every rank, since every rank compiles with the same
+    mode and options."""
+    if config.cuda_graphs is not None:
+        return config.cuda_graphs
     from torch._inductor import config as inductor_config
 
     return bool(inductor_config.triton.cudagraphs)
