@@ -207,10 +207,9 @@ def generation_config(contender: str, new_tokens: int, device: str, options=None
 
         options = {**(options or list_mode_options(MODE)), **CONTENDER_OPTIONS[contender]}
     config.compile_config = CompileConfig(backend="ditron" if contender.startswith("ditron")
-                                          else contender, mode=None if options else MODE,
+                                          else contender,
+                                          mode=None if options or step_graph else MODE,
                                           options=options, fullgraph=True, dynamic=False)
-    if step_graph:
-        config.compile_config.mode = None
     # transformers compiles on accelerators only, unless told to
     config.compile_config._compile_all_devices = device == "cpu"
     return config
