@@ -13,10 +13,10 @@ signature and then only copies the new inputs in and replays:
                              # is captured and replayed, later ones replayed
 
 Rules, as for any CUDA graph:
-- the signature is the structure of the arguments, each tensor's shape, strides, dtype and
-  device, and every other argument's value (an object that is not a number, string, None or
-  enum by its identity: a KV cache object); a new signature warms up and captures a graph of
-  its own (one memory pool for all of them);
+- the signature is the structure of the arguments, each tensor's shape, strides, dtype,
+  device and requires_grad, and every other argument's value (an object that is not a number,
+  string, None or enum by its identity: a KV cache object); a new signature warms up and
+  captures a graph of its own (one memory pool for all of them);
 - every call runs the step once, as eagerly (the warm-up calls are the caller's own calls, and
   capturing runs nothing): a stateful step (a KV cache's position) advances once per call;
 - the graph has its own copy of each tensor argument: each call copies the caller's tensors in
@@ -137,6 +137,7 @@ class StepGraph:
                 inputs[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
                                                 device=x.device)
                 inputs[i].copy_(x)
+                inputs[i].requires_grad_(x.requires_grad)
         static = [inputs.get(i, x) for i, x in enumerate(flat)]
         args, kwargs = tree_unflatten(static, tree_flatten((args, kwargs))[1])
         if self._pool is None:
@@ -177,8 +178,8 @@ def _dense(x: torch.Tensor) -> bool:
 
 
 def _signature(x: Any):
-    if isinstance(x, torch.Tensor):
-        return (torch.Tensor, tuple(x.shape), x.stride(), x.dtype, x.device)
+    if isinstance(x, torch.Tensor):  # what Dynamo's guards compare (so a capture never recompiles)
+        return (torch.Tensor, tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
     if isinstance(x, _BY_VALUE):
         return (type(x), x)
     return (object, id(x))

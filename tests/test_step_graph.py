@@ -43,6 +43,7 @@ def test_the_signature_compares_layouts_values_and_objects_by_identity():
     assert _signature(t) != _signature(t.t().contiguous().t())  # strides
     assert _signature(t) != _signature(t.to(torch.float16))
     assert _signature(t) != _signature(torch.zeros(3, 2))
+    assert _signature(t) != _signature(torch.zeros(2, 3, requires_grad=True))
     assert _signature(1) != _signature(2) and _signature(True) != _signature(1)
     assert _signature("logits") == _signature("logits") and _signature(None) == _signature(None)
     assert _signature(Mode.A) == _signature(Mode.A)
