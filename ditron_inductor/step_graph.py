@@ -101,7 +101,7 @@ class StepGraph:
             calls, written = self._eager.get(key, (0, set()))
             if calls < self.warmup:
                 return self._eager_call(key, args, kwargs, flat, calls, written)
-            captured = self.graphs[key] = self._capture(args, kwargs, flat, sorted(written))
+            captured = self.graphs[key] = self._capture(flat, spec, sorted(written))
             del self._eager[key]
         for i, static in captured.inputs.items():
             static.copy_(flat[i])
@@ -120,7 +120,7 @@ class StepGraph:
         self._eager[key] = (calls + 1, written)
         return out
 
-    def _capture(self, args, kwargs, flat, written) -> _Captured:
+    def _capture(self, flat, spec, written) -> _Captured:
         """One call captured on the graph's own copies of the tensor arguments (the caller's may
         be views of something the caller keeps using); capturing runs nothing, the replay that
         follows does."""
@@ -139,7 +139,7 @@ class StepGraph:
                 inputs[i].copy_(x)
                 inputs[i].requires_grad_(x.requires_grad)
         static = [inputs.get(i, x) for i, x in enumerate(flat)]
-        args, kwargs = tree_unflatten(static, tree_flatten((args, kwargs))[1])
+        args, kwargs = tree_unflatten(static, spec)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

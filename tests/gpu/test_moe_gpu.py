@@ -365,8 +365,9 @@ def _multi_rank_worker(rank, world, port, result_dir, calls):
     from ditron_inductor import config
 
     # the dispatch's and combine's waits bounded: a row that never lands raises
-    # (DITRON_TEST_WAIT_S=0: the stream waits a model's call takes). 60 s: with the bound in polls, 20 s nominal gave up once
-    # on the 4-rank dispatch on 4x H100 where 300 passed every call (templates/flags.WAIT_IN_NS)
+    # (DITRON_TEST_WAIT_S=0: the stream waits a model's call takes). 60 s: with the bound in
+    # polls, 20 s nominal gave up once on the 4-rank dispatch on 4x H100 where 300 passed every
+    # call (templates/flags.WAIT_IN_NS)
     config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "60"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
