@@ -56,6 +56,12 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.llama_sites import Site, sites  # noqa: E402
 
 from benchmarks.bench_all_reduce import EPS, EXTRA_PLANS  # noqa: E402
+from benchmarks.bench_fused import (  # noqa: E402
+    SPIN_MS,
+    bench_graph,
+    host_bound_error,
+    spin_device,
+)
 from ditron_inductor.scheduler.cost_model import (  # noqa: E402
     AG_CANDIDATES,
     RS_CANDIDATES,
@@ -178,9 +184,6 @@ def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
 # ------------------------------------------------------------------------------------- timing
 
 
-SPIN_MS = 20.0  # the device waits this long before the timed calls: the host queues them all
-
-
 def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -> tuple:
     """(median device ms per call, host ms per call to queue it). Eager: CUDA events around
     `iters` calls that the host queued while the device spun (so the device runs them back to
@@ -188,8 +191,6 @@ def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -
     reported apart); graph=True: replays of one CUDA graph that captured them. On CPU the
     host's clock, both."""
     if device == "cuda" and graph:
-        from benchmarks.bench_fused import bench_graph
-
         return bench_graph(fn, inputs, iters, reps), math.nan
     for i in range(3):
         fn(*inputs[i % len(inputs)])
@@ -198,7 +199,7 @@ def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -
         if device == "cuda":
             torch.cuda.synchronize()
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            torch.cuda._sleep(int(SPIN_MS * _cycles_per_ms()))
+            spin_device(SPIN_MS)
             start.record()
         t0 = time.perf_counter()
         for i in range(iters):
@@ -216,24 +217,11 @@ def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -
         tries += 1
         if reached:
             if tries >= 3 * reps:
-                raise RuntimeError(f"host-bound: {host_ms:.3f} ms per call to queue outlasted "
-                                   f"the device's {SPIN_MS} ms spin")
+                raise host_bound_error(host_ms)
             continue
         times.append(start.elapsed_time(end) / iters)
         host.append(host_ms)
     return statistics.median(times), statistics.median(host)
-
-
-@functools.cache
-def _cycles_per_ms() -> float:
-    """What torch.cuda._sleep spins per ms on this GPU, measured once."""
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    torch.cuda._sleep(1_000_000)  # the clock up first
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def served_count() -> int:

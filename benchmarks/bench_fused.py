@@ -11,8 +11,10 @@ Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
 the cost model picks (and every candidate plan, for calibration), the GEMM alone, the collective
 alone. Timing: random inputs (two sets, alternated), warm-up, CUDA events around `--iters` calls,
 `--reps` repetitions; each rank takes the median over repetitions and the row reports the maximum
-over ranks (the slowest rank bounds a collective). Then a sequence-parallel MLP through
-torch.compile with Inductor, Inductor + async TP, and backend="ditron".
+over ranks (the slowest rank bounds a collective). The device spins while the host queues the
+timed calls (SPIN_MS), so the times are device time; --no-spin times the host's queueing too.
+Then a sequence-parallel MLP through torch.compile with Inductor, Inductor + async TP, and
+backend="ditron".
 
 Writes <out>.json (rows {op, M, K, N, world, dtype, ms: {...}, plans: {...}}) and <out>.md.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -53,23 +56,66 @@ def sync_all():
 
 
 HOST_MS = {}  # label -> host ms per call (enqueue time of the timed loop), for the last bench
+# Eager timing: the device spins this long before the timed calls, so the host queues them all
+# while it spins and the device then runs them back to back: their device time alone, as a
+# device-bound training step sees it (the host's time per call is reported beside it, HOST_MS).
+# 0 (--no-spin): the events bracket the host's queueing too, and a call whose host time passes
+# its device time (the fused ops' driver calls: ~0.3 ms) is timed by its host.
+SPIN_MS = 20.0
 
 
-def _timed_reps(enqueue, iters, reps):
+@functools.cache
+def _cycles_per_ms() -> float:
+    """What torch.cuda._sleep spins per ms on this GPU, measured once."""
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda._sleep(1_000_000)  # the clock up first
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def spin_device(ms: float) -> None:
+    """Keep the current stream busy for about `ms` (the host runs on meanwhile)."""
+    if ms > 0:
+        torch.cuda._sleep(int(ms * _cycles_per_ms()))
+
+
+def host_bound_error(host_ms: float) -> RuntimeError:
+    return RuntimeError(f"host-bound: {host_ms:.3f} ms per call to queue outlasted the device's "
+                        "spin, again and again")
+
+
+def _timed_reps(enqueue, iters, reps, spin_ms=None):
     """`reps` repetitions of enqueue() (which queues `iters` calls), each timed by CUDA events
-    after a sync of every rank: (median device ms per call, median host ms per call to
-    enqueue), each the maximum over ranks."""
-    times, host = [], []
-    for _ in range(reps):
+    after a sync of every rank, the device spinning `spin_ms` (default SPIN_MS) before the
+    first event: (median device ms per call, median host ms per call to enqueue), each the
+    maximum over ranks. A repetition where some rank's device reached the calls before its host
+    had queued them all is dropped on every rank (the loop's collectives must match) and the
+    next spins twice as long."""
+    spin_ms = SPIN_MS if spin_ms is None else spin_ms
+    times, host, tries = [], [], 0
+    while len(times) < reps:
         sync_all()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        spin_device(spin_ms)
         start.record()
         t0 = time.perf_counter()
         enqueue()
-        host.append((time.perf_counter() - t0) * 1e3 / iters)
+        host_ms = (time.perf_counter() - t0) * 1e3 / iters
         end.record()
+        reached = torch.tensor([float(spin_ms > 0 and start.query())], device="cuda")
         end.synchronize()
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX)
+        tries += 1
+        if reached.item():
+            if tries >= 3 * reps:
+                raise host_bound_error(host_ms)
+            spin_ms *= 2
+            continue
         times.append(start.elapsed_time(end) / iters)
+        host.append(host_ms)
     t = torch.tensor([statistics.median(times), statistics.median(host)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t[0].item(), t[1].item()
@@ -150,7 +196,7 @@ def bench_graph(fn, inputs, iters, reps, warmup=3):
         for i in range(iters):
             fn(*inputs[i % len(inputs)])
     graph.replay()
-    ms, _ = _timed_reps(graph.replay, iters, reps)
+    ms, _ = _timed_reps(graph.replay, iters, reps, spin_ms=0)  # replays: no host time to hide
     del graph
     return ms
 
@@ -389,11 +435,16 @@ def main():
                     "sites at TP = the world size instead of the fixed shapes")
     ap.add_argument("--tokens", type=int, default=8192, help="the sites' tokens (B x S)")
     ap.add_argument("--machine", default=os.environ.get("MACHINE_KIND", "unknown"))
+    ap.add_argument("--no-spin", action="store_true",
+                    help="time the host's queueing with the device (SPIN_MS says why not)")
     ap.add_argument("--from-json", help="no GPU: re-select each row's ditron plan with the current "
                     "cost model from the candidates measured in that run, rewrite <out>.md/.json")
     args = ap.parse_args()
     if args.from_json:
         return reselect(args)
+    global SPIN_MS
+    if args.no_spin:
+        SPIN_MS = 0.0
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -470,6 +521,14 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def timing() -> str:
+    """How this run timed the eager calls (SPIN_MS)."""
+    if SPIN_MS:
+        return (f"device time: the device spins {SPIN_MS:g} ms while the host queues the timed "
+                "calls (the host's ms per call in the JSON's host_ms)")
+    return "host and device: the events bracket the host's queueing (--no-spin)"
+
+
 def write_results(rows, mlp, args, world, meta=None, quiet=False):
     if meta is None:
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -477,13 +536,14 @@ def write_results(rows, mlp, args, world, meta=None, quiet=False):
                    + " ".join(sys.argv[1:]))
         meta = {"command": command, "machine": args.machine, "date": date,
                 "torch": torch.__version__, "triton": __import__("triton").__version__,
-                "gpu": torch.cuda.get_device_name()}
+                "gpu": torch.cuda.get_device_name(), "timing": timing()}
     command, date = meta["command"], meta["date"]
     with open(args.out + ".json", "w") as fh:
         json.dump({"meta": meta, "rows": rows, "mlp": mlp}, fh, indent=1)
     lines = [f"# Fused collective + matmul on {world} GPUs ({args.dtype})", "",
              f"- command: `{command}`", f"- machine: {args.machine} ({meta['gpu']}), torch "
              f"{meta['torch']}, triton {meta['triton']}", f"- date: {date}"]
+    lines.append(f"- timing: {meta.get('timing', 'host and device (before the spin)')}")
     if meta.get("reselected"):
         lines.append(f"- {meta['reselected']}")
     lines += ["",

@@ -29,7 +29,8 @@ def table(runs: list[tuple[str, dict]]) -> dict:
     for name, run in runs:
         meta = run["meta"]
         sources.append(dict(file=name, card=meta["gpu"], date=meta["date"],
-                            command=meta["command"]))
+                            command=meta["command"],
+                            timing=meta.get("timing", "host and device (before the spin)")))
         for r in run["rows"]:
             ms = {label: t for label, t in r["plans"].items()
                   if label in CANDIDATES and t is not None and math.isfinite(t)}

@@ -2,12 +2,13 @@
 world size beside NCCL + cuBLAS's, from a `benchmarks/bench_fused.py` run on the GPU machines.
 
 `python benchmarks/measured_plans_table.py RUN.json ...` writes measured_plans.json beside this
-module (the run's command, card and date with each row). Where a task's op, world size and dtype
-have a measured shape near its own (each of M, K and N within NEAR_FACTOR), the scheduler takes the
-plan that ran fastest there instead of the link model's prediction: the model's constants were
-fitted at 4 and 8 ranks, and at 2 it chose the persistent Triton all-gather at shapes where it
-measured slower than the cuBLAS-group plans and than NCCL + cuBLAS
-(benchmarks/results/fused_h200x2_llama8b_sites.md).
+module (the run's command, card, date and timing with each row: device time, the device spinning
+while the host queues the timed calls, as a device-bound training step runs them). Where a task's
+op, world size and dtype have a measured shape near its own (each of M, K and N within
+NEAR_FACTOR), the scheduler takes the plan that ran fastest there instead of the link model's
+prediction: the model's constants were fitted at 4 and 8 ranks, and at 2 it chose the persistent
+Triton all-gather at shapes where it measured slower than the cuBLAS-group plans and than NCCL +
+cuBLAS (benchmarks/results/fused_h200x2_llama8b_sites.md).
 
 Static data in the package, like the world-1 table: every rank reads the same rows, so the
 decisions stay the same on every rank.
