@@ -56,12 +56,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.llama_sites import Site, sites  # noqa: E402
 
 from benchmarks.bench_all_reduce import EPS, EXTRA_PLANS  # noqa: E402
-from benchmarks.bench_fused import (  # noqa: E402
-    SPIN_MS,
-    bench_graph,
-    host_bound_error,
-    spin_device,
-)
+from benchmarks.bench_fused import _timed_reps, bench_graph  # noqa: E402
 from ditron_inductor.scheduler.cost_model import (  # noqa: E402
     AG_CANDIDATES,
     RS_CANDIDATES,
@@ -188,40 +183,25 @@ def timed(fn, inputs, device: str, iters: int, reps: int, graph: bool = False) -
     """(median device ms per call, host ms per call to queue it). Eager: CUDA events around
     `iters` calls that the host queued while the device spun (so the device runs them back to
     back: its time alone, which a training step's device-bound stream sees; the host's is
-    reported apart); graph=True: replays of one CUDA graph that captured them. On CPU the
-    host's clock, both."""
+    reported apart: bench_fused's timing); graph=True: replays of one CUDA graph that captured
+    them. On CPU the host's clock, both."""
     if device == "cuda" and graph:
         return bench_graph(fn, inputs, iters, reps), math.nan
     for i in range(3):
         fn(*inputs[i % len(inputs)])
-    times, host, tries = [], [], 0
-    while len(times) < reps:
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            spin_device(SPIN_MS)
-            start.record()
-        t0 = time.perf_counter()
+
+    def enqueue():
         for i in range(iters):
             fn(*inputs[i % len(inputs)])
-        host_ms = (time.perf_counter() - t0) * 1e3 / iters
-        if device != "cuda":
-            times.append(host_ms)
-            host.append(host_ms)
-            continue
-        end.record()
-        # the device reached the calls before the host had queued them all (seen now and then:
-        # a call that blocked the host until the spin ended): not device time; again
-        reached = start.query()
-        end.synchronize()
-        tries += 1
-        if reached:
-            if tries >= 3 * reps:
-                raise host_bound_error(host_ms)
-            continue
-        times.append(start.elapsed_time(end) / iters)
-        host.append(host_ms)
-    return statistics.median(times), statistics.median(host)
+
+    if device == "cuda":
+        return _timed_reps(enqueue, iters, reps)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        enqueue()
+        times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(times), statistics.median(times)
 
 
 def served_count() -> int:

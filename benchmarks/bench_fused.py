@@ -82,11 +82,6 @@ def spin_device(ms: float) -> None:
         torch.cuda._sleep(int(ms * _cycles_per_ms()))
 
 
-def host_bound_error(host_ms: float) -> RuntimeError:
-    return RuntimeError(f"host-bound: {host_ms:.3f} ms per call to queue outlasted the device's "
-                        "spin, again and again")
-
-
 def _timed_reps(enqueue, iters, reps, spin_ms=None):
     """`reps` repetitions of enqueue() (which queues `iters` calls), each timed by CUDA events
     after a sync of every rank, the device spinning `spin_ms` (default SPIN_MS) before the
@@ -111,7 +106,8 @@ def _timed_reps(enqueue, iters, reps, spin_ms=None):
         tries += 1
         if reached.item():
             if tries >= 3 * reps:
-                raise host_bound_error(host_ms)
+                raise RuntimeError(f"host-bound: {host_ms:.3f} ms per call to queue outlasted "
+                                   "the device's spin, again and again")
             spin_ms *= 2
             continue
         times.append(start.elapsed_time(end) / iters)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -185,12 +185,6 @@ def _signature(x: Any):
     return (object, id(x))
 
 
-class _replayed_from_graphs:
+def _replayed_from_graphs():
     """ditron's compiles inside: their graphs will be replayed from a CUDA graph."""
-
-    def __enter__(self):
-        self._saved: Optional[bool] = config.cuda_graphs
-        config.cuda_graphs = True
-
-    def __exit__(self, *exc):
-        config.cuda_graphs = self._saved
+    return config.using(dataclasses.replace(config.current(), cuda_graphs=True))
