@@ -133,7 +133,8 @@ class StepGraph:
                 if not _dense(x):
                     raise ValueError(
                         f"StepGraph: tensor argument {i} ({tuple(x.shape)}, strides {x.stride()}) "
-                        "has elements that share memory (an expanded view): pass a dense tensor")
+                        "is not dense (elements that share memory, as in an expanded view, or "
+                        "gaps, as in a strided slice): pass a dense tensor")
                 inputs[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
                                                 device=x.device)
                 inputs[i].copy_(x)

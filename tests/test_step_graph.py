@@ -11,7 +11,7 @@ import torch
 
 from ditron_inductor import config
 from ditron_inductor.scheduler import decide
-from ditron_inductor.step_graph import StepGraph, _replayed_from_graphs, _signature
+from ditron_inductor.step_graph import StepGraph, _dense, _replayed_from_graphs, _signature
 
 
 def test_without_cuda_tensors_the_step_runs_as_it_is():
@@ -76,3 +76,13 @@ def test_its_graphs_are_released_before_the_process_group():
     graphed._eager["other"] = (1, set())
     clean_exit.release_cuda_graphs()
     assert graphed.graphs == {} and graphed._eager == {}
+
+
+def test_a_captured_argument_must_be_dense():
+    """The graph's copy of an argument has its shape and strides: every element its own word and
+    no gaps (any order of the dims)."""
+    x = torch.zeros(4, 6)
+    assert _dense(x) and _dense(x.t()) and _dense(x[1:3]) and _dense(torch.zeros(1, 5)[:, :3].t())
+    assert not _dense(torch.zeros(4, 1).expand(4, 6))  # elements that share memory
+    assert not _dense(x[:, ::2])  # gaps
+    assert not _dense(x[:, :3])  # rows with gaps between them
