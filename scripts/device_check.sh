@@ -43,7 +43,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/out}; W=${W:-/tmp/w}; mkdir -p "$OUT" "$W"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # the benchmarks' "machine" field: the device tool's kind, e.g. nvidia-h200-x4
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($NF)}')
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')  # H100 of "NVIDIA H100 80GB HBM3"
 export MACHINE_KIND=${MACHINE_KIND:-nvidia-$card-x$(nvidia-smi -L | wc -l)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 # EXTRA_PYTHONPATH: packages a step needs in other versions than the machine's (put first); e.g.
