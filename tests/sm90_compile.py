@@ -112,6 +112,9 @@ def variants():
            dict(data_table="*i64", src_off="i32", dst_ptr="*i32", ready_ptr="*i32",
                 count_ptr="*i32", err_ptr="*i32", rank="i32", world="i32", chunk_words="i32",
                 epoch="i32", limit="i32"), dict(BLOCK=4096), 8)
+    yield (transfer.copy_twice_kernel,
+           dict(src_ptr="*i32", dst_a_ptr="*i32", dst_b_ptr="*i32", words="i32"),
+           dict(BLOCK=4096), 8)
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)

@@ -152,6 +152,22 @@ def test_sm_pull_then_gemm_waits_on_counters():
             assert rel_err(out, ref_mm(torch.cat(shards), w)) < 1e-2
 
 
+@pytest.mark.parametrize("words,progs", [(1, 1), (37, 2), (64, 3), (1000, 4)])
+def test_copy_twice_writes_both_destinations_and_nothing_else(words, progs):
+    """The all-gather's local copies (my shard -> my symmetric buffer and my rows of the gathered
+    A) as one kernel: every word lands in both, on sizes that are not a multiple of BLOCK or of
+    the grid's stride, and the words around the destinations stay as they were."""
+    torch.manual_seed(words)
+    src = torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32)
+    buffer = torch.full((words + 8,), -7, dtype=torch.int32)
+    gathered = torch.full((3 * words,), -9, dtype=torch.int32)
+    mine = gathered[words:2 * words]  # rank 1's rows of a gathered A of 3 ranks
+    transfer.copy_twice_kernel[(progs,)](src, buffer[4:], mine, words, BLOCK=16)
+    assert torch.equal(buffer[4:4 + words], src) and torch.equal(mine, src)
+    assert (buffer[:4] == -7).all() and (buffer[4 + words:] == -7).all()
+    assert (gathered[:words] == -9).all() and (gathered[2 * words:] == -9).all()
+
+
 def test_all_gather_matmul_missing_chunk_reports_flag():
     """A chunk whose flag never reaches the epoch: the bounded wait records which one."""
     world, rows, k, n = 2, 16, 32, 32

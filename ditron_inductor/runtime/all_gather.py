@@ -2,8 +2,9 @@
 
 One call (epoch e, this rank r of W, A chunk c = rank c's shard):
   main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
-                copy my shard into my symmetric buffer (parity e%2); READY[r] = e on every peer
-  main stream   my shard into my rows of the gathered A, chunk_flags[r] = e
+                copy my shard into my symmetric buffer (parity e%2) and into my rows of the
+                gathered A (one kernel reading it once, transfer.copy_twice_kernel);
+                READY[r] = e on every peer; chunk_flags[r] = e
   copy streams  for p = r+1, r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into
                 the gathered A;
                 chunk_flags[p] = e (or an event, for the cuBLAS plan); finally DONE[r] = e on
@@ -32,6 +33,7 @@ import torch
 from ..scheduler.plan import CUBLAS, SM, TRITON, AllGatherPlan
 from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
+from ..templates.transfer import ag_pull_kernel, copy_twice_kernel
 from . import driver
 from .context import OpContext, get_context, wait_limit
 from .kernel_launch import current_stream, launch, preload
@@ -172,8 +174,6 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                             rows_per_chunk=rows, first_row=r * rows, epoch=expect,
                             num_progs=num_sms(a_shard.device) - nprog, proxy_fence=True,
                             limit=limit, load_only=load_only)
-        from ..templates.transfer import ag_pull_kernel
-
         pull = (ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
                 gathered.view(-1).view(torch.int32), ctx.flags.words, counts, ctx.err, r, W,
                 shard_bytes // 4, e, limit)
@@ -185,11 +185,20 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             failure = exc
 
+    # my shard's two local copies as one kernel that reads it once (copy-engine transfers; the
+    # SM pull copies my rows itself), loaded before anything is queued (preload says why)
+    copy_twice = None if plan.transfer == SM else copy_twice_args(ctx, a2d, gathered, off)
+    if copy_twice is not None:
+        preload(*copy_twice, **COPY_TWICE_META)
+
     # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
-    #    fill it and tell the peers (READY[r] = e on each)
+    #    fill it (and my rows of the gathered A) and tell the peers (READY[r] = e on each)
     for p in peers:
         wait_geq(ctx, plan, local, ctx.DONE + p, e - 2)
-    driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
+    if copy_twice is not None:
+        launch(*copy_twice, stream=local, **COPY_TWICE_META)
+    else:
+        driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
     ctx.signal(local, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
     g0 = gathered.data_ptr()
     flags0 = ctx.chunk_flags.data_ptr()
@@ -224,8 +233,9 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         sh = local if c == r else sides[(i - 1) % len(sides)]
         if c != r:
             wait_geq(ctx, plan, sh, ctx.READY + c, e)
-        driver.memcpy(g0 + c * shard_bytes, src if c == r else ctx.data_addrs[c] + off,
-                      shard_bytes, sh)
+            driver.memcpy(g0 + c * shard_bytes, ctx.data_addrs[c] + off, shard_bytes, sh)
+        elif copy_twice is None:
+            driver.memcpy(g0 + c * shard_bytes, src, shard_bytes, sh)
         if use_triton:
             driver.write(sh, flags0 + 4 * c, e)
         else:
@@ -263,6 +273,26 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         if local != main:  # my rows of the gathered A
             driver.stream_wait(main, ctx.ev_chunks[r])
     return _all_gather_done(ctx, plan, main, a_shard, gathered, outs, scaled is not None)
+
+
+# the local copies' kernel: a few programs per SM in a grid-stride loop (one grid for every size)
+COPY_TWICE_META = dict(BLOCK=4096, num_warps=8)
+COPY_TWICE_PROGRAMS_PER_SM = 2
+
+
+def copy_twice_args(ctx: OpContext, a2d, gathered, off: int) -> Optional[tuple]:
+    """launch's arguments for my shard -> my symmetric buffer (at byte `off`) and my rows of the
+    gathered A, read once; None where the shard is not whole aligned 4-byte words (two memcpys
+    then)."""
+    nbytes = a2d.numel() * a2d.element_size()
+    if nbytes % 4 or a2d.data_ptr() % 4 or off % 4:
+        return None
+    words = nbytes // 4
+    src = a2d.view(-1).view(torch.int32)
+    mine = gathered.view(-1).view(torch.int32)[ctx.rank * words:(ctx.rank + 1) * words]
+    buffer = ctx.data.view(-1, torch.int32, (words,), off)
+    grid = (COPY_TWICE_PROGRAMS_PER_SM * num_sms(a2d.device),)
+    return copy_twice_kernel, grid, src, buffer, mine, words
 
 
 def _all_gather_done(ctx: OpContext, plan: AllGatherPlan, main: int, a_shard, gathered,

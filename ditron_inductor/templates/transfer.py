@@ -34,3 +34,19 @@ def ag_pull_kernel(data_table, src_off, dst_ptr, ready_ptr, count_ptr, err_ptr,
             mask = idx < chunk_words
             tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
         tl.atomic_add(count_ptr + p, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def copy_twice_kernel(src_ptr, dst_a_ptr, dst_b_ptr, words, BLOCK: tl.constexpr):
+    """src -> dst_a and dst_b, `words` 4-byte words, read once (the all-gather's local copies:
+    my shard into my symmetric buffer and into my rows of the gathered A). A grid-stride loop,
+    so one grid (a few programs per SM) serves every shard size."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, words, nprog * BLOCK):
+        idx = start + offs
+        mask = idx < words
+        x = tl.load(src_ptr + idx, mask=mask)
+        tl.store(dst_a_ptr + idx, x, mask=mask)
+        tl.store(dst_b_ptr + idx, x, mask=mask)
