@@ -3,8 +3,9 @@
 One call (epoch e, this rank r of W, A chunk c = rank c's shard):
   main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
                 copy my shard into my symmetric buffer (parity e%2) and into my rows of the
-                gathered A (one kernel reading it once, transfer.copy_twice_kernel);
-                READY[r] = e on every peer; chunk_flags[r] = e
+                gathered A (one kernel reading it once, transfer.copy_twice_kernel; beside a
+                cuBLAS GEMM, two memcpys on a stream of their own); READY[r] = e on every peer;
+                chunk_flags[r] = e
   copy streams  for p = r+1, r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into
                 the gathered A;
                 chunk_flags[p] = e (or an event, for the cuBLAS plan); finally DONE[r] = e on
@@ -185,9 +186,13 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             failure = exc
 
-    # my shard's two local copies as one kernel that reads it once (copy-engine transfers; the
-    # SM pull copies my rows itself), loaded before anything is queued (preload says why)
-    copy_twice = None if plan.transfer == SM else copy_twice_args(ctx, a2d, gathered, off)
+    # my shard's two local copies, where they run before the GEMM, as one kernel that reads it
+    # once, loaded before anything is queued (preload says why). Beside cuBLAS's GEMM of my rows
+    # two memcpys cost that GEMM less (world-1 parity, 1x H100: gate/up's gather 1.227 ms with
+    # them, 1.246 with the kernel; benchmarks/results/compute_parity_h100x1_copy_twice.md); the
+    # SM pull copies my rows itself.
+    copy_twice = (copy_twice_args(ctx, a2d, gathered, off)
+                  if plan.transfer != SM and local == main else None)
     if copy_twice is not None:
         preload(*copy_twice, **COPY_TWICE_META)
 
