@@ -188,9 +188,10 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
 
     # my shard's two local copies, where they run before the GEMM, as one kernel that reads it
     # once, loaded before anything is queued (preload says why). Beside cuBLAS's GEMM of my rows
-    # two memcpys cost that GEMM less (world-1 parity, 1x H100: gate/up's gather 1.227 ms with
-    # them, 1.246 with the kernel; benchmarks/results/compute_parity_h100x1_copy_twice.md); the
-    # SM pull copies my rows itself.
+    # the kernel measured no gain (world-1 parity, 1x H100: gate/up's gather 1.246 ms with it,
+    # 1.227 with two memcpys, within the 2% between runs; benchmarks/results/
+    # compute_parity_h100x1_copy_twice.md), so the memcpys stay there; the SM pull copies my
+    # rows itself.
     copy_twice = (copy_twice_args(ctx, a2d, gathered, off)
                   if plan.transfer != SM and local == main else None)
     if copy_twice is not None:
