@@ -168,6 +168,36 @@ def test_copy_twice_writes_both_destinations_and_nothing_else(words, progs):
     assert (gathered[:words] == -9).all() and (gathered[2 * words:] == -9).all()
 
 
+@pytest.mark.parametrize("rank, world, rows, k", [(1, 3, 5, 6), (0, 2, 4, 8), (3, 4, 7, 2)])
+def test_all_gathers_local_copies_land_where_the_protocol_reads_them(rank, world, rows, k):
+    """runtime/all_gather.copy_twice_args builds the local copies' launch: my shard lands in my
+    symmetric buffer at the parity's byte offset (what the peers pull) and in my rows of the
+    gathered A (chunk `rank`), and nothing else of either is written."""
+    from ditron_inductor.runtime.all_gather import copy_twice_args
+    from ditron_inductor.runtime.symm import SymmBuffer
+
+    class Ctx:  # the two fields copy_twice_args reads of an OpContext
+        pass
+    ctx = Ctx()
+    ctx.rank = rank
+    shard_bytes = rows * k * 2
+    local = torch.zeros(4 * shard_bytes, dtype=torch.uint8)
+    ctx.data = SymmBuffer(local, [local] * world)
+    a2d = torch.randn(rows, k, dtype=torch.float16)
+    gathered = torch.full((world * rows, k), float("nan"), dtype=torch.float16)
+    off = 2 * shard_bytes  # the odd parity's half
+    kernel, grid, *args = copy_twice_args(ctx, a2d, gathered, off, programs=2)
+    kernel[grid](*args, BLOCK=8)
+    symm = local.view(torch.float16)
+    assert torch.equal(symm[off // 2:off // 2 + rows * k].view(rows, k), a2d)
+    assert not symm[:off // 2].any() and not symm[off // 2 + rows * k:].any()
+    assert torch.equal(gathered[rank * rows:(rank + 1) * rows], a2d)
+    others = torch.cat([gathered[:rank * rows], gathered[(rank + 1) * rows:]])
+    assert others.isnan().all()
+    # a shard of an odd number of 2-byte elements is not whole words: two memcpys instead
+    assert copy_twice_args(ctx, a2d[:, :1][:1], gathered, off, programs=2) is None
+
+
 def test_all_gather_matmul_missing_chunk_reports_flag():
     """A chunk whose flag never reaches the epoch: the bounded wait records which one."""
     world, rows, k, n = 2, 16, 32, 32

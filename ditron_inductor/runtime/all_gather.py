@@ -192,7 +192,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     # 1.227 with two memcpys, within the 2% between runs; benchmarks/results/
     # compute_parity_h100x1_copy_twice.md), so the memcpys stay there; the SM pull copies my
     # rows itself.
-    copy_twice = (copy_twice_args(ctx, a2d, gathered, off)
+    copy_twice = (copy_twice_args(ctx, a2d, gathered, off,
+                                  COPY_TWICE_PROGRAMS_PER_SM * num_sms(a_shard.device))
                   if plan.transfer != SM and local == main else None)
     if copy_twice is not None:
         preload(*copy_twice, **COPY_TWICE_META)
@@ -286,10 +287,10 @@ COPY_TWICE_META = dict(BLOCK=4096, num_warps=8)
 COPY_TWICE_PROGRAMS_PER_SM = 2
 
 
-def copy_twice_args(ctx: OpContext, a2d, gathered, off: int) -> Optional[tuple]:
+def copy_twice_args(ctx: OpContext, a2d, gathered, off: int, programs: int) -> Optional[tuple]:
     """launch's arguments for my shard -> my symmetric buffer (at byte `off`) and my rows of the
-    gathered A, read once; None where the shard is not whole aligned 4-byte words (two memcpys
-    then)."""
+    gathered A, read once, on `programs` programs; None where the shard is not whole aligned
+    4-byte words (two memcpys then)."""
     nbytes = a2d.numel() * a2d.element_size()
     if nbytes % 4 or a2d.data_ptr() % 4 or off % 4:
         return None
@@ -297,8 +298,7 @@ def copy_twice_args(ctx: OpContext, a2d, gathered, off: int) -> Optional[tuple]:
     src = a2d.view(-1).view(torch.int32)
     mine = gathered.view(-1).view(torch.int32)[ctx.rank * words:(ctx.rank + 1) * words]
     buffer = ctx.data.view(-1, torch.int32, (words,), off)
-    grid = (COPY_TWICE_PROGRAMS_PER_SM * num_sms(a2d.device),)
-    return copy_twice_kernel, grid, src, buffer, mine, words
+    return copy_twice_kernel, (programs,), src, buffer, mine, words
 
 
 def _all_gather_done(ctx: OpContext, plan: AllGatherPlan, main: int, a_shard, gathered,
