@@ -68,7 +68,7 @@ def ag_local_cases(k: int = 4096):
     runtime = (COPY_TWICE_PROGRAMS_PER_SM, COPY_TWICE_META["BLOCK"], COPY_TWICE_META["num_warps"])
     for rows in (1024, 2048, 4096, 8192):
         src = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        buffer, gathered = torch.empty_like(src), torch.empty(2 * rows, k, **_like(src))
+        buffer, gathered = torch.empty_like(src), src.new_empty(2 * rows, k)
         nbytes = src.numel() * src.element_size()
         shape = f"rows {rows} K {k} ({nbytes >> 20} MB)"
 
@@ -88,10 +88,6 @@ def ag_local_cases(k: int = 4096):
                                               else ""), twice, 3 * nbytes
         twice()
         assert torch.equal(buffer, src) and torch.equal(gathered[rows:], src)
-
-
-def _like(t: torch.Tensor) -> dict:
-    return dict(dtype=t.dtype, device=t.device)
 
 
 def timed(fn, iters: int, reps: int) -> float:

@@ -93,9 +93,10 @@ class AllGatherPlan(FusedPlan):
     local copies (into my symmetric buffer for the peers, into my rows of the gathered A) run on
     a stream of their own beside the GEMM of my rows, which reads the input itself (else before
     it, on the main stream, as one kernel that reads the input once and writes both: at world
-    size 1 they then add those passes over the input to the GEMM). The peers' chunks are pulled by the copy engine on `copy_streams` streams, or
-    (transfer="sm", Triton GEMM only) by a Triton kernel on `comm_sms` SMs with
-    `pull_warps`-warp programs moving `pull_block` words a step."""
+    size 1 they then add those passes over the input to the GEMM). The peers' chunks are pulled
+    by the copy engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a
+    Triton kernel on `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a
+    step."""
 
     kind: ClassVar[str] = "all_gather"
 
