@@ -39,7 +39,9 @@ Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` w
 enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
 its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what the collective
 fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions
-only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`). Timing: random
+only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`), and
+ditron_keep_mask_shard (fusions only with plain TP's all-reduces as reduce-scatter + all-gather,
+`ditron.sequence_shard=True`: prefill's residual stream sharded on rows). Timing: random
 token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls,
 or of as many as take --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on
 GPU; the median over repetitions, the maximum over ranks; the spread of the repetitions ((max - min)
@@ -104,9 +106,11 @@ from tests import llama_tp  # noqa: E402
 # ditron_keep_mask: ditron with its causal-mask, decode-GEMM and GQA rewrites off (what overlap
 # alone gains);
 # ditron_keep_mask_model: that, its AG/RS plans from the link model alone (ditron.measured_plans
-# off), to time the measured plans' choice against the model's in one run
+# off), to time the measured plans' choice against the model's in one run;
+# ditron_keep_mask_shard: fusions only with plain TP's all-reduces made reduce-scatter +
+# all-gather (ditron.sequence_shard), the residual stream sharded on rows between them
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask",
-              "ditron_keep_mask_model")
+              "ditron_keep_mask_model", "ditron_keep_mask_shard")
 WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
@@ -117,7 +121,8 @@ FUSIONS_ONLY = {"ditron.causal_mask": False, "ditron.decode_gemm": False,
                 "ditron.gqa_packing": False}
 CONTENDER_TITLES = {"ditron_keep_mask":
                     "ditron fusions only (mask, decode-GEMM and GQA rewrites off)",
-                    "ditron_keep_mask_model": "fusions only, the link model's plans"}
+                    "ditron_keep_mask_model": "fusions only, the link model's plans",
+                    "ditron_keep_mask_shard": "fusions only + sequence sharding"}
 # --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
 # report says how far, beside how far the other contenders lie: any change of rounding upstream
 # flips e5m2 gradient elements, so two right answers can lie 0.2 apart (2x H200, 4 layers)
@@ -241,9 +246,11 @@ def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = 
         options = {**(list_mode_options(cuda_graphs) if cuda_graphs else {}),
                    "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
-    if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_model"):
+    if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_model",
+                     "ditron_keep_mask_shard"):
         options = {**(FUSIONS_ONLY if "keep_mask" in contender else {}),
                    **({"ditron.measured_plans": False} if contender.endswith("_model") else {}),
+                   **({"ditron.sequence_shard": True} if contender.endswith("_shard") else {}),
                    **({"ditron.patterns": ""} if no_comm else {})}
         if not options:  # as a user writes it
             return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)

@@ -22,6 +22,10 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.gqa_packing       DITRON_GQA_PACKING        1 | 0 (1: a decode step's grouped-query
                                                        attention reads keys and values once per
                                                        key/value head, lowering/gqa_packing.py)
+    ditron.sequence_shard    DITRON_SEQUENCE_SHARD     0 | 1 (1: plain TP's all-reduces become
+                                                       a reduce-scatter and an all-gather, the
+                                                       residual stream sharded on rows between
+                                                       them, lowering/sequence_shard.py)
     ditron.cuda_graphs       DITRON_CUDA_GRAPHS        auto | 1 | 0 (whether the compiled graph
                                                        will be replayed from a CUDA graph, which
                                                        picks the plans: auto, as Inductor's
@@ -95,6 +99,10 @@ class Options:
     # SDPA calls on repeated keys/values (GQA, decode) take the query heads of each key/value
     # head as rows instead (lowering/gqa_packing.py).
     gqa_packing: bool = True
+    # Plain tensor parallelism's all-reduces as reduce-scatter + all-gather, the residual adds
+    # and norms between them on this rank's rows (lowering/sequence_shard.py). Off until a
+    # prefill on the GPU machines measures it.
+    sequence_shard: bool = False
     # Whether the graph will be replayed from a CUDA graph (the plans measured that way are
     # chosen): None follows Inductor's triton.cudagraphs ("reduce-overhead"); step_graph.py's
     # StepGraph, which captures a whole compiled call itself, sets True.
@@ -105,7 +113,7 @@ class Options:
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
                      self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
                      self.measured_plans, self.decode_gemm, self.gqa_packing,
-                     self.decode_gemm_groups, self.cuda_graphs))
+                     self.decode_gemm_groups, self.cuda_graphs, self.sequence_shard))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -174,6 +182,7 @@ OPTIONS = {
     "decode_gemm": ("DITRON_DECODE_GEMM", "decode_gemm", _bool),
     "decode_gemm_groups": ("DITRON_DECODE_GEMM_GROUPS", "decode_gemm_groups", _bool),
     "gqa_packing": ("DITRON_GQA_PACKING", "gqa_packing", _bool),
+    "sequence_shard": ("DITRON_SEQUENCE_SHARD", "sequence_shard", _bool),
     "cuda_graphs": ("DITRON_CUDA_GRAPHS", "cuda_graphs", _auto_bool),
 }
 
@@ -255,4 +264,5 @@ measured_plans: bool = _defaults.measured_plans
 decode_gemm: bool = _defaults.decode_gemm
 decode_gemm_groups: bool = _defaults.decode_gemm_groups
 gqa_packing: bool = _defaults.gqa_packing
+sequence_shard: bool = _defaults.sequence_shard
 cuda_graphs: Optional[bool] = _defaults.cuda_graphs

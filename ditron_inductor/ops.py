@@ -1,6 +1,7 @@
 """The ditron ops: one op per fused collective + matmul (and two for a decode step, without
 collectives: decode_mm, a one-row matmul in the decode GEMM template; decode_attention, packed
-grouped-query rows in the split-keys decode attention template).
+grouped-query rows in the split-keys decode attention template; and rank_rows, this rank's rows
+of a tensor, for the sequence sharding of lowering/sequence_shard.py).
 
 Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
 (meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
@@ -681,6 +682,27 @@ _define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b
         "ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, str reduce_op, "
         "str group_name, SymInt world_size, str plan) -> Tensor",
         scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)
+
+
+# ------------------------------------------------- this rank's rows (sequence sharding, no collective)
+
+
+def rank_rows(x: Tensor, world_size: int, group_name: str) -> Tensor:
+    """This rank's 1/world_size of the rows of x [M, N], a copy: what lowering/sequence_shard.py
+    takes of a tensor that every rank computes alike (the embedding's output that the first
+    residual add reads beside a reduce-scattered sum). The rank is read at run time, so a compiled
+    graph holds no rank of its own."""
+    check_group(group_name, world_size)
+    rank = _resolve_process_group(group_name).rank()
+    return x.reshape(world_size, x.shape[0] // world_size, *x.shape[1:])[rank].clone()
+
+
+def _rank_rows_fake(x, world_size, group_name):
+    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+
+
+_define("rank_rows(Tensor x, int world_size, str group_name) -> Tensor", rank_rows,
+        _rank_rows_fake)
 
 
 # ------------------------------------------------------------------- decode GEMM (no collective)

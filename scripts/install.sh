@@ -18,6 +18,11 @@ PY
   echo "ditron-inductor and the test dependencies are installed in $PY" >&2
   exit 0
 fi
+# A fresh CI machine gains nothing from pip's cache, and its disk can be short (a CI run of
+# 2026-11-27 ran out of space while installing): no cache there.
+if [ -n "${CI:-}" ]; then
+  export PIP_NO_CACHE_DIR=1
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install "torch==2.13.0"
 fi

@@ -3,6 +3,7 @@ variable, each bad value's error, the off switch, and the options in the pass's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ GOOD = [
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "0", "decode_gemm_groups", False),
+    ("ditron.sequence_shard", "DITRON_SEQUENCE_SHARD", "on", "sequence_shard", True),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "1", "cuda_graphs", True),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "off", "cuda_graphs", False),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "auto", "cuda_graphs", None),
@@ -65,6 +67,8 @@ BAD = [
      "expected auto or a boolean (1/0, true/false)"),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "repeat", "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "qkv",
+     "expected a boolean (1/0, true/false)"),
+    ("ditron.sequence_shard", "DITRON_SEQUENCE_SHARD", "rows",
      "expected a boolean (1/0, true/false)"),
 ]
 
@@ -100,7 +104,8 @@ def test_unknown_ditron_key_names_the_known_ones():
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
         "ditron.causal_mask, ditron.measured_plans, ditron.decode_gemm, "
-        "ditron.decode_gemm_groups, ditron.gqa_packing, ditron.cuda_graphs")
+        "ditron.decode_gemm_groups, ditron.gqa_packing, ditron.sequence_shard, "
+        "ditron.cuda_graphs")
 
 
 def test_options_win_over_the_environment_and_inductor_keys_pass_through(monkeypatch):
@@ -189,3 +194,13 @@ def test_pass_uuid_differs_per_option_that_changes_graphs():
                if field not in ("enabled", "log_all_ranks") and want != getattr(default, field)]
     keys = {DitronPass(options).uuid() for options in changed} | {DitronPass(default).uuid()}
     assert len(keys) == len(changed) + 1
+
+
+@pytest.mark.parametrize("field", ["causal_mask", "measured_plans", "decode_gemm",
+                                   "decode_gemm_groups", "gqa_packing", "sequence_shard"])
+def test_each_rewrite_option_enters_the_pass_cache_key(field):
+    # a graph compiled with the rewrite on must not be served from Inductor's cache to a
+    # compile with it off
+    default = config.Options()
+    flipped = dataclasses.replace(default, **{field: not getattr(default, field)})
+    assert flipped.cache_key() != default.cache_key()

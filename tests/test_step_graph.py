@@ -57,13 +57,13 @@ def test_ditron_compiles_inside_a_capture_pick_the_cuda_graph_plans(monkeypatch)
     monkeypatch.setattr(config, "cuda_graphs", None)
     for cudagraphs in (False, True):  # auto: Inductor's "reduce-overhead" decides
         with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
-            assert decide._cuda_graphs() is cudagraphs
+            assert decide.replayed_in_cuda_graph() is cudagraphs
             with _replayed_from_graphs():
-                assert decide._cuda_graphs() is True
+                assert decide.replayed_in_cuda_graph() is True
             assert config.cuda_graphs is None
     monkeypatch.setattr(config, "cuda_graphs", False)  # ditron.cuda_graphs=0 wins
     with inductor_config.patch({"triton.cudagraphs": True}):
-        assert decide._cuda_graphs() is False
+        assert decide.replayed_in_cuda_graph() is False
 
 
 def test_its_graphs_are_released_before_the_process_group():

@@ -31,6 +31,7 @@ from .moe import (
     rewrite_grouped_mm_all_to_all,
 )
 from .rewrite import rewrite_all_gather_matmul, rewrite_matmul_collective
+from .sequence_shard import shard_residual_streams
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -85,6 +86,7 @@ def _source_files() -> tuple[str, ...]:
     names = ["ops.py", "config.py", "patterns.py", "lowering/match.py", "lowering/nodes.py",
              "lowering/norm.py", "lowering/reorder.py", "lowering/rewrite.py", "lowering/moe.py",
              "lowering/graph_edit.py", "lowering/graph_pass.py", "lowering/decode_gemm.py",
+             "lowering/sequence_shard.py",
              "scheduler/decide.py", "scheduler/cost_model.py", "scheduler/plan.py",
              "scheduler/task.py", "scheduler/decode_gemm.py"]
     return tuple(os.path.join(root, n) for n in names)
@@ -168,6 +170,8 @@ def source_layers(match) -> tuple[str, ...]:
 
 def run_pass(graph: Graph) -> GraphReport:
     name = graph_name(graph)
+    if config.sequence_shard:
+        _shard_sequences(graph, name)
     matches = find_matches(graph)
     if not matches:
         report = GraphReport(name, ())
@@ -207,6 +211,16 @@ def run_pass(graph: Graph) -> GraphReport:
     reports.append(report)
     log.info("graph %s: %s", name, report.summary())
     return report
+
+
+def _shard_sequences(graph: Graph, name: str) -> None:
+    for region, why in shard_residual_streams(graph):
+        if why is None:
+            log.info("graph %s: sequence sharding: %s -> reduce-scatter + all-gather, the "
+                     "residual stream between them on 1/%d of the rows", name, region.describe(),
+                     region.world_size)
+        else:
+            log.info("graph %s: sequence sharding: %s kept: %s", name, region.describe(), why)
 
 
 def _rewrite_decode_mms(graph: Graph, grouped: bool) -> None:

@@ -48,7 +48,7 @@ def group_problem(group_name: str, world_size: int) -> Optional[str]:
     return None
 
 
-def _cuda_graphs() -> bool:
+def replayed_in_cuda_graph() -> bool:
     """Whether this graph will be replayed from a CUDA graph: as the ditron.cuda_graphs option
     says (StepGraph's captures set it), else whether Inductor replays it as one
     (mode="reduce-overhead"). The same on every rank, since every rank compiles with the same
@@ -89,7 +89,7 @@ def decide(task: Task) -> Decision:
     unserved = unserved_dtype(task)
     if unserved:
         return reject(unserved)
-    plan, why = choose_device_plan(task, cuda_graphs=_cuda_graphs())
+    plan, why = choose_device_plan(task, cuda_graphs=replayed_in_cuda_graph())
     if config.force_plan == FUSED and plan is None and has_fused_plan(task.op):
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:

@@ -1,0 +1,193 @@
+"""lowering/sequence_shard.py: plain TP's all-reduces as a reduce-scatter and an all-gather, the
+residual stream between them sharded on rows.
+
+The graph-level tests trace a layer's tail with functional collectives (fake tensors, no process
+group: the group's size is given) and check what the pass finds and how it rewrites. The launch
+at the end runs Hugging Face Llama under plain TP on 2 CPU ranks over gloo, where the ops' reference
+paths compute the rewritten graph: its logits against eager's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ditron_inductor.lowering import sequence_shard
+from ditron_inductor.lowering.nodes import is_call
+from tests.distributed import launched_once
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+ROWS, HIDDEN, WORLD = 32, 64, 2
+
+
+def _layer_tail(extra=None):
+    """A row-parallel matmul's all-reduce, the residual add, the RMSNorm and the next matmul;
+    `extra(h, y)` adds outputs (or returns the logits' input instead of the next matmul)."""
+    def tail(x, w_row, w_col, embedded, norm_weight, other):
+        partial = torch.mm(x, w_row).view(1, ROWS, HIDDEN)
+        h = embedded + c10d.wait_tensor(c10d.all_reduce(partial, "sum", "0"))
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+        if extra is not None:
+            return extra(h, y, other, w_col)
+        return (torch.mm(y.view(ROWS, HIDDEN), w_col),)
+    args = (torch.randn(ROWS, 16), torch.randn(16, HIDDEN), torch.randn(HIDDEN, 8),
+            torch.randn(1, ROWS, HIDDEN), torch.randn(HIDDEN), torch.randn(ROWS, 16))
+    return make_fx(tail, tracing_mode="fake")(*args).graph
+
+
+def _regions(graph):
+    return sequence_shard.find_regions(graph, lambda group_name: WORLD)
+
+
+def _calls(graph, target):
+    return [n for n in graph.nodes if is_call(n, target)]
+
+
+def test_residual_add_and_norm_run_on_this_ranks_rows():
+    graph = _layer_tail()
+    (region,) = _regions(graph)
+    assert region.problem is None and (region.rows, region.world_size) == (ROWS, WORLD)
+    assert [n.name for n in region.members] == [
+        "wait_tensor", "add", "pow_1", "mean", "add_1", "rsqrt", "mul", "mul_1", "view_1"]
+    assert [n.name for n in region.gathered_values()] == ["mul_1"]  # the norm's output, once
+
+    sequence_shard.rewrite_region(graph, region)
+    graph.lint()
+    assert not _calls(graph, c10d.all_reduce.default)
+    (scatter,) = _calls(graph, c10d.reduce_scatter_tensor.default)
+    assert list(scatter.args[0].meta["val"].shape) == [ROWS, HIDDEN]
+    assert scatter.args[1:] == ("sum", WORLD, "0")
+    add = next(n for n in graph.nodes if n.name == "add")
+    assert list(add.meta["val"].shape) == [ROWS // WORLD, HIDDEN]
+    # the embedded rows every rank holds: this rank's rows of them, taken at run time
+    (taken,) = _calls(graph, torch.ops.ditron.rank_rows.default)
+    assert taken.args[1:] == (WORLD, "0") and add.args[0] is taken
+    assert list(taken.args[0].meta["val"].shape) == [ROWS, HIDDEN]
+    # the next matmul reads the gathered rows; the norm's weight is read as it was
+    (gather,) = _calls(graph, c10d.all_gather_into_tensor.default)
+    assert gather.args[0].name == "mul_1" and gather.args[1:] == (WORLD, "0")
+    (mm,) = [n for n in _calls(graph, aten.mm.default) if n.name == "mm_1"]
+    assert mm.args[0].args[0] is gather and list(mm.meta["val"].shape) == [ROWS, 8]
+    assert list(next(n for n in graph.nodes if n.name == "mean").meta["val"].shape) == [
+        ROWS // WORLD, 1]
+
+
+def test_a_graph_output_of_the_residual_keeps_the_all_reduce():
+    # a training forward saves h for the backward: one more gather than all-reduces
+    graph = _layer_tail(lambda h, y, other, w: (torch.mm(y.view(ROWS, HIDDEN), w), h))
+    (region,) = _regions(graph)
+    assert [n.name for n in region.gathered_values()] == ["mul_1", "add"]
+    why = sequence_shard.why_kept(region)
+    assert why.startswith("2 values would be gathered for 1 all-reduce(s)"), why
+
+
+def test_a_rank_local_operand_is_not_sliced():
+    # h + (a matmul of this rank's weight shard): not the same on every rank, so the sum runs on
+    # the gathered rows (the all-reduce's result, gathered back), not on slices
+    def extra(h, y, other, w):
+        local = torch.mm(other, torch.ones(16, HIDDEN)).view(1, ROWS, HIDDEN)
+        return (h + local,)
+    graph = _layer_tail(extra)
+    (region,) = _regions(graph)
+    assert [n.name for n in region.gathered_values()] == ["add"]
+    assert [r.name for r, _, _ in region.gathers] == ["add_2"]
+    assert "add_2" not in [n.name for n in region.members]
+
+
+def test_the_last_rows_are_broadcast_from_the_rank_holding_them():
+    # the logits of the last token only (logits_to_keep=1): rows 31 of 32 live on rank 1
+    graph = _layer_tail(lambda h, y, other, w: (torch.mm(y[:, -1:, :].reshape(1, HIDDEN), w),))
+    (region,) = _regions(graph)
+    assert region.gathers == []
+    ((piece, operand, rank, first, end),) = region.broadcasts
+    assert (operand.name, rank, first, end) == ("mul_1", 1, ROWS // WORLD - 1, ROWS // WORLD)
+    sequence_shard.rewrite_region(graph, region)
+    graph.lint()
+    (sent,) = _calls(graph, c10d.broadcast.default)
+    rows = sent.args[0]
+    assert is_call(rows, aten.slice.Tensor) and rows.args[1:] == (0, 15, 16)
+    assert sent.args[1:] == (1, "0") and not _calls(graph, c10d.all_gather_into_tensor.default)
+
+
+def test_rows_that_do_not_divide_among_the_ranks_are_not_a_region():
+    assert sequence_shard.find_regions(_layer_tail(), lambda group_name: 3) == []
+
+
+# ------------------------------------------------------------------- Llama on 2 ranks over gloo
+
+
+def sharded_inference_ranks(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditron_inductor.log_names import LOGGER_NAME
+    from ditron_inductor.lowering import graph_pass
+    from tests.llama_tp import TENSOR_PARALLEL, build_llama, llama_config, parallelize, tokens
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    mesh = init_device_mesh("cpu", (world_size,))
+    config = llama_config()
+    results = {}
+    cases = {"b1": (1, {}), "b2_last_token": (2, {"logits_to_keep": 1}),
+             "hidden_states_out": (1, {"output_hidden_states": True})}
+    for case, (batch, kwargs) in cases.items():
+        torch._dynamo.reset()
+        model = parallelize(build_llama(config), TENSOR_PARALLEL, mesh).eval()
+        ids = tokens(batch, 16, config.vocab_size, seed=0)
+        run = torch.compile(model, backend="ditron", dynamic=False,
+                            options={"ditron.sequence_shard": True, "ditron.log_all_ranks": True})
+        start, first_line = len(graph_pass.reports), len(lines)
+        with torch.no_grad():
+            expected = model(input_ids=ids, **kwargs).logits
+            got = run(input_ids=ids, **kwargs).logits
+        results[case] = {
+            "expected": expected.numpy().copy(), "got": got.numpy().copy(),
+            "ops": sorted(c.op for r in list(graph_pass.reports)[start:] for c in r.candidates),
+            "sharding": [line.split("sequence sharding: ", 1)[1] for line in lines[first_line:]
+                         if "sequence sharding: " in line]}
+    return results
+
+
+_ranks = launched_once(f"{__name__}:sharded_inference_ranks", 2, timeout_s=600,
+                       env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+RS, AG, AR_NORM = "matmul_reduce_scatter", "all_gather_matmul", "matmul_all_reduce_rmsnorm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, rows, ops", [
+    # 2 layers: o_proj and down_proj reduce-scattered; the gathers feed gate/up (both layers),
+    # q/k/v (layer 1: layer 0's reads the embedding every rank holds) and lm_head
+    ("b1", 16, [AG] * 4 + [RS] * 4),
+    # the last token's row is broadcast from the rank that holds it: no lm_head gather
+    ("b2_last_token", 32, [AG] * 3 + [RS] * 4),
+])
+def test_llama_plain_tp_sharded_matches_eager(case, rows, ops):
+    for result in _ranks():
+        res = result[case]
+        assert res["ops"] == ops, res["ops"]
+        assert res["sharding"] == [
+            f"4 all-reduce(s) of {rows} rows on 2 ranks -> reduce-scatter + all-gather, the "
+            "residual stream between them on 1/2 of the rows"]
+        np.testing.assert_allclose(res["got"], res["expected"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama_hidden_states_out_keeps_the_all_reduces():
+    for result in _ranks():
+        res = result["hidden_states_out"]
+        assert res["ops"] == [AR_NORM] * 4, res
+        (line,) = res["sharding"]
+        assert line.startswith("4 all-reduce(s) of 16 rows on 2 ranks kept: 5 values would be "
+                               "gathered for 4 all-reduce(s)"), line
+        np.testing.assert_allclose(res["got"], res["expected"], rtol=1e-4, atol=1e-5)
