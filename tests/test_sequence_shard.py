@@ -139,7 +139,7 @@ def sharded_inference_ranks(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     config = llama_config()
     results = {}
-    cases = {"b1": (1, {}), "b2_last_token": (2, {"logits_to_keep": 1}),
+    cases = {"b2": (2, {}), "b1_last_token": (1, {"logits_to_keep": 1}),
              "hidden_states_out": (1, {"output_hidden_states": True})}
     for case, (batch, kwargs) in cases.items():
         torch._dynamo.reset()
@@ -165,20 +165,20 @@ RS, AG, AR_NORM = "matmul_reduce_scatter", "all_gather_matmul", "matmul_all_redu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, rows, ops", [
+@pytest.mark.parametrize("case, rows, ops, moved", [
     # 2 layers: o_proj and down_proj reduce-scattered; the gathers feed gate/up (both layers),
     # q/k/v (layer 1: layer 0's reads the embedding every rank holds) and lm_head
-    ("b1", 16, [AG] * 4 + [RS] * 4),
+    ("b2", 32, [AG] * 4 + [RS] * 4, "4 value(s) gathered, 0 slice(s) broadcast"),
     # the last token's row is broadcast from the rank that holds it: no lm_head gather
-    ("b2_last_token", 32, [AG] * 3 + [RS] * 4),
+    ("b1_last_token", 16, [AG] * 3 + [RS] * 4, "3 value(s) gathered, 1 slice(s) broadcast"),
 ])
-def test_llama_plain_tp_sharded_matches_eager(case, rows, ops):
+def test_llama_plain_tp_sharded_matches_eager(case, rows, ops, moved):
     for result in _ranks():
         res = result[case]
         assert res["ops"] == ops, res["ops"]
         assert res["sharding"] == [
-            f"4 all-reduce(s) of {rows} rows on 2 ranks -> reduce-scatter + all-gather, the "
-            "residual stream between them on 1/2 of the rows"]
+            f"4 all-reduce(s) of {rows} rows on 2 ranks -> reduce-scatters, the residual stream "
+            f"on 1/2 of the rows, {moved}"]
         np.testing.assert_allclose(res["got"], res["expected"], rtol=1e-4, atol=1e-5)
 
 

@@ -216,9 +216,10 @@ def run_pass(graph: Graph) -> GraphReport:
 def _shard_sequences(graph: Graph, name: str) -> None:
     for region, why in shard_residual_streams(graph):
         if why is None:
-            log.info("graph %s: sequence sharding: %s -> reduce-scatter + all-gather, the "
-                     "residual stream between them on 1/%d of the rows", name, region.describe(),
-                     region.world_size)
+            log.info("graph %s: sequence sharding: %s -> reduce-scatters, the residual stream on "
+                     "1/%d of the rows, %d value(s) gathered, %d slice(s) broadcast", name,
+                     region.describe(), region.world_size, len(region.gathered_values()),
+                     len(region.broadcasts))
         else:
             log.info("graph %s: sequence sharding: %s kept: %s", name, region.describe(), why)
 

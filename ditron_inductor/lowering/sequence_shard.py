@@ -337,6 +337,9 @@ def rewrite_region(graph: Graph, region: Region) -> None:
     """The region's all-reduces as reduce-scatters, its members on [M / W, last dim] shards, an
     all-gather (one per sharded value) in front of the readers of the whole value."""
     w, group, rows = region.world_size, region.group_name, region.rows
+    order = {n: i for i, n in enumerate(graph.nodes)}  # merged regions listed theirs in turn
+    members = sorted((n for n in region.members if n not in region.sources),
+                     key=order.__getitem__)
     sharded: set[Node] = set()  # the region's values, now [M / W, last dim]
     now: dict[Node, Node] = {}  # an all-reduce's wait -> the reduce-scatter's
     for wait in region.sources:
@@ -352,10 +355,7 @@ def rewrite_region(graph: Graph, region: Region) -> None:
         now[wait] = shard
     taken: dict[Node, Node] = {}  # an operand that is not sharded -> what the shards read
     views = []
-    order = {n: i for i, n in enumerate(graph.nodes)}  # merged regions listed theirs in turn
-    for node in sorted(region.members, key=order.__getitem__):
-        if node in region.sources:
-            continue
+    for node in members:
         if is_call(node, *RESHAPES):  # rows and last dim kept: on the shards, the same [M/W, X]
             node.replace_all_uses_with(node.args[0])
             views.append(node)
