@@ -1,5 +1,6 @@
-"""Editing a post-grad graph: insert a call (its fake value computed), take an output of a
-multi-output op, erase what a rewrite left unused. Shared by every rewrite."""
+"""Editing a post-grad graph: insert a call (its fake value computed), compute a changed node's
+fake value again, take an output of a multi-output op, erase what a rewrite left unused. Shared by
+every rewrite."""
 
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ def insert_call(graph: Graph, target, args: tuple) -> Node:
     last = max(inputs + placeholders[-1:], key=order.__getitem__)
     with graph.inserting_after(last):
         node = graph.call_function(target, args)
-    vals = map_arg(args, lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*vals)
+    refresh_value(node)
     return node
+
+
+def refresh_value(node: Node) -> None:
+    """The node's fake value, computed again from its inputs' (after a rewrite changed them)."""
+    args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode([n.meta["val"] for n in _flat_nodes((node.args, node.kwargs))])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = node.target(*args, **kwargs)
 
 
 def insert_getitem(graph: Graph, op: Node, index: int) -> Node:

@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from ..scheduler.task import MATMUL_REDUCE_SCATTER, matmul_collective_task
-from .graph_edit import erase_unused, insert_call
+from .graph_edit import erase_unused, insert_call, refresh_value
 from .nodes import RESHAPES, fake, is_call
 
 aten = torch.ops.aten
@@ -369,26 +369,25 @@ def rewrite_region(graph: Graph, region: Region) -> None:
                     if operand not in taken:
                         taken[operand] = _shard_operand(graph, operand, out_shape, region)
                     node.replace_input_with(operand, taken[operand])
-        _refresh(node)
+        refresh_value(node)
         sharded.add(node)
-    gathered: dict[tuple, Node] = {}  # (sharded value, shape) -> the whole value
+    whole: dict[Node, Node] = {}  # a sharded value -> its gathered rows [M, X]
+    shaped: dict[tuple, Node] = {}  # (a sharded value, a shape) -> the gathered rows so shaped
     for reader, operand, shape in region.gathers:
         shard = now.get(region.root(operand), region.root(operand))
+        if shard not in whole:
+            ag = insert_call(graph, c10d.all_gather_into_tensor.default, (shard, w, group))
+            whole[shard] = insert_call(graph, c10d.wait_tensor.default, (ag,))
         key = (shard, tuple(shape))
-        if key not in gathered:
-            whole = gathered.get((shard, None))
-            if whole is None:
-                ag = insert_call(graph, c10d.all_gather_into_tensor.default, (shard, w, group))
-                whole = gathered[(shard, None)] = insert_call(
-                    graph, c10d.wait_tensor.default, (ag,))
-            if list(fake(whole).shape) != list(shape):
-                whole = insert_call(graph, aten.reshape.default, (whole, list(shape)))
-            gathered[key] = whole
-        reader.replace_input_with(shard, gathered[key])
+        if key not in shaped:
+            same = list(fake(whole[shard]).shape) == list(shape)
+            shaped[key] = whole[shard] if same else insert_call(
+                graph, aten.reshape.default, (whole[shard], list(shape)))
+        reader.replace_input_with(shard, shaped[key])
     for piece, operand, rank, first, end in region.broadcasts:
         shard = now.get(region.root(operand), region.root(operand))
-        rows = insert_call(graph, aten.slice.Tensor, (shard, 0, first, end))
-        sent = insert_call(graph, c10d.broadcast.default, (rows, rank, group))
+        held = insert_call(graph, aten.slice.Tensor, (shard, 0, first, end))
+        sent = insert_call(graph, c10d.broadcast.default, (held, rank, group))
         got = insert_call(graph, c10d.wait_tensor.default, (sent,))
         whole = insert_call(graph, aten.reshape.default, (got, list(fake(piece).shape)))
         piece.replace_all_uses_with(whole)
@@ -406,18 +405,6 @@ def _shard_operand(graph: Graph, operand: Node, out_shape: list[int], region: Re
     rows2d = insert_call(graph, aten.reshape.default, (operand, [region.rows, shape[-1]]))
     return insert_call(graph, torch.ops.ditron.rank_rows.default,
                        (rows2d, region.world_size, region.group_name))
-
-
-def _refresh(node: Node) -> None:
-    """The node's fake value again, from its (resharded) inputs."""
-    from torch._guards import detect_fake_mode
-    import contextlib
-
-    inputs = _tensor_operands(node)
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    mode = detect_fake_mode([n.meta["val"] for n in inputs])
-    with mode if mode is not None else contextlib.nullcontext():
-        node.meta["val"] = node.target(*args, **kwargs)
 
 
 def group_size(group_name: str) -> Optional[int]:
