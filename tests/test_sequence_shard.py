@@ -118,6 +118,60 @@ def test_rows_that_do_not_divide_among_the_ranks_are_not_a_region():
     assert sequence_shard.find_regions(_layer_tail(), lambda group_name: 3) == []
 
 
+# ------------------------------------------------------- a layer's tail on 4 ranks over gloo
+
+
+def layer_tail_ranks(rank: int, world_size: int) -> dict:
+    """Two all-reduced matmuls with a residual add and an RMSNorm after each, the norm's rows
+    read by the next matmul and the last row by the logits' matmul, compiled with sequence
+    sharding on 4 ranks: every rank's own slices (rank_rows), a broadcast from the last rank."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)  # the same "replicated" tensors on every rank
+    embedded, norm_weight = torch.randn(1, ROWS, HIDDEN, generator=gen), torch.randn(HIDDEN,
+                                                                                      generator=gen)
+    w_col, w_out = torch.randn(HIDDEN, 16, generator=gen), torch.randn(HIDDEN, 8, generator=gen)
+    x = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(1 + rank))  # this rank's
+    w_row = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
+
+    def norm(h):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+
+    def tail(x, w_row, w_col):
+        h = embedded + c10d.wait_tensor(c10d.all_reduce(
+            torch.mm(x, w_row).view(1, ROWS, HIDDEN), "sum", group))
+        inner = torch.mm(norm(h).view(ROWS, HIDDEN), w_col)  # rank-local columns, as q/k/v
+        h = h + c10d.wait_tensor(c10d.all_reduce(
+            torch.mm(inner, w_row).view(1, ROWS, HIDDEN), "sum", group))
+        return torch.mm(norm(h)[:, -1:, :].reshape(1, HIDDEN), w_out)
+
+    from ditron_inductor.lowering import graph_pass
+
+    torch._dynamo.reset()
+    got = torch.compile(tail, backend="ditron", dynamic=False,
+                        options={"ditron.sequence_shard": True})(x, w_row, w_col)
+    return {"got": got.numpy().copy(), "expected": tail(x, w_row, w_col).numpy().copy(),
+            "ops": sorted(c.op for c in graph_pass.reports[-1].candidates)}
+
+
+_ranks_w4 = launched_once(f"{__name__}:layer_tail_ranks", 4, timeout_s=300,
+                          env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+
+
+@pytest.mark.slow
+def test_four_ranks_match_the_all_reduced_tail():
+    results = _ranks_w4()
+    for res in results:
+        # the two all-reduces reduce-scattered, the first norm's rows gathered into the matmul
+        assert res["ops"] == ["all_gather_matmul", "matmul_reduce_scatter",
+                              "matmul_reduce_scatter"], res["ops"]
+        np.testing.assert_allclose(res["got"], res["expected"], rtol=1e-4, atol=1e-4)
+    # the all-reduced value is the same on every rank, whatever its shard
+    for res in results[1:]:
+        np.testing.assert_allclose(res["got"], results[0]["got"], rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------- Llama on 2 ranks over gloo
 
 
