@@ -229,18 +229,19 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
         config.wait_timeout_s = saved
 
 
-def _compiled_runs(name, fn, shape, gen) -> dict:
+def _compiled_runs(name, fn, shape, gen, sequence_shard=False) -> dict:
     """`fn` compiled with the fused plan forced, against eager on 3 random bf16 inputs of
     `shape`; the calls the fused paths served meanwhile, by op. These shapes are too small for
     the cost model to fuse: forcing the fused plan makes the compiled graph run the fused
     kernels. The backend is passed as the function itself: the name "ditron" resolves through
     the package's entry point, absent where the package is used from a checkout without being
-    installed."""
+    installed. sequence_shard: compiled with ditron.sequence_shard on."""
     from ditron_inductor import config
     from ditron_inductor.backend import ditron_backend
 
     before = _served()
-    saved, config.force_plan = config.force_plan, "fused"
+    saved = config.force_plan, config.sequence_shard
+    config.force_plan, config.sequence_shard = "fused", sequence_shard
     try:
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend=ditron_backend, fullgraph=True)
@@ -248,7 +249,7 @@ def _compiled_runs(name, fn, shape, gen) -> dict:
             x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
             _check(name, compiled(x), fn(x), tol=3e-2)
     finally:
-        config.force_plan = saved
+        config.force_plan, config.sequence_shard = saved
     after = _served()
     return {k: after[k] - before[k] for k in after}
 
@@ -279,7 +280,35 @@ def _compiled_case(group_name, world, rank, gen):
     served = _compiled_runs("compiled SP MLP", mlp, (136, 256), gen)
     if world > 1:  # at world size 1 the scheduler fuses nothing, which the case asserts
         _compiled_sequence_parallel_b2_case(group_name, world, gen)
+        _compiled_sequence_shard_case(group_name, world, gen)
     return served
+
+
+def _compiled_sequence_shard_case(group_name, world, gen, rows=136, d=256):
+    """Plain TP (ditron.sequence_shard): two row-parallel matmuls' all-reduces, each with the
+    residual add, the first with an RMSNorm whose rows a column-parallel matmul reads. The
+    all-reduces become the fused reduce-scatters, the norm's rows the fused all-gather's input;
+    the residual, the same on every rank, is sliced per rank at run time."""
+    c10d = torch.ops._c10d_functional
+    w_col, w_row = _weights(gen, world)
+    same = torch.Generator(device="cuda")
+    same.manual_seed(7)  # the same residual and norm weight on every rank
+    residual = torch.randn(1, rows, d, generator=same, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.randn(d, generator=same, device="cuda", dtype=torch.bfloat16)
+
+    def all_reduced(partial):
+        return c10d.wait_tensor(c10d.all_reduce(partial.view(1, rows, d), "sum", group_name))
+
+    def layers(x):  # x: this rank's columns of the activation, [rows, f / W]
+        h = residual + all_reduced(x @ w_row)
+        h32 = h.float()
+        y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        z = torch.nn.functional.gelu((y * norm_weight).view(rows, d) @ w_col)
+        return h + all_reduced(z @ w_row)
+
+    served = _compiled_runs("compiled plain TP, sequence sharding", layers,
+                            (rows, w_row.shape[0]), gen, sequence_shard=True)
+    assert served["matmul_reduce_scatter"] >= 6 and served["all_gather_matmul"] >= 3, served
 
 
 def _compiled_sequence_parallel_b2_case(group_name, world, gen):
