@@ -4,9 +4,9 @@ for a model that asked for plain tensor parallelism (prefill, inference).
 
 In a Llama layer under plain TP every row-parallel matmul (o_proj, down_proj) ends in an all-reduce,
 and what follows it, the residual add and the next RMSNorm, works row by row until the next
-column-parallel matmuls read the normalised rows. So each rank can reduce-scatter instead, keep
-1/W of the rows through the residual adds and the norms (on 1/W of the rows), and gather the
-normalised rows in front of the next matmuls. The two collectives move what the all-reduce moves,
+column-parallel matmuls read the normalised rows. So each rank can reduce-scatter instead, run
+the residual adds and the norms on its 1/W of the rows, and gather the normalised rows in front
+of the next matmuls. The two collectives move what the all-reduce moves,
 and each sits next to a matmul the ditron pass fuses it with (matmul + reduce-scatter, all-gather +
 matmul), the pair of sites that measured faster than NCCL + cuBLAS at the training step's shapes.
 
@@ -18,8 +18,8 @@ M divisible by the world size) through their users, in graph order:
   - reductions over the last dim with keepdim (the norm's mean of squares);
   - reshapes that keep the rows and the last dim;
 and ends at the readers that need the whole value (the matmuls that read the normalised rows,
-a slice of the last rows for the logits, a graph output): an all-gather of the rows goes in
-front of each, one per sharded value. A region is rewritten where it gathers no more values than
+a graph output): an all-gather of the rows goes in front of them, one per sharded value. A slice
+of rows that one rank holds (the last token's, for the logits) is broadcast from that rank. A region is rewritten where it gathers no more values than
 it has all-reduces (the same bytes on the wire: a reduce-scatter and an all-gather move what an
 all-reduce moves) and the scheduler fuses each reduce-scatter with its matmul; otherwise it keeps
 its all-reduces (a training forward under plain TP, whose saved activations would each need a
