@@ -684,7 +684,7 @@ _define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b
         scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)
 
 
-# ------------------------------------------------- this rank's rows (sequence sharding, no collective)
+# ------------------------------------------- this rank's rows (sequence sharding, no collective)
 
 
 def rank_rows(x: Tensor, world_size: int, group_name: str) -> Tensor:

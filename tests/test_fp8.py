@@ -387,7 +387,8 @@ def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypa
         assert not decide(dataclasses.replace(rs, world_size=4)).fuse
     with fake_group(2):
         assert not decide(dataclasses.replace(rs, rank_chunks_contiguous=False)).fuse
-        monkeypatch.setattr(decide_module, "replayed_in_cuda_graph", lambda: True)  # reduce-overhead
+        # reduce-overhead
+        monkeypatch.setattr(decide_module, "replayed_in_cuda_graph", lambda: True)
         assert not any(decide(t).fuse for t in tasks.values())
 
 

@@ -19,11 +19,12 @@ M divisible by the world size) through their users, in graph order:
   - reshapes that keep the rows and the last dim;
 and ends at the readers that need the whole value (the matmuls that read the normalised rows,
 a graph output): an all-gather of the rows goes in front of them, one per sharded value. A slice
-of rows that one rank holds (the last token's, for the logits) is broadcast from that rank. A region is rewritten where it gathers no more values than
-it has all-reduces (the same bytes on the wire: a reduce-scatter and an all-gather move what an
-all-reduce moves) and the scheduler fuses each reduce-scatter with its matmul; otherwise it keeps
-its all-reduces (a training forward under plain TP, whose saved activations would each need a
-gather, keeps them).
+of rows that one rank holds (the last token's, for the logits) is broadcast from that rank.
+
+A region is rewritten where it gathers no more values than it has all-reduces (the same bytes on
+the wire: a reduce-scatter and an all-gather move what an all-reduce moves) and the scheduler
+fuses each reduce-scatter with its matmul; otherwise it keeps its all-reduces (a training
+forward under plain TP, whose saved activations would each need a gather, keeps them).
 
 Every rank sees the same graph and options, so every rank makes the same decision. A value kept
 sharded is, in the original graph, the same on every rank (an all-reduce's result, or computed
@@ -307,9 +308,9 @@ def why_kept(region: Region) -> Optional[str]:
         return region.problem
     gathered = region.gathered_values()
     if len(gathered) > len(region.sources):
+        names = ", ".join(n.name for n in gathered[:4]) + (", ..." if len(gathered) > 4 else "")
         return (f"{len(gathered)} values would be gathered for {len(region.sources)} "
-                f"all-reduce(s), more bytes than the all-reduces move "
-                f"({', '.join(n.name for n in gathered[:4])}{', ...' if len(gathered) > 4 else ''})")
+                f"all-reduce(s), more bytes than the all-reduces move ({names})")
     for wait in region.sources:
         reduce = wait.args[0]
         mm = producer_matmul(reduce.args[0])
