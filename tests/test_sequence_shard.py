@@ -2,9 +2,10 @@
 residual stream between them sharded on rows.
 
 The graph-level tests trace a layer's tail with functional collectives (fake tensors, no process
-group: the group's size is given) and check what the pass finds and how it rewrites. The launch
-at the end runs Hugging Face Llama under plain TP on 2 CPU ranks over gloo, where the ops' reference
-paths compute the rewritten graph: its logits against eager's.
+group: the group's size is given) and check what the pass finds and how it rewrites. Two launches
+over gloo then compile with the option on, where the ops' reference paths compute the rewritten
+graph: a layer's tail on 4 CPU ranks, and Hugging Face Llama under plain TP on 2 (its logits
+against eager's).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ROWS, HIDDEN, WORLD = 32, 64, 2
 
 def _layer_tail(extra=None):
     """A row-parallel matmul's all-reduce, the residual add, the RMSNorm and the next matmul;
-    `extra(h, y)` adds outputs (or returns the logits' input instead of the next matmul)."""
+    `extra(h, y, other, w_col)` returns the outputs instead (`other`: a rank-local input)."""
     def tail(x, w_row, w_col, embedded, norm_weight, other):
         partial = torch.mm(x, w_row).view(1, ROWS, HIDDEN)
         h = embedded + c10d.wait_tensor(c10d.all_reduce(partial, "sum", "0"))
