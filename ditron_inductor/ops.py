@@ -1,7 +1,8 @@
 """The ditron ops: one op per fused collective + matmul (and two for a decode step, without
 collectives: decode_mm, a one-row matmul in the decode GEMM template; decode_attention, packed
-grouped-query rows in the split-keys decode attention template; and rank_rows, this rank's rows
-of a tensor, for the sequence sharding of lowering/sequence_shard.py).
+grouped-query rows in the split-keys decode attention template; and for the sequence sharding
+of lowering/sequence_shard.py, rank_rows, this rank's rows of a tensor, and held_rows, this
+rank's share of a slice of sharded rows).
 
 Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
 (meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import operator
 from typing import Callable, Optional, Sequence
 
@@ -703,6 +705,39 @@ def _rank_rows_fake(x, world_size, group_name):
 
 _define("rank_rows(Tensor x, int world_size, str group_name) -> Tensor", rank_rows,
         _rank_rows_fake)
+
+
+def _sliced_row_ids(row_dims: Sequence[int], dim: int, start: int, length: int,
+                    device) -> Tensor:
+    """The ids (of the flattened rows of a [*row_dims, X] tensor) of the rows that slicing dim
+    `dim` at [start, start + length) keeps, in the slice's order."""
+    ids = torch.arange(math.prod(row_dims), device=device).view(list(row_dims))
+    return ids.narrow(dim, start, length).reshape(-1)
+
+
+def held_rows(shard: Tensor, row_dims: Sequence[int], dim: int, start: int, length: int,
+              world_size: int, group_name: str) -> Tensor:
+    """This rank's share of a slice of rows of a value sharded on its rows (this rank holds
+    `shard`, its 1/world_size of the rows [*row_dims, X] flattened): the slice's rows as
+    [rows, X], with the rows this rank holds and zeros for the others, so that their sum over
+    the ranks (an all-reduce) is the slice (lowering/sequence_shard.py: the logits' last tokens).
+    Indices and mask are computed on the device: no host copy, no synchronisation."""
+    check_group(group_name, world_size)
+    rank = _resolve_process_group(group_name).rank()
+    per_rank = shard.shape[0]
+    local = _sliced_row_ids(row_dims, dim, start, length, shard.device) - rank * per_rank
+    held = (local >= 0) & (local < per_rank)
+    rows = shard.index_select(0, local.clamp(0, per_rank - 1))
+    return torch.where(held[:, None], rows, torch.zeros((), dtype=shard.dtype,
+                                                        device=shard.device))
+
+
+def _held_rows_fake(shard, row_dims, dim, start, length, world_size, group_name):
+    return shard.new_empty((math.prod(row_dims) // row_dims[dim] * length, shard.shape[1]))
+
+
+_define("held_rows(Tensor shard, int[] row_dims, int dim, int start, int length, "
+        "int world_size, str group_name) -> Tensor", held_rows, _held_rows_fake)
 
 
 # ------------------------------------------------------------------- decode GEMM (no collective)

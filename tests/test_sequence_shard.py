@@ -100,19 +100,38 @@ def test_a_rank_local_operand_is_not_sliced():
     assert "add_2" not in [n.name for n in region.members]
 
 
-def test_the_last_rows_are_broadcast_from_the_rank_holding_them():
-    # the logits of the last token only (logits_to_keep=1): rows 31 of 32 live on rank 1
+def test_the_last_rows_are_summed_from_the_ranks_holding_them():
+    # the logits of the last token only (logits_to_keep=1): row 31 of 32, on rank 1
     graph = _layer_tail(lambda h, y, other, w: (torch.mm(y[:, -1:, :].reshape(1, HIDDEN), w),))
     (region,) = _regions(graph)
     assert region.gathers == []
-    ((piece, operand, rank, first, end),) = region.broadcasts
-    assert (operand.name, rank, first, end) == ("mul_1", 1, ROWS // WORLD - 1, ROWS // WORLD)
+    ((piece, operand, row_dims, dim, start, length),) = region.slices
+    assert (operand.name, row_dims, dim, start, length) == ("mul_1", [1, ROWS], 1, ROWS - 1, 1)
     sequence_shard.rewrite_region(graph, region)
     graph.lint()
-    (sent,) = _calls(graph, c10d.broadcast.default)
-    rows = sent.args[0]
-    assert is_call(rows, aten.slice.Tensor) and rows.args[1:] == (0, 15, 16)
-    assert sent.args[1:] == (1, "0") and not _calls(graph, c10d.all_gather_into_tensor.default)
+    (held,) = _calls(graph, torch.ops.ditron.held_rows.default)
+    assert held.args[0].name == "mul_1" and held.args[1:] == ([1, ROWS], 1, ROWS - 1, 1, WORLD,
+                                                                "0")
+    (summed,) = _calls(graph, c10d.all_reduce.default)
+    assert summed.args == (held, "sum", "0")
+    assert not _calls(graph, c10d.all_gather_into_tensor.default)
+
+
+@pytest.mark.parametrize("rank, expected_rows", [(0, [15, None]), (1, [None, 15])])
+def test_held_rows_are_a_ranks_share_of_the_slice(rank, expected_rows, monkeypatch):
+    # [B 2, S 16] rows on 2 ranks: the last token of sequence 0 is row 15 (rank 0's 15th), of
+    # sequence 1 row 31 (rank 1's 15th); each rank gives its own and zeros for the other's
+    from ditron_inductor import ops
+
+    class Group:
+        def rank(self):
+            return rank
+    monkeypatch.setattr(ops, "check_group", lambda group_name, world_size: None)
+    monkeypatch.setattr(ops, "_resolve_process_group", lambda group_name: Group())
+    shard = torch.randn(16, 8)
+    got = torch.ops.ditron.held_rows(shard, [2, 16], 1, 15, 1, 2, "0")
+    for row, local in zip(got, expected_rows):
+        torch.testing.assert_close(row, shard[local] if local is not None else torch.zeros(8))
 
 
 def test_rows_that_do_not_divide_among_the_ranks_are_not_a_region():
@@ -125,7 +144,8 @@ def test_rows_that_do_not_divide_among_the_ranks_are_not_a_region():
 def layer_tail_ranks(rank: int, world_size: int) -> dict:
     """Two all-reduced matmuls with a residual add and an RMSNorm after each, the norm's rows
     read by the next matmul and the last row by the logits' matmul, compiled with sequence
-    sharding on 4 ranks: every rank's own slices (rank_rows), a broadcast from the last rank."""
+    sharding on 4 ranks: every rank's own slices (rank_rows), the last row summed from the ranks'
+    shares (held_rows: rank 3's row, zeros from the others)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD.group_name
@@ -195,6 +215,7 @@ def sharded_inference_ranks(rank: int, world_size: int) -> dict:
     config = llama_config()
     results = {}
     cases = {"b2": (2, {}), "b1_last_token": (1, {"logits_to_keep": 1}),
+             "b2_last_token": (2, {"logits_to_keep": 1}),
              "hidden_states_out": (1, {"output_hidden_states": True})}
     for case, (batch, kwargs) in cases.items():
         torch._dynamo.reset()
@@ -223,9 +244,11 @@ RS, AG, AR_NORM = "matmul_reduce_scatter", "all_gather_matmul", "matmul_all_redu
 @pytest.mark.parametrize("case, rows, ops, moved", [
     # 2 layers: o_proj and down_proj reduce-scattered; the gathers feed gate/up (both layers),
     # q/k/v (layer 1: layer 0's reads the embedding every rank holds) and lm_head
-    ("b2", 32, [AG] * 4 + [RS] * 4, "4 value(s) gathered, 0 slice(s) broadcast"),
-    # the last token's row is broadcast from the rank that holds it: no lm_head gather
-    ("b1_last_token", 16, [AG] * 3 + [RS] * 4, "3 value(s) gathered, 1 slice(s) broadcast"),
+    ("b2", 32, [AG] * 4 + [RS] * 4, "4 value(s) gathered, 0 row slice(s) all-reduced"),
+    # the last tokens' rows summed from the ranks that hold them: no lm_head gather (at B 2 the
+    # two rows live on the two ranks)
+    ("b1_last_token", 16, [AG] * 3 + [RS] * 4, "3 value(s) gathered, 1 row slice(s) all-reduced"),
+    ("b2_last_token", 32, [AG] * 3 + [RS] * 4, "3 value(s) gathered, 1 row slice(s) all-reduced"),
 ])
 def test_llama_plain_tp_sharded_matches_eager(case, rows, ops, moved):
     for result in _ranks():

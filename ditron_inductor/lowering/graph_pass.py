@@ -217,9 +217,9 @@ def _shard_sequences(graph: Graph, name: str) -> None:
     for region, why in shard_residual_streams(graph):
         if why is None:
             log.info("graph %s: sequence sharding: %s -> reduce-scatters, the residual stream on "
-                     "1/%d of the rows, %d value(s) gathered, %d slice(s) broadcast", name,
+                     "1/%d of the rows, %d value(s) gathered, %d row slice(s) all-reduced", name,
                      region.describe(), region.world_size, len(region.gathered_values()),
-                     len(region.broadcasts))
+                     len(region.slices))
         else:
             log.info("graph %s: sequence sharding: %s kept: %s", name, region.describe(), why)
 

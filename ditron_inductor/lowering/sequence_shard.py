@@ -19,7 +19,8 @@ M divisible by the world size) through their users, in graph order:
   - reshapes that keep the rows and the last dim;
 and ends at the readers that need the whole value (the matmuls that read the normalised rows,
 a graph output): an all-gather of the rows goes in front of them, one per sharded value. A slice
-of rows that one rank holds (the last token's, for the logits) is broadcast from that rank.
+of a few rows (the last token's of each sequence, for the logits) is instead summed over the
+ranks from each rank's share of it (`ditron.held_rows`: the rows it holds, zeros elsewhere).
 
 A region is rewritten where it gathers no more values than it has all-reduces (the same bytes on
 the wire: a reduce-scatter and an all-gather move what an all-reduce moves) and the scheduler
@@ -74,9 +75,11 @@ class Region:
     members: list[Node] = dataclasses.field(default_factory=list)  # kept sharded, graph order
     # (reader, sharded operand, the operand's shape): what reads the whole value
     gathers: list[tuple[Node, Node, list[int]]] = dataclasses.field(default_factory=list)
-    # (slice, sharded operand, rank, first row, end row): a slice of rows that one rank holds
-    # (the last token's, for the logits), broadcast from it instead of gathered
-    broadcasts: list[tuple[Node, Node, int, int, int]] = dataclasses.field(default_factory=list)
+    # (slice, sharded operand, its row dims, dim, start, length): a slice of at most
+    # MAX_SLICED_ROWS rows (the last token's of each sequence, for the logits), all-reduced from
+    # the ranks' shares of it
+    slices: list[tuple[Node, Node, list[int], int, int, int]] = dataclasses.field(
+        default_factory=list)
     # a reshape kept on the shards -> what it reshapes (on the shards both are [M / W, X])
     view_of: dict[Node, Node] = dataclasses.field(default_factory=dict)
     problem: Optional[str] = None
@@ -159,7 +162,7 @@ class _Regions:
             keep.sources += other.sources
             keep.members += other.members
             keep.gathers += other.gathers
-            keep.broadcasts += other.broadcasts
+            keep.slices += other.slices
             keep.view_of.update(other.view_of)
             self.parent[r] = roots[0]
         return roots[0]
@@ -190,9 +193,9 @@ def find_regions(graph: Graph, world_size) -> list[Region]:
             continue
         i = regions.merge([regions.of[a] for a in sharded], node)
         region = regions.regions[i]
-        held = _rows_held_by_one_rank(node, sharded, region)
-        if held is not None:
-            region.broadcasts.append((node, sharded[0], *held))
+        sliced = _few_rows_sliced(node, sharded)
+        if sliced is not None:
+            region.slices.append((node, sharded[0], *sliced))
             continue
         if not _runs_on_shards(node, sharded, region):
             roots = [region.root(a) for a in sharded]
@@ -208,26 +211,25 @@ def find_regions(graph: Graph, world_size) -> list[Region]:
     return regions.roots()
 
 
-def _rows_held_by_one_rank(node: Node, sharded: list[Node],
-                           region: Region) -> Optional[tuple[int, int, int]]:
-    """(rank, first, end) in that rank's shard where `node` slices rows of a sharded value that
-    one rank holds alone (the logits' last token: hidden[:, -1:]), else None."""
+MAX_SLICED_ROWS = 1024  # a slice of more rows than this is gathered whole
+
+
+def _few_rows_sliced(node: Node, sharded: list[Node]) -> Optional[tuple[list[int], int, int, int]]:
+    """(row dims, dim, start, length) where `node` slices at most MAX_SLICED_ROWS rows of a
+    sharded value along one of its row dims (the logits' last tokens: hidden[:, -1:]), else
+    None."""
     if not is_call(node, aten.slice.Tensor) or len(sharded) != 1 or node.kwargs:
         return None
     shape = _static_shape(node.args[0])
     dim = node.args[1] % len(shape) if len(node.args) > 1 else 0
     step = node.args[4] if len(node.args) > 4 else 1
-    if step != 1 or dim >= len(shape) - 1 or math.prod(shape[:dim]) != 1:
+    if step != 1 or dim >= len(shape) - 1:
         return None
     start, end, _ = slice(node.args[2] if len(node.args) > 2 else None,
                           node.args[3] if len(node.args) > 3 else None).indices(shape[dim])
-    inner = math.prod(shape[dim + 1:-1])  # rows per index of `dim`
-    first, last = start * inner, end * inner  # of the M rows
-    per_rank = region.rows // region.world_size
-    if last <= first or first // per_rank != (last - 1) // per_rank:
+    if end <= start or _rows(shape) // shape[dim] * (end - start) > MAX_SLICED_ROWS:
         return None
-    rank = first // per_rank
-    return rank, first - rank * per_rank, last - rank * per_rank
+    return shape[:-1], dim, start, end - start
 
 
 def _runs_on_shards(node: Node, sharded: list[Node], region: Region) -> bool:
@@ -385,11 +387,12 @@ def rewrite_region(graph: Graph, region: Region) -> None:
             shaped[key] = whole[shard] if same else insert_call(
                 graph, aten.reshape.default, (whole[shard], list(shape)))
         reader.replace_input_with(shard, shaped[key])
-    for piece, operand, rank, first, end in region.broadcasts:
+    for piece, operand, row_dims, dim, start, length in region.slices:
         shard = now.get(region.root(operand), region.root(operand))
-        held = insert_call(graph, aten.slice.Tensor, (shard, 0, first, end))
-        sent = insert_call(graph, c10d.broadcast.default, (held, rank, group))
-        got = insert_call(graph, c10d.wait_tensor.default, (sent,))
+        held = insert_call(graph, torch.ops.ditron.held_rows.default,
+                           (shard, row_dims, dim, start, length, w, group))
+        summed = insert_call(graph, c10d.all_reduce.default, (held, "sum", group))
+        got = insert_call(graph, c10d.wait_tensor.default, (summed,))
         whole = insert_call(graph, aten.reshape.default, (got, list(fake(piece).shape)))
         piece.replace_all_uses_with(whole)
         graph.erase_node(piece)
