@@ -689,13 +689,17 @@ _define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b
 # ------------------------------------------- this rank's rows (sequence sharding, no collective)
 
 
+def _rank_in(group_name: str, world_size: int) -> int:
+    """This process's rank in the group, read at run time (a compiled graph holds no rank)."""
+    check_group(group_name, world_size)
+    return _resolve_process_group(group_name).rank()
+
+
 def rank_rows(x: Tensor, world_size: int, group_name: str) -> Tensor:
     """This rank's 1/world_size of the rows of x [M, N], a copy: what lowering/sequence_shard.py
     takes of a tensor that every rank computes alike (the embedding's output that the first
-    residual add reads beside a reduce-scattered sum). The rank is read at run time, so a compiled
-    graph holds no rank of its own."""
-    check_group(group_name, world_size)
-    rank = _resolve_process_group(group_name).rank()
+    residual add reads beside a reduce-scattered sum)."""
+    rank = _rank_in(group_name, world_size)
     return x.reshape(world_size, x.shape[0] // world_size, *x.shape[1:])[rank].clone()
 
 
@@ -722,8 +726,7 @@ def held_rows(shard: Tensor, row_dims: Sequence[int], dim: int, start: int, leng
     [rows, X], with the rows this rank holds and zeros for the others, so that their sum over
     the ranks (an all-reduce) is the slice (lowering/sequence_shard.py: the logits' last tokens).
     Indices and mask are computed on the device: no host copy, no synchronisation."""
-    check_group(group_name, world_size)
-    rank = _resolve_process_group(group_name).rank()
+    rank = _rank_in(group_name, world_size)
     per_rank = shard.shape[0]
     local = _sliced_row_ids(row_dims, dim, start, length, shard.device) - rank * per_rank
     held = (local >= 0) & (local < per_rank)

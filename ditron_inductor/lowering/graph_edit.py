@@ -28,7 +28,7 @@ def insert_call(graph: Graph, target, args: tuple) -> Node:
 def refresh_value(node: Node) -> None:
     """The node's fake value, computed again from its inputs' (after a rewrite changed them)."""
     args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode([n.meta["val"] for n in _flat_nodes((node.args, node.kwargs))])
+    fake_mode = detect_fake_mode([n.meta["val"] for n in node.all_input_nodes])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         node.meta["val"] = node.target(*args, **kwargs)
 

@@ -528,7 +528,7 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
     elif is_call(collective, c10d.all_reduce.default):
         op = MATMUL_ALL_REDUCE
         inp, reduce_op, group_name = collective.args[:3]
-        world_size = _group_size(collective)
+        world_size = group_size(collective.args[2])
     else:
         return None
     waits = list(collective.users)
@@ -542,7 +542,7 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
             return None
         dim, node = _chunk_dim(node), _chunk_source(node)
     chain = _reshapes_above(node)  # the collective's side first: it views them as chain[0]
-    node = _unview(node)
+    node = unview(node)
     matmul = as_matmul(node) if isinstance(node, Node) else None
     if matmul is not None:
         matmuls, inner = [matmul], []
@@ -582,7 +582,8 @@ def _reshapes_above(node: object) -> list[Node]:
     return chain
 
 
-def _unview(node: object) -> object:
+def unview(node: object) -> object:
+    """What a chain of reshapes is of."""
     while is_call(node, *RESHAPES):
         node = node.args[0]
     return node
@@ -600,7 +601,7 @@ def _sum_of_matmuls(total: object) -> Optional[tuple[list[MatmulUse], list[Node]
             stack[:0] = list(node.args)
         else:
             terms.append(node)
-    matmuls = [mm for t in terms if (mm := as_matmul(_unview(t))) is not None]
+    matmuls = [mm for t in terms if (mm := as_matmul(unview(t))) is not None]
     if len(terms) < 2 or len(matmuls) != len(terms):
         return None
     return matmuls, adds + [v for t in terms for v in _reshapes_above(t)]
@@ -673,13 +674,13 @@ def _chunk_cat_into(cat: Node, world_size: int) -> Optional[ChunkCat]:
     return found
 
 
-def _group_size(collective: Node) -> int:
+def group_size(group_name: str) -> int:
     """all_reduce carries no group size; the input and output shapes do not tell it either, so
     it comes from the group itself (0 when the name is unknown here: the decision rejects it)."""
     from torch._C._distributed_c10d import _resolve_process_group
 
     try:
-        return _resolve_process_group(collective.args[2]).size()
+        return _resolve_process_group(group_name).size()
     except Exception:  # noqa: BLE001
         return 0
 

@@ -45,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from ..scheduler.task import MATMUL_REDUCE_SCATTER, matmul_collective_task
 from .graph_edit import erase_unused, insert_call, refresh_value
+from .match import as_matmul, group_size, unview
 from .nodes import RESHAPES, fake, is_call
 
 aten = torch.ops.aten
@@ -59,7 +60,6 @@ SHARDED_POINTWISE = (
 )
 # Reductions over the last dim (keepdim): row by row.
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList)
-MATMULS = (aten.mm.default, aten.addmm.default)  # what an all-reduce's sum comes from
 # What a tensor that every rank computes alike is not computed from.
 _RANK_LOCAL = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default)
 
@@ -171,12 +171,6 @@ class _Regions:
         return [self.regions[i] for i in range(len(self.regions)) if self.find(i) == i]
 
 
-def _tensor_operands(node: Node) -> list[Node]:
-    found: list[Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
-    return found
-
-
 def find_regions(graph: Graph, world_size) -> list[Region]:
     """The regions of the graph's all-reduces (module doc). world_size(group name) -> the
     group's ranks (None: unknown)."""
@@ -188,7 +182,7 @@ def find_regions(graph: Graph, world_size) -> list[Region]:
             i = regions.new(Region(group_name, world, rows, sources=[node], members=[node]))
             regions.of[node] = i
             continue
-        sharded = list(dict.fromkeys(a for a in _tensor_operands(node) if a in regions.of))
+        sharded = [a for a in node.all_input_nodes if a in regions.of]
         if not sharded:
             continue
         i = regions.merge([regions.of[a] for a in sharded], node)
@@ -249,7 +243,7 @@ def _runs_on_shards(node: Node, sharded: list[Node], region: Region) -> bool:
     # the sharded operands with the output's rows (no broadcast along them), the others
     # row-free or the same rows computed alike on every rank
     return all(_static_shape(a)[:-1] == shape[:-1] if a in sharded
-               else _operand_kind(a, shape) is not None for a in _tensor_operands(node))
+               else _operand_kind(a, shape) is not None for a in node.all_input_nodes)
 
 
 ROW_FREE, SAME_ROWS = "row-free", "same rows"
@@ -285,18 +279,11 @@ def same_on_every_rank(node: Node) -> bool:
                 n.target in _RANK_LOCAL
                 or getattr(n.target, "namespace", None) in ("_c10d_functional", "ditron")):
             return False
-        stack += _tensor_operands(n)
+        stack += n.all_input_nodes
     return True
 
 
 # ------------------------------------------------------------------------------------ decision
-
-
-def producer_matmul(x: Node) -> Optional[Node]:
-    """The mm/addmm whose product `x` is, through reshapes, or None."""
-    while is_call(x, *RESHAPES):
-        x = x.args[0]
-    return x if is_call(x, *MATMULS) else None
 
 
 def why_kept(region: Region) -> Optional[str]:
@@ -315,21 +302,20 @@ def why_kept(region: Region) -> Optional[str]:
                 f"all-reduce(s), more bytes than the all-reduces move ({names})")
     for wait in region.sources:
         reduce = wait.args[0]
-        mm = producer_matmul(reduce.args[0])
-        if mm is None:
+        mm = as_matmul(unview(reduce.args[0]))
+        if mm is None or mm.scaled:
             return f"{reduce.name} reduces what no matmul computed"
-        a, w = (mm.args[1], mm.args[2]) if mm.target is aten.addmm.default else mm.args[:2]
-        bias = fake(mm.args[0]) if mm.target is aten.addmm.default else None
+        weight = fake(mm.weight)
         task = matmul_collective_task(
-            MATMUL_REDUCE_SCATTER, fake(a), fake(w), bias, [region.rows, fake(w).shape[1]], 0,
-            "sum", region.group_name, region.world_size)
+            MATMUL_REDUCE_SCATTER, fake(mm.a), weight, None if mm.bias is None else fake(mm.bias),
+            [region.rows, weight.shape[1]], 0, "sum", region.group_name, region.world_size)
         if task.device_type == "cuda" and replayed_in_cuda_graph():
             # the fused all-gather and reduce-scatter decline a capture (their epochs are host
             # values): NCCL would run both, where the all-reduce has fused plans of its own
             return "replayed from a CUDA graph, where the fused reduce-scatters do not run"
         decision = decide(task)
         if not decision.fuse:
-            return f"{mm.name}'s reduce-scatter would not be fused: {decision.reason}"
+            return f"{mm.node.name}'s reduce-scatter would not be fused: {decision.reason}"
     return None
 
 
@@ -367,7 +353,7 @@ def rewrite_region(graph: Graph, region: Region) -> None:
             node.update_arg(1, [-1])
         else:
             out_shape = _static_shape(node)
-            for operand in _tensor_operands(node):
+            for operand in node.all_input_nodes:
                 if operand not in sharded:
                     if operand not in taken:
                         taken[operand] = _shard_operand(graph, operand, out_shape, region)
@@ -409,20 +395,6 @@ def _shard_operand(graph: Graph, operand: Node, out_shape: list[int], region: Re
     rows2d = insert_call(graph, aten.reshape.default, (operand, [region.rows, shape[-1]]))
     return insert_call(graph, torch.ops.ditron.rank_rows.default,
                        (rows2d, region.world_size, region.group_name))
-
-
-def group_size(group_name: str) -> Optional[int]:
-    """The ranks of a process group known in this process, else None."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    from torch._C._distributed_c10d import _resolve_process_group
-
-    try:
-        return _resolve_process_group(group_name).size()
-    except Exception:  # noqa: BLE001 - an unknown name raises RuntimeError or ValueError
-        return None
 
 
 def shard_residual_streams(graph: Graph) -> list[tuple[Region, Optional[str]]]:
