@@ -138,6 +138,83 @@ def test_rows_that_do_not_divide_among_the_ranks_are_not_a_region():
     assert sequence_shard.find_regions(_layer_tail(), lambda group_name: 3) == []
 
 
+# ------------------------------------------- when it keeps the all-reduces (CUDA, Llama-3-8B)
+
+
+def _attention_input(world: int, rows: int):
+    """o_proj's all-reduce, the residual add, the RMSNorm and q/k/v (Llama-3-8B under TP
+    `world`), traced on CUDA fake tensors: the shapes the scheduler decides on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden, q_cols, kv_cols = 4096, 4096 // world, 1024 // world
+
+    def tail(x, w_o, embedded, norm_weight, wq, wk, wv):
+        h = embedded + c10d.wait_tensor(c10d.all_reduce(
+            torch.mm(x, w_o).view(1, rows, hidden), "sum", "0"))
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight).view(
+            rows, hidden)
+        return torch.mm(y, wq), torch.mm(y, wk), torch.mm(y, wv)
+    shapes = [(rows, q_cols), (q_cols, hidden), (1, rows, hidden), (hidden,), (hidden, q_cols),
+              (hidden, kv_cols), (hidden, kv_cols)]
+    with FakeTensorMode():
+        args = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+        graph = make_fx(tail)(*args).graph
+    (region,) = sequence_shard.find_regions(graph, lambda group_name: world)
+    return region
+
+
+@pytest.fixture
+def decided_on_cuda(monkeypatch):
+    """The scheduler decides as on a GPU machine, launched eagerly or replayed in a CUDA graph
+    (the argument), with a process group "0" of the traced size."""
+    from ditron_inductor import config
+    from ditron_inductor.scheduler import decide
+
+    monkeypatch.setattr(decide, "group_problem", lambda group_name, world_size: None)
+
+    def replayed(cuda_graphs: bool):
+        monkeypatch.setattr(config, "cuda_graphs", cuda_graphs)
+    return replayed
+
+
+def test_two_ranks_shard_the_attention_input_at_8192_rows(decided_on_cuda):
+    decided_on_cuda(False)
+    assert sequence_shard.why_kept(_attention_input(2, 8192)) is None
+
+
+def test_q_k_v_gathered_by_nccl_keep_the_all_reduce(decided_on_cuda):
+    # 4 ranks, 16384 rows: o_proj's reduce-scatter is fused, q/k/v's gather is not
+    decided_on_cuda(False)
+    why = sequence_shard.why_kept(_attention_input(4, 16384))
+    assert why.startswith("the all-gather in front of mm_1, mm_2, mm_3 would not be fused: "), why
+
+
+@pytest.mark.parametrize("world, rows", [(2, 4096), (4, 8192)])
+def test_fewer_rows_per_rank_launched_eagerly_keep_the_all_reduce(world, rows, decided_on_cuda,
+                                                                  monkeypatch):
+    from ditron_inductor import config
+
+    decided_on_cuda(False)
+    why = sequence_shard.why_kept(_attention_input(world, rows))
+    assert why == ("launched eagerly, the fused reduce-scatters and all-gathers cost more host "
+                   "time than they save below 4096 rows per rank"), why
+    monkeypatch.setattr(config, "force_plan", "fused")  # DITRON_PLAN=fused: as decide, forced
+    assert sequence_shard.why_kept(_attention_input(world, rows)) is None
+    monkeypatch.setattr(config, "force_plan", "")
+    decided_on_cuda(True)
+    assert sequence_shard.why_kept(_attention_input(world, 2 * rows)) == (
+        "replayed from a CUDA graph, where the fused reduce-scatters do not run")
+
+
+def test_a_gathered_value_read_by_no_matmul_takes_a_plain_gather():
+    # no scheduler decision (none could be made here: no process group) for a graph output
+    def extra(h, y, other, w):
+        local = torch.mm(other, torch.ones(16, HIDDEN)).view(1, ROWS, HIDDEN)
+        return (h + local,)
+    (region,) = _regions(_layer_tail(extra))
+    assert sequence_shard._gather_not_fused(region, region.gathered_values()[0]) is None
+
+
 # ------------------------------------------------------- a layer's tail on 4 ranks over gloo
 
 

@@ -42,8 +42,10 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from .. import config
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
-from ..scheduler.task import MATMUL_REDUCE_SCATTER, matmul_collective_task
+from ..scheduler.plan import FUSED
+from ..scheduler.task import MATMUL_REDUCE_SCATTER, all_gather_matmul_task, matmul_collective_task
 from .graph_edit import erase_unused, insert_call, refresh_value
 from .match import as_matmul, group_size, unview
 from .nodes import RESHAPES, fake, is_call
@@ -62,6 +64,14 @@ SHARDED_POINTWISE = (
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList)
 # What a tensor that every rank computes alike is not computed from.
 _RANK_LOCAL = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default)
+# Launched eagerly, the rewrite's fused calls (a reduce-scatter per all-reduce, an all-gather per
+# gathered value) cost more host time than the all-reduces they replace, while the GPU's time per
+# layer shrinks with the rows per rank: below this many rows per rank the host falls behind.
+# Measured on H100s, 4 Llama-3-8B layers
+# (benchmarks/results/e2e_llama_h100_prefill_sequence_shard.md):
+# 2048 rows per rank (TP 2 at S 4096, TP 4 at S 8192) were host-bound, 13.2 and 19.0 ms per call
+# against 9.5 and 13.0 without the rewrite; 4096 per rank (TP 2 at S 8192) 21.1 against 21.2 ms.
+EAGER_MIN_ROWS_PER_RANK = 4096
 
 
 @dataclasses.dataclass
@@ -313,9 +323,45 @@ def why_kept(region: Region) -> Optional[str]:
             # the fused all-gather and reduce-scatter decline a capture (their epochs are host
             # values): NCCL would run both, where the all-reduce has fused plans of its own
             return "replayed from a CUDA graph, where the fused reduce-scatters do not run"
+        if (task.device_type == "cuda" and region.rows // region.world_size
+                < EAGER_MIN_ROWS_PER_RANK and config.force_plan != FUSED):  # forced, as in decide
+            return (f"launched eagerly, the fused reduce-scatters and all-gathers cost more host "
+                    f"time than they save below {EAGER_MIN_ROWS_PER_RANK} rows per rank")
         decision = decide(task)
         if not decision.fuse:
             return f"{mm.node.name}'s reduce-scatter would not be fused: {decision.reason}"
+    for value in gathered:
+        why = _gather_not_fused(region, value)
+        if why:
+            return why
+    return None
+
+
+def _gather_not_fused(region: Region, value: Node) -> Optional[str]:
+    """Why the all-gather of `value` in front of the matmuls that read it would not be fused
+    with them (the scheduler's decision for the site the rewrite makes), or None. Its other
+    readers (a graph output) take the gathered rows as they are."""
+    from ..scheduler.decide import decide
+
+    operands, matmuls = [], []
+    for reader, operand, _ in region.gathers:
+        mm = as_matmul(reader)
+        if (region.root(operand) is value and mm is not None and mm.a is operand
+                and fake(operand).dim() == 2):
+            operands.append(operand)
+            matmuls.append(mm)
+    if not matmuls:
+        return None
+    # the op gathers [M / W, K] shards into the [M, K] matrix the matmuls read: that matrix
+    # stands for a shard (its shape, dtype and device), with the gathered rows set to M
+    task = dataclasses.replace(all_gather_matmul_task(
+        fake(operands[0]), [fake(m.weight) for m in matmuls],
+        [None if m.bias is None else fake(m.bias) for m in matmuls], 0, region.group_name,
+        region.world_size), m=region.rows, dim_size=region.rows)
+    decision = decide(task)
+    if not decision.fuse:
+        names = ", ".join(m.node.name for m in matmuls)
+        return f"the all-gather in front of {names} would not be fused: {decision.reason}"
     return None
 
 
