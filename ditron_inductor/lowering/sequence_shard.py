@@ -23,9 +23,11 @@ of a few rows (the last token's of each sequence, for the logits) is instead sum
 ranks from each rank's share of it (`ditron.held_rows`: the rows it holds, zeros elsewhere).
 
 A region is rewritten where it gathers no more values than it has all-reduces (the same bytes on
-the wire: a reduce-scatter and an all-gather move what an all-reduce moves) and the scheduler
-fuses each reduce-scatter with its matmul; otherwise it keeps its all-reduces (a training
-forward under plain TP, whose saved activations would each need a gather, keeps them).
+the wire: a reduce-scatter and an all-gather move what an all-reduce moves), the scheduler fuses
+each reduce-scatter with its matmul and each gather with the matmuls that read it, and, launched
+eagerly, each rank holds at least EAGER_MIN_ROWS_PER_RANK rows (the fused calls' host time);
+otherwise it keeps its all-reduces (a training forward under plain TP, whose saved activations
+would each need a gather, keeps them).
 
 Every rank sees the same graph and options, so every rank makes the same decision. A value kept
 sharded is, in the original graph, the same on every rank (an all-reduce's result, or computed
