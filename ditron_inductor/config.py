@@ -100,8 +100,8 @@ class Options:
     # head as rows instead (lowering/gqa_packing.py).
     gqa_packing: bool = True
     # Plain tensor parallelism's all-reduces as reduce-scatter + all-gather, the residual adds
-    # and norms between them on this rank's rows (lowering/sequence_shard.py). Off until a
-    # prefill on the GPU machines measures it.
+    # and norms between them on this rank's rows (lowering/sequence_shard.py). Off: on 2 H100s
+    # its prefill was 0.98-1.03x of fusions only (README, "Sequence sharding of plain TP").
     sequence_shard: bool = False
     # Whether the graph will be replayed from a CUDA graph (the plans measured that way are
     # chosen): None follows Inductor's triton.cudagraphs ("reduce-overhead"); step_graph.py's

@@ -300,9 +300,10 @@ def same_on_every_rank(node: Node) -> bool:
 
 def why_kept(region: Region) -> Optional[str]:
     """Why the region keeps its all-reduces, or None: it has a problem, it would gather more
-    values than it has all-reduces, an all-reduce that no matmul feeds, or a reduce-scatter
-    that the scheduler would not fuse with its matmul (decided as the site will be after the
-    rewrite)."""
+    values than it has all-reduces, an all-reduce that no matmul feeds, the graph is replayed
+    from a CUDA graph or launched eagerly with too few rows per rank, or the scheduler would not
+    fuse a reduce-scatter with its matmul or a gather with the matmuls that read it (decided as
+    the sites will be after the rewrite)."""
     from ..scheduler.decide import decide, replayed_in_cuda_graph
 
     if region.problem:
@@ -312,23 +313,26 @@ def why_kept(region: Region) -> Optional[str]:
         names = ", ".join(n.name for n in gathered[:4]) + (", ..." if len(gathered) > 4 else "")
         return (f"{len(gathered)} values would be gathered for {len(region.sources)} "
                 f"all-reduce(s), more bytes than the all-reduces move ({names})")
+    scatters = []  # (the matmul, its reduce-scatter's Task) per all-reduce
     for wait in region.sources:
         reduce = wait.args[0]
         mm = as_matmul(unview(reduce.args[0]))
         if mm is None or mm.scaled:
             return f"{reduce.name} reduces what no matmul computed"
         weight = fake(mm.weight)
-        task = matmul_collective_task(
+        scatters.append((mm, matmul_collective_task(
             MATMUL_REDUCE_SCATTER, fake(mm.a), weight, None if mm.bias is None else fake(mm.bias),
-            [region.rows, weight.shape[1]], 0, "sum", region.group_name, region.world_size)
-        if task.device_type == "cuda" and replayed_in_cuda_graph():
+            [region.rows, weight.shape[1]], 0, "sum", region.group_name, region.world_size)))
+    if scatters[0][1].device_type == "cuda":
+        if replayed_in_cuda_graph():
             # the fused all-gather and reduce-scatter decline a capture (their epochs are host
             # values): NCCL would run both, where the all-reduce has fused plans of its own
             return "replayed from a CUDA graph, where the fused reduce-scatters do not run"
-        if (task.device_type == "cuda" and region.rows // region.world_size
-                < EAGER_MIN_ROWS_PER_RANK and config.force_plan != FUSED):  # forced, as in decide
+        if (region.rows // region.world_size < EAGER_MIN_ROWS_PER_RANK
+                and config.force_plan != FUSED):  # DITRON_PLAN=fused forces it, as in decide
             return (f"launched eagerly, the fused reduce-scatters and all-gathers cost more host "
                     f"time than they save below {EAGER_MIN_ROWS_PER_RANK} rows per rank")
+    for mm, task in scatters:
         decision = decide(task)
         if not decision.fuse:
             return f"{mm.node.name}'s reduce-scatter would not be fused: {decision.reason}"
