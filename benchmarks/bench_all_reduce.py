@@ -104,6 +104,11 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
                              block=16384, warps=32), lambda m: m >= 1024),
     "tri_c32_p16_b16k": (dict(algo="push", overlap=True, gemm="triton", chunks=32, progs=16,
                               block=16384, warps=32), lambda m: m >= 1024),
+    # cuBLAS row chunks on every SM, each chunk's partial copied to every peer by the copy
+    # engine beside the next chunk's GEMM, then one kernel sums, adds the residual, normalises
+    "ce_c2": (dict(algo="copy_engine", chunks=2), lambda m: m >= 512),
+    "ce_c4": (dict(algo="copy_engine", chunks=4), lambda m: m >= 512),
+    "ce_c8": (dict(algo="copy_engine", chunks=8), lambda m: m >= 512),
 }
 EPS = 1e-6
 
@@ -251,7 +256,7 @@ def run_shape(shape, dtype, group_name, world, args):
         "nccl_cublas": (unfused_norm, None, same[1]),
         "nccl_inductor": (nccl_inductor_norm, *ref_of["matmul_all_reduce_rmsnorm"]),
         "ditron": (ditron({}, True), *ref_of["matmul_all_reduce_rmsnorm"]),
-    }, "matmul_all_reduce_rmsnorm", M <= 2048)
+    }, "matmul_all_reduce_rmsnorm", M <= 2048 or bool(args.plans))
     for key in ("gemm_only", "comm_only"):
         ms_n[key], graph_n[key] = ms[key], graph_ms[key]
     rows.append({"op": "matmul_all_reduce_rmsnorm", "M": M, "K": K, "N": N, "world": world,

@@ -140,13 +140,16 @@ def cases(world: int, group: str, dev):
     # the scheduler picks there on 2-4 ranks (lamport) and on more (push)
     overlap = dict(algo="push", overlap=True, gemm="triton", chunks=16, progs=16, block=16384,
                    warps=32)
+    copy_engine = [dict(algo="copy_engine", chunks=c) for c in (2, 4)]  # eager prefill, 2 ranks
     for m, plans in ((8, (dict(algo="push_all"), dict(algo="lamport_all"))),
-                     (128, (dict(algo="push"), dict(algo="lamport"))), (2048, (overlap,))):
+                     (128, (dict(algo="push"), dict(algo="lamport"))),
+                     (2048, (overlap, *copy_engine))):
         a_ar = torch.randn(m, k, **bf16)
         w_ar = torch.randn(k, n, **bf16) / k ** 0.5
         residual = torch.randn(m, n, **bf16)
         norm_w = torch.randn(n, **bf16)
-        texts = {f"ditron/{p['algo']}{'_overlap' if p.get('overlap') else ''}":
+        texts = {f"ditron/{p['algo']}{'_overlap' if p.get('overlap') else ''}"
+                 f"{'_c%d' % p['chunks'] if p['algo'] == 'copy_engine' else ''}":
                  plan_text("matmul_all_reduce", world, m, k, n, **p) for p in plans}
 
         def nccl_norm(a=a_ar, w=w_ar, res=residual, nw=norm_w):
@@ -230,11 +233,13 @@ def main() -> None:
         us = statistics.median(samples[i]) * 1e6 if samples[i] else float("nan")
         rows.append(dict(op=op, shape=shape, contender=name, host_us=max_over_ranks(us),
                          fell_back=fell_back[i]))
-        if name in args.profile.split(",") and rank == 0:
+        if name in args.profile.split(","):  # every rank calls it (a collective), 0 prints
             prof = cProfile.Profile()
             prof.enable()
             host_samples(fn, args.calls)
             prof.disable()
+            if rank != 0:
+                continue
             text = io.StringIO()
             stats = pstats.Stats(prof, stream=text)
             stats.sort_stats("tottime").print_stats(25)

@@ -34,8 +34,15 @@ class HostContext:
         self.side = SimpleNamespace(cuda_stream=0)
         self.ev_start = self.ev_end = 0
         self.ev_chunks = [0] * world
+        self.ev_sides = [0] * 4
         self.flags = SimpleNamespace(ptr_table=None, words=self.flag_words)
         self.err = None
+
+    def sides(self, count):
+        return [self.side] * max(1, min(4, count))
+
+    def chunk_events(self, count):
+        return [0] * max(count, self.world)
 
     def connect(self, ranks):
         self.data_addrs = [r.data.local.data_ptr() for r in ranks]

@@ -603,3 +603,127 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
                                 1e-6, False, "sum")
     (grid, block, row_block_launched), = launched
     assert row_block_launched == row and (not row or block == row)
+
+
+@pytest.mark.parametrize("world,m,n,res,norm,w_fp32,dtype", [
+    # rows not a multiple of the chunks, N not a power of two
+    (2, 37, 96, True, True, False, torch.float16),
+    (2, 16, 64, False, False, False, torch.bfloat16),  # the all-reduce alone
+    (3, 21, 128, True, True, True, torch.float16),  # two peers, the weight's rounding in fp32
+])
+def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, norm, w_fp32,
+                                              dtype):
+    """algo="copy_engine" end to end on ranks emulated in host memory (tests/host_ranks.py:
+    the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter):
+    cuBLAS's row chunks into my slot, each chunk copied into my slot on every peer, READY and
+    DONE raised on the peers, then h = the sum + my residual and y = its RMSNorm. Every rank runs
+    twice (its first call fills the peers' slots for their second): the second outputs are
+    the reference's on every rank. (float16 where y is compared to an ulp: the interpreter
+    truncates float32 to bfloat16, a GPU rounds to nearest.)"""
+    from ditron_inductor.runtime import all_reduce
+    from ditron_inductor.scheduler.decide import plan_for
+    from ditron_inductor.scheduler.task import Task
+    from tests.host_ranks import HostContext, all_reduce_on_host
+
+    k = 24
+    torch.manual_seed(0)
+    a = [torch.randn(m, k, dtype=dtype) for _ in range(world)]
+    b = [torch.randn(k, n, dtype=dtype) for _ in range(world)]
+    residual = [torch.randn(m, n, dtype=dtype) if res else None for _ in range(world)]
+    weight = torch.rand(n, dtype=dtype) + 0.5 if norm else None
+    task = Task(op="matmul_all_reduce_rmsnorm" if norm else "matmul_all_reduce",
+                group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=dtype,
+                device_type="cuda", has_residual=res)
+    plan = plan_for(task, algo="copy_engine")
+    assert plan.chunks == 4
+    ctxs = [HostContext(world, r, world * m * n * 2) for r in range(world)]
+    for c in ctxs:
+        c.connect(ctxs)
+    launched = []
+    all_reduce_on_host(monkeypatch, None, lambda kernel, grid, args, meta: (
+        launched.append((kernel, grid, meta)), kernel[grid](*args, **meta)))
+    waits = []  # (rank, flag word, value): the emulated ranks run one after the other
+    outs = {}
+    for r in list(range(world)) * 2:
+        monkeypatch.setattr(all_reduce, "get_context", lambda *args, r=r, **kw: ctxs[r])
+        monkeypatch.setattr(all_reduce, "wait_geq", lambda ctx, plan, stream, idx, value, r=r:
+                            waits.append((r, idx, value)))
+        outs[r] = all_reduce.all_reduce_fused(task, plan, a[r], b[r], None, [], residual[r],
+                                              weight, 1e-6, w_fp32, "sum")
+    assert {kernel for kernel, _, _ in launched} == {all_reduce.sum_slots_norm_kernel}
+    assert [c.epoch for c in ctxs] == [2] * world
+    for r in range(world):  # before its copies, DONE of the last call; before the sum, READY
+        peers = [(r + i) % world for i in range(1, world)]
+        done, ready = HostContext.DONE, HostContext.READY
+        assert [w[1:] for w in waits if w[0] == r] == (
+            [(done + p, 0) for p in peers] + [(ready + p, 1) for p in peers]
+            + [(done + p, 1) for p in peers] + [(ready + p, 2) for p in peers])
+    for q, c in enumerate(ctxs):  # every peer's READY and DONE of the second call on every rank
+        peers = [p for p in range(world) if p != q]
+        assert [int(c.flag_words[c.READY + p]) for p in peers] == [2] * (world - 1)
+        assert [int(c.flag_words[c.DONE + p]) for p in peers] == [2] * (world - 1)
+    summed = torch.stack([(a_q.float() @ b_q.float()) for a_q, b_q in zip(a, b)]).sum(0)
+    for r in range(world):
+        h, y = outs[r]
+        want_h = summed.to(dtype) if residual[r] is None else (summed.to(dtype) + residual[r])
+        torch.testing.assert_close(h, want_h, atol=0.1, rtol=0.02)
+        if norm:
+            torch.testing.assert_close(y, rms_norm_reference(h, weight, 1e-6, w_fp32), atol=0,
+                                       rtol=0.002)  # an ulp of y from the same h
+        else:
+            assert y is None
+
+
+def test_sum_slots_norm_kernel_rounds_as_the_reference():
+    """The copy-engine all-reduce's sum + norm kernel alone: h is the sum over the slots in
+    fp32 rounded once, plus the residual rounded again (bit-exact against torch in that order),
+    and y the reference's RMSNorm of h, on rows cut into tiles of 2 with a ragged last one
+    (float16: the interpreter truncates float32 to bfloat16, a GPU rounds to nearest)."""
+    from ditron_inductor.templates.reduce import sum_slots_norm_kernel
+
+    world, m, n, dtype = 3, 5, 48, torch.float16
+    torch.manual_seed(1)
+    slots = torch.randn(world, m, n, dtype=dtype)
+    residual, weight = torch.randn(m, n, dtype=dtype), torch.rand(n, dtype=dtype) + 0.5
+    h, y = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+    sum_slots_norm_kernel[(3,)](slots, m * n, h, y, residual, weight, m, n, 1e-6, WORLD=world,
+                                HAS_RES=True, NORM=True, W_FP32=False, ROWS=2, BLOCK_N=64)
+    want_h = (slots.float().sum(0).to(dtype).float() + residual.float()).to(dtype)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(y, rms_norm_reference(want_h, weight, 1e-6, False), atol=0,
+                               rtol=0.002)
+
+
+def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
+    """Before its protocol starts (alike on every rank: shapes and the capture agree), the
+    copy-engine plan declines a CUDA-graph capture (its epochs are host values) and rows wider
+    than its sum kernel holds: the op then runs its reference path; nothing was queued."""
+    from ditron_inductor.runtime import all_reduce
+    from ditron_inductor.runtime.launch import declined
+    from ditron_inductor.scheduler.decide import plan_for
+    from ditron_inductor.scheduler.plan import COPY_ENGINE_MAX_N
+    from ditron_inductor.scheduler.task import Task
+    from tests.host_ranks import HostContext, all_reduce_on_host
+
+    ctx = HostContext(2, 0, 1 << 22)
+    ctx.connect([ctx, HostContext(2, 1, 1 << 22)])
+    queued = []
+    all_reduce_on_host(monkeypatch, ctx, lambda *args: queued.append(args))
+    monkeypatch.setattr(all_reduce, "matmul_into", lambda *args, **kw: queued.append(args))
+
+    def call(m, n):
+        task = Task(op="matmul_all_reduce", group_name="0", world_size=2, m=m, k=8, ns=(n,),
+                    dtype=torch.bfloat16, device_type="cuda")
+        a, b = torch.randn(m, 8, dtype=torch.bfloat16), torch.randn(8, n, dtype=torch.bfloat16)
+        return all_reduce.all_reduce_fused(task, plan_for(task, algo="copy_engine"), a, b, None,
+                                           [], None, None, 0.0, False, "sum")
+
+    before = dict(declined)
+    assert call(4, COPY_ENGINE_MAX_N + 8) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert call(4, 64) is None
+    new = {msg: n - before.get(msg, 0) for msg, n in declined.items() if n != before.get(msg, 0)}
+    assert sorted(new) == ["CUDA graph capture (the copy-engine all-reduce's epochs are host "
+                           "values)", f"the copy-engine all-reduce's sum holds whole rows: "
+                           f"N={COPY_ENGINE_MAX_N + 8} > {COPY_ENGINE_MAX_N}"]
+    assert queued == [] and ctx.epoch == 0

@@ -59,6 +59,8 @@ def resolved(task: Task, cuda_graphs: bool) -> str:
             candidate_plan(task, plan.label)), plan
         return plan.label
     parts = [plan.algo]
+    if plan.algo == "copy_engine":
+        parts.append(f"chunks={plan.chunks}")
     if plan.overlap:
         parts += ["overlap", plan.gemm, f"chunks={plan.chunks}", f"progs={plan.progs}"]
     elif plan.progs:
@@ -118,13 +120,15 @@ LLAMA_TP2_SITES = [
     (dict(op=RS, m=8192, k=3072, ns=(4096,), dim=1, terms=3, copy_elems=12582912), False,
      "cublas_triton_reduce"),
     # prefill: o's and down's all-reduce with the residual add and the next RMSNorm; launched
-    # eagerly at S 4096 left (host time), fused under CUDA graphs and at S 8192
-    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "nccl_cublas"),
-    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "nccl_cublas"),
+    # eagerly (as the H200 run did: left at S 4096, push beside the Triton GEMM at 8192) the
+    # copy-engine plan since session 49 (2x H100: all_reduce_h100x2_copy_engine.md), under CUDA
+    # graphs push beside the Triton GEMM
+    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "copy_engine chunks=2"),
+    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "copy_engine chunks=2"),
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(8, 32)),
     (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(16, 16)),
-    (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(8, 32)),
-    (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, PUSH_BESIDE_GEMM.format(16, 16)),
+    (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, "copy_engine chunks=4"),
+    (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, "copy_engine chunks=4"),
 ]
 # The training sites' plans as the 2x H200 run took them, from the link model (fitted at 4 and 8
 # ranks) before the plans measured at these shapes on 2 ranks (fused_h200x2_llama8b_sites.md)

@@ -134,6 +134,40 @@ def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
         assert d.fuse and "eager" in d.reason and d.plan.overlap
 
 
+def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine_eagerly():
+    """On 2 ranks, launched eagerly from 4096 rows on (below, the host's time per call lost
+    the Llama prefill), the copy-engine plan with M / 2048 row chunks (2 to 8); under CUDA
+    graphs, whose capture it declines, push beside the GEMM; on 4 ranks (W - 1 partials out of
+    each rank) never."""
+    from torch._inductor import config as inductor_config
+
+    from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
+
+    prefill = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, world_size=2, m=4096,
+                                  k=7168, ns=(4096,), reduce_op="sum", has_residual=True)
+    with fake_group(2), inductor_config.patch({"triton.cudagraphs": False}):
+        d = decide(prefill)
+        assert d.fuse and (d.plan.algo, d.plan.chunks) == ("copy_engine", 2), d.reason
+        assert "copies beside the GEMM's row chunks" in d.reason
+        chunks = {m: decide(dataclasses.replace(prefill, m=m)).plan.chunks
+                  for m in (8192, 16384, 65536)}
+        assert chunks == {8192: 4, 16384: 8, 65536: 8}
+        d = decide(dataclasses.replace(prefill, m=2048))
+        assert not d.fuse and "host time" in d.reason
+        # rows wider than its sum kernel holds, or buffers past 32-bit offsets: the runtime
+        # would decline, so the scheduler does not take it (push's bounds then apply)
+        assert not decide(dataclasses.replace(prefill, ns=(16384 + 8,))).fuse
+        assert not decide(dataclasses.replace(prefill, m=2 ** 18)).fuse
+        assert decide(dataclasses.replace(prefill, ns=(16384,))).plan.algo == "copy_engine"
+    with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
+        d = decide(prefill)
+        assert d.fuse and d.plan.algo == "push" and d.plan.overlap
+    with fake_group(4), inductor_config.patch({"triton.cudagraphs": False}):
+        assert not decide(dataclasses.replace(prefill, world_size=4)).fuse
+        d = decide(dataclasses.replace(prefill, world_size=4, m=8192))
+        assert d.fuse and d.plan.algo == "push"
+
+
 def test_forced_plans(group4, monkeypatch):
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
     monkeypatch.setattr(config, "force_plan", "fused")

@@ -18,16 +18,21 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
+  copy_engine (prefill on 2 ranks, launched eagerly): cuBLAS in row chunks on every SM, each
+      chunk copied into my slot on every peer by the copy engine beside the next chunk's GEMM,
+      then one kernel sums the slots, adds the residual and normalises (_copy_engine). Its
+      epochs are host values: it declines a CUDA-graph capture.
 One context per (group, size class) is shared by both ops and by push and push_scatter; push_all,
-lamport and lamport_all have their own (_buffer_elements says why).
+lamport and lamport_all have their own (_buffer_elements says why), and so has copy_engine (W
+slots of the partial, and host epochs).
 
-Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
-the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
-push_all and the lamport kernels: epoch-parity regions): nothing on the host changes between
-calls, and a call captured in a CUDA graph replays correctly. The context must exist before
-capture (its setup is collective and synchronises): a call captured before any eager call of its
-size class takes the reference path. Inductor's CUDA-graph trees warm up eagerly first, which
-creates it.
+Epochs (but copy_engine's) are device words that the kernels advance, and every kernel leaves
+the buffers free for the next call's GEMM when it ends (push: every peer has read and pushed
+before it raises PUSHED; push_all and the lamport kernels: epoch-parity regions): nothing on the
+host changes between calls, and a call captured in a CUDA graph replays correctly. The context
+must exist before capture (its setup is collective and synchronises): a call captured before any
+eager call of its size class takes the reference path. Inductor's CUDA-graph trees warm up
+eagerly first, which creates it.
 
 FP8 (scaled_mm_all_reduce; the matcher fuses no RMSNorm tail into it): the same plans, the
 GEMM a torch._scaled_mm (runtime/scaled.py) into the partial, which holds the output dtype
@@ -37,17 +42,19 @@ The overlapped plan with the persistent Triton GEMM declines.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Optional
 
 import torch
 
-from ..scheduler.plan import GEMV, TRITON, AllReducePlan
+from ..scheduler.plan import COPY_ENGINE, COPY_ENGINE_MAX_N, GEMV, TRITON, AllReducePlan
 from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
+from ..templates.reduce import sum_slots_norm_kernel
 from . import driver
 from .context import (
     OpContext,
@@ -68,6 +75,7 @@ from .launch import (
     ready_gemm,
     tile_launch,
     tma_ok,
+    wait_geq,
 )
 from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .scaled import Scaled
@@ -157,6 +165,13 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         return decline(why)
     dtype = scaled.out_dtype if scaled else a.dtype
     algo = plan.algo
+    if algo == COPY_ENGINE:
+        out = _copy_engine(task, plan, a, b, bias, residual, norm_weight, eps, weight_in_fp32,
+                           dtype, scaled)
+        if out is None:
+            return None
+        stats[task.op] += 1
+        return out[0].view(shape), (None if out[1] is None else out[1].view(shape))
     if task.world_size > flags.MAX_WORLD:
         return decline(f"the all-reduce kernels' flags serve up to {flags.MAX_WORLD} ranks")
     context, elems = _buffer_elements(algo, m * n, task.world_size)
@@ -370,6 +385,131 @@ def _mark_empty(ctx):
     """Every word of my buffer = the empty mark, on every rank before any rank sends (setup)."""
     ctx.data.local.view(torch.int16).fill_(EMPTY_BITS)
     group_barrier(ctx.backend.group)
+
+
+# the copy-engine plan's sum + norm kernel: about this many elements a program (whole rows)
+SUM_NORM_ELEMENTS = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyEngineLayout:
+    """What a copy-engine call of one shape does on this rank, worked out once per (context,
+    M, N, dtype, chunks) (the host's time per call is what an eager launch pays): the slots
+    [W, M, N] of the buffer, each row chunk's rows, its view of my slot and the copies of it
+    into my slot on each peer, per copy stream; the peers each stream serves; the flag words
+    READY and DONE go to."""
+
+    slots: torch.Tensor
+    chunk_rows: tuple  # ((lo, hi), ...)
+    my_chunks: tuple  # my slot's rows of each chunk (cuBLAS writes them)
+    sides: tuple  # copy streams (CUstream handles), one per peer up to MAX_STREAMS
+    copies: tuple  # per chunk, per stream: ((dst, src, nbytes), ...)
+    done_waits: tuple  # per stream: (the DONE flag words of its peers, ...)
+    peers: tuple  # ring order, rank+1 first
+    ready_to: tuple  # per stream: the peers' READY[r] words
+    done_to: tuple  # every peer's DONE[r] word
+
+
+_layouts: "weakref.WeakKeyDictionary[OpContext, dict]" = weakref.WeakKeyDictionary()
+_MAX_LAYOUTS = 64  # per context (dynamic M): start over past it
+
+
+def copy_engine_layout(ctx, task: Task, dtype, m: int, n: int, chunks: int,
+                       rows: int) -> CopyEngineLayout:
+    """The layout of a call of this shape on this context, made at its first call."""
+    per_shape = _layouts.setdefault(ctx, {})
+    key = (m, n, dtype, chunks, rows)
+    layout = per_shape.get(key)
+    if layout is not None:
+        return layout
+    if len(per_shape) >= _MAX_LAYOUTS:
+        per_shape.clear()
+    r, world = ctx.rank, ctx.world
+    slots = ctx.data.view(-1, dtype, (world, m, n))
+    slot_bytes, row_bytes = m * n * dtype.itemsize, n * dtype.itemsize
+    mine = slots[r]
+    peers = tuple(task.ring_order(r)[1:])
+    sides = tuple(s.cuda_stream for s in ctx.sides(len(peers))) if peers else ()
+    peers_of = [peers[i::len(sides)] for i in range(len(sides))]
+    chunk_rows = tuple((j * rows, min((j + 1) * rows, m)) for j in range(chunks))
+    layout = per_shape[key] = CopyEngineLayout(
+        slots=slots, chunk_rows=chunk_rows,
+        my_chunks=tuple(mine[lo:hi] for lo, hi in chunk_rows), sides=sides,
+        copies=tuple(tuple(tuple((ctx.data_addrs[p] + r * slot_bytes + lo * row_bytes,
+                                  mine.data_ptr() + lo * row_bytes, (hi - lo) * row_bytes)
+                                 for p in ps) for ps in peers_of) for lo, hi in chunk_rows),
+        done_waits=tuple(tuple(ctx.DONE + p for p in ps) for ps in peers_of), peers=peers,
+        ready_to=tuple(tuple(ctx.peer_flag_addr(p, ctx.READY + r) for p in ps)
+                       for ps in peers_of),
+        done_to=tuple(ctx.peer_flag_addr(q, ctx.DONE + r) for q in peers))
+    return layout
+
+
+def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight, eps,
+                 weight_in_fp32, dtype, scaled=None):
+    """algo="copy_engine": (h, y), or None where declined. Every rank's buffer holds W slots of
+    [M, N], slot q for rank q's partial. One call, epoch e (a host value, as for the copy-engine
+    reduce-scatter: eager launches only), on rank r:
+      main stream   cuBLAS in plan.chunks row chunks straight into my slot r, an event after each
+      copy streams  peer p (ring order, rank+1 first; peer i on stream i % MAX_STREAMS) waits
+                    DONE[p] >= e-1 (p has summed the last call: its slot r is free), then each
+                    chunk's rows go into slot r of p as the chunk's event fires; READY[r] = e on p
+      main stream   wait READY[q] >= e for every peer q, then one kernel sums the W slots, adds
+                    my residual and normalises (templates/reduce.sum_slots_norm_kernel); DONE[r]
+                    = e on every peer; join the copy streams (my slot r is read by them until
+                    then: the next call's GEMM writes it)
+    The copies ride on the copy engine beside the next chunks' GEMMs, which keep every SM: only
+    the last chunk's copy and the sum are left after the GEMM. W - 1 partials leave each rank
+    (NCCL's ring sends 2 (W-1)/W of one): at 2 ranks as much, beyond more."""
+    if torch.cuda.is_current_stream_capturing():
+        return decline("CUDA graph capture (the copy-engine all-reduce's epochs are host values)")
+    m, n = a.shape[0], b.shape[1]
+    world = task.world_size
+    block_n = next_power_of_2(n)
+    if block_n > COPY_ENGINE_MAX_N:
+        return decline(f"the copy-engine all-reduce's sum holds whole rows: N={n} > "
+                       f"{COPY_ENGINE_MAX_N}")
+    if world * m * n >= 2 ** 31:
+        return decline("more than 2**31 elements in the buffers (32-bit offsets)")
+    ctx = get_context(_CONTEXT + "_copy_engine", task.group_name, plan.symm_mem_backend,
+                      world * m * n * dtype.itemsize)
+    e = ctx.next_epoch()
+    main = current_stream()
+    chunks, rows = _row_chunks(plan, m)
+    layout = copy_engine_layout(ctx, task, dtype, m, n, chunks, rows)
+    events = ctx.chunk_events(chunks)
+    for side, flag_words in zip(layout.sides, layout.done_waits):
+        for idx in flag_words:
+            wait_geq(ctx, plan, side, idx, e - 1)
+    for j, ((lo, hi), out) in enumerate(zip(layout.chunk_rows, layout.my_chunks)):
+        matmul_into(a[lo:hi], b, bias, out, scaled=scaled, first_row=lo)
+        if not layout.sides:
+            continue
+        driver.record(events[j], main)
+        for side, copies in zip(layout.sides, layout.copies[j]):
+            driver.stream_wait(side, events[j])
+            for dst, src, nbytes in copies:
+                driver.memcpy(dst, src, nbytes, side)
+    for i, (side, ready_to) in enumerate(zip(layout.sides, layout.ready_to)):
+        ctx.signal(side, 1 + i, e, ready_to)
+        driver.record(ctx.ev_sides[i], side)
+    for q in layout.peers:
+        wait_geq(ctx, plan, main, ctx.READY + q, e)
+    h = torch.empty((m, n), dtype=dtype, device=a.device)
+    y = torch.empty_like(h) if norm_weight is not None else None
+    row_tile = max(1, SUM_NORM_ELEMENTS // block_n)
+    launch(sum_slots_norm_kernel, (cdiv(m, row_tile),), layout.slots, m * n, h,
+           h if y is None else y, h if residual is None else residual,
+           h if norm_weight is None else norm_weight, m, n, float(eps), WORLD=world,
+           HAS_RES=residual is not None, NORM=norm_weight is not None,
+           W_FP32=bool(weight_in_fp32), ROWS=row_tile, BLOCK_N=block_n,
+           num_warps=max(4, min(16, row_tile * block_n // 512)))
+    if layout.peers:  # my slots are free again (DONE[r] = e on every peer); join the copies
+        ctx.signal(main, 0, e, layout.done_to)
+    for i in range(len(layout.sides)):
+        driver.stream_wait(main, ctx.ev_sides[i])
+    check_errors(ctx, plan, task.op)
+    return h, y
 
 
 def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,

@@ -109,6 +109,13 @@ class OpContext:
             self._sides.append(torch.cuda.Stream(device=self.device, priority=-1))
         return self._sides[:count]
 
+    def chunk_events(self, count: int) -> list:
+        """At least `count` events of ev_chunks (one per rank from the start; a plan that cuts
+        its GEMM into more row chunks than ranks adds the rest, once)."""
+        while len(self.ev_chunks) < count:
+            self.ev_chunks.append(driver.event())
+        return self.ev_chunks
+
     def counters(self, nprog: int):
         """(arrival counters of the SM-pull plan with nprog programs, the value that means
         "arrived" for this call): each call adds nprog to every chunk's counter."""

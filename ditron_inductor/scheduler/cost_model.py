@@ -33,8 +33,8 @@ from typing import NamedTuple, Optional
 
 from .. import config
 from . import measured, measured_plans
-from .plan import (AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan, ReduceScatterPlan,
-                   family, from_params)
+from .plan import (COPY_ENGINE, COPY_ENGINE_MAX_N, AllGatherPlan, AllReducePlan, FusedPlan,
+                   GroupedMmPlan, ReduceScatterPlan, family, from_params)
 from .task import (
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
@@ -386,10 +386,37 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 #   above, or on more ranks: NCCL + cuBLAS (no fused kernel measured a gain).
 # Launched eagerly, a fused call costs more host time than it saves below OVERLAP_EAGER_MIN_M:
 # fused only where the graph is replayed as a CUDA graph.
+# Launched eagerly on up to COPY_ENGINE_MAX_WORLD ranks, from COPY_ENGINE_EAGER_MIN_M rows on:
+#   copy_engine (cuBLAS row chunks on every SM, each chunk's partial copied to every peer by the
+#   copy engine beside the next chunk's GEMM, one kernel for the sum + residual + norm); W - 1
+#   partials leave each rank, as much as NCCL's ring at 2 ranks. Its epochs are host values: it
+#   declines a CUDA-graph capture, so never under CUDA graphs.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_ALL_MAX_M, LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 16, 128, 4
 OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
+# copy_engine, measured on 2x H100 (Llama-3-8B's o_proj / down_proj + residual + RMSNorm,
+# bench_all_reduce.py, host time hidden: 1.10-1.53x NCCL + cuBLAS + Inductor's norm at M
+# 2048-16384, level with push beside the Triton GEMM; benchmarks/results/
+# all_reduce_h100x2_copy_engine.md): launched eagerly in the Llama prefill at S 2048 the host
+# fell behind (a fused call then cost ~0.3 ms more host time than cuBLAS + NCCL + the norm
+# kernel; ~0.2 ms since): 0.74x Inductor, so from 4096 rows on (1.05x there,
+# e2e_llama_h100x2_prefill_copy_engine.md)
+COPY_ENGINE_EAGER_MIN_M, COPY_ENGINE_MAX_WORLD = 4096, 2
+
+
+def copy_engine_serves(task: Task) -> bool:
+    """Whether the copy-engine runtime takes the task's shape (it declines wider rows than its
+    sum kernel holds, and buffers past 32-bit offsets), as the size hints say."""
+    n = task.n_total
+    return n <= COPY_ENGINE_MAX_N and task.world_size * task.m_hint * n < 2 ** 31
+
+
+def copy_engine_chunks(m: int) -> int:
+    """The copy-engine all-reduce's row chunks: M / 2048, from 2 to 8. On 2x H100 2 and 4 chunks
+    were level at 2048-4096 rows (fewer chunks, fewer host calls), 8 were 2-9% faster than 4 at
+    16384 (the last chunk's copy, which nothing hides, shorter)."""
+    return max(2, min(8, m // 2048))
 
 
 def overlap_params(task: Task) -> dict:
@@ -454,6 +481,8 @@ def all_reduce_costs(task: Task, plan: AllReducePlan,
     ring_ms = 2 * (w - 1) / w * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
     if plan.algo in ("push_all", "lamport_all"):
         moved_ms = (w - 1) * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
+    elif plan.algo == COPY_ENGINE:  # the last chunk's copies to every peer, on the copy engine
+        moved_ms = (w - 1) * partial_gb / c["ce_gbps"] * 1e3 / plan.chunks
     else:
         moved_ms = ring_ms / (plan.chunks if plan.overlap else 1)
     return AllReduceCosts(costs.fused_ms, costs.unfused_ms, moved_ms + c["fused_latency_ms"],
@@ -466,6 +495,11 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
     model predict it faster than NCCL + cuBLAS by MIN_GAIN."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
     m, world = task.m_hint, task.world_size
+    if (not cuda_graphs and world <= COPY_ENGINE_MAX_WORLD and m >= COPY_ENGINE_EAGER_MIN_M
+            and copy_engine_serves(task)):
+        plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=copy_engine_chunks(m)))
+        return _costed_all_reduce_plan(task, plan, False, "copies beside the GEMM's row chunks",
+                                       keep)
     overlap = FUSED_MAX_M < m <= OVERLAP_MAX_M and world <= OVERLAP_MAX_WORLD
     if m > FUSED_MAX_M and not overlap:
         return None, (f"M={m} > {FUSED_MAX_M}: no fused kernel measured a gain over NCCL at "
@@ -473,7 +507,15 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
     if not cuda_graphs and not (overlap and m >= OVERLAP_EAGER_MIN_M):
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
                       f"with CUDA graphs (mode='reduce-overhead') it is fused: {keep}")
-    plan = fused_plan(task)
+    return _costed_all_reduce_plan(task, fused_plan(task), cuda_graphs,
+                                   "beside the GEMM" if overlap else "", keep)
+
+
+def _costed_all_reduce_plan(task: Task, plan: AllReducePlan, cuda_graphs: bool, where: str,
+                            keep: str) -> tuple[Optional[AllReducePlan], str]:
+    """(plan, why): the plan where the world-1 compute table and the link model predict it
+    faster than NCCL + cuBLAS by MIN_GAIN, or where no world-1 measurement stands for the shape;
+    else (None, why)."""
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
     costs = all_reduce_costs(task, plan, cuda_graphs)
     if costs is None:
@@ -484,8 +526,8 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
         predicted = costs.describe()
         plan = dataclasses.replace(plan, predicted_ms=(("nccl_cublas", costs.unfused),
                                                        ("fused", costs.fused)))
-    return plan, (f"fused plan {plan.algo}{' beside the GEMM' if overlap else ''} (M={m}, {how}; "
-                  f"{predicted})")
+    return plan, (f"fused plan {plan.algo}{' ' + where if where else ''} (M={task.m_hint}, "
+                  f"{how}; {predicted})")
 
 
 # FP8 (the scaled ops): the bf16 plans whose GEMM is cuBLAS, each GEMM a _scaled_mm into the

@@ -24,7 +24,10 @@ FUSED = "fused"  # a fused kernel, CUDA only
 COPY_ENGINE, SM = "copy_engine", "sm"  # what moves the data: the copy engine or Triton programs
 TRITON, CUBLAS, TORCH = "triton", "cublas", "torch"
 GEMV = "gemv"  # the decode GEMM template (templates/gemv.py), for one-row products
-ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all")
+COPY_ENGINE_CHUNKS = 4  # the copy-engine all-reduce's row chunks (the last one's copy is exposed)
+# its sum + norm kernel holds whole rows: up to this many columns (the runtime declines more)
+COPY_ENGINE_MAX_N = 16384
+ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all", COPY_ENGINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +150,13 @@ class AllReducePlan(FusedPlan):
     sums its blocks over the ranks and stores the sums on every rank), push_scatter (push with
     the partials stored to their owners), push_all (every rank stores its whole partial on every
     rank, one wait, a local sum), lamport / lamport_all (push_scatter / push_all with the data
-    carrying its own arrival). overlap=True (push only): push's reduction on `progs` programs
-    beside the GEMM in `chunks` row chunks: gemm="triton", a persistent Triton GEMM (`tile`) on
-    the other SMs, else cuBLAS (told to leave the push's SMs free with `carveout`). block, warps
-    and progs of the push kernels: 0 = chosen by the size of the call (runtime push_grid)."""
+    carrying its own arrival), copy_engine (cuBLAS in `chunks` row chunks on every SM, each
+    chunk's partial copied by the copy engine to every peer beside the next chunk's GEMM, then
+    one kernel sums the W partials, adds the residual and normalises). overlap=True (push
+    only): push's reduction on `progs` programs beside the GEMM in `chunks` row chunks:
+    gemm="triton", a persistent Triton GEMM (`tile`) on the other SMs, else cuBLAS (told to
+    leave the push's SMs free with `carveout`). block, warps and progs of the push kernels: 0 =
+    chosen by the size of the call (runtime push_grid)."""
 
     kind: ClassVar[str] = "all_reduce"
 
@@ -158,7 +164,7 @@ class AllReducePlan(FusedPlan):
     overlap: bool = False
     gemm: str = CUBLAS
     tile: GemmTile = GemmTile()
-    chunks: int = 0  # overlap: 0 until resolved for a world size
+    chunks: int = 0  # overlap and copy_engine: 0 until resolved for a world size
     progs: int = 0
     block: int = 0
     warps: int = 0
@@ -172,6 +178,8 @@ class AllReducePlan(FusedPlan):
                              "overlap=True is for algo='push'")
 
     def for_world(self, world: int) -> "AllReducePlan":
+        if self.algo == COPY_ENGINE:
+            return dataclasses.replace(self, chunks=self.chunks or COPY_ENGINE_CHUNKS)
         if not self.overlap:
             return self
         # the GEMM beside the push: 8 chunks of the Triton GEMM, 2W of cuBLAS; most SMs to it

@@ -1,4 +1,6 @@
-"""Reduction of GEMM+reduce-scatter: out = scale * sum over the W slots of the receive buffer.
+"""Reduction of GEMM+reduce-scatter: out = scale * sum over the W slots of the receive buffer
+(reduce_slots_kernel); and the copy-engine all-reduce's sum + residual + RMSNorm
+(sum_slots_norm_kernel).
 
 Slot s of the receive buffer holds rank s's partial product of this rank's output chunk (pushed
 there by rank s's copy engine; slot `rank` written by this rank's own GEMM). The sum runs in fp32;
@@ -20,3 +22,37 @@ def reduce_slots_kernel(src_ptr, out_ptr, n, slot_stride, world, scale, BLOCK: t
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += slot_stride
     tl.store(out_ptr + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sum_slots_norm_kernel(slots_ptr, slot_stride, h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps,
+                          WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                          W_FP32: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The copy-engine all-reduce's end (runtime/all_reduce.py, algo "copy_engine"): slot q
+    holds rank q's partial [M, N]; ROWS whole rows a program (BLOCK_N >= N). h = the sum over
+    the slots in fp32, rounded to the dtype (the all-reduce's own rounding), + my residual
+    (added in fp32 and rounded again); with NORM, y = RMSNorm(h) * weight from h's rounded
+    values, in the roundings of templates/all_reduce_push.store_h_and_y (ops.rms_norm_reference).
+    """
+    dtype = h_ptr.dtype.element_ty
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    idx = rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for q in tl.static_range(WORLD):
+        acc += tl.load(slots_ptr + q * slot_stride + idx, mask=mask, other=0.0).to(tl.float32)
+    h = acc.to(dtype)
+    if HAS_RES:
+        res = tl.load(res_ptr + idx, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(h_ptr + idx, h, mask=mask)
+    if NORM:
+        h32 = tl.where(mask, h.to(tl.float32), 0.0)
+        rstd = tl.rsqrt(tl.sum(h32 * h32, 1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if W_FP32:
+            y = (h32 * rstd[:, None] * w[None, :]).to(dtype)
+        else:
+            y = ((h32 * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+        tl.store(y_ptr + idx, y, mask=mask)
