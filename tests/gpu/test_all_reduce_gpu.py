@@ -108,14 +108,14 @@ def _eager_cases(group_name, world, dtype, gen, calls):
                             _check(tag, o, r)
 
 
-def _graph_case(group_name, world, dtype, gen, m, plan_params, replays=5):
-    """Capture one call (plus the reference on the same stream for comparison) in a CUDA graph,
-    then replay it on new inputs copied into the captured tensors."""
-    from ditron_inductor.ops import matmul_all_reduce_rmsnorm_reference
+def _captured(group_name, world, dtype, gen, m, k, n, plan_params, warmups=3):
+    """One matmul + all-reduce + RMSNorm call with the plan on random inputs, warmed up outside
+    capture (contexts, compiled kernels), then captured in a CUDA graph: (graph, its outputs
+    (h, y), the inputs (a, b, residual, weight), the plan text, the calls the fused path had
+    served before the capture)."""
     from ditron_inductor.runtime.all_reduce import stats
 
     dev = torch.device("cuda")
-    k, n = 1024, 8192
     plan = _plan(AR, world, m, k, n, **plan_params)
     a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
     b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
@@ -128,19 +128,31 @@ def _graph_case(group_name, world, dtype, gen, m, plan_params, replays=5):
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture: contexts, compiled kernels
-        for _ in range(3):
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
             step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     served = sum(stats.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        h, y = step()
+        outs = step()
+    return graph, outs, (a, b, residual, weight), plan, served
+
+
+def _graph_case(group_name, world, dtype, gen, m, plan_params, replays=5):
+    """Capture one call (plus the reference on the same stream for comparison) in a CUDA graph,
+    then replay it on new inputs copied into the captured tensors."""
+    from ditron_inductor.ops import matmul_all_reduce_rmsnorm_reference
+    from ditron_inductor.runtime.all_reduce import stats
+
+    k, n = 1024, 8192
+    graph, (h, y), (a, b, residual, weight), plan, served = _captured(
+        group_name, world, dtype, gen, m, k, n, plan_params)
     assert sum(stats.values()) == served + 1, "the captured call did not take the fused path"
     for replay in range(replays):
-        a.copy_(torch.randn(m, k, generator=gen, device=dev, dtype=dtype))
-        residual.copy_(torch.randn(m, n, generator=gen, device=dev, dtype=dtype))
+        a.copy_(torch.randn(m, k, generator=gen, device=a.device, dtype=dtype))
+        residual.copy_(torch.randn(m, n, generator=gen, device=a.device, dtype=dtype))
         graph.replay()
         ref = matmul_all_reduce_rmsnorm_reference(a, b, None, [], residual, weight, EPS, False,
                                                   "sum", group_name, world)
@@ -159,31 +171,11 @@ def _declined_capture_case(group_name, world, dtype, gen, m=2048, k=1024, n=4096
     from ditron_inductor.ops import matmul_all_reduce_rmsnorm_reference
     from ditron_inductor.runtime.all_reduce import stats
 
-    dev = torch.device("cuda")
-    plan = _plan(AR, world, m, k, n, algo="copy_engine")
-    a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
-    b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
-    residual = torch.randn(m, n, generator=gen, device=dev, dtype=dtype)
-    weight = torch.rand(n, generator=gen, device=dev, dtype=dtype) + 0.5
-
-    def step():
-        return torch.ops.ditron.matmul_all_reduce_rmsnorm(a, b, None, [], residual, weight, EPS,
-                                                          False, "sum", group_name, world, plan)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    served = sum(stats.values())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h, y = step()
+    graph, (h, y), (a, b, residual, weight), plan, served = _captured(
+        group_name, world, dtype, gen, m, k, n, {"algo": "copy_engine"}, warmups=2)
     assert sum(stats.values()) == served, "the captured copy-engine call took the fused path"
     for replay in range(3):
-        a.copy_(torch.randn(m, k, generator=gen, device=dev, dtype=dtype))
+        a.copy_(torch.randn(m, k, generator=gen, device=a.device, dtype=dtype))
         graph.replay()
         ref = matmul_all_reduce_rmsnorm_reference(a, b, None, [], residual, weight, EPS, False,
                                                   "sum", group_name, world)
