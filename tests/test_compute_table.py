@@ -120,7 +120,8 @@ def test_the_package_table_is_well_formed():
     data = json.loads(measured.TABLE.read_text())
     assert data["card"] and data["date"] and "bench_compute_parity.py" in data["source"]
     families = {"cublas", "triton", "triton/sm", "pull", "push", "push_all", "push_scatter",
-                "lamport", "lamport_all", "push+overlap:triton", "push+overlap:cublas"}
+                "lamport", "lamport_all", "push+overlap:triton", "push+overlap:cublas",
+                "copy_engine"}
     for op, fam, mode, m, k, n, fused_ms, unfused_ms in data["rows"]:
         assert fam in families and mode in ("eager", "graph") and min(m, k, n) >= 1
         assert 0 < fused_ms < math.inf and 0 < unfused_ms < math.inf, (op, fam, m, k, n)
