@@ -118,6 +118,15 @@ def variants():
     yield (reduce.reduce_slots_kernel,
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
+    # the copy-engine all-reduce's sum + residual + norm: rows of 4096 two a program, of 16384
+    # one (runtime/all_reduce.py, SUM_NORM_ELEMENTS), on 2 and 3 ranks, both norm roundings
+    for world, rows, block_n, warps in ((2, 2, 4096, 16), (3, 1, 16384, 16)):
+        for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
+            yield (reduce.sum_slots_norm_kernel,
+                   dict(slots_ptr="*bf16", slot_stride="i32", h_ptr="*bf16", y_ptr="*bf16",
+                        res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32"),
+                   dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=rows,
+                        BLOCK_N=block_n), warps)
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
     # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
     # the combine's push into the peers' buffers; and the dispatch's push
