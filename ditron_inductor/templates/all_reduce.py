@@ -39,11 +39,22 @@ def call_start(epoch_ptr, M, N):
 
 
 @triton.jit
+def weighted(normed, w32, dtype: tl.constexpr, W_FP32: tl.constexpr):
+    """y = the normalised h (fp32, a row or rows) times the weight (fp32, a row: broadcast over
+    the rows) in `dtype`, in the roundings of ops.rms_norm_reference: once (weight_in_fp32), else
+    the normalised h first, then its product with the weight."""
+    if W_FP32:
+        y = (normed * w32).to(dtype)
+    else:
+        y = (normed.to(dtype).to(tl.float32) * w32).to(dtype)
+    return y
+
+
+@triton.jit
 def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. h was written by
     other programs: its loads skip this SM's L1 (.cg)."""
-    dtype = y_ptr.dtype.element_ty
     base = row * N  # int32: the runtime keeps its buffers below 2**31 elements
     rstd = tl.rsqrt(sum_sq / N + eps)
     tl.debug_barrier()  # h of this row may have been stored by this program's threads
@@ -53,8 +64,5 @@ def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
         h = tl.load(h_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
         h = h.to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if W_FP32:
-            y = (h * rstd * w).to(dtype)
-        else:
-            y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+        y = weighted(h * rstd, w, y_ptr.dtype.element_ty, W_FP32)
         tl.store(y_ptr + base + cols, y, mask=mask)

@@ -72,7 +72,7 @@ launches each phase separately for every rank (producers before consumers).
 import triton
 import triton.language as tl
 
-from .all_reduce import call_start, norm_row, sendable
+from .all_reduce import call_start, norm_row, sendable, weighted
 from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS, K_PUSHED,
                     K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
 from .schedule import owned_block
@@ -133,15 +133,11 @@ def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.c
     """h as store_h, and y = RMSNorm(h) * weight, for a block of whole rows of ROW (= N)
     elements: the copy-out and the norm in one pass over the block, from registers (no second
     read of h, no barrier over the programs). The roundings are norm_row's."""
-    dtype = h_ptr.dtype.element_ty
     h = store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
     rows = tl.reshape(h.to(tl.float32), [BLOCK // ROW, ROW])
     rstd = tl.rsqrt(tl.sum(rows * rows, 1) / ROW + eps)
     w = tl.load(w_ptr + tl.arange(0, ROW)).to(tl.float32)
-    if W_FP32:
-        y = (rows * rstd[:, None] * w[None, :]).to(dtype)
-    else:
-        y = ((rows * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+    y = weighted(rows * rstd[:, None], w, y_ptr.dtype.element_ty, W_FP32)
     tl.store(y_ptr + tl.reshape(idx, [BLOCK // ROW, ROW]), y,
              mask=tl.reshape(mask, [BLOCK // ROW, ROW]))
 

@@ -10,6 +10,9 @@ scale is 1 for "sum" and 1/W for "avg".
 import triton
 import triton.language as tl
 
+from .all_reduce import weighted
+from .all_reduce_push import store_h
+
 
 @triton.jit
 def reduce_slots_kernel(src_ptr, out_ptr, n, slot_stride, world, scale, BLOCK: tl.constexpr):
@@ -32,9 +35,8 @@ def sum_slots_norm_kernel(slots_ptr, slot_stride, h_ptr, y_ptr, res_ptr, w_ptr, 
     holds rank q's partial [M, N]; ROWS whole rows a program (BLOCK_N >= N). h = the sum over
     the slots in fp32, rounded to the dtype (the all-reduce's own rounding), + my residual
     (added in fp32 and rounded again); with NORM, y = RMSNorm(h) * weight from h's rounded
-    values, in the roundings of templates/all_reduce_push.store_h_and_y (ops.rms_norm_reference).
+    values (all_reduce.weighted's roundings, ops.rms_norm_reference).
     """
-    dtype = h_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -42,17 +44,10 @@ def sum_slots_norm_kernel(slots_ptr, slot_stride, h_ptr, y_ptr, res_ptr, w_ptr, 
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for q in tl.static_range(WORLD):
         acc += tl.load(slots_ptr + q * slot_stride + idx, mask=mask, other=0.0).to(tl.float32)
-    h = acc.to(dtype)
-    if HAS_RES:
-        res = tl.load(res_ptr + idx, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(dtype)
-    tl.store(h_ptr + idx, h, mask=mask)
+    h = store_h(h_ptr, res_ptr, idx, mask, acc.to(h_ptr.dtype.element_ty), HAS_RES)
     if NORM:
         h32 = tl.where(mask, h.to(tl.float32), 0.0)
         rstd = tl.rsqrt(tl.sum(h32 * h32, 1) / N + eps)
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        if W_FP32:
-            y = (h32 * rstd[:, None] * w[None, :]).to(dtype)
-        else:
-            y = ((h32 * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+        y = weighted(h32 * rstd[:, None], w, y_ptr.dtype.element_ty, W_FP32)
         tl.store(y_ptr + idx, y, mask=mask)
