@@ -394,10 +394,10 @@ SUM_NORM_ELEMENTS = 8192
 @dataclasses.dataclass(frozen=True)
 class CopyEngineLayout:
     """What a copy-engine call of one shape does on this rank, worked out once per (context,
-    M, N, dtype, chunks) (the host's time per call is what an eager launch pays): the slots
-    [W, M, N] of the buffer, each row chunk's rows, its view of my slot and the copies of it
-    into my slot on each peer, per copy stream; the peers each stream serves; the flag words
-    READY and DONE go to."""
+    M, N, dtype, the plan's chunks) (the host's time per call is what an eager launch pays):
+    the slots [W, M, N] of the buffer, each row chunk's rows, its view of my slot and the
+    copies of it into my slot on each peer, per copy stream; the peers each stream serves; the
+    flag words READY and DONE go to."""
 
     slots: torch.Tensor
     chunk_rows: tuple  # ((lo, hi), ...)
@@ -414,16 +414,17 @@ _layouts: "weakref.WeakKeyDictionary[OpContext, dict]" = weakref.WeakKeyDictiona
 _MAX_LAYOUTS = 64  # per context (dynamic M): start over past it
 
 
-def copy_engine_layout(ctx, task: Task, dtype, m: int, n: int, chunks: int,
-                       rows: int) -> CopyEngineLayout:
+def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
+                       n: int) -> CopyEngineLayout:
     """The layout of a call of this shape on this context, made at its first call."""
     per_shape = _layouts.setdefault(ctx, {})
-    key = (m, n, dtype, chunks, rows)
+    key = (m, n, dtype, plan.chunks)
     layout = per_shape.get(key)
     if layout is not None:
         return layout
     if len(per_shape) >= _MAX_LAYOUTS:
         per_shape.clear()
+    chunks, rows = _row_chunks(plan, m)
     r, world = ctx.rank, ctx.world
     slots = ctx.data.view(-1, dtype, (world, m, n))
     slot_bytes, row_bytes = m * n * dtype.itemsize, n * dtype.itemsize
@@ -475,9 +476,8 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
                       world * m * n * dtype.itemsize)
     e = ctx.next_epoch()
     main = current_stream()
-    chunks, rows = _row_chunks(plan, m)
-    layout = copy_engine_layout(ctx, task, dtype, m, n, chunks, rows)
-    events = ctx.chunk_events(chunks)
+    layout = copy_engine_layout(ctx, task, plan, dtype, m, n)
+    events = ctx.chunk_events(len(layout.chunk_rows))
     for side, flag_words in zip(layout.sides, layout.done_waits):
         for idx in flag_words:
             wait_geq(ctx, plan, side, idx, e - 1)
