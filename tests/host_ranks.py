@@ -31,6 +31,7 @@ class HostContext:
         self.data = HostBuffer(nbytes)
         self.flag_words = torch.zeros(64, dtype=torch.int32)
         self.tape = torch.zeros(8, dtype=torch.int32)
+        self.one = torch.ones(1, dtype=torch.int32)
         self.side = SimpleNamespace(cuda_stream=0)
         self.ev_start = self.ev_end = 0
         self.ev_chunks = [0] * world

@@ -614,20 +614,24 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
 def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, norm, w_fp32,
                                               dtype):
     """algo="copy_engine" end to end on ranks emulated in host memory (tests/host_ranks.py:
-    the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter):
-    cuBLAS's row chunks into my slot, each chunk copied into my slot on every peer, READY and
-    DONE raised on the peers, then h = the sum + my residual and y = its RMSNorm. Every rank runs
-    twice (its first call fills the peers' slots for their second): the second outputs are
-    the reference's on every rank. (float16 where y is compared to an ulp: the interpreter
-    truncates float32 to bfloat16, a GPU rounds to nearest.)"""
+    the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter), each
+    rank a thread whose flag waits spin on the words until the peers set them: cuBLAS's row
+    chunks into my slot, each chunk copied into my slot on every peer, READY and DONE raised,
+    waited and cleared, then h = the sum + my residual and y = its RMSNorm, three calls on new
+    inputs. After them every flag is as the first call found it (READY 0, DONE 1), which is
+    what lets a CUDA graph replay a captured call. (float16 where y is compared to an ulp: the
+    interpreter truncates float32 to bfloat16, a GPU rounds to nearest.)"""
+    import threading
+    import time
+
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.scheduler.decide import plan_for
     from ditron_inductor.scheduler.task import Task
     from tests.host_ranks import HostContext, all_reduce_on_host
 
-    k = 24
+    k, calls = 24, 3
     torch.manual_seed(0)
-    a = [torch.randn(m, k, dtype=dtype) for _ in range(world)]
+    a = [[torch.randn(m, k, dtype=dtype) for _ in range(world)] for _ in range(calls)]
     b = [torch.randn(k, n, dtype=dtype) for _ in range(world)]
     residual = [torch.randn(m, n, dtype=dtype) if res else None for _ in range(world)]
     weight = torch.rand(n, dtype=dtype) + 0.5 if norm else None
@@ -639,39 +643,64 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, nor
     ctxs = [HostContext(world, r, world * m * n * 2) for r in range(world)]
     for c in ctxs:
         c.connect(ctxs)
-    launched = []
-    all_reduce_on_host(monkeypatch, None, lambda kernel, grid, args, meta: (
-        launched.append((kernel, grid, meta)), kernel[grid](*args, **meta)))
-    waits = []  # (rank, flag word, value): the emulated ranks run one after the other
-    outs = {}
-    for r in list(range(world)) * 2:
-        monkeypatch.setattr(all_reduce, "get_context", lambda *args, r=r, **kw: ctxs[r])
-        monkeypatch.setattr(all_reduce, "wait_geq", lambda ctx, plan, stream, idx, value, r=r:
-                            waits.append((r, idx, value)))
-        outs[r] = all_reduce.all_reduce_fused(task, plan, a[r], b[r], None, [], residual[r],
-                                              weight, 1e-6, w_fp32, "sum")
-    assert {kernel for kernel, _, _ in launched} == {all_reduce.sum_slots_norm_kernel}
-    assert [c.epoch for c in ctxs] == [2] * world
-    for r in range(world):  # before its copies, DONE of the last call; before the sum, READY
+    launched, one_launch = [], threading.Lock()  # the interpreter runs one kernel at a time
+
+    def on_launch(kernel, grid, args, meta):
+        with one_launch:
+            launched.append(kernel)
+            kernel[grid](*args, **meta)
+
+    all_reduce_on_host(monkeypatch, None, on_launch)
+    this_rank = threading.local()
+    monkeypatch.setattr(all_reduce, "get_context", lambda *args, **kw: ctxs[this_rank.r])
+    waits = []  # (rank, flag word, value)
+
+    def wait_geq(ctx, plan, stream, idx, value):  # a stream's wait, as the driver's
+        waits.append((ctx.rank, idx, value))
+        deadline = time.monotonic() + 60
+        while int(ctx.flag_words[idx]) < value:
+            assert time.monotonic() < deadline, f"rank {ctx.rank}: flag {idx} never reached"
+            time.sleep(1e-4)
+
+    monkeypatch.setattr(all_reduce, "wait_geq", wait_geq)
+    outs, failures = {}, []
+
+    def rank(r):
+        this_rank.r = r
+        try:
+            outs[r] = [all_reduce.all_reduce_fused(task, plan, a[i][r], b[r], None, [],
+                                                   residual[r], weight, 1e-6, w_fp32, "sum")
+                       for i in range(calls)]
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]
+    assert set(launched) == {all_reduce.sum_slots_norm_kernel}
+    done, ready = HostContext.DONE, HostContext.READY
+    for r in range(world):  # before its copies DONE, before the sum READY, of every peer
         peers = [(r + i) % world for i in range(1, world)]
-        done, ready = HostContext.DONE, HostContext.READY
         assert [w[1:] for w in waits if w[0] == r] == (
-            [(done + p, 0) for p in peers] + [(ready + p, 1) for p in peers]
-            + [(done + p, 1) for p in peers] + [(ready + p, 2) for p in peers])
-    for q, c in enumerate(ctxs):  # every peer's READY and DONE of the second call on every rank
+            [(done + p, 1) for p in peers] + [(ready + p, 1) for p in peers]) * calls
+    for q, c in enumerate(ctxs):  # as the first call found them
         peers = [p for p in range(world) if p != q]
-        assert [int(c.flag_words[c.READY + p]) for p in peers] == [2] * (world - 1)
-        assert [int(c.flag_words[c.DONE + p]) for p in peers] == [2] * (world - 1)
-    summed = torch.stack([(a_q.float() @ b_q.float()) for a_q, b_q in zip(a, b)]).sum(0)
-    for r in range(world):
-        h, y = outs[r]
-        want_h = summed.to(dtype) if residual[r] is None else (summed.to(dtype) + residual[r])
-        torch.testing.assert_close(h, want_h, atol=0.1, rtol=0.02)
-        if norm:
-            torch.testing.assert_close(y, rms_norm_reference(h, weight, 1e-6, w_fp32), atol=0,
-                                       rtol=0.002)  # an ulp of y from the same h
-        else:
-            assert y is None
+        assert [int(c.flag_words[ready + p]) for p in peers] == [0] * (world - 1)
+        assert [int(c.flag_words[done + p]) for p in peers] == [1] * (world - 1)
+    for i in range(calls):
+        summed = torch.stack([a[i][q].float() @ b[q].float() for q in range(world)]).sum(0)
+        for r in range(world):
+            h, y = outs[r][i]
+            want_h = summed.to(dtype) if residual[r] is None else (summed.to(dtype) + residual[r])
+            torch.testing.assert_close(h, want_h, atol=0.1, rtol=0.02)
+            if norm:
+                torch.testing.assert_close(y, rms_norm_reference(h, weight, 1e-6, w_fp32),
+                                           atol=0, rtol=0.002)  # an ulp of y from the same h
+            else:
+                assert y is None
 
 
 def test_sum_slots_norm_kernel_rounds_as_the_reference():
@@ -696,8 +725,9 @@ def test_sum_slots_norm_kernel_rounds_as_the_reference():
 
 def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
     """Before its protocol starts (alike on every rank: shapes and the capture agree), the
-    copy-engine plan declines a CUDA-graph capture (its epochs are host values) and rows wider
-    than its sum kernel holds: the op then runs its reference path; nothing was queued."""
+    copy-engine plan declines rows wider than its sum kernel holds and a CUDA-graph capture
+    before any eager call made its context (whose setup is collective): the op then runs its
+    reference path; nothing was queued."""
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.runtime.launch import declined
     from ditron_inductor.scheduler.decide import plan_for
@@ -723,7 +753,7 @@ def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert call(4, 64) is None
     new = {msg: n - before.get(msg, 0) for msg, n in declined.items() if n != before.get(msg, 0)}
-    assert sorted(new) == ["CUDA graph capture (the copy-engine all-reduce's epochs are host "
-                           "values)", f"the copy-engine all-reduce's sum holds whole rows: "
+    assert sorted(new) == ["CUDA graph capture before any eager call of this size class",
+                           f"the copy-engine all-reduce's sum holds whole rows: "
                            f"N={COPY_ENGINE_MAX_N + 8} > {COPY_ENGINE_MAX_N}"]
-    assert queued == [] and ctx.epoch == 0
+    assert queued == [] and not ctx.flag_words.any()

@@ -94,7 +94,7 @@ def test_all_reduce_costs_add_the_link_model_to_the_measured_compute(table):
 def test_all_reduce_fused_only_where_predicted_faster(table):
     """The same site fused with a fast fused GEMM, kept with a slow one; either way the log's
     reason carries both predictions, compute measured and communication modelled."""
-    table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.40, 0.36]])
+    table([[MATMUL_ALL_REDUCE_RMSNORM, "copy_engine", "graph", 4096, 7168, 4096, 0.40, 0.36]])
     plan, why = choose_device_plan(ARN, cuda_graphs=True)
     assert plan is not None and "predicted fused" in why and "NCCL + cuBLAS" in why
     predicted = dict(plan.predicted_ms)
@@ -102,7 +102,7 @@ def test_all_reduce_fused_only_where_predicted_faster(table):
     assert plan.describe().endswith(f"predicted nccl_cublas {predicted['nccl_cublas']:.3f} ms, "
                                     f"fused {predicted['fused']:.3f} ms")
 
-    table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.48, 0.36]])
+    table([[MATMUL_ALL_REDUCE_RMSNORM, "copy_engine", "graph", 4096, 7168, 4096, 0.48, 0.36]])
     plan, why = choose_device_plan(ARN, cuda_graphs=True)
     assert plan is None and why.startswith("no predicted gain: predicted fused 0.")
     assert "compute 0.480 measured at world size 1" in why and "compute 0.360 measured" in why
@@ -179,17 +179,26 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert "| tiny | 2 | train | q/k/v gather |" in (tmp_path / "parity.md").read_text()
 
 
-@pytest.mark.parametrize("model,tokens", [("8b", 2048), ("70b", 2048), ("70b", 4096)])
-def test_llama_tp2_prefill_down_kept_where_the_measured_compute_costs_more(model, tokens):
-    """The package's table (1x H100): at TP 2 the push beside the Triton GEMM of down_proj's
-    long K costs more compute than the all-reduce it hides at these prefill lengths, so the
-    graph keeps NCCL + cuBLAS there; o_proj's, with a short K, is fused."""
+@pytest.mark.parametrize("model", ["8b", "70b"])
+def test_llama_tp2_prefill_all_reduces_under_cuda_graphs(model):
+    """The package's table (1x H100), TP 2 under CUDA graphs: at S 1024 the push beside the
+    Triton GEMM of down_proj's long K costs more compute than the all-reduce it hides, so the
+    graph keeps NCCL + cuBLAS there, and o_proj's, with a short K, is fused; from S 2048 both
+    take the copy-engine plan (cuBLAS on every SM), predicted faster from its measured
+    compute."""
     from benchmarks.llama_sites import sites
 
-    o_proj, down_proj = sites(model, 2, "prefill", tokens, cuda_graphs=True)
-    assert choose_device_plan(o_proj.task, cuda_graphs=True)[0] is not None
+    o_proj, down_proj = sites(model, 2, "prefill", 1024, cuda_graphs=True)
+    plan, why = choose_device_plan(o_proj.task, cuda_graphs=True)
+    assert plan is not None and family(plan) == OVERLAP, why
     plan, why = choose_device_plan(down_proj.task, cuda_graphs=True)
     assert plan is None and why.startswith("no predicted gain: predicted fused"), why
+    for tokens in (2048, 4096):
+        for site in sites(model, 2, "prefill", tokens, cuda_graphs=True):
+            plan, why = choose_device_plan(site.task, cuda_graphs=True)
+            assert plan is not None and plan.algo == "copy_engine", why
+            predicted = dict(plan.predicted_ms)
+            assert predicted["fused"] * MIN_GAIN <= predicted["nccl_cublas"], why
 
 
 def test_all_gather_and_scatter_decisions_name_the_measured_world1_compute(table, monkeypatch):

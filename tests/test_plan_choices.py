@@ -98,7 +98,6 @@ PINNED = pathlib.Path(__file__).with_name("plan_choices.json")
 # all-reduce sites are decided by the world-1 compute table (scheduler/measured.py) since, and
 # take the same decisions.
 AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNORM
-PUSH_BESIDE_GEMM = "push overlap triton chunks={} progs={} block=16384 warps=32"
 # The training sites' plans come from the device-time rows (session 45: the device spins while
 # the host queues the timed calls); the rows timed with the host's queueing had left gate/up's
 # gather and lm_head's input gradient to NCCL and fused lm_head's gather.
@@ -122,11 +121,12 @@ LLAMA_TP2_SITES = [
     # prefill: o's and down's all-reduce with the residual add and the next RMSNorm; launched
     # eagerly (as the H200 run did: left at S 4096, push beside the Triton GEMM at 8192) the
     # copy-engine plan since session 49 (2x H100: all_reduce_h100x2_copy_engine.md), under CUDA
-    # graphs push beside the Triton GEMM
+    # graphs (push beside the Triton GEMM before) since session 50, with twice the chunks
+    # (all_reduce_h100x2_copy_engine_graphs.md)
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "copy_engine chunks=2"),
     (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "copy_engine chunks=2"),
-    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(8, 32)),
-    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, PUSH_BESIDE_GEMM.format(16, 16)),
+    (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, "copy_engine chunks=4"),
+    (dict(op=ARN, m=4096, k=7168, ns=(4096,)), True, "copy_engine chunks=4"),
     (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, "copy_engine chunks=4"),
     (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, "copy_engine chunks=4"),
 ]

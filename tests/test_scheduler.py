@@ -134,11 +134,11 @@ def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
         assert d.fuse and "eager" in d.reason and d.plan.overlap
 
 
-def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine_eagerly():
-    """On 2 ranks, launched eagerly from 4096 rows on (below, the host's time per call lost
-    the Llama prefill), the copy-engine plan with M / 2048 row chunks (2 to 8); under CUDA
-    graphs, whose capture it declines, push beside the GEMM; on 4 ranks (W - 1 partials out of
-    each rank) never."""
+def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
+    """On 2 ranks the copy-engine plan: launched eagerly from 4096 rows on (below, the host's
+    time per call lost the Llama prefill) with M / 2048 row chunks, under CUDA graphs from 2048
+    rows on with M / 1024 (2 to 8 both; below 2048 rows, push beside the GEMM); on 4 ranks (W -
+    1 partials out of each rank) never."""
     from torch._inductor import config as inductor_config
 
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
@@ -160,11 +160,19 @@ def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine_eagerly():
         assert not decide(dataclasses.replace(prefill, m=2 ** 18)).fuse
         assert decide(dataclasses.replace(prefill, ns=(16384,))).plan.algo == "copy_engine"
     with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
-        d = decide(prefill)
-        assert d.fuse and d.plan.algo == "push" and d.plan.overlap
+        chunks = {m: decide(dataclasses.replace(prefill, m=m)).plan for m in
+                  (2048, 4096, 8192, 16384)}
+        assert {m: (p.algo, p.chunks) for m, p in chunks.items()} == {
+            2048: ("copy_engine", 2), 4096: ("copy_engine", 4), 8192: ("copy_engine", 8),
+            16384: ("copy_engine", 8)}
+        d = decide(dataclasses.replace(prefill, m=1024, k=2048))  # o_proj's K: push predicted
+        assert d.fuse and d.plan.algo == "push" and d.plan.overlap, d.reason  # faster there
     with fake_group(4), inductor_config.patch({"triton.cudagraphs": False}):
         assert not decide(dataclasses.replace(prefill, world_size=4)).fuse
         d = decide(dataclasses.replace(prefill, world_size=4, m=8192))
+        assert d.fuse and d.plan.algo == "push"
+    with fake_group(4), inductor_config.patch({"triton.cudagraphs": True}):
+        d = decide(dataclasses.replace(prefill, world_size=4))
         assert d.fuse and d.plan.algo == "push"
 
 

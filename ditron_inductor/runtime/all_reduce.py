@@ -18,18 +18,19 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       from the device epoch word into READY.
   push_scatter: push with the partials stored into their owners' slots instead of read by them
       (level with push at M 16-32, slower above: run only when a plan names it).
-  copy_engine (prefill on 2 ranks, launched eagerly): cuBLAS in row chunks on every SM, each
-      chunk copied into my slot on every peer by the copy engine beside the next chunk's GEMM,
-      then one kernel sums the slots, adds the residual and normalises (_copy_engine). Its
-      epochs are host values: it declines a CUDA-graph capture.
+  copy_engine (prefill on 2 ranks): cuBLAS in row chunks on every SM, each chunk copied into
+      my slot on every peer by the copy engine beside the next chunk's GEMM, then one kernel
+      sums the slots, adds the residual and normalises (_copy_engine). Its flags are set and
+      cleared within each call (no epochs).
 One context per (group, size class) is shared by both ops and by push and push_scatter; push_all,
 lamport and lamport_all have their own (_buffer_elements says why), and so has copy_engine (W
-slots of the partial, and host epochs).
+slots of the partial, and flags of its own protocol).
 
-Epochs (but copy_engine's) are device words that the kernels advance, and every kernel leaves
-the buffers free for the next call's GEMM when it ends (push: every peer has read and pushed
-before it raises PUSHED; push_all and the lamport kernels: epoch-parity regions): nothing on the
-host changes between calls, and a call captured in a CUDA graph replays correctly. The context
+Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
+the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
+push_all and the lamport kernels: epoch-parity regions); copy_engine's flags end each call as
+they began: nothing on the host changes between calls, and a call captured in a CUDA graph
+replays correctly. The context
 must exist before capture (its setup is collective and synchronises): a call captured before any
 eager call of its size class takes the reference path. Inductor's CUDA-graph trees warm up
 eagerly first, which creates it.
@@ -446,24 +447,46 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
     return layout
 
 
+_slots_marked_free: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
+
+
+def _mark_slots_free(ctx) -> None:
+    """DONE[q] = 1 for every rank q of a new context: my slot on every peer starts free. Only
+    this rank reads these words, and a peer sets one only after my first READY reached it."""
+    if ctx not in _slots_marked_free:
+        ctx.flags.words[ctx.DONE:ctx.DONE + ctx.world].fill_(1)
+        _slots_marked_free.add(ctx)
+
+
+def _copy_engine_flag(ctx, code: int) -> str:
+    """The flag word a bounded wait of the copy-engine all-reduce gave up on (its code - 1)."""
+    idx = code - 1
+    if idx >= ctx.DONE:
+        return f"DONE[{idx - ctx.DONE}] (rank {idx - ctx.DONE} freeing my slot)"
+    return f"READY[{idx}] (rank {idx}'s partial)"
+
+
 def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight, eps,
                  weight_in_fp32, dtype, scaled=None):
     """algo="copy_engine": (h, y), or None where declined. Every rank's buffer holds W slots of
-    [M, N], slot q for rank q's partial. One call, epoch e (a host value, as for the copy-engine
-    reduce-scatter: eager launches only), on rank r:
+    [M, N], slot q for rank q's partial. Its flags hold 0 or 1, set by one rank and cleared by
+    the other, so every call leaves them as it found them and queues the same operations: a
+    call captured in a CUDA graph replays correctly, between eager calls too. On rank r:
+      READY[q] = 1: rank q's partial is in my slot q (q sets it, I clear it once I waited)
+      DONE[q] = 1: my slot r on rank q is free (q sets it after its sum, I clear it before my
+                   copies into it; 1 from the context's first call, _mark_slots_free)
+    One call on rank r:
       main stream   cuBLAS in plan.chunks row chunks straight into my slot r, an event after each
-      copy streams  peer p (ring order, rank+1 first; peer i on stream i % MAX_STREAMS) waits
-                    DONE[p] >= e-1 (p has summed the last call: its slot r is free), then each
-                    chunk's rows go into slot r of p as the chunk's event fires; READY[r] = e on p
-      main stream   wait READY[q] >= e for every peer q, then one kernel sums the W slots, adds
-                    my residual and normalises (templates/reduce.sum_slots_norm_kernel); DONE[r]
-                    = e on every peer; join the copy streams (my slot r is read by them until
-                    then: the next call's GEMM writes it)
+      copy streams  (after the main stream's earlier work) peer p (ring order, rank+1 first;
+                    peer i on stream i % MAX_STREAMS): wait DONE[p] = 1, clear it; each chunk's
+                    rows go into slot r of p as the chunk's event fires; then READY[r] = 1 on p
+      main stream   wait READY[q] = 1 and clear it for every peer q, then one kernel sums the W
+                    slots, adds my residual and normalises (templates/reduce.
+                    sum_slots_norm_kernel); DONE[r] = 1 on every peer; join the copy streams (my
+                    slot r is read by them until then: the next call's GEMM writes it)
     The copies ride on the copy engine beside the next chunks' GEMMs, which keep every SM: only
     the last chunk's copy and the sum are left after the GEMM. W - 1 partials leave each rank
     (NCCL's ring sends 2 (W-1)/W of one): at 2 ranks as much, beyond more."""
-    if torch.cuda.is_current_stream_capturing():
-        return decline("CUDA graph capture (the copy-engine all-reduce's epochs are host values)")
     m, n = a.shape[0], b.shape[1]
     world = task.world_size
     block_n = next_power_of_2(n)
@@ -472,15 +495,23 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
                        f"{COPY_ENGINE_MAX_N}")
     if world * m * n >= 2 ** 31:
         return decline("more than 2**31 elements in the buffers (32-bit offsets)")
+    capturing = torch.cuda.is_current_stream_capturing()
     ctx = get_context(_CONTEXT + "_copy_engine", task.group_name, plan.symm_mem_backend,
-                      world * m * n * dtype.itemsize)
-    e = ctx.next_epoch()
+                      world * m * n * dtype.itemsize, create=not capturing)
+    if ctx is None or (capturing and ctx not in _slots_marked_free):
+        return decline("CUDA graph capture before any eager call of this size class")
+    _mark_slots_free(ctx)
     main = current_stream()
     layout = copy_engine_layout(ctx, task, plan, dtype, m, n)
     events = ctx.chunk_events(len(layout.chunk_rows))
+    one = ctx.one.data_ptr()
+    if layout.sides:  # the copy streams follow the main stream's earlier work (and its capture)
+        driver.record(ctx.ev_start, main)
     for side, flag_words in zip(layout.sides, layout.done_waits):
+        driver.stream_wait(side, ctx.ev_start)
         for idx in flag_words:
-            wait_geq(ctx, plan, side, idx, e - 1)
+            wait_geq(ctx, plan, side, idx, 1)
+            driver.write(side, ctx.flag_addr(idx), 0)
     for j, ((lo, hi), out) in enumerate(zip(layout.chunk_rows, layout.my_chunks)):
         matmul_into(a[lo:hi], b, bias, out, scaled=scaled, first_row=lo)
         if not layout.sides:
@@ -491,10 +522,12 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
             for dst, src, nbytes in copies:
                 driver.memcpy(dst, src, nbytes, side)
     for i, (side, ready_to) in enumerate(zip(layout.sides, layout.ready_to)):
-        ctx.signal(side, 1 + i, e, ready_to)
+        for dst in ready_to:
+            driver.memcpy(dst, one, 4, side)
         driver.record(ctx.ev_sides[i], side)
     for q in layout.peers:
-        wait_geq(ctx, plan, main, ctx.READY + q, e)
+        wait_geq(ctx, plan, main, ctx.READY + q, 1)
+        driver.write(main, ctx.flag_addr(ctx.READY + q), 0)
     h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     row_tile = max(1, SUM_NORM_ELEMENTS // block_n)
@@ -504,11 +537,11 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
            HAS_RES=residual is not None, NORM=norm_weight is not None,
            W_FP32=bool(weight_in_fp32), ROWS=row_tile, BLOCK_N=block_n,
            num_warps=max(4, min(16, row_tile * block_n // 512)))
-    if layout.peers:  # my slots are free again (DONE[r] = e on every peer); join the copies
-        ctx.signal(main, 0, e, layout.done_to)
+    for dst in layout.done_to:  # my slots on the peers are free again; join the copies
+        driver.memcpy(dst, one, 4, main)
     for i in range(len(layout.sides)):
         driver.stream_wait(main, ctx.ev_sides[i])
-    check_errors(ctx, plan, task.op)
+    check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, code))
     return h, y
 
 

@@ -87,6 +87,7 @@ class OpContext:
         self.chunk_flags = torch.zeros(w, dtype=torch.int32, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.tape = torch.zeros((MAX_STREAMS + 1) * TAPE, dtype=torch.int32, device=self.device)
+        self.one = torch.ones(1, dtype=torch.int32, device=self.device)  # a flag's 1, copied
         self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
         # AG with cuBLAS: my shard's local copies beside the GEMM of my rows (the peers wait
         # for the first of them, hence the priority)

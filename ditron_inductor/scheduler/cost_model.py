@@ -386,11 +386,11 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 #   above, or on more ranks: NCCL + cuBLAS (no fused kernel measured a gain).
 # Launched eagerly, a fused call costs more host time than it saves below OVERLAP_EAGER_MIN_M:
 # fused only where the graph is replayed as a CUDA graph.
-# Launched eagerly on up to COPY_ENGINE_MAX_WORLD ranks, from COPY_ENGINE_EAGER_MIN_M rows on:
-#   copy_engine (cuBLAS row chunks on every SM, each chunk's partial copied to every peer by the
-#   copy engine beside the next chunk's GEMM, one kernel for the sum + residual + norm); W - 1
-#   partials leave each rank, as much as NCCL's ring at 2 ranks. Its epochs are host values: it
-#   declines a CUDA-graph capture, so never under CUDA graphs.
+# On up to COPY_ENGINE_MAX_WORLD ranks, from COPY_ENGINE_EAGER_MIN_M rows on launched eagerly
+# and from COPY_ENGINE_GRAPH_MIN_M under CUDA graphs: copy_engine (cuBLAS row chunks on every
+# SM, each chunk's partial copied to every peer by the copy engine beside the next chunk's GEMM,
+# one kernel for the sum + residual + norm); W - 1 partials leave each rank, as much as NCCL's
+# ring at 2 ranks.
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_ALL_MAX_M, LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 16, 128, 4
@@ -403,6 +403,13 @@ OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
 # kernel; ~0.2 ms since): 0.74x Inductor, so from 4096 rows on (1.05x there,
 # e2e_llama_h100x2_prefill_copy_engine.md)
 COPY_ENGINE_EAGER_MIN_M, COPY_ENGINE_MAX_WORLD = 4096, 2
+# Under CUDA graphs (no host time), same bench at M 1024-16384 (all_reduce_h100x2_copy_engine_
+# graphs.md): 1.08-1.24x NCCL + cuBLAS + Inductor's norm from 1024 rows on, and level with or
+# faster than push beside the Triton GEMM at every M (0.75-1.00x its time). In the Llama
+# prefill under CUDA graphs (e2e_llama_h100x2_prefill_graphs_copy_engine.md) fusions only went
+# from 1.035 to 1.044-1.061x Inductor at S 2048 and 1.053 to 1.072-1.079x at 4096, but from
+# 1.042 to 1.029-1.035x at 1024: from 2048 rows on
+COPY_ENGINE_GRAPH_MIN_M = 2048
 
 
 def copy_engine_serves(task: Task) -> bool:
@@ -412,11 +419,13 @@ def copy_engine_serves(task: Task) -> bool:
     return n <= COPY_ENGINE_MAX_N and task.world_size * task.m_hint * n < 2 ** 31
 
 
-def copy_engine_chunks(m: int) -> int:
-    """The copy-engine all-reduce's row chunks: M / 2048, from 2 to 8. On 2x H100 2 and 4 chunks
-    were level at 2048-4096 rows (fewer chunks, fewer host calls), 8 were 2-9% faster than 4 at
-    16384 (the last chunk's copy, which nothing hides, shorter)."""
-    return max(2, min(8, m // 2048))
+def copy_engine_chunks(m: int, cuda_graphs: bool = False) -> int:
+    """The copy-engine all-reduce's row chunks, from 2 to 8: M / 2048 launched eagerly, M / 1024
+    under CUDA graphs. On 2x H100 8 chunks were 2-9% faster than 4 at 16384 rows (the last
+    chunk's copy, which nothing hides, shorter); at 4096 and 8192 rows 4 and 8 chunks were 2-7%
+    faster than half as many under CUDA graphs, and level launched eagerly, where each chunk
+    costs host time; at 1024 rows 2 chunks were 8-29% faster than 4."""
+    return max(2, min(8, m // (1024 if cuda_graphs else 2048)))
 
 
 def overlap_params(task: Task) -> dict:
@@ -495,11 +504,12 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
     model predict it faster than NCCL + cuBLAS by MIN_GAIN."""
     keep = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
     m, world = task.m_hint, task.world_size
-    if (not cuda_graphs and world <= COPY_ENGINE_MAX_WORLD and m >= COPY_ENGINE_EAGER_MIN_M
-            and copy_engine_serves(task)):
-        plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=copy_engine_chunks(m)))
-        return _costed_all_reduce_plan(task, plan, False, "copies beside the GEMM's row chunks",
-                                       keep)
+    copy_engine_min_m = COPY_ENGINE_GRAPH_MIN_M if cuda_graphs else COPY_ENGINE_EAGER_MIN_M
+    if world <= COPY_ENGINE_MAX_WORLD and m >= copy_engine_min_m and copy_engine_serves(task):
+        chunks = copy_engine_chunks(m, cuda_graphs)
+        plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=chunks))
+        return _costed_all_reduce_plan(task, plan, cuda_graphs,
+                                       "copies beside the GEMM's row chunks", keep)
     overlap = FUSED_MAX_M < m <= OVERLAP_MAX_M and world <= OVERLAP_MAX_WORLD
     if m > FUSED_MAX_M and not overlap:
         return None, (f"M={m} > {FUSED_MAX_M}: no fused kernel measured a gain over NCCL at "
