@@ -30,10 +30,9 @@ Epochs are device words that the kernels advance, and every kernel leaves the bu
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
 push_all and the lamport kernels: epoch-parity regions); copy_engine's flags end each call as
 they began: nothing on the host changes between calls, and a call captured in a CUDA graph
-replays correctly. The context
-must exist before capture (its setup is collective and synchronises): a call captured before any
-eager call of its size class takes the reference path. Inductor's CUDA-graph trees warm up
-eagerly first, which creates it.
+replays correctly. The context must exist before capture (its setup is collective and
+synchronises): a call captured before any eager call of its size class takes the reference
+path. Inductor's CUDA-graph trees warm up eagerly first, which creates it.
 
 FP8 (scaled_mm_all_reduce; the matcher fuses no RMSNorm tail into it): the same plans, the
 GEMM a torch._scaled_mm (runtime/scaled.py) into the partial, which holds the output dtype
