@@ -109,6 +109,8 @@ EXTRA_PLANS = {  # label -> (plan params, rows it applies to), measured for cali
     "ce_c2": (dict(algo="copy_engine", chunks=2), lambda m: m >= 512),
     "ce_c4": (dict(algo="copy_engine", chunks=4), lambda m: m >= 512),
     "ce_c8": (dict(algo="copy_engine", chunks=8), lambda m: m >= 512),
+    # the two-shot: each slice reduced by its owner, the sums gathered (2 (W-1)/W partials out)
+    "ce2": (dict(algo="copy_engine_two_shot"), lambda m: m >= 512),
 }
 EPS = 1e-6
 

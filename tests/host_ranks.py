@@ -24,10 +24,11 @@ class HostContext:
     """What the runtimes read of an OpContext, on host memory: data and flag words behind real
     addresses, so that the runtime's copies (driver.memcpy / write) move real bytes."""
 
-    READY, DONE = 0, 8
+    READY = 0
 
     def __init__(self, world, rank, nbytes):
         self.world, self.rank, self.epoch, self.device = world, rank, 0, "cpu"
+        self.DONE = world  # as OpContext's: W words of READY, then W of DONE
         self.data = HostBuffer(nbytes)
         self.flag_words = torch.zeros(64, dtype=torch.int32)
         self.tape = torch.zeros(8, dtype=torch.int32)

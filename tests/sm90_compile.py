@@ -127,6 +127,15 @@ def variants():
                         res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32"),
                    dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=rows,
                         BLOCK_N=block_n), warps)
+    # the two-shot copy-engine all-reduce's: the sum of my slice on 4 ranks, then the pass over
+    # the gathered sums (one slot) adding my residual and normalising, both roundings
+    for world, res, norm, w_fp32 in ((4, False, False, False), (1, True, True, False),
+                                     (1, True, True, True)):
+        yield (reduce.sum_slots_norm_kernel,
+               dict(slots_ptr="*bf16", slot_stride="i32", h_ptr="*bf16", y_ptr="*bf16",
+                    res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32"),
+               dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=2, BLOCK_N=4096),
+               16)
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
     # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
     # the combine's push into the peers' buffers; and the dispatch's push

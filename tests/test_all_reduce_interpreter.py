@@ -605,22 +605,29 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     assert row_block_launched == row and (not row or block == row)
 
 
-@pytest.mark.parametrize("world,m,n,res,norm,w_fp32,dtype", [
+@pytest.mark.parametrize("algo,world,m,n,res,norm,w_fp32,dtype", [
     # rows not a multiple of the chunks, N not a power of two
-    (2, 37, 96, True, True, False, torch.float16),
-    (2, 16, 64, False, False, False, torch.bfloat16),  # the all-reduce alone
-    (3, 21, 128, True, True, True, torch.float16),  # two peers, the weight's rounding in fp32
+    ("copy_engine", 2, 37, 96, True, True, False, torch.float16),
+    ("copy_engine", 2, 16, 64, False, False, False, torch.bfloat16),  # the all-reduce alone
+    # two peers, the weight's rounding in fp32
+    ("copy_engine", 3, 21, 128, True, True, True, torch.float16),
+    # slices of 19 and 18 rows; three peers on three copy streams, slices of 3 and 2 rows
+    ("copy_engine_two_shot", 2, 37, 96, True, True, False, torch.float16),
+    ("copy_engine_two_shot", 4, 10, 64, True, True, True, torch.float16),
+    ("copy_engine_two_shot", 3, 21, 128, False, False, False, torch.bfloat16),
 ])
-def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, norm, w_fp32,
-                                              dtype):
-    """algo="copy_engine" end to end on ranks emulated in host memory (tests/host_ranks.py:
+def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, res, norm,
+                                              w_fp32, dtype):
+    """The copy-engine plans end to end on ranks emulated in host memory (tests/host_ranks.py:
     the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter), each
-    rank a thread whose flag waits spin on the words until the peers set them: cuBLAS's row
-    chunks into my slot, each chunk copied into my slot on every peer, READY and DONE raised,
-    waited and cleared, then h = the sum + my residual and y = its RMSNorm, three calls on new
-    inputs. After them every flag is as the first call found it (READY 0, DONE 1), which is
-    what lets a CUDA graph replay a captured call. (float16 where y is compared to an ulp: the
-    interpreter truncates float32 to bfloat16, a GPU rounds to nearest.)"""
+    rank a thread whose flag waits spin on the words until the peers set them, three calls on
+    new inputs. copy_engine: cuBLAS's row chunks into my slot, each chunk copied into my slot on
+    every peer, READY and DONE raised, waited and cleared, then h = the sum + my residual and y =
+    its RMSNorm. copy_engine_two_shot: each slice's rows to its owner (READY), the owner's sums
+    gathered (GATHERED), then h and y from each rank's own residual. After the calls every flag
+    is as the first call found it (READY and GATHERED 0, DONE 1), which is what lets a CUDA
+    graph replay a captured call. (float16 where y is compared to an ulp: the interpreter
+    truncates float32 to bfloat16, a GPU rounds to nearest.)"""
     import threading
     import time
 
@@ -638,9 +645,9 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, nor
     task = Task(op="matmul_all_reduce_rmsnorm" if norm else "matmul_all_reduce",
                 group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=dtype,
                 device_type="cuda", has_residual=res)
-    plan = plan_for(task, algo="copy_engine")
-    assert plan.chunks == 4
-    ctxs = [HostContext(world, r, world * m * n * 2) for r in range(world)]
+    plan = plan_for(task, algo=algo)
+    elements = all_reduce.two_shot_elements(m, n, world) if algo != "copy_engine" else world * m * n
+    ctxs = [HostContext(world, r, elements * 2) for r in range(world)]
     for c in ctxs:
         c.connect(ctxs)
     launched, one_launch = [], threading.Lock()  # the interpreter runs one kernel at a time
@@ -681,15 +688,18 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, world, m, n, res, nor
         t.join()
     assert not failures, failures[0]
     assert set(launched) == {all_reduce.sum_slots_norm_kernel}
-    done, ready = HostContext.DONE, HostContext.READY
-    for r in range(world):  # before its copies DONE, before the sum READY, of every peer
+    # the groups of W flag words each call waits on, in order (the one-shot: DONE before its
+    # copies, READY before the sum; the two-shot: READY before the sum, GATHERED (its second
+    # group) before the last pass), and each group's value after the calls
+    waited, after = ((1, 0), (1, 0)) if algo == "copy_engine" else ((0, 1), (0, 0))
+    for r in range(world):
         peers = [(r + i) % world for i in range(1, world)]
-        assert [w[1:] for w in waits if w[0] == r] == (
-            [(done + p, 1) for p in peers] + [(ready + p, 1) for p in peers]) * calls
-    for q, c in enumerate(ctxs):  # as the first call found them
+        assert [w[1:] for w in waits if w[0] == r] == [
+            (group * world + p, 1) for group in waited for p in peers] * calls
+    for q, c in enumerate(ctxs):
         peers = [p for p in range(world) if p != q]
-        assert [int(c.flag_words[ready + p]) for p in peers] == [0] * (world - 1)
-        assert [int(c.flag_words[done + p]) for p in peers] == [1] * (world - 1)
+        for group, value in zip(waited, after):
+            assert [int(c.flag_words[group * world + p]) for p in peers] == [value] * (world - 1)
     for i in range(calls):
         summed = torch.stack([a[i][q].float() @ b[q].float() for q in range(world)]).sum(0)
         for r in range(world):
@@ -724,10 +734,10 @@ def test_sum_slots_norm_kernel_rounds_as_the_reference():
 
 
 def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
-    """Before its protocol starts (alike on every rank: shapes and the capture agree), the
-    copy-engine plan declines rows wider than its sum kernel holds and a CUDA-graph capture
-    before any eager call made its context (whose setup is collective): the op then runs its
-    reference path; nothing was queued."""
+    """Before their protocol starts (alike on every rank: shapes and the capture agree), the
+    copy-engine plans decline rows wider than their sum kernel holds, the two-shot fewer rows
+    than ranks, and a CUDA-graph capture before any eager call made the context (whose setup is
+    collective): the op then runs its reference path; nothing was queued."""
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.runtime.launch import declined
     from ditron_inductor.scheduler.decide import plan_for
@@ -741,19 +751,21 @@ def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
     all_reduce_on_host(monkeypatch, ctx, lambda *args: queued.append(args))
     monkeypatch.setattr(all_reduce, "matmul_into", lambda *args, **kw: queued.append(args))
 
-    def call(m, n):
+    def call(m, n, algo="copy_engine"):
         task = Task(op="matmul_all_reduce", group_name="0", world_size=2, m=m, k=8, ns=(n,),
                     dtype=torch.bfloat16, device_type="cuda")
         a, b = torch.randn(m, 8, dtype=torch.bfloat16), torch.randn(8, n, dtype=torch.bfloat16)
-        return all_reduce.all_reduce_fused(task, plan_for(task, algo="copy_engine"), a, b, None,
+        return all_reduce.all_reduce_fused(task, plan_for(task, algo=algo), a, b, None,
                                            [], None, None, 0.0, False, "sum")
 
     before = dict(declined)
     assert call(4, COPY_ENGINE_MAX_N + 8) is None
+    assert call(1, 64, "copy_engine_two_shot") is None  # a slice of the rows for every rank
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert call(4, 64) is None
     new = {msg: n - before.get(msg, 0) for msg, n in declined.items() if n != before.get(msg, 0)}
     assert sorted(new) == ["CUDA graph capture before any eager call of this size class",
+                           "fewer rows than ranks: each rank reduces a slice of them (M=1)",
                            f"the copy-engine all-reduce's sum holds whole rows: "
                            f"N={COPY_ENGINE_MAX_N + 8} > {COPY_ENGINE_MAX_N}"]
     assert queued == [] and not ctx.flag_words.any()

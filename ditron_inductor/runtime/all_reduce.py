@@ -45,11 +45,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from ..scheduler.plan import COPY_ENGINE, COPY_ENGINE_MAX_N, GEMV, TRITON, AllReducePlan
+from ..scheduler.plan import (
+    COPY_ENGINE,
+    COPY_ENGINE_MAX_N,
+    COPY_ENGINE_TWO_SHOT,
+    GEMV,
+    TRITON,
+    AllReducePlan,
+)
 from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
@@ -165,9 +172,10 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         return decline(why)
     dtype = scaled.out_dtype if scaled else a.dtype
     algo = plan.algo
-    if algo == COPY_ENGINE:
-        out = _copy_engine(task, plan, a, b, bias, residual, norm_weight, eps, weight_in_fp32,
-                           dtype, scaled)
+    if algo in (COPY_ENGINE, COPY_ENGINE_TWO_SHOT):
+        run = _copy_engine if algo == COPY_ENGINE else _copy_engine_two_shot
+        out = run(task, plan, a, b, bias, residual, norm_weight, eps, weight_in_fp32, dtype,
+                  scaled)
         if out is None:
             return None
         stats[task.op] += 1
@@ -449,20 +457,65 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
 _slots_marked_free: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
 
 
-def _mark_slots_free(ctx) -> None:
-    """DONE[q] = 1 for every rank q of a new context: my slot on every peer starts free. Only
-    this rank reads these words, and a peer sets one only after my first READY reached it."""
-    if ctx not in _slots_marked_free:
-        ctx.flags.words[ctx.DONE:ctx.DONE + ctx.world].fill_(1)
+# The copy-engine plans' flags: two groups of W words (word q of a group written by rank q),
+# READY from word 0 and then, from word W (OpContext.DONE), the one-shot's DONE or the two-shot's
+# GATHERED: their names where a bounded wait gives up
+ONE_SHOT_FLAGS = ("READY (a peer's partial)", "DONE (a peer freeing my slot)")
+TWO_SHOT_FLAGS = ("READY (a peer's partial of my slice)", "GATHERED (a peer's sums)")
+
+
+def _copy_engine_context(task: Task, plan: AllReducePlan, algo: str, nbytes: int,
+                         done_starts_set: bool):
+    """The context of a copy-engine plan, or None (declined) in a CUDA graph capture before any
+    eager call made it (its setup is collective). done_starts_set (the one-shot): at its first
+    call the words from DONE on are set to 1, each saying that my slot on a peer is free; only
+    this rank reads them, and a peer sets one only after my first signal reached it."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    ctx = get_context(f"{_CONTEXT}_{algo}", task.group_name, plan.symm_mem_backend, nbytes,
+                      create=not capturing)
+    if ctx is not None and ctx not in _slots_marked_free and not capturing:
+        if done_starts_set:
+            ctx.flags.words[ctx.DONE:ctx.DONE + ctx.world].fill_(1)
         _slots_marked_free.add(ctx)
+    if ctx is None or ctx not in _slots_marked_free:
+        return decline("CUDA graph capture before any eager call of this size class")
+    return ctx
 
 
-def _copy_engine_flag(ctx, code: int) -> str:
-    """The flag word a bounded wait of the copy-engine all-reduce gave up on (its code - 1)."""
-    idx = code - 1
-    if idx >= ctx.DONE:
-        return f"DONE[{idx - ctx.DONE}] (rank {idx - ctx.DONE} freeing my slot)"
-    return f"READY[{idx}] (rank {idx}'s partial)"
+def _sum_norm(slots, slot_stride, h, y, residual, norm_weight, m, n, eps, weight_in_fp32,
+              world):
+    """templates/reduce.sum_slots_norm_kernel on ROWS whole rows a program: h = the sum of the
+    `world` slots (+ residual), y = its RMSNorm where a norm weight is given."""
+    block_n = next_power_of_2(n)
+    row_tile = max(1, SUM_NORM_ELEMENTS // block_n)
+    launch(sum_slots_norm_kernel, (cdiv(m, row_tile),), slots, slot_stride, h,
+           h if y is None else y, h if residual is None else residual,
+           h if norm_weight is None else norm_weight, m, n, float(eps), WORLD=world,
+           HAS_RES=residual is not None, NORM=norm_weight is not None,
+           W_FP32=bool(weight_in_fp32), ROWS=row_tile, BLOCK_N=block_n,
+           num_warps=max(4, min(16, row_tile * block_n // 512)))
+
+
+def _copy_engine_declines(m, n, elements):
+    """Why a copy-engine plan cannot serve [M, N] with buffers of `elements`, or None."""
+    if next_power_of_2(n) > COPY_ENGINE_MAX_N:
+        return f"the copy-engine all-reduce's sum holds whole rows: N={n} > {COPY_ENGINE_MAX_N}"
+    if elements >= 2 ** 31:
+        return "more than 2**31 elements in the buffers (32-bit offsets)"
+    return None
+
+
+def _copy_engine_flag(ctx, names, code: int) -> str:
+    """The flag word a bounded wait of a copy-engine plan gave up on (its code - 1), by the
+    plan's flag names."""
+    group, q = divmod(code - 1, ctx.world)
+    return f"{names[group]} of rank {q}"
+
+
+def _take_flag(ctx, plan, stream: int, idx: int) -> None:
+    """The stream waits until my flag word idx is 1, then clears it (a 0/1 flag's consumer)."""
+    wait_geq(ctx, plan, stream, idx, 1)
+    driver.write(stream, ctx.flag_addr(idx), 0)
 
 
 def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight, eps,
@@ -473,7 +526,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     call captured in a CUDA graph replays correctly, between eager calls too. On rank r:
       READY[q] = 1: rank q's partial is in my slot q (q sets it, I clear it once I waited)
       DONE[q] = 1: my slot r on rank q is free (q sets it after its sum, I clear it before my
-                   copies into it; 1 from the context's first call, _mark_slots_free)
+                   copies into it; 1 from the context's first call, _copy_engine_context)
     One call on rank r:
       main stream   cuBLAS in plan.chunks row chunks straight into my slot r, an event after each
       copy streams  (after the main stream's earlier work) peer p (ring order, rank+1 first;
@@ -488,18 +541,12 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     (NCCL's ring sends 2 (W-1)/W of one): at 2 ranks as much, beyond more."""
     m, n = a.shape[0], b.shape[1]
     world = task.world_size
-    block_n = next_power_of_2(n)
-    if block_n > COPY_ENGINE_MAX_N:
-        return decline(f"the copy-engine all-reduce's sum holds whole rows: N={n} > "
-                       f"{COPY_ENGINE_MAX_N}")
-    if world * m * n >= 2 ** 31:
-        return decline("more than 2**31 elements in the buffers (32-bit offsets)")
-    capturing = torch.cuda.is_current_stream_capturing()
-    ctx = get_context(_CONTEXT + "_copy_engine", task.group_name, plan.symm_mem_backend,
-                      world * m * n * dtype.itemsize, create=not capturing)
-    if ctx is None or (capturing and ctx not in _slots_marked_free):
-        return decline("CUDA graph capture before any eager call of this size class")
-    _mark_slots_free(ctx)
+    why = _copy_engine_declines(m, n, world * m * n)
+    if why:
+        return decline(why)
+    ctx = _copy_engine_context(task, plan, COPY_ENGINE, world * m * n * dtype.itemsize, True)
+    if ctx is None:
+        return None
     main = current_stream()
     layout = copy_engine_layout(ctx, task, plan, dtype, m, n)
     events = ctx.chunk_events(len(layout.chunk_rows))
@@ -509,8 +556,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     for side, flag_words in zip(layout.sides, layout.done_waits):
         driver.stream_wait(side, ctx.ev_start)
         for idx in flag_words:
-            wait_geq(ctx, plan, side, idx, 1)
-            driver.write(side, ctx.flag_addr(idx), 0)
+            _take_flag(ctx, plan, side, idx)
     for j, ((lo, hi), out) in enumerate(zip(layout.chunk_rows, layout.my_chunks)):
         matmul_into(a[lo:hi], b, bias, out, scaled=scaled, first_row=lo)
         if not layout.sides:
@@ -525,22 +571,168 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
             driver.memcpy(dst, one, 4, side)
         driver.record(ctx.ev_sides[i], side)
     for q in layout.peers:
-        wait_geq(ctx, plan, main, ctx.READY + q, 1)
-        driver.write(main, ctx.flag_addr(ctx.READY + q), 0)
+        _take_flag(ctx, plan, main, ctx.READY + q)
     h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
-    row_tile = max(1, SUM_NORM_ELEMENTS // block_n)
-    launch(sum_slots_norm_kernel, (cdiv(m, row_tile),), layout.slots, m * n, h,
-           h if y is None else y, h if residual is None else residual,
-           h if norm_weight is None else norm_weight, m, n, float(eps), WORLD=world,
-           HAS_RES=residual is not None, NORM=norm_weight is not None,
-           W_FP32=bool(weight_in_fp32), ROWS=row_tile, BLOCK_N=block_n,
-           num_warps=max(4, min(16, row_tile * block_n // 512)))
+    _sum_norm(layout.slots, m * n, h, y, residual, norm_weight, m, n, eps, weight_in_fp32, world)
     for dst in layout.done_to:  # my slots on the peers are free again; join the copies
         driver.memcpy(dst, one, 4, main)
     for i in range(len(layout.sides)):
         driver.stream_wait(main, ctx.ev_sides[i])
-    check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, code))
+    check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, ONE_SHOT_FLAGS, code))
+    return h, y
+
+
+class TwoShotPeer(NamedTuple):
+    """What the two-shot copy-engine plan moves to one peer p, from rank r: the copies as
+    (dst, src, bytes), the flag words it raises on p."""
+
+    stream: int  # index of the copy stream serving p
+    scatter: tuple  # my partial of p's slice into my slot on p
+    gather: tuple  # my slice's sums into my rows of p's gathered sums
+    ready_to: int  # READY[r] on p: my partial of its slice is there
+    gathered_to: int  # GATHERED[r] on p: my slice's sums are there
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoShotLayout:
+    """A two-shot call of one shape on this rank, worked out once per (context, M, N, dtype):
+    rank q's slice of the rows (balanced: sizes differ by at most one row), the GEMM's slices
+    in order (ring order from rank+1, my own last) and each one's output (my slot of the
+    receive slots for my own, the send rows for the others'), the buffer's views, the work of
+    each peer (ring order) and the copy streams."""
+
+    slices: tuple  # ((lo, hi), ...) of rank q
+    order: tuple  # the GEMM's slices: the peers', then mine
+    outs: tuple  # per slice of `order`, the view the GEMM writes
+    recv: torch.Tensor  # [W, R, N]: slot q holds rank q's partial of my slice (R: its largest)
+    gathered: torch.Tensor  # [M, N]: every slice's sums (mine written by my sum)
+    sides: tuple  # copy streams (CUstream handles)
+    peers: tuple  # TwoShotPeer of each peer, in ring order (= order[:-1])
+
+
+def _balanced_slices(m: int, world: int) -> tuple:
+    base, extra = divmod(m, world)
+    bounds = [q * base + min(q, extra) for q in range(world + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def two_shot_elements(m: int, n: int, world: int) -> int:
+    """The two-shot plan's buffer: W receive slots of a slice's rows, the send rows, the
+    gathered sums."""
+    return world * cdiv(m, world) * n + 2 * m * n
+
+
+def two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
+    """The layout of a call of this shape on this context, made at its first call."""
+    per_shape = _layouts.setdefault(ctx, {})
+    key = (COPY_ENGINE_TWO_SHOT, m, n, dtype)
+    layout = per_shape.get(key)
+    if layout is not None:
+        return layout
+    if len(per_shape) >= _MAX_LAYOUTS:
+        per_shape.clear()
+    r, world = ctx.rank, ctx.world
+    slices = _balanced_slices(m, world)
+    rows, row_bytes = cdiv(m, world), n * dtype.itemsize
+    recv_bytes = world * rows * row_bytes
+    gathered_at = recv_bytes + m * row_bytes  # byte offsets in the buffer of every rank
+    recv = ctx.data.view(-1, dtype, (world, rows, n))
+    send = ctx.data.view(-1, dtype, (m, n), byte_offset=recv_bytes)
+    gathered = ctx.data.view(-1, dtype, (m, n), byte_offset=gathered_at)
+    ring = tuple(task.ring_order(r)[1:])
+    sides = tuple(s.cuda_stream for s in ctx.sides(len(ring))) if ring else ()
+    mine_lo, mine_hi = slices[r]
+    gathered_flag = ctx.DONE  # the two-shot's second group of flags (TWO_SHOT_FLAGS)
+    peers = tuple(TwoShotPeer(
+        stream=i % len(sides),
+        scatter=(ctx.data_addrs[p] + r * rows * row_bytes, send[slices[p][0]].data_ptr(),
+                 (slices[p][1] - slices[p][0]) * row_bytes),
+        gather=(ctx.data_addrs[p] + gathered_at + mine_lo * row_bytes,
+                gathered[mine_lo].data_ptr(), (mine_hi - mine_lo) * row_bytes),
+        ready_to=ctx.peer_flag_addr(p, ctx.READY + r),
+        gathered_to=ctx.peer_flag_addr(p, gathered_flag + r)) for i, p in enumerate(ring))
+    order = ring + (r,)
+    layout = per_shape[key] = TwoShotLayout(
+        slices=slices, order=order,
+        outs=tuple(recv[r][:hi - lo] if q == r else send[lo:hi]
+                   for q in order for lo, hi in [slices[q]]),
+        recv=recv, gathered=gathered, sides=sides, peers=peers)
+    return layout
+
+
+def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight,
+                          eps, weight_in_fp32, dtype, scaled=None):
+    """algo="copy_engine_two_shot": (h, y), or None where declined. Rank q reduces slice q of the
+    rows (two_shot_layout); the reduce-scatter rides on the copy engine beside the GEMM, the
+    all-gather after the sums: 2 (W-1)/W of the partial leave each rank, as NCCL's ring (the
+    one-shot copy_engine sends W - 1 partials), and only the gather is left after the GEMM.
+    Flags hold 0 or 1, set by one rank and cleared by the other (capturable, as copy_engine's),
+    on rank r: READY[q] (q's partial of my slice is in my slot q), GATHERED[q] (q's sums are in
+    my gathered rows). One call on rank r:
+      main stream   cuBLAS per slice, the peers' in ring order into the send rows (an event
+                    after each), mine last into my slot r
+      copy streams  peer p: p's slice into slot r on p as its event fires; READY[r] = 1 on p
+      main stream   take READY[q] of every peer; the sum of my slot's W partials, rounded to
+                    the dtype, into my gathered rows
+      copy streams  (after the sum) peer p: my gathered rows into p's; GATHERED[r] = 1 on p
+      main stream   take GATHERED[q] of every peer; one kernel adds my residual to the
+                    gathered sums (h: the one-shot's roundings, whatever residual each rank
+                    holds) and normalises them (y); join the copy streams
+    No flag says that a place on a peer is free again (the one-shot's DONE): the gather makes
+    every call a barrier. My copies of the next call into p start after my GEMM of its first
+    slice, which follows my last pass of this call, which waited for p's GATHERED, which p
+    raised after its sum (the reader of my slot on p); and p's copies of its sums into my rows
+    follow p's sum, which waits for my READY of that call, raised after my GEMM of p's slice,
+    which follows my last pass (the reader of my gathered rows)."""
+    m, n = a.shape[0], b.shape[1]
+    world = task.world_size
+    if m < world:
+        return decline(f"fewer rows than ranks: each rank reduces a slice of them (M={m})")
+    elements = two_shot_elements(m, n, world)
+    why = _copy_engine_declines(m, n, elements)
+    if why:
+        return decline(why)
+    ctx = _copy_engine_context(task, plan, COPY_ENGINE_TWO_SHOT, elements * dtype.itemsize,
+                               False)
+    if ctx is None:
+        return None
+    main = current_stream()
+    layout = two_shot_layout(ctx, task, dtype, m, n)
+    events, one, r = ctx.chunk_events(world), ctx.one.data_ptr(), ctx.rank
+    ring, gathered_flag = layout.order[:-1], ctx.DONE  # TWO_SHOT_FLAGS' second group
+    for j, (q, out) in enumerate(zip(layout.order, layout.outs)):
+        lo, hi = layout.slices[q]
+        matmul_into(a[lo:hi], b, bias, out, scaled=scaled, first_row=lo)
+        if q == r:
+            continue
+        peer = layout.peers[j]
+        side = layout.sides[peer.stream]
+        driver.record(events[j], main)
+        driver.stream_wait(side, events[j])
+        driver.memcpy(*peer.scatter, side)
+        driver.memcpy(peer.ready_to, one, 4, side)
+    for q in ring:
+        _take_flag(ctx, plan, main, ctx.READY + q)
+    lo, hi = layout.slices[r]
+    _sum_norm(layout.recv, layout.recv[0].numel(), layout.gathered[lo:hi], None, None, None,
+              hi - lo, n, eps, False, world)
+    if ring:  # my slice's sums are in place
+        driver.record(ctx.ev_end, main)
+    for i, side in enumerate(layout.sides):
+        driver.stream_wait(side, ctx.ev_end)
+        for peer in layout.peers[i::len(layout.sides)]:
+            driver.memcpy(*peer.gather, side)
+            driver.memcpy(peer.gathered_to, one, 4, side)
+        driver.record(ctx.ev_sides[i], side)
+    for q in ring:
+        _take_flag(ctx, plan, main, gathered_flag + q)
+    h = torch.empty((m, n), dtype=dtype, device=a.device)
+    y = torch.empty_like(h) if norm_weight is not None else None
+    _sum_norm(layout.gathered, m * n, h, y, residual, norm_weight, m, n, eps, weight_in_fp32, 1)
+    for i in range(len(layout.sides)):
+        driver.stream_wait(main, ctx.ev_sides[i])
+    check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, TWO_SHOT_FLAGS, code))
     return h, y
 
 

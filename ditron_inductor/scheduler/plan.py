@@ -27,7 +27,11 @@ GEMV = "gemv"  # the decode GEMM template (templates/gemv.py), for one-row produ
 COPY_ENGINE_CHUNKS = 4  # the copy-engine all-reduce's row chunks (the last one's copy is exposed)
 # its sum + norm kernel holds whole rows: up to this many columns (the runtime declines more)
 COPY_ENGINE_MAX_N = 16384
-ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all", COPY_ENGINE)
+# the copy-engine all-reduce in two shots: each rank's slice of the rows reduced by its owner,
+# then gathered (runtime/all_reduce._copy_engine_two_shot)
+COPY_ENGINE_TWO_SHOT = "copy_engine_two_shot"
+ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all", COPY_ENGINE,
+                    COPY_ENGINE_TWO_SHOT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +156,10 @@ class AllReducePlan(FusedPlan):
     rank, one wait, a local sum), lamport / lamport_all (push_scatter / push_all with the data
     carrying its own arrival), copy_engine (cuBLAS in `chunks` row chunks on every SM, each
     chunk's partial copied by the copy engine to every peer beside the next chunk's GEMM, then
-    one kernel sums the W partials, adds the residual and normalises). overlap=True (push
+    one kernel sums the W partials, adds the residual and normalises), copy_engine_two_shot
+    (cuBLAS per slice of the rows, each slice's partial copied to its owner beside the next
+    slice's GEMM; the owner sums its slice, the copy engine gathers the sums, one kernel
+    normalises; `chunks` unused). overlap=True (push
     only): push's reduction on `progs` programs beside the GEMM in `chunks` row chunks:
     gemm="triton", a persistent Triton GEMM (`tile`) on the other SMs, else cuBLAS (told to
     leave the push's SMs free with `carveout`). block, warps and progs of the push kernels: 0 =

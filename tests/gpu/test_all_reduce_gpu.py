@@ -41,7 +41,8 @@ PLANS = ({}, {"algo": "push"},
          {"algo": "push", "block": 512, "progs": 7}, {"algo": "push_scatter"},
          {"algo": "push_scatter", "block": 512, "progs": 7}, {"algo": "push_all"},
          {"algo": "lamport"}, {"algo": "lamport", "block": 512, "progs": 7},
-         {"algo": "lamport_all"}, {"algo": "copy_engine"}, {"algo": "copy_engine", "chunks": 3})
+         {"algo": "lamport_all"}, {"algo": "copy_engine"}, {"algo": "copy_engine", "chunks": 3},
+         {"algo": "copy_engine_two_shot"})
 # DITRON_AR_TEST_ALGOS=copy_engine,...: the eager and graph cases of those algorithms alone
 ALGOS = [a for a in os.environ.get("DITRON_AR_TEST_ALGOS", "").split(",") if a]
 if ALGOS:
@@ -88,6 +89,8 @@ def _eager_cases(group_name, world, dtype, gen, calls):
             for plan_params in PLANS:
                 if plan_params.get("algo") in ("push_all", "lamport_all") and m > 256:
                     continue  # kernels for the smallest M: W times the traffic
+                if plan_params.get("algo") == "copy_engine_two_shot" and m < world:
+                    continue  # declined: a slice of the rows for every rank
                 if plan_params.get("overlap") and m not in OVERLAP_MS:
                     continue  # prefill plans
                 if torch.distributed.get_rank() == 0:  # where a run that timed out had got to
@@ -232,7 +235,9 @@ def _worker(rank, world, port, calls, result_dir):
                        (1, {"algo": "lamport_all"}), (7, {"algo": "lamport_all"}),
                        (32, {"algo": "push_scatter"}), (128, {"algo": "push_scatter"}),
                        (32, {"algo": "lamport"}), (128, {"algo": "lamport"}),
-                       (2048, {"algo": "copy_engine"}), (257, {"algo": "copy_engine", "chunks": 3}))
+                       (2048, {"algo": "copy_engine"}), (257, {"algo": "copy_engine", "chunks": 3}),
+                       (2048, {"algo": "copy_engine_two_shot"}),
+                       (257, {"algo": "copy_engine_two_shot"}))
         for m, plan_params in graph_cases if everything else ():
             if not ALGOS or plan_params.get("algo", "default") in ALGOS:
                 _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
