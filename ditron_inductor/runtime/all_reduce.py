@@ -22,9 +22,12 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       my slot on every peer by the copy engine beside the next chunk's GEMM, then one kernel
       sums the slots, adds the residual and normalises (_copy_engine). Its flags are set and
       cleared within each call (no epochs).
+  copy_engine_two_shot (a plan that names it, not yet measured): each rank's slice of the rows
+      copied to it beside the GEMM, reduced there, the sums gathered by the copy engine
+      (_copy_engine_two_shot).
 One context per (group, size class) is shared by both ops and by push and push_scatter; push_all,
-lamport and lamport_all have their own (_buffer_elements says why), and so has copy_engine (W
-slots of the partial, and flags of its own protocol).
+lamport and lamport_all have their own (_buffer_elements says why), and so have the copy-engine
+plans (their slots, and flags of their own protocols).
 
 Epochs are device words that the kernels advance, and every kernel leaves the buffers free for
 the next call's GEMM when it ends (push: every peer has read and pushed before it raises PUSHED;
