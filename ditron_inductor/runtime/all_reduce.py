@@ -457,7 +457,8 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
     return layout
 
 
-_slots_marked_free: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
+# the copy-engine contexts whose first eager call set their flags up (capture needs it done)
+_copy_engine_set_up: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
 
 
 # The copy-engine plans' flags: two groups of W words (word q of a group written by rank q),
@@ -476,11 +477,11 @@ def _copy_engine_context(task: Task, plan: AllReducePlan, algo: str, nbytes: int
     capturing = torch.cuda.is_current_stream_capturing()
     ctx = get_context(f"{_CONTEXT}_{algo}", task.group_name, plan.symm_mem_backend, nbytes,
                       create=not capturing)
-    if ctx is not None and ctx not in _slots_marked_free and not capturing:
+    if ctx is not None and ctx not in _copy_engine_set_up and not capturing:
         if done_starts_set:
             ctx.flags.words[ctx.DONE:ctx.DONE + ctx.world].fill_(1)
-        _slots_marked_free.add(ctx)
-    if ctx is None or ctx not in _slots_marked_free:
+        _copy_engine_set_up.add(ctx)
+    if ctx is None or ctx not in _copy_engine_set_up:
         return decline("CUDA graph capture before any eager call of this size class")
     return ctx
 
