@@ -119,23 +119,21 @@ def variants():
            dict(src_ptr="*bf16", out_ptr="*bf16", n="i32", slot_stride="i32", world="i32",
                 scale="fp32"), dict(BLOCK=4096), 8)
     # the copy-engine all-reduce's sum + residual + norm: rows of 4096 two a program, of 16384
-    # one (runtime/all_reduce.py, SUM_NORM_ELEMENTS), on 2 and 3 ranks, both norm roundings
-    for world, rows, block_n, warps in ((2, 2, 4096, 16), (3, 1, 16384, 16)):
-        for res, norm, w_fp32 in ((True, True, False), (False, True, True), (False, False, False)):
-            yield (reduce.sum_slots_norm_kernel,
-                   dict(slots_ptr="*bf16", slot_stride="i32", h_ptr="*bf16", y_ptr="*bf16",
-                        res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32"),
-                   dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=rows,
-                        BLOCK_N=block_n), warps)
-    # the two-shot copy-engine all-reduce's: the sum of my slice on 4 ranks, then the pass over
-    # the gathered sums (one slot) adding my residual and normalising, both roundings
-    for world, res, norm, w_fp32 in ((4, False, False, False), (1, True, True, False),
-                                     (1, True, True, True)):
+    # one (runtime/all_reduce.py, SUM_NORM_ELEMENTS), on 2 and 3 ranks, both norm roundings;
+    # the two-shot's: the sum of my slice on 4 ranks, then the pass over the gathered sums (one
+    # slot) adding my residual and normalising, both roundings
+    sum_norm = [(world, rows, block_n, res, norm, w_fp32)
+                for world, rows, block_n in ((2, 2, 4096), (3, 1, 16384))
+                for res, norm, w_fp32 in ((True, True, False), (False, True, True),
+                                          (False, False, False))]
+    sum_norm += [(4, 2, 4096, False, False, False), (1, 2, 4096, True, True, False),
+                 (1, 2, 4096, True, True, True)]
+    for world, rows, block_n, res, norm, w_fp32 in sum_norm:
         yield (reduce.sum_slots_norm_kernel,
                dict(slots_ptr="*bf16", slot_stride="i32", h_ptr="*bf16", y_ptr="*bf16",
                     res_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", eps="fp32"),
-               dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=2, BLOCK_N=4096),
-               16)
+               dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=rows,
+                    BLOCK_N=block_n), 16)
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
     # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
     # the combine's push into the peers' buffers; and the dispatch's push

@@ -425,16 +425,27 @@ _layouts: "weakref.WeakKeyDictionary[OpContext, dict]" = weakref.WeakKeyDictiona
 _MAX_LAYOUTS = 64  # per context (dynamic M): start over past it
 
 
+def _cached_layout(ctx, key, build):
+    """The context's layout for `key` (a copy-engine plan and its shape), built at the first
+    call that needs it."""
+    per_shape = _layouts.setdefault(ctx, {})
+    layout = per_shape.get(key)
+    if layout is None:
+        if len(per_shape) >= _MAX_LAYOUTS:
+            per_shape.clear()
+        layout = per_shape[key] = build()
+    return layout
+
+
 def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
                        n: int) -> CopyEngineLayout:
     """The layout of a call of this shape on this context, made at its first call."""
-    per_shape = _layouts.setdefault(ctx, {})
-    key = (m, n, dtype, plan.chunks)
-    layout = per_shape.get(key)
-    if layout is not None:
-        return layout
-    if len(per_shape) >= _MAX_LAYOUTS:
-        per_shape.clear()
+    return _cached_layout(ctx, (COPY_ENGINE, m, n, dtype, plan.chunks),
+                          lambda: _copy_engine_layout(ctx, task, plan, dtype, m, n))
+
+
+def _copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
+                        n: int) -> CopyEngineLayout:
     chunks, rows = _row_chunks(plan, m)
     r, world = ctx.rank, ctx.world
     slots = ctx.data.view(-1, dtype, (world, m, n))
@@ -444,7 +455,7 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
     sides = tuple(s.cuda_stream for s in ctx.sides(len(peers))) if peers else ()
     peers_of = [peers[i::len(sides)] for i in range(len(sides))]
     chunk_rows = tuple((j * rows, min((j + 1) * rows, m)) for j in range(chunks))
-    layout = per_shape[key] = CopyEngineLayout(
+    return CopyEngineLayout(
         slots=slots, chunk_rows=chunk_rows,
         my_chunks=tuple(mine[lo:hi] for lo, hi in chunk_rows), sides=sides,
         copies=tuple(tuple(tuple((ctx.data_addrs[p] + r * slot_bytes + lo * row_bytes,
@@ -454,7 +465,6 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
         ready_to=tuple(tuple(ctx.peer_flag_addr(p, ctx.READY + r) for p in ps)
                        for ps in peers_of),
         done_to=tuple(ctx.peer_flag_addr(q, ctx.DONE + r) for q in peers))
-    return layout
 
 
 # the copy-engine contexts whose first eager call set their flags up (capture needs it done)
@@ -629,13 +639,11 @@ def two_shot_elements(m: int, n: int, world: int) -> int:
 
 def two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
     """The layout of a call of this shape on this context, made at its first call."""
-    per_shape = _layouts.setdefault(ctx, {})
-    key = (COPY_ENGINE_TWO_SHOT, m, n, dtype)
-    layout = per_shape.get(key)
-    if layout is not None:
-        return layout
-    if len(per_shape) >= _MAX_LAYOUTS:
-        per_shape.clear()
+    return _cached_layout(ctx, (COPY_ENGINE_TWO_SHOT, m, n, dtype),
+                          lambda: _two_shot_layout(ctx, task, dtype, m, n))
+
+
+def _two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
     r, world = ctx.rank, ctx.world
     slices = _balanced_slices(m, world)
     rows, row_bytes = cdiv(m, world), n * dtype.itemsize
@@ -657,12 +665,11 @@ def two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
         ready_to=ctx.peer_flag_addr(p, ctx.READY + r),
         gathered_to=ctx.peer_flag_addr(p, gathered_flag + r)) for i, p in enumerate(ring))
     order = ring + (r,)
-    layout = per_shape[key] = TwoShotLayout(
+    return TwoShotLayout(
         slices=slices, order=order,
         outs=tuple(recv[r][:hi - lo] if q == r else send[lo:hi]
                    for q in order for lo, hi in [slices[q]]),
         recv=recv, gathered=gathered, sides=sides, peers=peers)
-    return layout
 
 
 def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight,

@@ -159,11 +159,11 @@ class AllReducePlan(FusedPlan):
     one kernel sums the W partials, adds the residual and normalises), copy_engine_two_shot
     (cuBLAS per slice of the rows, each slice's partial copied to its owner beside the next
     slice's GEMM; the owner sums its slice, the copy engine gathers the sums, one kernel
-    normalises; `chunks` unused). overlap=True (push
-    only): push's reduction on `progs` programs beside the GEMM in `chunks` row chunks:
-    gemm="triton", a persistent Triton GEMM (`tile`) on the other SMs, else cuBLAS (told to
-    leave the push's SMs free with `carveout`). block, warps and progs of the push kernels: 0 =
-    chosen by the size of the call (runtime push_grid)."""
+    normalises; `chunks` unused). overlap=True (push only): push's reduction on `progs`
+    programs beside the GEMM in `chunks` row chunks: gemm="triton", a persistent Triton GEMM
+    (`tile`) on the other SMs, else cuBLAS (told to leave the push's SMs free with
+    `carveout`). block, warps and progs of the push kernels: 0 = chosen by the size of the call
+    (runtime push_grid)."""
 
     kind: ClassVar[str] = "all_reduce"
 
