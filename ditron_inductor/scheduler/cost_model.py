@@ -394,7 +394,11 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_ALL_MAX_M, LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 16, 128, 4
-OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 8192, 8192, 4
+# push beside the GEMM at M 16384 on 4x H100 (Llama-3-8B o_proj / down_proj + residual + RMSNorm,
+# all_reduce_h100x4_two_shot.md): 1.07x / 1.33x NCCL + cuBLAS + Inductor's norm; the Llama
+# prefill at TP 4, S 16384, fusions only 1.025-1.055x Inductor against 0.99-1.01x with NCCL
+# there (e2e_llama_h100x4_prefill_tp4_m16k.md): up to 16384 rows (32768 unmeasured)
+OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 16384, 8192, 4
 # copy_engine, measured on 2x H100 (Llama-3-8B's o_proj / down_proj + residual + RMSNorm,
 # bench_all_reduce.py, host time hidden: 1.10-1.53x NCCL + cuBLAS + Inductor's norm at M
 # 2048-16384, level with push beside the Triton GEMM; benchmarks/results/
