@@ -101,7 +101,7 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
     with inductor_config.patch({"triton.cudagraphs": True}):
         d = decide(decode)
         assert d.fuse and d.plan.impl == FUSED and d.plan.algo == "lamport"  # 4 ranks
-        assert not decide(dataclasses.replace(decode, m=16385)).fuse  # above OVERLAP_MAX_M
+        assert not decide(dataclasses.replace(decode, m=32769)).fuse  # above OVERLAP_MAX_M
         one_row = dataclasses.replace(decode, m=1)
         assert decide(one_row).plan.algo == "lamport_all"  # measured on 4 ranks
         from ditron_inductor.scheduler.cost_model import all_reduce_params
@@ -112,8 +112,8 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
 
 def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
     """Above FUSED_MAX_M the plan is push beside the persistent GEMM (measured on 4 ranks):
-    under CUDA graphs from M=513 to 16384, eagerly only from M=8192 (host time hidden), more
-    push SMs for a short GEMM; never on more ranks than measured, nor above M=16384."""
+    under CUDA graphs from M=513 to 32768, eagerly only from M=8192 (host time hidden), more
+    push SMs for a short GEMM; never on more ranks than measured, nor above M=32768."""
     from torch._inductor import config as inductor_config
 
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE
@@ -126,15 +126,15 @@ def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
         assert (d.plan.overlap, d.plan.gemm, d.plan.progs) == (True, "triton", 16)
         assert decide(dataclasses.replace(prefill, k=1024)).plan.progs == 32
         assert decide(dataclasses.replace(prefill, m=512)).plan.algo == "push"
-        assert decide(dataclasses.replace(prefill, m=16384)).plan.overlap
-        assert not decide(dataclasses.replace(prefill, m=16385)).fuse
+        assert decide(dataclasses.replace(prefill, m=32768)).plan.overlap
+        assert not decide(dataclasses.replace(prefill, m=32769)).fuse
         assert not decide(dataclasses.replace(prefill, world_size=8)).fuse
     with inductor_config.patch({"triton.cudagraphs": False}):
         assert not decide(prefill).fuse
-        for m in (8192, 16384):
+        for m in (8192, 32768):
             d = decide(dataclasses.replace(prefill, m=m))
             assert d.fuse and "eager" in d.reason and d.plan.overlap
-        assert not decide(dataclasses.replace(prefill, m=16385)).fuse
+        assert not decide(dataclasses.replace(prefill, m=32769)).fuse
 
 
 def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
@@ -259,7 +259,7 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
     plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
     assert plan is None and "interleaves" in why
-    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, m=32768,
+    plan, why = choose_device_plan(dataclasses.replace(AG, op=MATMUL_ALL_REDUCE, m=65536,
                                                        reduce_op="sum"), cuda_graphs=True)
     assert plan is None and "no fused kernel measured a gain" in why
     # [1, S, H] gathered on dim 1 is planned like a dim-0 gather

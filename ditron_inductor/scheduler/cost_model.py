@@ -394,11 +394,13 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
 FUSED_MAX_M = 512
 PUSH_ALL_MAX_M = 8
 LAMPORT_ALL_MAX_M, LAMPORT_MAX_M, LAMPORT_MAX_WORLD = 16, 128, 4
-# push beside the GEMM at M 16384 on 4x H100 (Llama-3-8B o_proj / down_proj + residual + RMSNorm,
-# all_reduce_h100x4_two_shot.md): 1.07x / 1.33x NCCL + cuBLAS + Inductor's norm; the Llama
-# prefill at TP 4, S 16384, fusions only 1.025-1.055x Inductor against 0.99-1.01x with NCCL
-# there (e2e_llama_h100x4_prefill_tp4_m16k.md): up to 16384 rows (32768 unmeasured)
-OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 16384, 8192, 4
+# push beside the GEMM on 4x H100, with the residual + RMSNorm, over NCCL + cuBLAS + Inductor's
+# norm: Llama-3-8B o_proj / down_proj 1.07x / 1.33x at M 16384 (all_reduce_h100x4_two_shot.md),
+# 1.07-1.09x / 1.34-1.35x at 32768; Llama-3-70B's 1.00-1.01x / 1.05-1.06x at 16384, 0.99-1.02x /
+# 1.06-1.08x at 32768 (all_reduce_h100x4_m32k.md). The Llama prefill at TP 4, S 16384: fusions
+# only 1.025-1.055x Inductor against 0.99-1.01x with NCCL there
+# (e2e_llama_h100x4_prefill_tp4_m16k.md). Up to 32768 rows, the most measured
+OVERLAP_MAX_M, OVERLAP_EAGER_MIN_M, OVERLAP_MAX_WORLD = 32768, 8192, 4
 # copy_engine, measured on 2x H100 (Llama-3-8B's o_proj / down_proj + residual + RMSNorm,
 # bench_all_reduce.py, host time hidden: 1.10-1.53x NCCL + cuBLAS + Inductor's norm at M
 # 2048-16384, level with push beside the Triton GEMM; benchmarks/results/
@@ -516,7 +518,8 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
                                        "copies beside the GEMM's row chunks", keep)
     overlap = FUSED_MAX_M < m <= OVERLAP_MAX_M and world <= OVERLAP_MAX_WORLD
     if m > FUSED_MAX_M and not overlap:
-        return None, (f"M={m} > {FUSED_MAX_M}: no fused kernel measured a gain over NCCL at "
+        bound = OVERLAP_MAX_M if world <= OVERLAP_MAX_WORLD else FUSED_MAX_M
+        return None, (f"M={m} > {bound}: no fused kernel measured a gain over NCCL at "
                       f"this size on {world} ranks: {keep}")
     if not cuda_graphs and not (overlap and m >= OVERLAP_EAGER_MIN_M):
         return None, ("launched eagerly the fused kernel costs more host time than it saves; "
