@@ -414,7 +414,8 @@ COPY_ENGINE_EAGER_MIN_M, COPY_ENGINE_MAX_WORLD = 4096, 2
 # faster than push beside the Triton GEMM at every M (0.75-1.00x its time). In the Llama
 # prefill under CUDA graphs (e2e_llama_h100x2_prefill_graphs_copy_engine.md) fusions only went
 # from 1.035 to 1.044-1.061x Inductor at S 2048 and 1.053 to 1.072-1.079x at 4096, but from
-# 1.042 to 1.029-1.035x at 1024: from 2048 rows on
+# 1.042 to 1.029-1.035x at 1024: from 2048 rows on. Llama-3-70B's TP 2 sites (N 8192, K 14336 /
+# 4096, all_reduce_h100x2_copy_engine_70b.md): 1.09-1.19x / 1.22-1.42x, eager and under graphs
 COPY_ENGINE_GRAPH_MIN_M = 2048
 
 
