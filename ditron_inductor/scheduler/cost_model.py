@@ -148,6 +148,13 @@ H200X8 = dict(
     nccl_ar_busbw_gbps=315.0,
     nccl_latency_ms=0.022,
     fused_latency_ms=0.005,
+    # push beside the persistent Triton GEMM: the ring's bytes (2 (W-1)/W x the partial) moved by
+    # its 16-32 SMs while the GEMM holds the others, GB/s; what outlasts the GEMM is left after
+    # it. Read off 4x H100 where the push outlasted the GEMM (K 1024 at N 4096, M 4096-32768:
+    # 197-222; K 2048 at N 8192: 176; all_reduce_h100x4_two_shot.md, all_reduce_h100x4_m32k.md):
+    # the predicted gain over NCCL + cuBLAS at K 1024 went from 1.6-1.9x to 1.08-1.23x (measured
+    # 1.06-1.08x), no decision changed
+    push_beside_gbps=210.0,
 )
 # 4x H200 (nvidia-h200-x4), same versions, 2026-11-21 (benchmarks/results/
 # all_gather_h200x4_own_rows_main_stream.md): the copy engine pulls ~330 GB/s per GPU, alone or beside a GEMM
@@ -486,21 +493,26 @@ def all_reduce_costs(task: Task, plan: AllReducePlan,
     """The plan's and NCCL + cuBLAS's predicted times, or None where no world-1 measurement
     stands for the task's shape. Exposed communication (link model): NCCL's ring, 2 (W-1)/W of
     the partial at its bus bandwidth after its latency; the two-shot kernels move as much after
-    the GEMM (beside it, overlap=True: only the last chunk's share is left), the one-shot ones
-    (push_all, lamport_all) W - 1 partials."""
+    the GEMM (beside it, overlap=True: the last chunk's share, and what of the push at its
+    bandwidth beside the GEMM outlasts the GEMM), the one-shot ones (push_all, lamport_all) W - 1
+    partials, the copy-engine plan the copies of its last chunk."""
     costs = measured.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
                                   size_hint(task.k), task.n_total)
     if costs is None:
         return None
     c, w = calibration(task.world_size), task.world_size
     partial_gb = task.m_hint * task.n_total * _itemsize(task) / 1e9
-    ring_ms = 2 * (w - 1) / w * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
+    ring_gb = 2 * (w - 1) / w * partial_gb
+    ring_ms = ring_gb / c["nccl_ar_busbw_gbps"] * 1e3
     if plan.algo in ("push_all", "lamport_all"):
         moved_ms = (w - 1) * partial_gb / c["nccl_ar_busbw_gbps"] * 1e3
     elif plan.algo == COPY_ENGINE:  # the last chunk's copies to every peer, on the copy engine
         moved_ms = (w - 1) * partial_gb / c["ce_gbps"] * 1e3 / plan.chunks
+    elif plan.overlap:  # the last chunk's share, and what of the push outlasts the GEMM
+        beside_ms = ring_gb / c["push_beside_gbps"] * 1e3
+        moved_ms = ring_ms / plan.chunks + max(0.0, beside_ms - costs.fused_ms)
     else:
-        moved_ms = ring_ms / (plan.chunks if plan.overlap else 1)
+        moved_ms = ring_ms
     return AllReduceCosts(costs.fused_ms, costs.unfused_ms, moved_ms + c["fused_latency_ms"],
                           ring_ms + c["nccl_latency_ms"])
 
