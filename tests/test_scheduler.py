@@ -165,9 +165,9 @@ def test_push_beside_the_gemm_leaves_what_outlasts_the_gemm():
 
 def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
     """On 2 ranks the copy-engine plan: launched eagerly from 4096 rows on (below, the host's
-    time per call lost the Llama prefill) with M / 2048 row chunks, under CUDA graphs from 2048
-    rows on with M / 1024 (2 to 8 both; below 2048 rows, push beside the GEMM); on 4 ranks (W -
-    1 partials out of each rank) never."""
+    time per call lost the Llama prefill) with M / 2048 row chunks at N 4096, under CUDA graphs
+    from 2048 rows on with M / 1024 (2 to 8 both, twice as many at N 8192; below 2048 rows, push
+    beside the GEMM); on 4 ranks (W - 1 partials out of each rank) never."""
     from torch._inductor import config as inductor_config
 
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
@@ -181,6 +181,7 @@ def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
         chunks = {m: decide(dataclasses.replace(prefill, m=m)).plan.chunks
                   for m in (8192, 16384, 65536)}
         assert chunks == {8192: 4, 16384: 8, 65536: 8}
+        assert decide(dataclasses.replace(prefill, ns=(8192,))).plan.chunks == 4
         d = decide(dataclasses.replace(prefill, m=2048))
         assert not d.fuse and "host time" in d.reason
         # rows wider than its sum kernel holds, or buffers past 32-bit offsets: the runtime
@@ -194,6 +195,10 @@ def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
         assert {m: (p.algo, p.chunks) for m, p in chunks.items()} == {
             2048: ("copy_engine", 2), 4096: ("copy_engine", 4), 8192: ("copy_engine", 8),
             16384: ("copy_engine", 8)}
+        # chunks by the partial's size: at N 8192 (Llama-3-70B) twice as many per row
+        wide = {m: decide(dataclasses.replace(prefill, m=m, ns=(8192,))).plan.chunks
+                for m in (2048, 4096)}
+        assert wide == {2048: 4, 4096: 8}
         d = decide(dataclasses.replace(prefill, m=1024, k=2048))  # o_proj's K: push predicted
         assert d.fuse and d.plan.algo == "push" and d.plan.overlap, d.reason  # faster there
     with fake_group(4), inductor_config.patch({"triton.cudagraphs": False}):

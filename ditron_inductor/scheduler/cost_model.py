@@ -433,13 +433,17 @@ def copy_engine_serves(task: Task) -> bool:
     return n <= COPY_ENGINE_MAX_N and task.world_size * task.m_hint * n < 2 ** 31
 
 
-def copy_engine_chunks(m: int, cuda_graphs: bool = False) -> int:
-    """The copy-engine all-reduce's row chunks, from 2 to 8: M / 2048 launched eagerly, M / 1024
-    under CUDA graphs. On 2x H100 8 chunks were 2-9% faster than 4 at 16384 rows (the last
-    chunk's copy, which nothing hides, shorter); at 4096 and 8192 rows 4 and 8 chunks were 2-7%
-    faster than half as many under CUDA graphs, and level launched eagerly, where each chunk
-    costs host time; at 1024 rows 2 chunks were 8-29% faster than 4."""
-    return max(2, min(8, m // (1024 if cuda_graphs else 2048)))
+def copy_engine_chunks(m: int, n: int, cuda_graphs: bool = False) -> int:
+    """The copy-engine all-reduce's row chunks, from 2 to 8, by the partial's size in rows of
+    N 4096 (M N / 4096): a chunk per 2048 of them launched eagerly, per 1024 under CUDA graphs.
+    On 2x H100 at N 4096 8 chunks were 2-9% faster than 4 at 16384 rows (the last chunk's copy,
+    which nothing hides, shorter); at 4096 and 8192 rows 4 and 8 chunks were 2-7% faster than
+    half as many under CUDA graphs, and level launched eagerly, where each chunk costs host
+    time; at 1024 rows 2 chunks were 8-29% faster than 4. At N 8192 (Llama-3-70B's TP 2 sites,
+    all_reduce_h100x2_copy_engine_70b.md) twice the chunks per row were 3-7% faster eagerly at
+    M 4096-8192, and under CUDA graphs 2-6% faster at M 2048 and -1 to +2.5% at 4096."""
+    rows = m * n // 4096
+    return max(2, min(8, rows // (1024 if cuda_graphs else 2048)))
 
 
 def overlap_params(task: Task) -> dict:
@@ -525,7 +529,7 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
     m, world = task.m_hint, task.world_size
     copy_engine_min_m = COPY_ENGINE_GRAPH_MIN_M if cuda_graphs else COPY_ENGINE_EAGER_MIN_M
     if world <= COPY_ENGINE_MAX_WORLD and m >= copy_engine_min_m and copy_engine_serves(task):
-        chunks = copy_engine_chunks(m, cuda_graphs)
+        chunks = copy_engine_chunks(m, task.n_total, cuda_graphs)
         plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=chunks))
         return _costed_all_reduce_plan(task, plan, cuda_graphs,
                                        "copies beside the GEMM's row chunks", keep)
