@@ -22,9 +22,9 @@ plan (scheduler/cost_model.all_reduce_params picks by M) names the kernel:
       my slot on every peer by the copy engine beside the next chunk's GEMM, then one kernel
       sums the slots, adds the residual and normalises (_copy_engine). Its flags are set and
       cleared within each call (no epochs).
-  copy_engine_two_shot (a plan that names it, not yet measured): each rank's slice of the rows
-      copied to it beside the GEMM, reduced there, the sums gathered by the copy engine
-      (_copy_engine_two_shot).
+  copy_engine_two_shot (a plan that names it; on 4x H100 slower than push beside the Triton
+      GEMM, so never chosen): each rank's slice of the rows copied to it beside the GEMM,
+      reduced there, the sums gathered by the copy engine (_copy_engine_two_shot).
 One context per (group, size class) is shared by both ops and by push and push_scatter; push_all,
 lamport and lamport_all have their own (_buffer_elements says why), and so have the copy-engine
 plans (their slots, and flags of their own protocols).
@@ -623,6 +623,7 @@ class TwoShotLayout:
     gathered: torch.Tensor  # [M, N]: every slice's sums (mine written by my sum)
     sides: tuple  # copy streams (CUstream handles)
     peers: tuple  # TwoShotPeer of each peer, in ring order (= order[:-1])
+    gathered_waits: tuple  # my GATHERED words, one per peer in ring order
 
 
 def _balanced_slices(m: int, world: int) -> tuple:
@@ -655,7 +656,7 @@ def _two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
     ring = tuple(task.ring_order(r)[1:])
     sides = tuple(s.cuda_stream for s in ctx.sides(len(ring))) if ring else ()
     mine_lo, mine_hi = slices[r]
-    gathered_flag = ctx.DONE  # the two-shot's second group of flags (TWO_SHOT_FLAGS)
+    gathered_flags = ctx.DONE  # GATHERED: the two-shot's second group (TWO_SHOT_FLAGS)
     peers = tuple(TwoShotPeer(
         stream=i % len(sides),
         scatter=(ctx.data_addrs[p] + r * rows * row_bytes, send[slices[p][0]].data_ptr(),
@@ -663,13 +664,14 @@ def _two_shot_layout(ctx, task: Task, dtype, m: int, n: int) -> TwoShotLayout:
         gather=(ctx.data_addrs[p] + gathered_at + mine_lo * row_bytes,
                 gathered[mine_lo].data_ptr(), (mine_hi - mine_lo) * row_bytes),
         ready_to=ctx.peer_flag_addr(p, ctx.READY + r),
-        gathered_to=ctx.peer_flag_addr(p, gathered_flag + r)) for i, p in enumerate(ring))
+        gathered_to=ctx.peer_flag_addr(p, gathered_flags + r)) for i, p in enumerate(ring))
     order = ring + (r,)
     return TwoShotLayout(
         slices=slices, order=order,
         outs=tuple(recv[r][:hi - lo] if q == r else send[lo:hi]
                    for q in order for lo, hi in [slices[q]]),
-        recv=recv, gathered=gathered, sides=sides, peers=peers)
+        recv=recv, gathered=gathered, sides=sides, peers=peers,
+        gathered_waits=tuple(gathered_flags + q for q in ring))
 
 
 def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight,
@@ -711,7 +713,7 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
     main = current_stream()
     layout = two_shot_layout(ctx, task, dtype, m, n)
     events, one, r = ctx.chunk_events(world), ctx.one.data_ptr(), ctx.rank
-    ring, gathered_flag = layout.order[:-1], ctx.DONE  # TWO_SHOT_FLAGS' second group
+    ring = layout.order[:-1]
     for j, (q, out) in enumerate(zip(layout.order, layout.outs)):
         lo, hi = layout.slices[q]
         matmul_into(a[lo:hi], b, bias, out, scaled=scaled, first_row=lo)
@@ -736,8 +738,8 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
             driver.memcpy(*peer.gather, side)
             driver.memcpy(peer.gathered_to, one, 4, side)
         driver.record(ctx.ev_sides[i], side)
-    for q in ring:
-        _take_flag(ctx, plan, main, gathered_flag + q)
+    for idx in layout.gathered_waits:
+        _take_flag(ctx, plan, main, idx)
     h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     _sum_norm(layout.gathered, m * n, h, y, residual, norm_weight, m, n, eps, weight_in_fp32, 1)
