@@ -15,6 +15,9 @@ One call (epoch e, this rank r of W, A chunk c = rank c's shard):
                 events of its chunks (plan gemm="cublas"); then join the copy streams
   (plan transfer="sm", opt-in: one Triton kernel on a few SMs pulls every chunk instead of the
   copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
+  (plan ready_before_gemm: the copy into my symmetric buffer and READY on the main stream, which
+  then waits READY[p] >= e for every peer before the GEMM; the copy streams pull after it, and
+  my rows of the gathered A are copied beside the GEMM)
 
 FP8 (all_gather_scaled_mm): the same protocol on float8 bytes (half of bf16's on the wire), the
 cuBLAS plan only, each group's GEMM a torch._scaled_mm into its rows of the outputs; tensorwise
@@ -118,8 +121,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     out_dtype = scaled[0].out_dtype if scaled else a_shard.dtype
     for w, b in zip(weights, biases):
         w_dtype_ok = w.dtype in FLOAT8 if scaled else w.dtype == a_shard.dtype
-        if w.dim() != 2 or w.shape[0] != k or not w_dtype_ok or not w.is_cuda:
-            return decline("weight shape/dtype")
+        if w.dim() != 2 or w.shape[0] != k or not w_dtype_ok or w.device != a_shard.device:
+            return decline("weight shape/dtype/device")
         if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != out_dtype
                               or b.stride(0) != 1):
             return decline("bias shape/dtype")
@@ -199,14 +202,22 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         preload(*copy_twice, **COPY_TWICE_META)
 
     # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
-    #    fill it (and my rows of the gathered A) and tell the peers (READY[r] = e on each)
+    #    fill it (and my rows of the gathered A) and tell the peers (READY[r] = e on each).
+    #    ready_before_gemm: the buffer's copy on the main stream before the GEMM: beside it, it
+    #    waited for SMs until the GEMM's last wave (cuBLAS's persistent kernels hold them all),
+    #    and every peer's pull, hence its GEMM of my rows, waited with it (rank 0's timeline on
+    #    2 H100s: benchmarks/results/all_gather_h100x2_ready_before_gemm.md)
+    buffer = main if plan.ready_before_gemm else local
     for p in peers:
-        wait_geq(ctx, plan, local, ctx.DONE + p, e - 2)
+        wait_geq(ctx, plan, buffer, ctx.DONE + p, e - 2)
     if copy_twice is not None:
-        launch(*copy_twice, stream=local, **COPY_TWICE_META)
+        launch(*copy_twice, stream=buffer, **COPY_TWICE_META)
     else:
-        driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, local)
-    ctx.signal(local, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+        driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, buffer)
+    ctx.signal(buffer, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+    if buffer != local:  # my rows of the gathered A after that copy, not before it
+        driver.record(ctx.ev_buffer, main)
+        driver.stream_wait(local, ctx.ev_buffer)
     g0 = gathered.data_ptr()
     flags0 = ctx.chunk_flags.data_ptr()
 
@@ -236,10 +247,20 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     sides = [s.cuda_stream for s in ctx.sides(plan.copy_streams)]
     for sh in sides:
         driver.stream_wait(sh, ctx.ev_start)
+    if plan.ready_before_gemm:
+        # every peer's READY waited for on the main stream before the GEMM (a barrier, as in
+        # PyTorch's async TP), the pulls after it through an event: waited for on the copy
+        # streams, the pulls started up to ~0.1 ms after the peer's READY had come
+        for p in peers:
+            wait_geq(ctx, plan, main, ctx.READY + p, e)
+        driver.record(ctx.ev_ready, main)
+        for sh in sides:
+            driver.stream_wait(sh, ctx.ev_ready)
     for i, c in enumerate([r] + peers):
         sh = local if c == r else sides[(i - 1) % len(sides)]
         if c != r:
-            wait_geq(ctx, plan, sh, ctx.READY + c, e)
+            if not plan.ready_before_gemm:
+                wait_geq(ctx, plan, sh, ctx.READY + c, e)
             driver.memcpy(g0 + c * shard_bytes, ctx.data_addrs[c] + off, shard_bytes, sh)
         elif copy_twice is None:
             driver.memcpy(g0 + c * shard_bytes, src, shard_bytes, sh)

@@ -93,6 +93,8 @@ class OpContext:
         # for the first of them, hence the priority)
         self.local = torch.cuda.Stream(device=self.device, priority=-1)
         self.ev_start, self.ev_end = driver.event(), driver.event()
+        self.ev_buffer = driver.event()  # AG: my shard is in my symmetric buffer
+        self.ev_ready = driver.event()  # AG: every peer's shard is in its buffer
         self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
         self.ev_chunks = [driver.event() for _ in range(w)]
         self.epoch = 0
@@ -190,7 +192,8 @@ def wait_limit(plan) -> int:
 
 def clear_contexts() -> None:
     for ctx in _contexts.values():
-        for ev in [ctx.ev_start, ctx.ev_end, *ctx.ev_sides, *ctx.ev_chunks]:
+        for ev in [ctx.ev_start, ctx.ev_end, ctx.ev_buffer, ctx.ev_ready, *ctx.ev_sides,
+                   *ctx.ev_chunks]:
             driver.destroy_event(ev)
     _contexts.clear()
     _by_request.clear()

@@ -98,9 +98,11 @@ class AllGatherPlan(FusedPlan):
     gemm="cublas": cuBLAS on groups of chunks in arrival order (`groups` chunks each, own chunk
     first), each group after its last chunk landed; with local_copies_beside, my shard's two
     local copies (into my symmetric buffer for the peers, into my rows of the gathered A) run on
-    a stream of their own beside the GEMM of my rows, which reads the input itself (else before
-    it, on the main stream, as one kernel that reads the input once and writes both: at world
-    size 1 they then add those passes over the input to the GEMM). The peers' chunks are pulled
+    a stream of their own beside the GEMM of my rows, which reads the input itself; else both
+    run before it, on the main stream, as one kernel that reads the input once and writes both
+    (at world size 1 they then add those passes over the input to the GEMM). ready_before_gemm:
+    the copy the peers pull from runs on the main stream before the GEMM, which then waits for
+    every peer's READY (a barrier), the pulls starting after it. The peers' chunks are pulled
     by the copy engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a
     Triton kernel on `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a
     step."""
@@ -111,6 +113,7 @@ class AllGatherPlan(FusedPlan):
     tile: GemmTile = GemmTile()
     groups: tuple[int, ...] = ()  # () until resolved for a world size: default_groups
     local_copies_beside: bool = True
+    ready_before_gemm: bool = False
     copy_streams: int = 1
     transfer: str = COPY_ENGINE
     comm_sms: int = 16

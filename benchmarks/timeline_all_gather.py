@@ -1,0 +1,99 @@
+"""Rank 0's timeline of a fused all-gather + GEMM: every kernel, copy and stream operation of one
+call (torch profiler), with its stream, start and duration, per candidate plan.
+
+    torchrun --nproc-per-node 2 benchmarks/timeline_all_gather.py --ns 3072,14336 \
+        --labels cublas_each,cublas_each_first_ready
+
+Three calls are queued while the device spins (as bench_fused.py times them) and the last third of
+the profiled span is printed: the start of each activity in us from the first one there. What it
+showed (benchmarks/results/all_gather_h100x2_ready_before_gemm.md): with the local copies beside
+the GEMM, the copy into the symmetric buffer ran only in the GEMM's last wave, and the peer's
+pull, then its GEMM, waited for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.no_multicast import keep_multicast_off  # noqa: E402
+
+keep_multicast_off()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.bench_fused import plan_text  # noqa: E402
+from ditron_inductor.scheduler.cost_model import AG_CANDIDATES  # noqa: E402
+
+DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def last_call(trace_path: str, calls: int) -> list[str]:
+    """The lines of the activities in the last 1/calls of the trace's device span."""
+    events = [e for e in json.load(open(trace_path))["traceEvents"]
+              if e.get("cat") in DEVICE_KINDS and "sleep" not in e["name"]]
+    events.sort(key=lambda e: e["ts"])
+    begin, end = events[0]["ts"], max(e["ts"] + e["dur"] for e in events)
+    cut = end - (end - begin) / calls
+    shown = [e for e in events if e["ts"] + e["dur"] > cut]
+    first = min(e["ts"] for e in shown)
+    return [f"  {e['ts'] - first:8.1f} +{e['dur']:7.1f} us  stream {e['args'].get('stream', '?'):>4}"
+            f"  {e['name'][:70]}" for e in shown]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, default=8192, help="gathered rows")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--ns", default="3072,14336")
+    ap.add_argument("--labels", default="cublas_each,cublas_each_first_ready",
+                    help="cost_model.AG_CANDIDATES labels")
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args()
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world = dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.enable_symm_mem_for_group(group_name)
+    import ditron_inductor.ops  # noqa: F401 - registers torch.ops.ditron
+    import ditron_inductor.runtime  # noqa: F401
+
+    for n in [int(x) for x in args.ns.split(",")]:
+        a = torch.randn(args.m // world, args.k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(args.k, n, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
+        for label in args.labels.split(","):
+            text = plan_text("all_gather_matmul", world, (args.m, args.k, n), AG_CANDIDATES[label])
+
+            def call():
+                return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name, world,
+                                                          text)
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)  # the host queues the calls while the device spins
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.calls):
+                    call()
+                torch.cuda.synchronize()
+            if rank == 0:
+                path = f"/tmp/timeline_all_gather_{n}_{label}.json"
+                prof.export_chrome_trace(path)
+                print(f"\n== {args.m}x{args.k}x{n} {label}, rank 0, the last of {args.calls} "
+                      "calls:")
+                print("\n".join(last_call(path, args.calls)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The copy-engine all-gather's stream operations in the order it queues them, on one rank
+emulated in host memory (tests/host_ranks.py), its peer's shard already in the peer's buffer:
+what runs before the GEMM of my rows and what waits for what, and the product it computes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ditron_inductor.runtime import all_gather
+from ditron_inductor.scheduler.plan import AllGatherPlan
+from ditron_inductor.scheduler.task import Task
+from tests.host_ranks import HostContext, host_driver
+
+ROWS, K, N = 8, 16, 24  # a rank's shard rows, the GEMM's K and N
+MAIN, LOCAL, COPY = "main", "local", "copy"
+
+
+class RecordingContext(HostContext):
+    """HostContext with the all-gather's streams and events as names, the signals recorded."""
+
+    def __init__(self, world, rank, nbytes, ops):
+        super().__init__(world, rank, nbytes)
+        self.ops = ops
+        self.local = SimpleNamespace(cuda_stream=LOCAL)
+        self.side = SimpleNamespace(cuda_stream=COPY)
+        self.ev_start, self.ev_end, self.ev_buffer, self.ev_ready = (
+            "ev_start", "ev_end", "ev_buffer", "ev_ready")
+        self.ev_chunks = [f"ev_chunk{c}" for c in range(world)]
+        self.ev_sides = [f"ev_side{i}" for i in range(4)]
+        self.chunk_flags = torch.zeros(world, dtype=torch.int32)
+
+    def signal(self, stream, role, epoch, dst_addrs):
+        self.ops.append(("signal", stream, "READY" if role == 0 else "DONE"))
+        super().signal(stream, role, epoch, dst_addrs)
+
+
+def _run(monkeypatch, ready_before_gemm):
+    """Rank 0 of 2 gathers its shard and rank 1's (placed in rank 1's buffer beforehand) and
+    multiplies; returns (the queued operations, rank 0's context, the product, the reference)."""
+    ops = []
+    world, rank = 2, 0
+    torch.manual_seed(0)
+    shards = [torch.randn(ROWS, K, dtype=torch.bfloat16) for _ in range(world)]
+    w = torch.randn(K, N, dtype=torch.bfloat16)
+    nbytes = 2 * ROWS * K * 2  # two parities of one shard
+    ctxs = [RecordingContext(world, r, nbytes, ops) for r in range(world)]
+    for ctx in ctxs:
+        ctx.connect(ctxs)
+    # the call's epoch is 1 (parity 1): rank 1's shard in its buffer and its READY raised
+    half = nbytes // 2
+    ctxs[1].data.local[half:].view(torch.bfloat16)[:ROWS * K].copy_(shards[1].view(-1))
+    ctxs[0].flag_words[ctxs[0].READY + 1] = 1
+
+    host_driver(all_gather, monkeypatch)
+    fake = all_gather.driver
+    fake.record = lambda ev, stream: ops.append(("record", stream, ev))
+    fake.stream_wait = lambda stream, ev: ops.append(("stream_wait", stream, ev))
+    memmove = fake.memcpy
+    fake.memcpy = lambda dst, src, n, stream: (ops.append(("memcpy", stream, dst)),
+                                               memmove(dst, src, n, stream))
+    monkeypatch.setattr(all_gather, "wait_geq", lambda ctx, plan, stream, idx, value: (
+        ops.append(("wait_geq", stream, idx)) if value > 0 else None))
+    monkeypatch.setattr(all_gather, "current_stream", lambda: MAIN)
+    monkeypatch.setattr(all_gather, "get_context", lambda *a, **k: ctxs[rank])
+    real_matmul = all_gather.matmul_into
+    monkeypatch.setattr(all_gather, "matmul_into", lambda a, b, bias, out, **kw: (
+        ops.append(("gemm", MAIN, a.data_ptr())), real_matmul(a, b, bias, out, **kw)))
+
+    plan = AllGatherPlan(gemm="cublas", groups=(1, 1), ready_before_gemm=ready_before_gemm)
+    task = Task(op="all_gather_matmul", group_name="g", world_size=world, m=world * ROWS, k=K,
+                ns=(N,), dtype=torch.bfloat16, device_type="cuda")
+    gathered, out = all_gather.all_gather_matmul_fused(task, plan, shards[rank], [w], [None], 0,
+                                                       "g", world)
+    full = torch.cat(shards)
+    torch.testing.assert_close(gathered, full)
+    return ops, ctxs[0], out, full.float() @ w.float()
+
+
+@pytest.mark.parametrize("ready_before_gemm", [False, True])
+def test_all_gather_queues_the_buffer_copy_and_the_barrier_before_the_gemm(monkeypatch,
+                                                                         ready_before_gemm):
+    ops, ctx, out, ref = _run(monkeypatch, ready_before_gemm)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    my_buffer = ctx.data_addrs[0] + ROWS * K * 2  # the half of epoch 1's parity
+    buffer_copy = next(op for op in ops if op[0] == "memcpy" and op[2] == my_buffer)
+    first_gemm = next(i for i, op in enumerate(ops) if op[0] == "gemm")
+    peer_ready_waits = [i for i, op in enumerate(ops)
+                        if op[0] == "wait_geq" and op[2] == ctx.READY + 1]
+    pull = next(i for i, op in enumerate(ops) if op[0] == "memcpy" and op[1] == COPY)
+    if ready_before_gemm:
+        # my buffer's copy and READY on the main stream, then the peer's READY waited for there,
+        # all before the GEMM of my rows; the pull after the barrier's event, with no flag wait
+        assert buffer_copy[1] == MAIN
+        assert ("signal", MAIN, "READY") in ops[:first_gemm]
+        assert [ops[i][1] for i in peer_ready_waits] == [MAIN]
+        assert peer_ready_waits[0] < first_gemm
+        assert ops.index(("stream_wait", COPY, "ev_ready")) < pull
+        # my rows of the gathered A copied beside the GEMM, after my buffer's copy
+        local_copy = next(i for i, op in enumerate(ops) if op[0] == "memcpy" and op[1] == LOCAL)
+        assert ops.index(("stream_wait", LOCAL, "ev_buffer")) < local_copy
+    else:
+        # both local copies beside the GEMM of my rows; the pull waits for the peer's flag
+        assert buffer_copy[1] == LOCAL
+        assert ("signal", LOCAL, "READY") in ops
+        assert [ops[i][1] for i in peer_ready_waits] == [COPY]
+        assert peer_ready_waits[0] < pull
+        assert ("record", MAIN, "ev_ready") not in ops
