@@ -103,19 +103,21 @@ AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNOR
 # gather and lm_head's input gradient to NCCL and fused lm_head's gather.
 LLAMA_TP2_SITES = [
     # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather (left:
-    # 5.906 ms fused against 5.924, under the 2% margin)
-    (dict(op=AG, m=8192, k=4096, ns=(2048, 512, 512)), False, "tri_tma_128x256"),
+    # under the 2% margin). The gathers: my shard's buffer copy and a barrier before the GEMM
+    # since session 52 (all_gather_h100x2_ready_before_gemm.md; before: tri_tma_128x256,
+    # cublas_1_1_2_4, cublas_1_3_4_s2 and tri_tma_128x256)
+    (dict(op=AG, m=8192, k=4096, ns=(2048, 512, 512)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=2048, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
-    (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "cublas_1_1_2_4"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=7168, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
     (dict(op=AG, m=8192, k=4096, ns=(64128,)), False, "nccl_cublas"),
     # training, backward: lm_head's input gradient, the gradients of down's and o's outputs
     # gathered, gate/up's and q/k/v's input gradients as one matmul each
     (dict(op=RS, m=8192, k=64128, ns=(4096,), dim=1), False, "cublas"),
-    (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "cublas_1_3_4_s2"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=14336, ns=(4096,), dim=1, terms=2, copy_elems=58720256), False,
      "cublas_triton_reduce"),
-    (dict(op=AG, m=8192, k=4096, ns=(2048,)), False, "tri_tma_128x256"),
+    (dict(op=AG, m=8192, k=4096, ns=(2048,)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=3072, ns=(4096,), dim=1, terms=3, copy_elems=12582912), False,
      "cublas_triton_reduce"),
     # prefill: o's and down's all-reduce with the residual add and the next RMSNorm; launched
