@@ -12,7 +12,6 @@ from ditron_inductor.scheduler.plan import AllGatherPlan
 from ditron_inductor.scheduler.task import Task
 from tests.host_ranks import HostContext, host_driver
 
-ROWS, K, N = 8, 16, 24  # a rank's shard rows, the GEMM's K and N
 MAIN, LOCAL, COPY = "main", "local", "copy"
 
 
@@ -35,9 +34,10 @@ class RecordingContext(HostContext):
         super().signal(stream, role, epoch, dst_addrs)
 
 
-def _run(monkeypatch, ready_before_gemm):
+def _run(monkeypatch, ready_before_gemm, shape):
     """Rank 0 of 2 gathers its shard and rank 1's (placed in rank 1's buffer beforehand) and
     multiplies; returns (the queued operations, rank 0's context, the product, the reference)."""
+    ROWS, K, N = shape
     ops = []
     world, rank = 2, 0
     torch.manual_seed(0)
@@ -77,12 +77,16 @@ def _run(monkeypatch, ready_before_gemm):
     return ops, ctxs[0], out, full.float() @ w.float()
 
 
+# (a rank's shard rows, K, N): odd sizes too (shards that are no whole 4-byte words)
+@pytest.mark.parametrize("shape", [(8, 16, 24), (5, 7, 3)])
 @pytest.mark.parametrize("ready_before_gemm", [False, True])
 def test_all_gather_queues_the_buffer_copy_and_the_barrier_before_the_gemm(monkeypatch,
-                                                                         ready_before_gemm):
-    ops, ctx, out, ref = _run(monkeypatch, ready_before_gemm)
+                                                                         ready_before_gemm,
+                                                                         shape):
+    ops, ctx, out, ref = _run(monkeypatch, ready_before_gemm, shape)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
-    my_buffer = ctx.data_addrs[0] + ROWS * K * 2  # the half of epoch 1's parity
+    rows, k, _ = shape
+    my_buffer = ctx.data_addrs[0] + rows * k * 2  # the half of epoch 1's parity
     buffer_copy = next(op for op in ops if op[0] == "memcpy" and op[2] == my_buffer)
     first_gemm = next(i for i, op in enumerate(ops) if op[0] == "gemm")
     peer_ready_waits = [i for i, op in enumerate(ops)
