@@ -48,6 +48,22 @@ from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  #
 from ditron_inductor.scheduler.plan import GemmTile  # noqa: E402
 
 
+def init_ranks() -> tuple[int, int, str]:
+    """This torchrun process's GPU, NCCL group and symmetric memory, and ditron's ops
+    registered: (rank, world size, the world group's name)."""
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group_name)
+    import ditron_inductor.ops  # noqa: F401
+    import ditron_inductor.runtime  # noqa: F401
+
+    return rank, dist.get_world_size(), group_name
+
+
 def sync_all():
     torch.cuda.synchronize()
     t = torch.zeros(1, device="cuda")
@@ -441,16 +457,7 @@ def main():
     global SPIN_MS
     if args.no_spin:
         SPIN_MS = 0.0
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    world = dist.get_world_size()
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group_name = dist.group.WORLD.group_name
-    symm_mem.enable_symm_mem_for_group(group_name)
-    import ditron_inductor.ops  # noqa: F401
-    import ditron_inductor.runtime  # noqa: F401
+    rank, world, group_name = init_ranks()
 
     dtype = getattr(torch, args.dtype)
     rows = []

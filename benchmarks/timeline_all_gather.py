@@ -26,7 +26,7 @@ keep_multicast_off()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.bench_fused import plan_text  # noqa: E402
+from benchmarks.bench_fused import init_ranks, plan_text  # noqa: E402
 from ditron_inductor.scheduler.cost_model import AG_CANDIDATES  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -55,17 +55,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
 
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    world = dist.get_world_size()
-    group_name = dist.group.WORLD.group_name
-    import torch.distributed._symmetric_memory as symm_mem
-
-    symm_mem.enable_symm_mem_for_group(group_name)
-    import ditron_inductor.ops  # noqa: F401 - registers torch.ops.ditron
-    import ditron_inductor.runtime  # noqa: F401
-
+    rank, world, group_name = init_ranks()
     for n in [int(x) for x in args.ns.split(",")]:
         a = torch.randn(args.m // world, args.k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(args.k, n, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
