@@ -250,7 +250,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if plan.ready_before_gemm:
         # every peer's READY waited for on the main stream before the GEMM (a barrier, as in
         # PyTorch's async TP), the pulls after it through an event: waited for on the copy
-        # streams, the pulls started up to ~0.1 ms after the peer's READY had come
+        # streams, the pulls started up to ~0.1 ms after this rank's READY had gone out
         for p in peers:
             wait_geq(ctx, plan, main, ctx.READY + p, e)
         driver.record(ctx.ev_ready, main)
