@@ -73,6 +73,9 @@ AG_CANDIDATES = {
     # 2 H100s at the Llama-3-8B training sites 0.73-0.95x the time of the plans chosen before
     # (all_gather_h100x2_ready_before_gemm.md)
     "cublas_each_first_ready": dict(gemm="cublas", groups=[1] * 16, ready_before_gemm=True),
+    # the persistent Triton GEMM after the same barrier (its local copies run before it anyway):
+    # the pulls start on the barrier's event, not on their own flag waits; not yet measured
+    "tri_tma_128x256_ready": dict(_TRITON_BIG, ready_before_gemm=True),
     "tri_sm16_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=16),
     "tri_sm24_128x256": dict(_TRITON_BIG, transfer="sm", comm_sms=24),
     "tri_sm16_128x128": dict(_TRITON_MID, transfer="sm", comm_sms=16),
@@ -100,9 +103,11 @@ VALIDATED_ON = {
                                   "cublas_1_2_5", "cublas_1_7", "tri_tma_128x256_s2",
                                   "cublas_1_3_4_s2", "cublas_1_1_2_4")},
     "cublas_each": (4,),
-    # taken where measured (measured_plans.json, 2 ranks), never from the model, which prices
-    # the local copies as hidden either way
+    # taken only where measured (measured_plans.json), never from the model, which prices the
+    # local copies as hidden either way: cublas_each_first_ready measured on 2 ranks,
+    # tri_tma_128x256_ready not yet
     "cublas_each_first_ready": (),
+    "tri_tma_128x256_ready": (),
     **{label: _BOTH for label in ("cublas_triton_reduce", "cublas")},
 }
 

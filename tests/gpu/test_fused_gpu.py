@@ -61,6 +61,7 @@ AG_PLANS = [
     dict(gemm="triton", tma=False, block_m=64, block_n=128, block_k=64, stages=3, warps=4),
     dict(gemm="cublas", groups=[1, 2]),
     dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True),
+    dict(gemm="triton", tma=True, ready_before_gemm=True),
     dict(),  # empty params: the defaults
 ]
 RS_PULL = dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8)
