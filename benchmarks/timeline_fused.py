@@ -1,8 +1,11 @@
-"""Rank 0's timeline of a fused all-gather + GEMM: every kernel, copy and stream operation of one
-call (torch profiler), with its stream, start and duration, per candidate plan.
+"""Rank 0's timeline of a fused all-gather + GEMM or GEMM + reduce-scatter: every kernel, copy and
+stream operation of one call (torch profiler), with its stream, start and duration, per candidate
+plan.
 
-    torchrun --nproc-per-node 2 benchmarks/timeline_all_gather.py --ns 3072,14336 \
+    torchrun --nproc-per-node 2 benchmarks/timeline_fused.py --ns 3072,14336 \
         --labels cublas_each,cublas_each_first_ready
+    torchrun --nproc-per-node 2 benchmarks/timeline_fused.py --op matmul_reduce_scatter \
+        --k 2048 --ns 4096 --labels cublas_triton_reduce
 
 Three calls are queued while the device spins (as bench_fused.py times them) and the last third of
 the profiled span is printed: the start of each activity in us from the first one there. What it
@@ -27,7 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_fused import init_ranks, plan_text  # noqa: E402
-from ditron_inductor.scheduler.cost_model import AG_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -47,24 +51,33 @@ def last_call(trace_path: str, calls: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--m", type=int, default=8192, help="gathered rows")
+    ap.add_argument("--op", choices=(ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER),
+                    default=ALL_GATHER_MATMUL)
+    ap.add_argument("--m", type=int, default=8192, help="gathered rows, or the GEMM's before the "
+                    "scatter")
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--ns", default="3072,14336")
     ap.add_argument("--labels", default="cublas_each,cublas_each_first_ready",
-                    help="cost_model.AG_CANDIDATES labels")
+                    help="cost_model.AG_CANDIDATES (or RS_CANDIDATES) labels")
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
 
     rank, world, group_name = init_ranks()
     for n in [int(x) for x in args.ns.split(",")]:
-        a = torch.randn(args.m // world, args.k, device="cuda", dtype=torch.bfloat16)
+        gather = args.op == ALL_GATHER_MATMUL
+        a = torch.randn(args.m // world if gather else args.m, args.k, device="cuda",
+                        dtype=torch.bfloat16)
         b = torch.randn(args.k, n, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
         for label in args.labels.split(","):
-            text = plan_text("all_gather_matmul", world, (args.m, args.k, n), AG_CANDIDATES[label])
+            params = (AG_CANDIDATES if gather else RS_CANDIDATES)[label]
+            text = plan_text(args.op, world, (args.m, args.k, n), params)
 
             def call():
-                return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name, world,
-                                                          text)
+                if gather:
+                    return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name,
+                                                              world, text)
+                return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum",
+                                                              group_name, world, text)
             for _ in range(5):
                 call()
             torch.cuda.synchronize()
@@ -76,7 +89,7 @@ def main() -> None:
                     call()
                 torch.cuda.synchronize()
             if rank == 0:
-                path = f"/tmp/timeline_all_gather_{n}_{label}.json"
+                path = f"/tmp/timeline_{args.op}_{n}_{label}.json"
                 prof.export_chrome_trace(path)
                 print(f"\n== {args.m}x{args.k}x{n} {label}, rank 0, the last of {args.calls} "
                       "calls:")
