@@ -34,7 +34,7 @@ class RecordingContext(HostContext):
         super().signal(stream, role, epoch, dst_addrs)
 
 
-def _run(monkeypatch, ready_before_gemm, shape):
+def _run(monkeypatch, ready_before_gemm, shape, **plan_options):
     """Rank 0 of 2 gathers its shard and rank 1's (placed in rank 1's buffer beforehand) and
     multiplies; returns (the queued operations, rank 0's context, the product, the reference)."""
     ROWS, K, N = shape
@@ -63,11 +63,18 @@ def _run(monkeypatch, ready_before_gemm, shape):
         ops.append(("wait_geq", stream, idx)) if value > 0 else None))
     monkeypatch.setattr(all_gather, "current_stream", lambda: MAIN)
     monkeypatch.setattr(all_gather, "get_context", lambda *a, **k: ctxs[rank])
+    # my shard's two local copies as one kernel (local_copies_beside=False), done on the host
+    monkeypatch.setattr(all_gather, "num_sms", lambda device: 2)
+    monkeypatch.setattr(all_gather, "preload", lambda *args, **meta: None)
+    monkeypatch.setattr(all_gather, "launch", lambda kernel, grid, src, buffer, mine, words, stream,
+                        **meta: (ops.append(("copy_twice", stream, buffer.data_ptr())),
+                                 buffer.copy_(src), mine.copy_(src)))
     real_matmul = all_gather.matmul_into
     monkeypatch.setattr(all_gather, "matmul_into", lambda a, b, bias, out, **kw: (
         ops.append(("gemm", MAIN, a.data_ptr())), real_matmul(a, b, bias, out, **kw)))
 
-    plan = AllGatherPlan(gemm="cublas", groups=(1, 1), ready_before_gemm=ready_before_gemm)
+    plan = AllGatherPlan(gemm="cublas", groups=(1, 1), ready_before_gemm=ready_before_gemm,
+                         **plan_options)
     task = Task(op="all_gather_matmul", group_name="g", world_size=world, m=world * ROWS, k=K,
                 ns=(N,), dtype=torch.bfloat16, device_type="cuda")
     gathered, out = all_gather.all_gather_matmul_fused(task, plan, shards[rank], [w], [None], 0,
@@ -110,3 +117,37 @@ def test_all_gather_queues_the_buffer_copy_and_the_barrier_before_the_gemm(monke
         assert [ops[i][1] for i in peer_ready_waits] == [COPY]
         assert peer_ready_waits[0] < pull
         assert ("record", MAIN, "ev_ready") not in ops
+
+
+def test_barrier_beside_leaves_the_gemm_of_my_rows_unwaited(monkeypatch):
+    """barrier_beside: the peers' READY waited for on the local copies' stream, which raises the
+    pulls' event; the main stream queues no flag wait before the GEMM of my rows."""
+    ops, ctx, out, ref = _run(monkeypatch, True, (8, 16, 24), barrier_beside=True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    first_gemm = next(i for i, op in enumerate(ops) if op[0] == "gemm")
+    assert ("signal", MAIN, "READY") in ops[:first_gemm]  # my buffer's copy still goes first
+    waits = [op for op in ops if op[0] == "wait_geq" and op[2] == ctx.READY + 1]
+    assert [op[1] for op in waits] == [LOCAL]
+    barrier, raised = ops.index(waits[0]), ops.index(("record", LOCAL, "ev_ready"))
+    pull = next(i for i, op in enumerate(ops) if op[0] == "memcpy" and op[1] == COPY)
+    assert barrier < raised < ops.index(("stream_wait", COPY, "ev_ready")) < pull
+    assert not any(op[0] == "wait_geq" and op[1] == MAIN for op in ops[:first_gemm])
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 24), (5, 7, 3)])
+def test_both_local_copies_before_the_barrier(monkeypatch, shape):
+    """local_copies_beside=False with the barrier: my shard written to my buffer and my rows of
+    the gathered A by one kernel on the main stream before READY; where the shard is no whole
+    4-byte words, the buffer's copy there and my rows copied on the main stream after it.
+    Nothing on the local copies' stream."""
+    ops, ctx, out, ref = _run(monkeypatch, True, shape, local_copies_beside=False)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    ready = ops.index(("signal", MAIN, "READY"))
+    rows, k, _ = shape
+    my_buffer = ctx.data_addrs[0] + rows * k * 2  # the half of epoch 1's parity
+    copies = [(i, op) for i, op in enumerate(ops) if op[0] in ("copy_twice", "memcpy")
+              and op[1] != COPY]
+    assert all(op[1] == MAIN for _, op in copies)
+    kind = "copy_twice" if rows * k * 2 % 4 == 0 else "memcpy"
+    assert [op for i, op in copies if i < ready] == [(kind, MAIN, my_buffer)]
+    assert len(copies) == (1 if kind == "copy_twice" else 2)

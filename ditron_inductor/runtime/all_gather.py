@@ -17,7 +17,8 @@ One call (epoch e, this rank r of W, A chunk c = rank c's shard):
   copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
   (plan ready_before_gemm: the copy into my symmetric buffer and READY on the main stream, which
   then waits READY[p] >= e for every peer before the GEMM; the copy streams pull after it, and
-  my rows of the gathered A are copied beside the GEMM)
+  my rows of the gathered A are copied beside the GEMM; with barrier_beside the local copies'
+  stream waits for the peers' READY, and the GEMM of my rows, which needs none, starts at once)
 
 FP8 (all_gather_scaled_mm): the same protocol on float8 bytes (half of bf16's on the wire), the
 cuBLAS plan only, each group's GEMM a torch._scaled_mm into its rows of the outputs; tensorwise
@@ -250,10 +251,12 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if plan.ready_before_gemm:
         # every peer's READY waited for on the main stream before the GEMM (a barrier, as in
         # PyTorch's async TP), the pulls after it through an event: waited for on the copy
-        # streams, the pulls started up to ~0.1 ms after this rank's READY had gone out
+        # streams, the pulls started up to ~0.1 ms after this rank's READY had gone out.
+        # barrier_beside: on the local copies' stream, which is no copy stream either
+        barrier = local if plan.barrier_beside else main
         for p in peers:
-            wait_geq(ctx, plan, main, ctx.READY + p, e)
-        driver.record(ctx.ev_ready, main)
+            wait_geq(ctx, plan, barrier, ctx.READY + p, e)
+        driver.record(ctx.ev_ready, barrier)
         for sh in sides:
             driver.stream_wait(sh, ctx.ev_ready)
     for i, c in enumerate([r] + peers):

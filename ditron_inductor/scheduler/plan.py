@@ -102,7 +102,9 @@ class AllGatherPlan(FusedPlan):
     run before it, on the main stream, as one kernel that reads the input once and writes both
     (at world size 1 they then add those passes over the input to the GEMM). ready_before_gemm:
     the copy the peers pull from runs on the main stream before the GEMM, which then waits for
-    every peer's READY (a barrier), the pulls starting after it. The peers' chunks are pulled
+    every peer's READY (a barrier), the pulls starting after it; with barrier_beside (and the
+    local copies beside) the local copies' stream waits for the barrier instead, and the GEMM of
+    my rows starts without it. The peers' chunks are pulled
     by the copy engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a
     Triton kernel on `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a
     step."""
@@ -114,6 +116,7 @@ class AllGatherPlan(FusedPlan):
     groups: tuple[int, ...] = ()  # () until resolved for a world size: default_groups
     local_copies_beside: bool = True
     ready_before_gemm: bool = False
+    barrier_beside: bool = False
     copy_streams: int = 1
     transfer: str = COPY_ENGINE
     comm_sms: int = 16

@@ -62,6 +62,8 @@ AG_PLANS = [
     dict(gemm="cublas", groups=[1, 2]),
     dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True),
     dict(gemm="triton", tma=True, ready_before_gemm=True),
+    dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True, local_copies_beside=False),
+    dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True, barrier_beside=True),
     dict(),  # empty params: the defaults
 ]
 RS_PULL = dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8)
