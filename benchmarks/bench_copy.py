@@ -9,8 +9,9 @@ Methods (each pulls the W - 1 peer shards of `--mb` MB in ring order, rank + 1 f
   driver_ce_wS  the same, each peer on its own stream
   torch_copy    Tensor.copy_ from the peer's buffer view, one stream (PyTorch's fused AG)
   sm_kernel     an elementwise kernel on every SM reading the peer's memory (torch.mul(x, 1))
-and one local copy of `--mb` MB (my shard into my rows of the output): local_ce (cuMemcpyAsync)
-and local_sm (the elementwise kernel); GB/s of copied bytes.
+and one local copy of `--mb` MB (my shard into my rows of the output): local_ce (cuMemcpyAsync,
+which the driver runs on SMs), local_ce_hint (cuMemcpyBatchAsync with the hint to overlap compute,
+driver.memcpy_copy_engine) and local_sm (the elementwise kernel); GB/s of copied bytes.
 """
 
 from __future__ import annotations
@@ -96,15 +97,20 @@ def main():
                 if kind == "ce":
                     driver.memcpy(out[rank].data_ptr(), buf.data_ptr(), numel * 2,
                                   streams[0].cuda_stream)
+                elif kind == "ce_hint":
+                    driver.memcpy_copy_engine(out[rank].data_ptr(), buf.data_ptr(), numel * 2,
+                                              streams[0].cuda_stream, rank)
                 else:
                     torch.mul(buf, 1, out=out[rank])
         return run, streams[:1]
 
     local_rows = []
-    for kind in ("ce", "sm"):
+    for kind in ("ce", "ce_hint", "sm"):
         fn, used = local(kind)
         for beside in (False, True):
+            out[rank].zero_()
             ms = timed(fn, used, args.reps, gemm if beside else None)
+            assert torch.equal(out[rank], buf), f"local_{kind}: wrong data"
             local_rows.append((f"local_{kind}", "beside GEMM" if beside else "alone", ms,
                                numel * 2 / 1e9 / ms * 1e3))
     methods = {"driver_ce": driver_ce(False), "driver_ce_wS": driver_ce(True),

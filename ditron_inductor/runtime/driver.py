@@ -10,9 +10,13 @@ host-bound (1.2-1.7 ms per call whatever the shape); a ctypes driver call costs 
   the transfer it waits for.
 - `write`: cuStreamWriteValue32: a flag word = value once the prior work of the stream is done (the
   write is ordered after a memory barrier). Used on local memory only.
-- `memcpy`: cuMemcpyAsync (unified addressing): the copy engine, local or peer memory; also how a
+- `memcpy`: cuMemcpyAsync (unified addressing): the copy engine for peer memory; also how a
   flag reaches a peer (4 bytes copied from a local word holding the epoch, after the data copy on
-  the same stream).
+  the same stream). A copy within one GPU runs as a kernel on the SMs (benchmarks/bench_copy.py):
+  beside a cuBLAS GEMM, whose persistent kernel holds every SM, it waits for the GEMM's last wave.
+- `memcpy_copy_engine`: one cuMemcpyBatchAsync copy with the hint to overlap compute
+  (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, CUDA 12.8+ drivers): the driver may run a local copy
+  on a copy engine instead; cuMemcpyAsync where the driver lacks the call.
 - events: cuEventCreate (timing disabled), cuEventRecord, cuStreamWaitEvent.
 """
 
@@ -24,6 +28,9 @@ import functools
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 CU_EVENT_DISABLE_TIMING = 0x2
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 
 _u64, _u32, _vp = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
 
@@ -47,6 +54,37 @@ def _lib():
     return lib
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_location", _MemLocation),
+                ("dst_location", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+@functools.lru_cache(None)
+def _batch_copy():
+    """(cuMemcpyBatchAsync, whether it takes failIdx) or None: CUDA 13 drivers export the call
+    without failIdx as cuMemcpyBatchAsync_v2 beside the 12.8 one with it."""
+    lib = _lib()
+    for name, fail_idx in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            continue
+        fn.restype = ctypes.c_int
+        return fn, fail_idx
+    return None
+
+
+@functools.lru_cache(None)
+def _overlap_attributes(device: int) -> _MemcpyAttributes:
+    here = _MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device)
+    return _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, here, here,
+                             CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"ditron: {what} failed with CUresult {rc}")
@@ -65,6 +103,20 @@ def write(stream: int, addr: int, value: int) -> None:
 
 def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check(_lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def memcpy_copy_engine(dst: int, src: int, nbytes: int, stream: int, device: int) -> None:
+    """A copy within GPU `device`, queued with the hint that it should overlap compute."""
+    batch = _batch_copy()
+    if batch is None:
+        return memcpy(dst, src, nbytes, stream)
+    fn, fail_idx = batch
+    attrs = _overlap_attributes(device)
+    args = [(_u64 * 1)(dst), (_u64 * 1)(src), (ctypes.c_size_t * 1)(nbytes), ctypes.c_size_t(1),
+            ctypes.byref(attrs), (ctypes.c_size_t * 1)(0), ctypes.c_size_t(1)]
+    if fail_idx:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))
+    _check(fn(*args, _vp(stream)), "cuMemcpyBatchAsync")
 
 
 def event() -> int:
