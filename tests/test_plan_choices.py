@@ -102,19 +102,22 @@ AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNOR
 # the host queues the timed calls); the rows timed with the host's queueing had left gate/up's
 # gather and lm_head's input gradient to NCCL and fused lm_head's gather.
 LLAMA_TP2_SITES = [
-    # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather (left:
-    # under the 2% margin). The gathers: my shard's buffer copy and a barrier before the GEMM
-    # since session 52 (all_gather_h100x2_ready_before_gemm.md; before: tri_tma_128x256,
-    # cublas_1_1_2_4, cublas_1_3_4_s2 and tri_tma_128x256)
+    # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather. The
+    # gathers: my shard's buffer copy and a barrier before the GEMM since session 52
+    # (all_gather_h100x2_ready_before_gemm.md; before: tri_tma_128x256, cublas_1_1_2_4,
+    # cublas_1_3_4_s2 and tri_tma_128x256); since the 2x H200 rows of session 53, gate/up's,
+    # lm_head's and down's output gradient's with the barrier beside the GEMM of my rows
+    # (fused_h200x2_llama8b_ag_barrier_8192.md: lm_head 5.909 ms against NCCL + cuBLAS's 6.054;
+    # on 2x H100 lm_head's had been left, under the 2% margin)
     (dict(op=AG, m=8192, k=4096, ns=(2048, 512, 512)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=2048, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
-    (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "cublas_each_first_ready"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "cublas_each_first_ready_beside"),
     (dict(op=RS, m=8192, k=7168, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
-    (dict(op=AG, m=8192, k=4096, ns=(64128,)), False, "nccl_cublas"),
+    (dict(op=AG, m=8192, k=4096, ns=(64128,)), False, "cublas_each_first_ready_beside"),
     # training, backward: lm_head's input gradient, the gradients of down's and o's outputs
     # gathered, gate/up's and q/k/v's input gradients as one matmul each
     (dict(op=RS, m=8192, k=64128, ns=(4096,), dim=1), False, "cublas"),
-    (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "cublas_each_first_ready"),
+    (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "cublas_each_first_ready_beside"),
     (dict(op=RS, m=8192, k=14336, ns=(4096,), dim=1, terms=2, copy_elems=58720256), False,
      "cublas_triton_reduce"),
     (dict(op=AG, m=8192, k=4096, ns=(2048,)), False, "cublas_each_first_ready"),
