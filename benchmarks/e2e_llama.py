@@ -71,7 +71,8 @@ fastest compiled contender without communication) and the ceiling, Inductor's ti
 `--profile-device CALLS` adds each contender's device time by kernel kind (GEMM, attention,
 collectives, ditron's kernels, optimizer, copies, other), the time each kind runs alone (nothing
 of another kind beside it: exposed communication, for collectives and copies) and the longest
-kernels: what bounds a step.
+kernels: what bounds a step; and each rank's idle time between kernels with its widest gaps (a
+stream waiting on a late peer idles on one rank, a transfer's tail on every rank).
 """
 
 from __future__ import annotations
@@ -323,8 +324,19 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
         timing["host_profile"] = {name: host_profile(fn, args.profile_host, timer)
                                   for name, fn in fns.items()}
     if args.profile_device:
-        timing["device_profile"] = {name: device_profile(fn, args.profile_device, timer)
-                                    for name, fn in fns.items()}
+        profiles = {name: device_profile(fn, args.profile_device, timer)
+                    for name, fn in fns.items()}
+        # every rank's idle and widest gaps beside rank 0's whole profile: a stream that waits
+        # on a late peer idles on one rank only, a transfer's tail on all of them (--no-comm:
+        # one process, whose fake group carries no objects)
+        own = {name: {"idle": p["idle"], "gaps": p["gaps"][:RANK_GAPS]}
+               for name, p in profiles.items()}
+        ranks = [own] if args.no_comm else [None] * dist.get_world_size()
+        if not args.no_comm:
+            dist.all_gather_object(ranks, own)
+        for name, profile in profiles.items():
+            profile["ranks"] = [r[name] for r in ranks]
+        timing["device_profile"] = profiles
     return timing
 
 
@@ -365,6 +377,7 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention"
 PROFILE_KINDS = ("ditron",) + tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
 TOP_KERNELS = 12  # the kernels a device profile names, by their time
 TOP_GAPS = 10  # the idle intervals it names, by the kernels around them, by their time
+RANK_GAPS = 3  # of them, per rank
 
 
 @functools.cache
@@ -720,6 +733,11 @@ def device_table(rows: list[dict], calls: int) -> str:
                              "its last, most between (count per call):")
                 lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
                           for before, after, t, n in ms["gaps"]]
+            for rank, other in enumerate(ms.get("ranks", ())):
+                lines.append(f"  rank {rank}: idle {other['idle']:.3f} ms per call, most "
+                             "between:")
+                lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
+                          for before, after, t, n in other["gaps"]]
     return "\n".join(lines)
 
 

@@ -625,6 +625,16 @@ def test_benchmark_device_profile_table(capsys):
     assert e2e.device_table([row], 3).splitlines()[8:] == [
         "  idle 0.250 ms per call between its first kernel and its last, most between (count "
         "per call):", "     0.200 ms    1.5x  nvjet  ->  Memcpy"]
+    # and every rank's idle with its widest gaps (profiles before session 53 have none)
+    row["device_profile"]["inductor"]["ranks"] = [
+        {"idle": 0.25, "gaps": [["nvjet", "Memcpy", 0.2, 1.5]]},
+        {"idle": 0.5, "gaps": [["nvjet", "reduce_slots_kernel", 0.45, 8.0]]}]
+    assert e2e.device_table([row], 3).splitlines()[10:] == [
+        "  rank 0: idle 0.250 ms per call, most between:",
+        "     0.200 ms    1.5x  nvjet  ->  Memcpy",
+        "  rank 1: idle 0.500 ms per call, most between:",
+        "     0.450 ms    8.0x  nvjet  ->  reduce_slots_kernel"]
+    del row["device_profile"]["inductor"]["ranks"]
     del row["device_profile"]["inductor"]["idle"], row["device_profile"]["inductor"]["gaps"]
     # with the time each kind runs alone (older profiles have none: no such table)
     row["device_profile"]["inductor"]["alone"] = {**kinds, "gemm": 4.5, "nccl": 0.75}
