@@ -331,8 +331,10 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
         # one process, whose fake group carries no objects)
         own = {name: {"idle": p["idle"], "gaps": p["gaps"][:RANK_GAPS]}
                for name, p in profiles.items()}
-        ranks = [own] if args.no_comm else [None] * dist.get_world_size()
-        if not args.no_comm:
+        if args.no_comm:
+            ranks = [own]
+        else:
+            ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, own)
         for name, profile in profiles.items():
             profile["ranks"] = [r[name] for r in ranks]

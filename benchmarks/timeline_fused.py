@@ -63,8 +63,8 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, world, group_name = init_ranks()
+    gather = args.op == ALL_GATHER_MATMUL
     for n in [int(x) for x in args.ns.split(",")]:
-        gather = args.op == ALL_GATHER_MATMUL
         a = torch.randn(args.m // world if gather else args.m, args.k, device="cuda",
                         dtype=torch.bfloat16)
         b = torch.randn(args.k, n, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
