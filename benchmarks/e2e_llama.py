@@ -189,6 +189,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after timing, the torch profiler over this many calls of each "
                         "contender: device ms per call by kernel kind (GEMM, attention, "
                         "collectives, ...) and the time some kernel runs (CUDA only)")
+    p.add_argument("--profile-trace", default=None, metavar="DIR",
+                   help="with --profile-device: each rank writes the profiler's Chrome trace of "
+                        "each contender here (WORKLOAD_CONTENDER_rankR.json.gz)")
     p.add_argument("--bound-json", default=None,
                    help="the JSON of a --no-comm run of the same sizes: adds the bound columns")
     if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
@@ -214,6 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.contenders += ",ditron_keep_mask"
     if args.device == "cpu" and args.profile_device:
         p.error("--profile-device: CUDA kernels only (--device cuda)")
+    if args.profile_trace and not args.profile_device:
+        p.error("--profile-trace: the traces of --profile-device's calls (give it)")
     if args.device == "cpu":  # no CUDA graphs, no symmetric memory
         args.modes = EAGER_LAUNCH
         args.contenders = ",".join(c for c in args.contenders.split(",")
@@ -294,10 +299,11 @@ class Timer:
         return ms, ms
 
 
-def interleaved(fns: dict, timer: Timer, args) -> dict:
+def interleaved(fns: dict, timer: Timer, args, label: str) -> dict:
     """{"ms": {contender: median ms per call}, "host_ms": {contender: the host's}, "spread"}, each
     the maximum over ranks: warm-up, then --reps rounds in which each contender runs its calls in
-    turn: --iters, or as many as take --min-ms."""
+    turn: --iters, or as many as take --min-ms. label: the workload and shape, naming the traces
+    of --profile-trace."""
     for fn in fns.values():
         for _ in range(args.warmup):
             fn()
@@ -324,12 +330,16 @@ def interleaved(fns: dict, timer: Timer, args) -> dict:
         timing["host_profile"] = {name: host_profile(fn, args.profile_host, timer)
                                   for name, fn in fns.items()}
     if args.profile_device:
-        profiles = {name: device_profile(fn, args.profile_device, timer)
+        rank = 0 if args.no_comm else dist.get_rank()
+        profiles = {name: device_profile(fn, args.profile_device, timer, args.profile_trace and
+                                         os.path.join(args.profile_trace,
+                                                      f"{label}_{name}_rank{rank}.json.gz"))
                     for name, fn in fns.items()}
         # every rank's idle and widest gaps beside rank 0's whole profile: a stream that waits
         # on a late peer idles on one rank only, a transfer's tail on all of them (--no-comm:
         # one process, whose fake group carries no objects)
-        own = {name: {"idle": p["idle"], "gaps": p["gaps"][:RANK_GAPS]}
+        own = {name: {"gaps": p["gaps"][:RANK_GAPS],
+                      **{k: p[k] for k in ("span", "busy", "idle") + PROFILE_KINDS}}
                for name, p in profiles.items()}
         if args.no_comm:
             ranks = [own]
@@ -449,8 +459,9 @@ def idle_gaps(spans) -> dict:
     return gaps
 
 
-def device_profile(fn, calls: int, timer: Timer) -> dict:
-    """The profile of `calls` calls of `fn` (`kernel_times`)."""
+def device_profile(fn, calls: int, timer: Timer, trace: str | None = None) -> dict:
+    """The profile of `calls` calls of `fn` (`kernel_times`); trace: where to write the
+    profiler's Chrome trace (gzipped), if given."""
     from torch.profiler import ProfilerActivity, profile
 
     timer.sync()
@@ -458,13 +469,17 @@ def device_profile(fn, calls: int, timer: Timer) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace)
     return kernel_times(prof.events(), calls)
 
 
 def kernel_times(events, calls: int) -> dict:
     """{kind: device ms per call} over the kernels and copies among the profiler's `events`;
     "busy": the time some kernel runs (kernels on different streams overlap, so the kinds may sum
-    past it; a step longer than it waited on the host); "top": the kernels that took longest,
+    past it; a step longer than it waited on the host); "span": from the first kernel's start to
+    the last one's end; "top": the kernels that took longest,
     with kind and ms. A user annotation (a record_function range such as
     "Optimizer.step#AdamW.step") is on the device's timeline too, spanning the kernels it
     launched: not a kernel, not counted."""
@@ -478,6 +493,8 @@ def kernel_times(events, calls: int) -> dict:
         ms[kernel_kind(e.name)] += per_call
         by_name[e.name] = by_name.get(e.name, 0.0) + per_call
     ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
+    ms["span"] = ((max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels))
+                  / 1e3 / calls if kernels else 0.0)
     only = alone((e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in kernels)
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     gaps = idle_gaps((e.time_range.start, e.time_range.end, e.name) for e in kernels)
@@ -545,8 +562,8 @@ def train_rows(args, config, mesh, timer, group_name) -> list[dict]:
             return step
         if (step := guarded(name, setup, failed)) is not None:
             steps[name] = step
-    timing = interleaved(steps, timer, args)
     shape = f"B {args.train_batch}, S {args.train_seq}"
+    timing = interleaved(steps, timer, args, f"train_b{args.train_batch}_s{args.train_seq}")
     workload = (f"train (sequence parallel{', loss parallel' if args.loss_parallel else ''}"
                 f"{f', fp8 {args.fp8}' if args.fp8 else ''})")
     return [row(workload, shape, EAGER_LAUNCH, timing, checks, graphs, failed, args.no_comm)]
@@ -599,7 +616,7 @@ def inference_rows(workload: str, shapes: list[tuple[int, int]], args, config, m
                     return call
                 if (call := guarded(name, setup, failed)) is not None:
                     fns[name] = call
-            timing = interleaved(fns, timer, args)
+            timing = interleaved(fns, timer, args, f"prefill_{mode}_b{batch}_s{seq}")
             rows.append(row(workload, f"B {batch}, S {seq}", mode, timing, checks, graphs, failed,
                             args.no_comm))
             if mode == CUDA_GRAPHS:  # a graph Inductor would not capture runs eagerly instead
@@ -736,8 +753,10 @@ def device_table(rows: list[dict], calls: int) -> str:
                 lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
                           for before, after, t, n in ms["gaps"]]
             for rank, other in enumerate(ms.get("ranks", ())):
-                lines.append(f"  rank {rank}: idle {other['idle']:.3f} ms per call, most "
-                             "between:")
+                kinds = ", ".join(f"{k} {other[k]:.3f}" for k in PROFILE_KINDS if k in other)
+                lines.append(f"  rank {rank}: idle {other['idle']:.3f} ms per call"
+                             + (f" (span {other['span']:.3f}, busy {other['busy']:.3f}; "
+                                f"{kinds})" if "span" in other else "") + ", most between:")
                 lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
                           for before, after, t, n in other["gaps"]]
     return "\n".join(lines)

@@ -159,14 +159,14 @@ FUSED = "reference plan (decomposed collective + matmul)"  # on CPU every fused 
 # reduce-scattered (its matmul fused), each reduce-scattered output's gradient is gathered into
 # the down/o input gradient matmul (fused; the weight gradient reads the gathered output), and
 # the input gradients of gate/up and of q/k/v, sums of two and three matmul products, are
-# reduce-scattered as one matmul over the operands concatenated along K.
+# reduce-scattered by one op each, which takes the products' operands as its terms.
 SEQUENCE_PARALLEL_SITES = {
     "forward": [(AG, True, FUSED), (RS, True, FUSED), (AG, True, FUSED), (RS, True, FUSED)] * 2
     + [(AG, True, FUSED)],
     "backward": [(RS, True, FUSED)]
     + [(AG, True, FUSED), (RS, True, FUSED), (AG, True, FUSED), (RS, True, FUSED)] * 2,
 }
-SUMS_PER_LAYER = ["2 matmuls concatenated along K", "3 matmuls concatenated along K"]
+SUMS_PER_LAYER = ["2 matmul products summed", "3 matmul products summed"]
 # Inference: o_proj's and down_proj's all-reduce, each with the residual add and the RMSNorm
 # that follows (the next norm of the layer, or the model's final norm).
 TENSOR_PARALLEL_SITES = {"forward": [(AR + "_rmsnorm", True, FUSED)] * 4}
@@ -634,6 +634,11 @@ def test_benchmark_device_profile_table(capsys):
         "     0.200 ms    1.5x  nvjet  ->  Memcpy",
         "  rank 1: idle 0.500 ms per call, most between:",
         "     0.450 ms    8.0x  nvjet  ->  reduce_slots_kernel"]
+    # since session 54 each rank also carries its span, busy time and kinds: which rank runs longer
+    row["device_profile"]["inductor"]["ranks"][1].update(kinds, span=7.75, busy=7.25, gemm=5.75)
+    assert e2e.device_table([row], 3).splitlines()[12] == (
+        "  rank 1: idle 0.500 ms per call (span 7.750, busy 7.250; ditron 0.000, nccl 0.000, "
+        "attention 0.000, gemm 5.750, optimizer 0.000, copy 0.000, other 0.000), most between:")
     del row["device_profile"]["inductor"]["ranks"]
     del row["device_profile"]["inductor"]["idle"], row["device_profile"]["inductor"]["gaps"]
     # with the time each kind runs alone (older profiles have none: no such table)
@@ -647,3 +652,6 @@ def test_benchmark_device_profile_table(capsys):
     with pytest.raises(SystemExit):
         e2e.parse_args(["--device", "cpu", "--profile-device", "2"])
     assert "--profile-device: CUDA kernels only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--profile-trace", "traces"])
+    assert "--profile-trace: the traces of --profile-device's calls" in capsys.readouterr().err
