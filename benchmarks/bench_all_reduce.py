@@ -187,7 +187,7 @@ def run_shape(shape, dtype, group_name, world, args):
         if norm:
             return lambda a, b: torch.ops.ditron.matmul_all_reduce_rmsnorm(
                 a, b, None, [], residual, weight, EPS, False, "sum", group_name, world, text)
-        return lambda a, b: torch.ops.ditron.matmul_all_reduce(a, b, None, [], "sum",
+        return lambda a, b: torch.ops.ditron.matmul_all_reduce([a], [b], None, [], "sum",
                                                                group_name, world, text)
 
     from ditron_inductor import config

@@ -300,10 +300,15 @@ def contenders(site: Site, group_name: str, device: str, dtype):
 
         def fused(text):
             def call(a, ws, extra):
-                if copied:  # the operands' concatenation: what the graph copies of it
+                if copied:  # the rewrite's copies (reordered rows)
                     extra["concatenated"].copy_(a[:, :copied])
-                return ops.matmul_reduce_scatter(a, ws[0], None, [], 0, "sum", group_name, 1,
-                                                 text)
+                if not site.term_ks:
+                    return ops.matmul_reduce_scatter([a], [ws[0]], None, [], 0, "sum",
+                                                     group_name, 1, text)
+                # the terms of the sum, as the op takes them
+                return ops.matmul_reduce_scatter(list(a.split(site.term_ks, dim=1)),
+                                                 list(ws[0].split(site.term_ks, dim=0)), None,
+                                                 [], 0, "sum", group_name, 1, text)
             return call
 
         def pick(out):

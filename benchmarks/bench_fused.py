@@ -345,8 +345,8 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
         def f(a, b):
             if text is None:
                 return nccl_cublas(a, b)
-            return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum", group_name,
-                                                          world, text)
+            return torch.ops.ditron.matmul_reduce_scatter([a], [b], None, [], 0, "sum",
+                                                          group_name, world, text)
         return f
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)

@@ -130,9 +130,9 @@ def cases(world: int, group: str, dev):
         "torch_fused": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             a_rs, w_rs, "sum", scatter_dim=0, group_name=group),
         "reference": lambda: ditron.matmul_reduce_scatter(
-            a_rs, w_rs, None, [], 0, "sum", group, world, REFERENCE_TEXT),
+            [a_rs], [w_rs], None, [], 0, "sum", group, world, REFERENCE_TEXT),
         "ditron/cublas_triton_reduce": lambda: ditron.matmul_reduce_scatter(
-            a_rs, w_rs, None, [], 0, "sum", group, world, rs_text),
+            [a_rs], [w_rs], None, [], 0, "sum", group, world, rs_text),
     }
     yield "matmul_reduce_scatter", f"M={rows} K={k} N={n}", rs
 
@@ -161,7 +161,7 @@ def cases(world: int, group: str, dev):
             "nccl_cublas": (lambda a=a_ar, w=w_ar: c10d.wait_tensor(
                 c10d.all_reduce(torch.mm(a, w), "sum", group))),
             "reference": (lambda a=a_ar, w=w_ar: ditron.matmul_all_reduce(
-                a, w, None, [], "sum", group, world, REFERENCE_TEXT)),
+                [a], [w], None, [], "sum", group, world, REFERENCE_TEXT)),
         }
         arn = {
             "nccl_cublas": nccl_norm,
@@ -172,7 +172,7 @@ def cases(world: int, group: str, dev):
         }
         for label, text in texts.items():
             ar[label] = (lambda a=a_ar, w=w_ar, t=text: ditron.matmul_all_reduce(
-                a, w, None, [], "sum", group, world, t))
+                [a], [w], None, [], "sum", group, world, t))
             arn[label] = (lambda a=a_ar, w=w_ar, res=residual, nw=norm_w, t=text:
                           ditron.matmul_all_reduce_rmsnorm(
                               a, w, None, [], res, nw, 1e-5, False, "sum", group, world, t))

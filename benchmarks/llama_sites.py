@@ -10,8 +10,7 @@ taken at the Llama-3-8B TP 2 sites on 2x H200, whose Tasks these reproduce):
             with several weights each), o's and down's scatters, lm_head's gather; backward
             lm_head's input-gradient scatter, the gathers of down's and o's output gradients,
             gate/up's and q/k/v's input gradients as one scatter of a sum of 2 and 3 matmuls
-            (operands concatenated along K; the pass counted tokens x K / 2 elements copied
-            for the concatenations at both sites of the Llama-3-8B TP 2 graphs).
+            (the op takes each term's operands as they are: nothing copied).
   prefill   plain TP, tokens rows: o's and down's all-reduce with the residual and RMSNorm.
   decode    the same at decode batch sizes (tokens = the batch).
 """
@@ -73,7 +72,7 @@ def sites(model: str, world: int, workload: str, tokens: int,
                     dim=0 if op == ALL_GATHER_MATMUL or workload != "train" else 1,
                     dim_size=tokens, reduce_op=None if op == ALL_GATHER_MATMUL else "sum",
                     has_bias=(False,) * len(ns), has_residual=op == MATMUL_ALL_REDUCE_RMSNORM,
-                    terms=terms, copy_elems=tokens * k // 2 if terms > 1 else 0)
+                    terms=terms)
 
     if workload == "train":
         ag, rs = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER

@@ -76,7 +76,7 @@ def main() -> None:
                 if gather:
                     return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name,
                                                               world, text)
-                return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum",
+                return torch.ops.ditron.matmul_reduce_scatter([a], [b], None, [], 0, "sum",
                                                               group_name, world, text)
             for _ in range(5):
                 call()

@@ -54,6 +54,7 @@ from .scheduler.task import (
     all_to_all_grouped_mm_task,
     grouped_mm_all_to_all_task,
     matmul_collective_task,
+    matmul_terms_task,
     total,
 )
 
@@ -119,8 +120,8 @@ def task_of(op: str, *args):
 # calls too)
 _TASK_BUILDERS: dict[str, Callable] = {
     ALL_GATHER_MATMUL: all_gather_matmul_task,
-    MATMUL_REDUCE_SCATTER: functools.partial(matmul_collective_task, MATMUL_REDUCE_SCATTER),
-    MATMUL_ALL_REDUCE: lambda a, b, bias, out_shape, reduce_op, *group: matmul_collective_task(
+    MATMUL_REDUCE_SCATTER: functools.partial(matmul_terms_task, MATMUL_REDUCE_SCATTER),
+    MATMUL_ALL_REDUCE: lambda a, b, bias, out_shape, reduce_op, *group: matmul_terms_task(
         MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op, *group),
     MATMUL_ALL_REDUCE_RMSNORM:
         lambda a, b, bias, out_shape, residual, _weight, _eps, _fp32, reduce_op, *group:
@@ -201,6 +202,15 @@ def _full_shape(a: Tensor, b: Tensor, out_shape: Sequence) -> list:
     return list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
 
 
+def _sum_of_products(a: Sequence[Tensor], b: Sequence[Tensor], bias: Optional[Tensor]) -> Tensor:
+    """a[0] @ b[0] (+ bias) + a[1] @ b[1] + ...: each product in the operands' dtype, added in
+    turn, as the graph's adds did."""
+    out = _matmul(a[0], b[0], bias)
+    for a_i, b_i in zip(a[1:], b[1:]):
+        out = out + torch.mm(a_i, b_i)
+    return out
+
+
 # ---------------------------------------------------------------------------- all-gather -> matmul
 
 
@@ -249,27 +259,29 @@ def _reduce_scatter(out: Tensor, scatter_dim: int, reduce_op: str, group_name: s
 
 def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
                                     world_size):
-    return _reduce_scatter(_as_nd(_matmul(a, b, bias), out_shape), scatter_dim, reduce_op,
-                           group_name, world_size)
+    return _reduce_scatter(_as_nd(_sum_of_products(a, b, bias), out_shape), scatter_dim,
+                           reduce_op, group_name, world_size)
 
 
-def matmul_reduce_scatter(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
-                          scatter_dim: int, reduce_op: str, group_name: str, world_size: int,
-                          plan: str) -> Tensor:
-    """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), reduce-scattered over the
-    group along `scatter_dim` with `reduce_op` ("sum" or "avg")."""
-    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a.is_cuda, matmul_reduce_scatter_reference,
+def matmul_reduce_scatter(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
+                          out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
+                          group_name: str, world_size: int, plan: str) -> Tensor:
+    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...), viewed as `out_shape` (empty: the 2-d product),
+    reduce-scattered over the group along `scatter_dim` with `reduce_op` ("sum" or "avg"). One
+    term for a matmul; more for a sum of matmul products over the same rows (the input gradient
+    of layers that share their input: q/k/v, gate/up)."""
+    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a[0].is_cuda, matmul_reduce_scatter_reference,
                      a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size)
 
 
 def _matmul_reduce_scatter_fake(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
                                 world_size, plan):
-    shape = _full_shape(a, b, out_shape)
+    shape = _full_shape(a[0], b[0], out_shape)
     shape[scatter_dim] = shape[scatter_dim] // world_size
-    return a.new_empty(shape)
+    return a[0].new_empty(shape)
 
 
-_define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
+_define("matmul_reduce_scatter(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
         "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
         matmul_reduce_scatter, _matmul_reduce_scatter_fake)
 
@@ -278,24 +290,25 @@ _define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, SymInt[] out_sh
 
 
 def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, world_size):
-    out = _as_nd(_matmul(a, b, bias), out_shape)
+    out = _as_nd(_sum_of_products(a, b, bias), out_shape)
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-def matmul_all_reduce(a: Tensor, b: Tensor, bias: Optional[Tensor], out_shape: Sequence[int],
-                      reduce_op: str, group_name: str, world_size: int, plan: str) -> Tensor:
-    """(a @ b + bias), viewed as `out_shape` (empty: the 2-d product), all-reduced over the group
-    with `reduce_op`."""
-    return _dispatch(MATMUL_ALL_REDUCE, plan, a.is_cuda, matmul_all_reduce_reference, a, b, bias,
-                     out_shape, reduce_op, group_name, world_size)
+def matmul_all_reduce(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
+                      out_shape: Sequence[int], reduce_op: str, group_name: str, world_size: int,
+                      plan: str) -> Tensor:
+    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...: the terms as for matmul_reduce_scatter), viewed
+    as `out_shape` (empty: the 2-d product), all-reduced over the group with `reduce_op`."""
+    return _dispatch(MATMUL_ALL_REDUCE, plan, a[0].is_cuda, matmul_all_reduce_reference, a, b,
+                     bias, out_shape, reduce_op, group_name, world_size)
 
 
 def _matmul_all_reduce_fake(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
-    return a.new_empty(_full_shape(a, b, out_shape))
+    return a[0].new_empty(_full_shape(a[0], b[0], out_shape))
 
 
-_define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, str reduce_op, "
-        "str group_name, SymInt world_size, str plan) -> Tensor",
+_define("matmul_all_reduce(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
+        "str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
         matmul_all_reduce, _matmul_all_reduce_fake)
 
 
@@ -315,7 +328,8 @@ def rms_norm_reference(h: Tensor, weight: Tensor, eps: float, weight_in_fp32: bo
 
 def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_weight, eps,
                                         weight_in_fp32, reduce_op, group_name, world_size):
-    summed = matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, world_size)
+    summed = matmul_all_reduce_reference([a], [b], bias, out_shape, reduce_op, group_name,
+                                         world_size)
     h = summed if residual is None else summed + residual
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 

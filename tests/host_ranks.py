@@ -31,8 +31,6 @@ class HostContext:
         self.DONE = world  # as OpContext's: W words of READY, then W of DONE
         self.data = HostBuffer(nbytes)
         self.flag_words = torch.zeros(64, dtype=torch.int32)
-        self.tape = torch.zeros(8, dtype=torch.int32)
-        self.one = torch.ones(1, dtype=torch.int32)
         self.side = SimpleNamespace(cuda_stream=0)
         self.ev_start = self.ev_end = 0
         self.ev_chunks = [0] * world
@@ -60,10 +58,7 @@ class HostContext:
     def peer_flag_addr(self, peer, idx):
         return self.flag_bases[peer] + 4 * idx
 
-    def tape_addr(self, role, epoch):
-        return self.tape.data_ptr() + 4 * (role * 4 + epoch % 4)
-
-    def signal(self, stream, role, epoch, dst_addrs):
+    def signal(self, stream, epoch, dst_addrs):
         for dst in dst_addrs:
             ctypes.c_int32.from_address(dst).value = epoch
 

@@ -29,9 +29,12 @@ class RecordingContext(HostContext):
         self.ev_sides = [f"ev_side{i}" for i in range(4)]
         self.chunk_flags = torch.zeros(world, dtype=torch.int32)
 
-    def signal(self, stream, role, epoch, dst_addrs):
-        self.ops.append(("signal", stream, "READY" if role == 0 else "DONE"))
-        super().signal(stream, role, epoch, dst_addrs)
+    def signal(self, stream, epoch, dst_addrs):
+        # the flag's name from its word on the peer: W words of READY, then W of DONE
+        words = {(dst - base) // 4 for dst in dst_addrs for base in self.flag_bases
+                 if 0 <= dst - base < 4 * len(self.flag_words)}
+        self.ops.append(("signal", stream, "READY" if max(words) < self.world else "DONE"))
+        super().signal(stream, epoch, dst_addrs)
 
 
 def _run(monkeypatch, ready_before_gemm, shape, **plan_options):

@@ -203,7 +203,7 @@ FUNCOL_EXPECTED = {
     "rs_dim0_sum": {"forward": [RS], "backward": [AG]},
     "rs_dim1_sum": {"forward": [RS], "backward": [AG]},
     "rs_dim1_avg": {"forward": [RS]},
-    # one matmul over the operands concatenated along K; backward: the gathered output
+    # one op over the sum's terms; backward: the gathered output
     # gradient feeds both input gradients
     "rs_sum_of_matmuls": {"forward": [RS], "backward": [AG]},
     "ar_sum": {"forward": [AR]},

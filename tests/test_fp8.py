@@ -622,8 +622,8 @@ def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch, term
         if terms == 2:
             a2, b2, s_a2, s_b2 = second[r]
             gemm = ScaledSum(gemm, ((a2, b2, Scaled.of(s_a2, s_b2, BF16, a2.dtype, False)),))
-        outs[r] = reduce_scatter.matmul_reduce_scatter_fused(
-            task, plan, a, b, None, [], 0, "sum", "0", world, gemm)
+        outs[r] = reduce_scatter._reduce_scatter(task, plan, a, b, None, [], 0, "sum", "0",
+                                                 world, gemm)
     assert reduce_scatter.stats["scaled_mm_reduce_scatter"] == served + 3
     rows = m // world
     for r in range(world):

@@ -196,31 +196,29 @@ class MatmulCollectiveTest(TestCase):
                                                    "sum", 1, g), randn(8, 16), randn(16, 32))
             rewrite(gm)
         self.assertExpectedInline(graph_text(gm), """\
-matmul_reduce_scatter_default = matmul_reduce_scatter(x_1, w_1, None, [1, 8, 2, 16], 1, 'sum', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([x_1], [w_1], None, [1, 8, 2, 16], 1, 'sum', '0', 2, '{"impl": "reference"}')
 return matmul_reduce_scatter_default
 """)
 
-    def test_reduce_scatter_of_a_sum_of_matmuls_becomes_one_matmul_over_operands_cat_along_k(self):
-        # The input gradient of q/k/v (or gate/up), which share their input:
-        # x1 @ w1 + x2 @ w2 = cat([x1, x2], 1) @ cat([w1, w2], 0).
+    def test_reduce_scatter_of_a_sum_of_matmuls_takes_each_terms_operands(self):
+        # The input gradient of q/k/v (or gate/up), which share their input: x1 @ w1 + x2 @ w2,
+        # the op's terms as they are (no operands concatenated along K, nothing copied).
         with fake_group(2) as g:
             gm = trace(lambda x1, w1, x2, w2: reduce_scatter(x1 @ w1 + x2 @ w2, "sum", 0, g),
                        randn(8, 16), randn(16, 32), randn(8, 8), randn(8, 32))
             report = rewrite(gm)
         self.assertEqual([(c.task, c.fused) for c in report.candidates], [
-            ("matmul_reduce_scatter M=8 K=24 N=32 float32 world=2 group=0 sum, 2 matmuls "
-             "concatenated along K, copies 960 elements", True)])
+            ("matmul_reduce_scatter M=8 K=24 N=32 float32 world=2 group=0 sum, 2 matmul "
+             "products summed", True)])
         self.assertExpectedInline(graph_text(gm), """\
-cat_default_1 = cat([w1_1, w2_1], 0)
-cat_default = cat([x1_1, x2_1], 1)
-matmul_reduce_scatter_default = matmul_reduce_scatter(cat_default, cat_default_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([x1_1, x2_1], [w1_1, w2_1], None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
 return matmul_reduce_scatter_default
 """)
 
     def test_sum_of_matmuls_scattered_on_the_sequence_of_b_2(self):
         # The backward of sequence-parallel q/k/v: each term's left operand permuted to
-        # rank-major rows (where its producer, here a pointwise op, can write it so), then the
-        # operands concatenated along K; the op's [B*S/W, H] rows are this rank's [B, S/W, H].
+        # rank-major rows (where its producer, here a pointwise op, can write it so), each a
+        # term of the op; the op's [B*S/W, H] rows are this rank's [B, S/W, H].
         def qkv_grad(dq, wq, dk, wk):
             total = (F.gelu(dq) @ wq).view(2, 8, 16) + (dk @ wk).view(2, 8, 16)
             return reduce_scatter(total, "sum", 1, g)
@@ -230,10 +228,9 @@ return matmul_reduce_scatter_default
             report = rewrite(gm)
         self.assertEqual(report.candidates[0].task,
                          "matmul_reduce_scatter M=16 K=12 N=16 float32 world=2 group=0 dim=1 sum, "
-                         "rank-major rows reordered in the graph, 2 matmuls concatenated along K, "
-                         "copies 256 elements")  # dk 16x4, the weights 8x16 and 4x16
+                         "rank-major rows reordered in the graph, 2 matmul products summed, "
+                         "copies 64 elements")  # dk 16x4, which no kernel of the graph writes
         self.assertExpectedInline(graph_text(gm), """\
-cat_default_1 = cat([wq_1, wk_1], 0)
 reshape_default_2 = reshape(dk_1, [2, 2, 4, 4])
 permute_default_1 = permute(reshape_default_2, [1, 0, 2, 3])
 reshape_default_3 = reshape(permute_default_1, [-1, 4])
@@ -245,8 +242,7 @@ mul_2 = mul.Tensor(mul, add)
 reshape_default = reshape(mul_2, [2, 2, 4, 8])
 permute_default = permute(reshape_default, [1, 0, 2, 3])
 reshape_default_1 = reshape(permute_default, [-1, 8])
-cat_default = cat([reshape_default_1, reshape_default_3], 1)
-matmul_reduce_scatter_default = matmul_reduce_scatter(cat_default, cat_default_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([reshape_default_1, reshape_default_3], [wq_1, wk_1], None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
 reshape_default_4 = reshape(matmul_reduce_scatter_default, [2, 4, 16])
 return reshape_default_4
 """)
@@ -267,7 +263,7 @@ return reshape_default_4
             gm = trace(lambda x, w: reduce_scatter(x @ w, "sum", 0, g), randn(8, 16), randn(16, 32))
             rewrite(gm)
         self.assertExpectedInline(graph_text(gm), """\
-matmul_reduce_scatter_default = matmul_reduce_scatter(x_1, w_1, None, [], 0, 'sum', '0', 4, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([x_1], [w_1], None, [], 0, 'sum', '0', 4, '{"impl": "reference"}')
 return matmul_reduce_scatter_default
 """)
 
@@ -283,7 +279,7 @@ view = view(x_1, [12, 16])
 reshape_default = reshape(view, [2, 2, 3, 16])
 permute_default = permute(reshape_default, [1, 0, 2, 3])
 reshape_default_1 = reshape(permute_default, [-1, 16])
-matmul_reduce_scatter_default = matmul_reduce_scatter(reshape_default_1, permute, None, [], 0, 'avg', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([reshape_default_1], [permute], None, [], 0, 'avg', '0', 2, '{"impl": "reference"}')
 reshape_default_2 = reshape(matmul_reduce_scatter_default, [2, 3, 8])
 return reshape_default_2
 """)
@@ -296,7 +292,7 @@ return reshape_default_2
         self.assertExpectedInline(graph_text(gm), """\
 view = view(x_1, [6, 16])
 permute = permute(w_1, [1, 0])
-matmul_all_reduce_default = matmul_all_reduce(view, permute, b_1, [2, 3, 8], 'sum', '0', 2, '{"impl": "reference"}')
+matmul_all_reduce_default = matmul_all_reduce([view], [permute], b_1, [2, 3, 8], 'sum', '0', 2, '{"impl": "reference"}')
 return matmul_all_reduce_default
 """)
 
@@ -415,7 +411,7 @@ return getitem_3
         self.assertExpectedInline(graph_text(gm), """\
 all_gather_matmul_default = all_gather_matmul(arg0_1, [arg1_1], [None], 0, '0', 2, '{"impl": "reference"}')
 getitem_1 = getitem(all_gather_matmul_default, 1)
-matmul_reduce_scatter_default = matmul_reduce_scatter(getitem_1, arg2_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([getitem_1], [arg2_1], None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
 return matmul_reduce_scatter_default
 """)
 
@@ -508,7 +504,7 @@ all_gather_matmul_default = all_gather_matmul(arg0_1, [permute], [None], 0, '0',
 getitem_1 = getitem(all_gather_matmul_default, 1)
 relu = relu(getitem_1)
 permute_1 = permute(arg2_1, [1, 0])
-matmul_reduce_scatter_default = matmul_reduce_scatter(relu, permute_1, None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
+matmul_reduce_scatter_default = matmul_reduce_scatter([relu], [permute_1], None, [], 0, 'sum', '0', 2, '{"impl": "reference"}')
 return matmul_reduce_scatter_default
 """)
 

@@ -68,7 +68,7 @@ def test_group_of_another_size_is_named():
 def test_unknown_group_is_named():
     with fake_group(2), pytest.raises(RuntimeError, match="'missing' of a compiled graph is not "
                                                           "known in this process"):
-        torch.ops.ditron.matmul_all_reduce(torch.randn(2, 2), torch.randn(2, 2), None, [],
+        torch.ops.ditron.matmul_all_reduce([torch.randn(2, 2)], [torch.randn(2, 2)], None, [],
                                            "sum", "missing", 2, REFERENCE_PLAN.encode())
 
 
@@ -79,22 +79,22 @@ def test_fake_shapes_follow_the_collectives():
         a = torch.empty(2, 3, 16)
         outs = torch.ops.ditron.all_gather_matmul(a, [torch.empty(16, 5)], [None], 1, "0", 4, "")
         assert [tuple(o.shape) for o in outs] == [(2, 12, 16), (24, 5)]
-        rs = torch.ops.ditron.matmul_reduce_scatter(torch.empty(24, 16), torch.empty(16, 8), None,
-                                                    [2, 12, 8], 1, "sum", "0", 4, "")
+        rs = torch.ops.ditron.matmul_reduce_scatter([torch.empty(24, 16)], [torch.empty(16, 8)],
+                                                    None, [2, 12, 8], 1, "sum", "0", 4, "")
         assert tuple(rs.shape) == (2, 3, 8)
-        ar = torch.ops.ditron.matmul_all_reduce(torch.empty(24, 16), torch.empty(16, 8), None,
-                                                [], "sum", "0", 4, "")
+        ar = torch.ops.ditron.matmul_all_reduce([torch.empty(24, 16)], [torch.empty(16, 8)],
+                                                None, [], "sum", "0", 4, "")
         assert tuple(ar.shape) == (24, 8)
 
 
 def test_tasks_are_built_once_per_shape():
     a, b = torch.randn(4, 8), torch.randn(8, 3)
-    args = (b, None, [], "sum", "0", 2)
-    first = ops.task_of(ops.MATMUL_ALL_REDUCE, a, *args)
-    assert ops.task_of(ops.MATMUL_ALL_REDUCE, torch.randn(4, 8), *args) is first
-    other = ops.task_of(ops.MATMUL_ALL_REDUCE, torch.randn(6, 8), *args)
+    args = ([b], None, [], "sum", "0", 2)
+    first = ops.task_of(ops.MATMUL_ALL_REDUCE, [a], *args)
+    assert ops.task_of(ops.MATMUL_ALL_REDUCE, [torch.randn(4, 8)], *args) is first
+    other = ops.task_of(ops.MATMUL_ALL_REDUCE, [torch.randn(6, 8)], *args)
     assert (first.m, other.m) == (4, 6) and other.op == ops.MATMUL_ALL_REDUCE
-    assert ops.task_of(ops.MATMUL_ALL_REDUCE, a.half(), *args).dtype == torch.float16
+    assert ops.task_of(ops.MATMUL_ALL_REDUCE, [a.half()], *args).dtype == torch.float16
     norm = ops.task_of(ops.MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], torch.randn(4, 3),
                        torch.ones(3), 1e-6, False, "sum", "0", 2)
     assert norm.has_residual and norm.op == ops.MATMUL_ALL_REDUCE_RMSNORM
@@ -103,6 +103,11 @@ def test_tasks_are_built_once_per_shape():
     gathered = ops.task_of(ops.ALL_GATHER_MATMUL, a, [b, torch.randn(8, 5)], [None, None], 0,
                            "0", 2)
     assert (gathered.m, gathered.ns) == (8, (3, 5))
-    scattered = ops.task_of(ops.MATMUL_REDUCE_SCATTER, a, b, None, [], 0, "avg", "0", 2)
-    assert (scattered.op, scattered.reduce_op, scattered.dim_size) == (
-        ops.MATMUL_REDUCE_SCATTER, "avg", 4)
+    scattered = ops.task_of(ops.MATMUL_REDUCE_SCATTER, [a], [b], None, [], 0, "avg", "0", 2)
+    assert (scattered.op, scattered.reduce_op, scattered.dim_size, scattered.terms) == (
+        ops.MATMUL_REDUCE_SCATTER, "avg", 4, 1)
+    # a sum of two products: K counts both terms', nothing copied
+    summed = ops.task_of(ops.MATMUL_REDUCE_SCATTER, [a, torch.randn(4, 5)],
+                         [b, torch.randn(5, 3)], None, [], 0, "sum", "0", 2)
+    assert (summed.k, summed.terms, summed.copy_elems) == (13, 2, 0)
+    assert "2 matmul products summed" in summed.describe()

@@ -300,8 +300,10 @@ def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
 
 
 def test_the_rewrites_copies_count_against_the_fused_plans():
-    """Rows reordered around the op, operands concatenated along K: the fused plans pay their
-    copies; the unfused graph pays the pointwise sum of the terms' products."""
+    """Rows reordered around the op: the fused plans pay their copies. A sum of matmul products:
+    the unfused graph pays the pointwise sum of the terms' products, the fused plans a read of
+    their output rows per further term (cuBLAS accumulating, beta = 1), and only the plans with
+    cuBLAS GEMMs take it."""
     from ditron_inductor.scheduler.cost_model import calibration, choose_device_plan, predict
 
     copied = dataclasses.replace(AG, dim=1, rows_reordered=True, copy_elems=8192 * 7168)
@@ -321,7 +323,12 @@ def test_the_rewrites_copies_count_against_the_fused_plans():
     summed = dataclasses.replace(rs, terms=3)
     sum_ms = 4 * 8192 * 8192 * 2 / (calibration(4)["copy_gbps"] * 1e6)
     assert predict(summed)["nccl_cublas"] == pytest.approx(predict(rs)["nccl_cublas"] + sum_ms)
-    assert predict(summed)["cublas"] == predict(rs)["cublas"]
+    accumulate_ms = 2 * 8192 * 8192 * 2 / (calibration(4)["copy_gbps"] * 1e6)
+    assert predict(summed)["cublas"] == pytest.approx(predict(rs)["cublas"] + accumulate_ms)
+    assert set(predict(summed)) == {"nccl_cublas", "cublas", "cublas_triton_reduce"}
+    assert "tri_tma_128x256" in predict(rs)
+    plan, _ = choose_device_plan(summed)
+    assert plan is not None and plan.gemm == "cublas"
 
 
 def test_calibration_by_world_picks_what_was_measured_best():

@@ -443,8 +443,9 @@ class MatmulCollectiveMatch:
     collective: Node
     wait: Node
     # One matmul, or the terms of a sum of matmul products (the input gradient of layers that
-    # share their input: q/k/v, gate/up), which the op computes as one matmul over the operands
-    # concatenated along K: sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
+    # share their input: q/k/v, gate/up), which the op takes as lists of operands; the RMSNorm
+    # op (one left operand) takes them as one matmul over the operands concatenated along K:
+    # sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
     matmuls: list[MatmulUse]
     reshape: Optional[Node]  # product -> N-d activation
     chunk_cat: Optional[ChunkCat]  # N-d activation -> pieces along scatter_dim stacked on dim 0
@@ -506,9 +507,9 @@ class MatmulCollectiveMatch:
 
     def _copied_elems(self):
         """What the rewrite copies: each left operand that it permutes or concatenates and
-        whose producer cannot write it so, and the concatenated weights (the terms of a sum
-        of _scaled_mm products stay apart: the op takes them as lists)."""
-        concatenated = len(self.matmuls) > 1 and not self.matmul.scaled
+        whose producer cannot write it so, and the concatenated weights (for the RMSNorm op
+        only: the others take a sum's terms as lists)."""
+        concatenated = len(self.matmuls) > 1 and self.norm is not None
         if not concatenated and self.row_order is None:
             return 0
         copied = sum((numel(fake(m.a).shape) for m in self.matmuls
@@ -620,9 +621,9 @@ def _users_problem(match: MatmulCollectiveMatch) -> Optional[str]:
 
 
 def _terms_problem(total: Node, matmuls: list[MatmulUse], op: str) -> Optional[str]:
-    """Why the terms of a sum of matmul products cannot be one matmul over operands
-    concatenated along K, nor (_scaled_mm products, each scaled on its own) the terms of the
-    scaled reduce-scatter, or None."""
+    """Why the terms of a sum of matmul products cannot be the op's terms (for the RMSNorm op:
+    one matmul over operands concatenated along K), nor (_scaled_mm products, each scaled on its
+    own) the terms of the scaled reduce-scatter, or None."""
     if len(matmuls) < 2:
         return None
     names = " + ".join(m.node.name for m in matmuls)

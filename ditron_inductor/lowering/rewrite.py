@@ -90,8 +90,10 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         if match.op not in REDUCE_SCATTER_PATTERNS:
             terms = tuple(t[0] for t in terms)
         operands = (*terms, mm.bias, mm.out_dtype, mm.use_fast_accum)
-    else:
-        operands = (*_operands(graph, lefts, match), mm.bias)
+    elif norm is not None:
+        operands = (*_concatenated_operands(graph, lefts, match), mm.bias)
+    else:  # one term per matmul product, each as it is
+        operands = (lefts, [m.weight for m in match.matmuls], mm.bias)
     if match.op in REDUCE_SCATTER_PATTERNS:
         target = (ditron.scaled_mm_reduce_scatter if mm.scaled
                   else ditron.matmul_reduce_scatter).default
@@ -129,10 +131,10 @@ def _scale_a(graph: Graph, scale_a: Node, order: Optional[RowOrder]) -> Node:
     return _to_rank_major(graph, scale_a, order)
 
 
-def _operands(graph: Graph, lefts: list[Node], match: MatmulCollectiveMatch
-              ) -> tuple[Node, Node]:
-    """The op's left and right operands: the matmul's, or for a sum of matmul products the
-    operands (`lefts`: the terms' left operands as the op takes their rows) concatenated
+def _concatenated_operands(graph: Graph, lefts: list[Node], match: MatmulCollectiveMatch
+                           ) -> tuple[Node, Node]:
+    """The RMSNorm op's left and right operands: the matmul's, or for a sum of matmul products
+    the operands (`lefts`: the terms' left operands as the op takes their rows) concatenated
     along K."""
     if len(lefts) == 1:
         return lefts[0], match.matmul.weight

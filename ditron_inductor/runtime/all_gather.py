@@ -215,7 +215,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         launch(*copy_twice, stream=buffer, **COPY_TWICE_META)
     else:
         driver.memcpy(ctx.data_addrs[r] + off, src, shard_bytes, buffer)
-    ctx.signal(buffer, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
+    ctx.signal(buffer, e, [ctx.peer_flag_addr(p, ctx.READY + r) for p in peers])
     if buffer != local:  # my rows of the gathered A after that copy, not before it
         driver.record(ctx.ev_buffer, main)
         driver.stream_wait(local, ctx.ev_buffer)
@@ -229,7 +229,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
         launch(*pull, stream=ctx.side.cuda_stream, **pull_meta)
         # I have read every peer's buffer of this parity (DONE[r] = e on each)
-        ctx.signal(ctx.side.cuda_stream, 1, e,
+        ctx.signal(ctx.side.cuda_stream, e,
                    [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
         driver.record(ctx.ev_end, ctx.side.cuda_stream)
         try:
@@ -275,7 +275,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         driver.record(ev, sh)
         driver.stream_wait(sides[0], ev)
     # I have read every peer's buffer of this parity (DONE[r] = e on each)
-    ctx.signal(sides[0], 1, e, [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
+    ctx.signal(sides[0], e, [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
     driver.record(ctx.ev_end, sides[0])
 
     # 3. the GEMM(s), overlapping the transfers

@@ -77,6 +77,7 @@ from .context import (
 from .launch import (
     DTYPES,
     WAIT_NAMES,
+    MatmulSum,
     check_errors,
     decline,
     gemm_beside,
@@ -165,9 +166,11 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
 
 
 def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
-                     weight_in_fp32, reduce_op, scaled: Optional[Scaled] = None):
+                     weight_in_fp32, reduce_op, scaled: Optional[Scaled | MatmulSum] = None):
     """(h, y) (y None without norm_weight), or None for inputs this path does not serve.
-    scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines), else None."""
+    scaled: the GEMM where it is not a @ b, its operands checked already: the scaled op's
+    (float8 operands, Scaled.declines) or a sum of matmul products (MatmulSum, a and b the
+    first term's), else None."""
     m, n = a.shape[0], b.shape[1]
     shape = list(out_shape) if len(out_shape) else [m, n]
     why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape, scaled)
@@ -564,7 +567,6 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     main = current_stream()
     layout = copy_engine_layout(ctx, task, plan, dtype, m, n)
     events = ctx.chunk_events(len(layout.chunk_rows))
-    one = ctx.one.data_ptr()
     if layout.sides:  # the copy streams follow the main stream's earlier work (and its capture)
         driver.record(ctx.ev_start, main)
     for side, flag_words in zip(layout.sides, layout.done_waits):
@@ -582,7 +584,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
                 driver.memcpy(dst, src, nbytes, side)
     for i, (side, ready_to) in enumerate(zip(layout.sides, layout.ready_to)):
         for dst in ready_to:
-            driver.memcpy(dst, one, 4, side)
+            driver.write(side, dst, 1)
         driver.record(ctx.ev_sides[i], side)
     for q in layout.peers:
         _take_flag(ctx, plan, main, ctx.READY + q)
@@ -590,7 +592,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     y = torch.empty_like(h) if norm_weight is not None else None
     _sum_norm(layout.slots, m * n, h, y, residual, norm_weight, m, n, eps, weight_in_fp32, world)
     for dst in layout.done_to:  # my slots on the peers are free again; join the copies
-        driver.memcpy(dst, one, 4, main)
+        driver.write(main, dst, 1)
     for i in range(len(layout.sides)):
         driver.stream_wait(main, ctx.ev_sides[i])
     check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, ONE_SHOT_FLAGS, code))
@@ -712,7 +714,7 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
         return None
     main = current_stream()
     layout = two_shot_layout(ctx, task, dtype, m, n)
-    events, one, r = ctx.chunk_events(world), ctx.one.data_ptr(), ctx.rank
+    events, r = ctx.chunk_events(world), ctx.rank
     ring = layout.order[:-1]
     for j, (q, out) in enumerate(zip(layout.order, layout.outs)):
         lo, hi = layout.slices[q]
@@ -724,7 +726,7 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
         driver.record(events[j], main)
         driver.stream_wait(side, events[j])
         driver.memcpy(*peer.scatter, side)
-        driver.memcpy(peer.ready_to, one, 4, side)
+        driver.write(side, peer.ready_to, 1)
     for q in ring:
         _take_flag(ctx, plan, main, ctx.READY + q)
     lo, hi = layout.slices[r]
@@ -736,7 +738,7 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
         driver.stream_wait(side, ctx.ev_end)
         for peer in layout.peers[i::len(layout.sides)]:
             driver.memcpy(*peer.gather, side)
-            driver.memcpy(peer.gathered_to, one, 4, side)
+            driver.write(side, peer.gathered_to, 1)
         driver.record(ctx.ev_sides[i], side)
     for idx in layout.gathered_waits:
         _take_flag(ctx, plan, main, idx)
@@ -751,7 +753,16 @@ def _copy_engine_two_shot(task: Task, plan: AllReducePlan, a, b, bias, residual,
 
 def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,
                             group_name, world_size):
-    out = all_reduce_fused(task, plan, a, b, bias, out_shape, None, None, 0.0, False, reduce_op)
+    """a, b: the op's terms, one each for a single matmul; a sum of several (MatmulSum) on the
+    plans whose GEMM is cuBLAS, declined before the protocol starts, alike on every rank."""
+    terms, why = MatmulSum.of(a, b)
+    if why:
+        return decline(why)
+    if terms is not None and plan.overlap and plan.gemm == TRITON:
+        return decline("a sum of matmul products: the persistent Triton GEMM beside push takes "
+                       "one term (cuBLAS plans only)")
+    out = all_reduce_fused(task, plan, a[0], b[0], bias, out_shape, None, None, 0.0, False,
+                           reduce_op, terms)
     return None if out is None else out[0]
 
 

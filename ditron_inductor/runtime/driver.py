@@ -8,11 +8,11 @@ host-bound (1.2-1.7 ms per call whatever the shape); a ctypes driver call costs 
 - `wait_geq`: cuStreamWaitValue32 (GEQ, cyclic int32 compare): the stream waits until a flag word
   reaches a value, without occupying an SM, so a persistent GEMM holding every SM can never starve
   the transfer it waits for.
-- `write`: cuStreamWriteValue32: a flag word = value once the prior work of the stream is done (the
-  write is ordered after a memory barrier). Used on local memory only.
-- `memcpy`: cuMemcpyAsync (unified addressing): the copy engine for peer memory; also how a
-  flag reaches a peer (4 bytes copied from a local word holding the epoch, after the data copy on
-  the same stream). A copy within one GPU runs as a kernel on the SMs (benchmarks/bench_copy.py):
+- `write`: cuStreamWriteValue32: a flag word, local or a peer's mapped one, = value once the prior
+  work of the stream is done (the write is ordered after a memory barrier): 3 us of the stream's
+  time, where a 4-byte copy of a local word to the peer cost 12 (benchmarks/bench_flags.py).
+- `memcpy`: cuMemcpyAsync (unified addressing): the copy engine for peer memory. A copy within
+  one GPU runs as a kernel on the SMs (benchmarks/bench_copy.py):
   beside a cuBLAS GEMM, whose persistent kernel holds every SM, it waits for the GEMM's last wave.
 - `memcpy_copy_engine`: one cuMemcpyBatchAsync copy with the hint to overlap compute
   (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, CUDA 12.8+ drivers): the driver may run a local copy

@@ -8,6 +8,7 @@ serve; `decline` says why at debug level.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 from typing import Optional
@@ -168,8 +169,9 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
 def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
                 first_row: int = 0, decode: bool = False):
     """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given, or
-    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, a being A's rows from first_row on;
-    decode (a plan's gemm="gemv"): the decode GEMM template where it takes a and b."""
+    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, or (a `MatmulSum`) the sum of the
+    terms' products, a being A's rows from first_row on; decode (a plan's gemm="gemv"): the
+    decode GEMM template where it takes a and b."""
     if scaled is not None:
         return scaled.matmul_into(a, b, bias, out, first_row)
     if tile is not None:
@@ -179,6 +181,41 @@ def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
     if bias is None:
         return torch.mm(a, b, out=out)
     return torch.addmm(bias, a, b, out=out)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulSum:
+    """The GEMM of a sum of matmul products over the same rows (the op's terms: the input
+    gradient of layers that share their input). Where a plan multiplies the first term's rows
+    into `out` (matmul_into, which takes it as it takes a scaled GEMM), each further term's rows,
+    sliced alike, are multiplied and accumulated into `out` by cuBLAS (beta = 1): no copy of the
+    operands concatenated along K, which cost the training step more than the GEMMs saved
+    (Inductor wrote each concatenated left operand by a kernel of its own)."""
+
+    others: tuple  # (a, b) of each further term
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, a: list, b: list) -> tuple[Optional["MatmulSum"], Optional[str]]:
+        """(None, None) for one term, (MatmulSum, None) for more, or (None, why) where the fused
+        plans cannot take the terms (checked before any protocol step, alike on every rank)."""
+        if len(a) != len(b):
+            return None, "terms: as many left operands as right ones"
+        first, n = a[0], b[0].shape[-1]
+        for a_i, b_i in zip(a, b):
+            if (a_i.dtype not in DTYPES or a_i.dtype != first.dtype or b_i.dtype != first.dtype
+                    or a_i.dim() != 2 or b_i.dim() != 2 or a_i.shape[0] != first.shape[0]
+                    or a_i.shape[1] != b_i.shape[0] or b_i.shape[1] != n):
+                return None, "dtype, rank or shape of the operands (of a term)"
+        if len(a) == 1:
+            return None, None
+        return cls(tuple(zip(a[1:], b[1:])), first.dtype), None
+
+    def matmul_into(self, a_rows, b, bias, out, first_row: int = 0) -> None:
+        matmul_into(a_rows, b, bias, out)
+        rows = slice(first_row, first_row + a_rows.shape[0])
+        for a_i, b_i in self.others:
+            out.addmm_(a_i[rows], b_i)
 
 
 def tile_launch(tile: GemmTile) -> dict:

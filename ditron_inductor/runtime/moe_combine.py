@@ -165,7 +165,7 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     r, e = ctx.rank, ctx.next_epoch()
     main = current_stream()
     publish(ctx, layout, output_split_sizes, input_split_sizes)
-    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
+    ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(world_size) if p != r])
     for q, count in enumerate(input_split_sizes):  # the receivers I send to have published
         if count and q != r:

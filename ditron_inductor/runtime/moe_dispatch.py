@@ -181,7 +181,7 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     main = current_stream()
     publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
             plan.block_m)
-    ctx.signal(main, 0, e, [ctx.peer_flag_addr(p, ctx.READY + r)
+    ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(world_size) if p != r])
     for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
         if n and q != r:

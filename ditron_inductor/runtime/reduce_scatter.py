@@ -43,7 +43,7 @@ from ..templates.reduce_scatter import pull_reduce_kernel
 from . import driver
 from .context import device_epoch, get_context, size_class, wait_limit
 from .kernel_launch import cdiv, current_stream, launch
-from .launch import (DTYPES, WAIT_NAMES, check_errors, decline, gemm_beside, matmul_into,
+from .launch import (WAIT_NAMES, MatmulSum, check_errors, decline, gemm_beside, matmul_into,
                      num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 from .scaled import Scaled, ScaledSum
 
@@ -69,15 +69,33 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
         gemms += gemm
     scaled = gemms[0] if len(gemms) == 1 else ScaledSum(gemms[0],
                                                          tuple(zip(a[1:], b[1:], gemms[1:])))
-    return matmul_reduce_scatter_fused(task, plan, a[0], b[0], bias, out_shape, scatter_dim,
-                                       reduce_op, group_name, world_size, scaled)
+    return _reduce_scatter(task, plan, a[0], b[0], bias, out_shape, scatter_dim, reduce_op,
+                           group_name, world_size, scaled)
 
 
 def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,
-                                scatter_dim, reduce_op, group_name, world_size,
-                                scaled: Optional[Scaled | ScaledSum] = None):
-    """scaled: the scaled op's GEMM (float8 operands, checked by Scaled.declines; a ScaledSum
-    for several terms, a and b the first term's), else None."""
+                                scatter_dim, reduce_op, group_name, world_size):
+    """a, b: the op's terms, one each for a single matmul; a sum of several (MatmulSum) on the
+    copy-engine plan with cuBLAS, declined before the protocol starts, alike on every rank."""
+    terms, why = MatmulSum.of(a, b)
+    if why:
+        return decline(why)
+    if terms is not None and (plan.gemm != CUBLAS or plan.transfer == SM):
+        return decline("a sum of matmul products: the copy-engine plan with cuBLAS only (each "
+                       "further term accumulated into the rows)")
+    if bias is not None and (bias.dim() != 1 or bias.dtype != a[0].dtype
+                             or bias.shape[0] != b[0].shape[1]):
+        return decline("bias")
+    return _reduce_scatter(task, plan, a[0], b[0], bias, out_shape, scatter_dim, reduce_op,
+                           group_name, world_size, terms)
+
+
+def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, scatter_dim,
+                    reduce_op, group_name, world_size,
+                    scaled: Optional[Scaled | ScaledSum | MatmulSum] = None):
+    """The first term's a and b; scaled: the GEMM where it is not a @ b, checked already: the
+    scaled op's (float8 operands, Scaled.declines; a ScaledSum for several terms), or a sum
+    of matmul products (MatmulSum)."""
     if reduce_op not in ("sum", "avg"):
         return decline(f"reduce_op {reduce_op}")
     if scatter_dim != 0:
@@ -85,15 +103,9 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
             return decline(f"scatter_dim {scatter_dim} interleaves the ranks' rows")
         # every dim before scatter_dim has size 1: the same rows as a scatter on dim 0
         lead = list(out_shape[:scatter_dim])
-        out = matmul_reduce_scatter_fused(task, plan, a, b, bias, list(out_shape[scatter_dim:]),
-                                          0, reduce_op, group_name, world_size, scaled)
+        out = _reduce_scatter(task, plan, a, b, bias, list(out_shape[scatter_dim:]), 0,
+                              reduce_op, group_name, world_size, scaled)
         return None if out is None else out.view(lead + list(out.shape))
-    if scaled is None:
-        if a.dtype not in DTYPES or a.dim() != 2 or b.dim() != 2 or b.dtype != a.dtype:
-            return decline("dtype or rank")
-        if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype
-                                 or bias.shape[0] != b.shape[1]):
-            return decline("bias")
     dtype = scaled.out_dtype if scaled else a.dtype  # the partials', the sums' and the output's
     M, K = a.shape
     N = b.shape[1]
@@ -124,8 +136,6 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
 
     driver.record(ctx.ev_start, main)
     driver.stream_wait(side, ctx.ev_start)
-    tape = ctx.tape_addr(1, e)
-    driver.write(side, tape, e)
     staging = torch.empty((W - 1, rows, N), dtype=dtype, device=a.device)
     st0 = staging.data_ptr()
     for i, p in enumerate(task.ring_order(r)[1:], start=1):  # the chunk for rank+1 first
@@ -136,7 +146,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
         wait_geq(ctx, plan, side, ctx.DONE + p, e - 1)
         driver.memcpy(ctx.data_addrs[p] + r * chunk_bytes, st0 + (i - 1) * chunk_bytes,
                       chunk_bytes, side)
-        driver.memcpy(ctx.peer_flag_addr(p, ctx.READY + r), tape, 4, side)  # READY[r] = e on p
+        ctx.signal(side, e, [ctx.peer_flag_addr(p, ctx.READY + r)])  # READY[r] = e on p
     mine = ctx.data.view(-1, dtype, (W, rows, N))
     matmul_into(a[r * rows:(r + 1) * rows], b, bias, mine[r], tile, scaled, r * rows)
     for q in range(W):
@@ -154,7 +164,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     else:
         out = torch.sum(mine, dim=0)
     # my slots are free again (DONE[r] = e on every peer)
-    ctx.signal(main, 0, e, [ctx.peer_flag_addr(q, ctx.DONE + r) for q in range(W) if q != r])
+    ctx.signal(main, e, [ctx.peer_flag_addr(q, ctx.DONE + r) for q in range(W) if q != r])
     driver.record(ctx.ev_end, side)
     driver.stream_wait(main, ctx.ev_end)
     check_errors(ctx, plan, task.op)

@@ -142,6 +142,20 @@ RS_CANDIDATES = {
     "tri_pull_p32_c16": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=16),
 }
 
+
+
+def candidates_for(task: Task) -> dict:
+    """The AG or RS candidates that can run the task: a sum of matmul products (terms > 1) on the
+    copy-engine plans with cuBLAS only, which accumulate each further term into the rows
+    (runtime/launch.MatmulSum); the Triton GEMMs take one term."""
+    if task.op == ALL_GATHER_MATMUL:
+        return AG_CANDIDATES
+    if task.terms == 1:
+        return RS_CANDIDATES
+    return {label: p for label, p in RS_CANDIDATES.items()
+            if p["gemm"] == "cublas" and p.get("transfer") != "sm"}
+
+
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
 #   torchrun --nproc-per-node 8 benchmarks/bench_fused.py  (benchmarks/results/fused_h200x8_*.json)
 # (see docs/experiments.md for how each constant was read off the table).
@@ -217,14 +231,16 @@ def _gemm_ms(m: int, k: int, n: int, triton: bool = False) -> float:
 
 
 def rewrite_costs(task: Task) -> tuple[float, float]:
-    """(ms of the rewrite's copies around the fused op, ms of the sum of products that the
-    unfused graph adds): what neither a fused candidate's nor NCCL + cuBLAS's time on one matmul
-    holds."""
+    """(ms of the rewrite's copies around the fused op and of its sum's accumulation, ms of the
+    sum of products that the unfused graph adds): what neither a fused candidate's nor NCCL +
+    cuBLAS's time on one matmul holds. The fused op reads its output rows once more per further
+    term (cuBLAS with beta = 1); the graph's adds read every product and write the sum."""
     c = calibration(task.world_size)
     b = _itemsize(task)
     elems = task.m_hint * task.n_total
-    copy_ms = 2 * size_hint(task.copy_elems) * b / (c["copy_gbps"] * 1e6)
-    sum_ms = (task.terms + 1) * elems * b / (c["copy_gbps"] * 1e6) if task.terms > 1 else 0.0
+    gbps = c["copy_gbps"] * 1e6
+    copy_ms = (2 * size_hint(task.copy_elems) + (task.terms - 1) * elems) * b / gbps
+    sum_ms = (task.terms + 1) * elems * b / gbps if task.terms > 1 else 0.0
     return copy_ms, sum_ms
 
 
@@ -268,7 +284,7 @@ def predict(task: Task) -> dict[str, float]:
         out["nccl_cublas"] = _gemm_ms(m, k, n) + full / (c["nccl_rs_gbps"] * 1e6) + sum_ms
         chunk_ms = full / w / (c["ce_gbps"] * 1e6)
         reduce_ms = full / (c["reduce_gbps"] * 1e6)  # W slots of one chunk = full bytes
-        for label, p in RS_CANDIDATES.items():
+        for label, p in candidates_for(task).items():
             if p.get("transfer") == "sm":  # the pull beside the GEMM; the last chunk's after it
                 nsm = p["comm_sms"]
                 g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
@@ -319,7 +335,7 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
         return None
     m, k, n = task.m_hint, size_hint(task.k), task.n_total
     row = measured_plans.nearest(task.op, task.world_size, task.dtype, m, k, n)
-    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    cands = candidates_for(task)
     fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
     if not fastest:
         return None
@@ -341,8 +357,7 @@ def _best_label(task: Task) -> str:
         return measured.fastest
     skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
-    cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
-    return min(cands, key=lambda label: preds.get(label, float("inf")))
+    return min(candidates_for(task), key=lambda label: preds.get(label, float("inf")))
 
 
 def candidate_plan(task: Task, label: str, **fields) -> FusedPlan:
@@ -378,7 +393,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         merged = {**({} if "gemm" in params else default), **params}
         return from_params(cls, merged, label=label).for_world(task.world_size)
     if task.op == SCALED_MM_ALL_REDUCE:
-        merged = {**({} if "algo" in params else fp8_all_reduce_params(task)), **params}
+        merged = {**({} if "algo" in params else cublas_all_reduce_params(task)), **params}
         return from_params(AllReducePlan, merged, label=merged["algo"]).for_world(
             task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
@@ -386,13 +401,13 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         cls, selector, label = AllReducePlan, "algo", ""
-        base = {} if selector in params else all_reduce_params(task)
+        base = ({} if selector in params else cublas_all_reduce_params(task) if task.terms > 1
+                else all_reduce_params(task))
     else:
         cls = AllGatherPlan if task.op == ALL_GATHER_MATMUL else ReduceScatterPlan
         selector = "gemm"
         label = "" if selector in params else _best_label(task)
-        cands = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
-        base = {} if selector in params else cands[label]
+        base = {} if selector in params else candidates_for(task)[label]
     merged = {**base, **params}
     if cls is AllReducePlan:
         label = merged["algo"]
@@ -604,10 +619,11 @@ _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, *SCALED_MM_PATTERNS, *MOE_PATTERNS)
 
 
-def fp8_all_reduce_params(task: Task) -> dict:
-    """all_reduce_params with a cuBLAS GEMM (the persistent Triton GEMM takes no float8): beside
-    push (prefill sizes), cuBLAS in row chunks, as many as AllReducePlan.for_world gives it (the
-    chunks all_reduce_params names are the Triton GEMM's)."""
+def cublas_all_reduce_params(task: Task) -> dict:
+    """all_reduce_params with a cuBLAS GEMM, for the scaled op and a sum of matmul products (the
+    persistent Triton GEMM takes no float8, and one term): beside push (prefill sizes), cuBLAS in
+    row chunks, as many as AllReducePlan.for_world gives it (the chunks all_reduce_params names
+    are the Triton GEMM's)."""
     params = {**all_reduce_params(task), "gemm": "cublas"}
     if params.get("overlap"):
         del params["chunks"]

@@ -48,9 +48,11 @@ class Task:
     What the graph does around the op, for the cost model:
     rows_reordered: the op runs on rank-major rows (gather/scatter on dim 0) and the graph puts
     the rows back in the order of `dim` around it (a permute, so the chunks are contiguous).
-    terms: how many matmuls the op computes as one, their operands concatenated along K (the
-    sum of matmul products that a reduce-scatter reduces); 1 for one matmul. The scaled
-    reduce-scatter sums its terms' _scaled_mm products instead (each has its own scales).
+    terms: how many matmul products over the same rows the op sums (the input gradient of
+    layers that share their input, reduce-scattered or all-reduced); 1 for one matmul; k counts
+    every term's. The op takes each term's operands as they are and accumulates the products into
+    the same rows (the fused plans' cuBLAS with beta = 1); only the RMSNorm op concatenates the
+    operands along K into one matmul.
     copy_elems: elements that the rewrite's reorders and concatenations copy and that Inductor
     cannot fold into a kernel the graph runs anyway.
 
@@ -133,7 +135,9 @@ class Task:
         if self.terms > 1:
             extra += (f", {self.terms} grouped GEMMs summed" if self.op in MOE_PATTERNS
                       else f", {self.terms} _scaled_mm products summed" if self.out_dtype
-                      else f", {self.terms} matmuls concatenated along K")
+                      else f", {self.terms} matmuls concatenated along K"
+                      if self.op == MATMUL_ALL_REDUCE_RMSNORM
+                      else f", {self.terms} matmul products summed")
         if self.copy_elems:
             extra += f", copies {self.copy_elems} elements"
         if self.out_dtype is not None:
@@ -198,6 +202,21 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
     )
 
 
+def with_terms(task: Task, a) -> Task:
+    """The task of a sum of products whose left operands are `a` (one per term), built from the
+    first term's: K counts every term's."""
+    if len(a) == 1:
+        return task
+    return dataclasses.replace(task, k=sum((t.shape[1] for t in a), 0), terms=len(a))
+
+
+def matmul_terms_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: str,
+                      group_name: str, world_size: int) -> Task:
+    """matmul_collective_task's from the op's lists of terms (a, b: one per term)."""
+    return with_terms(matmul_collective_task(op, a[0], b[0], bias, out_shape, dim, reduce_op,
+                                             group_name, world_size), a)
+
+
 def scale_kind(scale_a, scale_b) -> str:
     """How _scaled_mm's operands are scaled, from the scales' shapes (A [M, K], B [K, N])."""
     def one(size) -> bool:  # a symbolic size counts as > 1: no guard from a Task
@@ -241,12 +260,9 @@ def scaled_mm_reduce_scatter_task(a, b, scale_a, scale_b, bias, out_dtype,
     """The scaled reduce-scatter's Task from its terms (lists a, b, scale_a, scale_b: the sum of
     their _scaled_mm products is scattered), K counting every term's, the scales read as the
     first term's (the matcher fuses terms of one scaling only)."""
-    task = scaled_mm_collective_task(SCALED_MM_REDUCE_SCATTER, a[0], b[0], scale_a[0],
-                                     scale_b[0], bias, out_dtype, use_fast_accum, out_shape, dim,
-                                     reduce_op, group_name, world_size)
-    if len(a) == 1:
-        return task
-    return dataclasses.replace(task, k=sum((t.shape[1] for t in a), 0), terms=len(a))
+    return with_terms(scaled_mm_collective_task(
+        SCALED_MM_REDUCE_SCATTER, a[0], b[0], scale_a[0], scale_b[0], bias, out_dtype,
+        use_fast_accum, out_shape, dim, reduce_op, group_name, world_size), a)
 
 
 def all_to_all_grouped_mm_task(x, output_split_sizes, input_split_sizes, row_index, weights,

@@ -67,8 +67,10 @@ def _call(a, b, bias, residual, weight, w_fp32, group_name, world, plan):
     )
 
     if weight is None:
-        out = torch.ops.ditron.matmul_all_reduce(a, b, bias, [], "sum", group_name, world, plan)
-        return (out,), (matmul_all_reduce_reference(a, b, bias, [], "sum", group_name, world),)
+        out = torch.ops.ditron.matmul_all_reduce([a], [b], bias, [], "sum", group_name, world,
+                                                 plan)
+        return (out,), (matmul_all_reduce_reference([a], [b], bias, [], "sum", group_name,
+                                                    world),)
     out = torch.ops.ditron.matmul_all_reduce_rmsnorm(a, b, bias, [], residual, weight, EPS,
                                                      w_fp32, "sum", group_name, world, plan)
     ref = matmul_all_reduce_rmsnorm_reference(a, b, bias, [], residual, weight, EPS, w_fp32,

@@ -159,9 +159,9 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
                     a = torch.randn(m, k, generator=gen, device=dev, dtype=dtype)
                     b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
                     bias = torch.randn(n, generator=gen, device=dev, dtype=dtype) if call % 2 else None
-                    out = torch.ops.ditron.matmul_reduce_scatter(a, b, bias, [], 0, reduce_op,
+                    out = torch.ops.ditron.matmul_reduce_scatter([a], [b], bias, [], 0, reduce_op,
                                                                  group_name, world, plan)
-                    ref = matmul_reduce_scatter_reference(a, b, bias, [], 0, reduce_op,
+                    ref = matmul_reduce_scatter_reference([a], [b], bias, [], 0, reduce_op,
                                                           group_name, world)
                     tag = f"RS rows={rows} k={k} n={n} {dtype} {reduce_op} plan={plan_params} "
                     _check(tag + f"call={call}", out, ref)
@@ -171,9 +171,9 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
     a = torch.randn(4 * world * 6, 64, generator=gen, device=dev, dtype=dtype)
     b = torch.randn(64, 32, generator=gen, device=dev, dtype=dtype)
     shape = [4 * world, 6, 32]
-    out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, shape, 0, "sum", group_name, world,
-                                                 _plan(RS, world, 24 * world, 64, 32))
-    ref = matmul_reduce_scatter_reference(a, b, None, shape, 0, "sum", group_name, world)
+    out = torch.ops.ditron.matmul_reduce_scatter([a], [b], None, shape, 0, "sum", group_name,
+                                                 world, _plan(RS, world, 24 * world, 64, 32))
+    ref = matmul_reduce_scatter_reference([a], [b], None, shape, 0, "sum", group_name, world)
     assert out.shape == (4, 6, 32)
     _check("RS 3-d", out, ref)
     # scattered along dim 1 of [B, S, N]: fused for B = 1, the reference path for B = 2
@@ -183,13 +183,54 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
         a = torch.randn(batch * 4 * world, 64, generator=gen, device=dev, dtype=dtype)
         shape = [batch, 4 * world, 32]
         served = stats["matmul_reduce_scatter"]
-        out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, shape, 1, "sum", group_name,
+        out = torch.ops.ditron.matmul_reduce_scatter([a], [b], None, shape, 1, "sum", group_name,
                                                      world,
                                                      _plan(RS, world, 4 * batch * world, 64, 32))
-        ref = matmul_reduce_scatter_reference(a, b, None, shape, 1, "sum", group_name, world)
+        ref = matmul_reduce_scatter_reference([a], [b], None, shape, 1, "sum", group_name, world)
         assert (stats["matmul_reduce_scatter"] > served) == fused_expected, f"RS dim 1 B={batch}"
         assert out.shape == (batch, 4, 32)
         _check(f"RS dim 1 B={batch}", out, ref)
+
+
+def _sum_of_products_cases(group_name, world, gen, calls):
+    """The reduce-scatter and the all-reduce of a sum of 2 and 3 matmul products (the input
+    gradient of gate/up and q/k/v), the op taking each term's operands: served by the plans with
+    cuBLAS GEMMs (each further term accumulated into the rows), declined by the Triton GEMMs (the
+    reference path), the numbers the reference's either way."""
+    from ditron_inductor.ops import (matmul_all_reduce_reference,
+                                     matmul_reduce_scatter_reference)
+    from ditron_inductor.runtime import all_reduce, reduce_scatter
+
+    dev = torch.device("cuda")
+    rs_plans = ((dict(gemm="cublas", reduce="triton"), True), (dict(gemm="cublas"), True),
+                (dict(gemm="triton", tma=True), False), (RS_PULL, False))
+    ar_plans = ((dict(algo="copy_engine", chunks=2), True), (dict(algo="push"), True),
+                (dict(algo="push", overlap=True, gemm="triton", chunks=4, progs=16), False))
+    for rows, ks, n in ((96, (256, 128), 264), (128, (512, 128, 128), 384)):
+        m = rows * world
+        for call in range(calls):
+            a = [torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16) for k in ks]
+            b = [torch.randn(k, n, generator=gen, device=dev, dtype=torch.bfloat16) / k ** 0.5
+                 for k in ks]
+            tag = f"sum of {len(ks)} rows={rows} n={n} call={call}"
+            for params, fused in rs_plans:
+                served = reduce_scatter.stats["matmul_reduce_scatter"]
+                plan = _plan(RS, world, m, sum(ks), n, **params)
+                out = torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum",
+                                                             group_name, world, plan)
+                ref = matmul_reduce_scatter_reference(a, b, None, [], 0, "sum", group_name, world)
+                _check(f"RS {tag} {params}", out, ref)
+                assert (reduce_scatter.stats["matmul_reduce_scatter"] > served) == fused, \
+                    f"RS {tag} {params}: served by"
+            for params, fused in ar_plans:
+                served = all_reduce.stats["matmul_all_reduce"]
+                plan = _plan("matmul_all_reduce", world, m, sum(ks), n, **params)
+                out = torch.ops.ditron.matmul_all_reduce(a, b, None, [], "sum", group_name, world,
+                                                         plan)
+                ref = matmul_all_reduce_reference(a, b, None, [], "sum", group_name, world)
+                _check(f"AR {tag} {params}", out, ref)
+                assert (all_reduce.stats["matmul_all_reduce"] > served) == fused, \
+                    f"AR {tag} {params}: served by"
 
 
 def _rs_pull_graph_case(group_name, world, gen, replays=4):
@@ -205,8 +246,8 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
     b = torch.randn(k, n, generator=gen, device=dev, dtype=torch.bfloat16) / k ** 0.5
 
     def step():
-        return torch.ops.ditron.matmul_reduce_scatter(a, b, None, [], 0, "sum", group_name, world,
-                                                      plan)
+        return torch.ops.ditron.matmul_reduce_scatter([a], [b], None, [], 0, "sum", group_name,
+                                                      world, plan)
 
     saved, config.wait_timeout_s = config.wait_timeout_s, 0.0  # no host checks in a graph
     plan = _plan(RS, world, m, k, n, **RS_PULL)
@@ -225,7 +266,7 @@ def _rs_pull_graph_case(group_name, world, gen, replays=4):
         for replay in range(replays):
             a.copy_(torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16))
             graph.replay()
-            ref = matmul_reduce_scatter_reference(a, b, None, [], 0, "sum", group_name, world)
+            ref = matmul_reduce_scatter_reference([a], [b], None, [], 0, "sum", group_name, world)
             _check(f"RS pull graph replay={replay}", out, ref)
             if replay % 2:
                 _check(f"RS pull eager after replay={replay}", step(), ref)
@@ -365,6 +406,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
             _rs_cases(group_name, world, rank, dtype, gen, calls)
         served = _served()
         assert served["all_gather_matmul"] > 0 and served["matmul_reduce_scatter"] > 0, served
+        _sum_of_products_cases(group_name, world, gen, calls)
         _rs_pull_graph_case(group_name, world, gen)
         # two process groups in one program: the halves of the world, used alternately with it
         if world >= 4:
