@@ -60,6 +60,7 @@ from benchmarks.bench_fused import _timed_reps, bench_graph  # noqa: E402
 from ditron_inductor.scheduler.cost_model import (  # noqa: E402
     AG_CANDIDATES,
     RS_CANDIDATES,
+    candidates_for,
     choose_device_plan,
 )
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
@@ -170,7 +171,10 @@ def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
     table = VARIANTS[task.op]
     wanted = (table if variants == "default" else {} if variants == "none"
               else {k: v for k, v in table.items() if k in variants.split(",")})
+    serving = candidates_for(task) if task.op == MATMUL_REDUCE_SCATTER else None
     for label, params in wanted.items():
+        if serving is not None and label not in serving:  # a sum of products: cuBLAS only
+            continue
         if APPLIES.get(label, lambda m: True)(task.m):
             plans[label] = (plan_for(task, **params).encode(), None)
     return plans
