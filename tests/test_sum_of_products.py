@@ -108,3 +108,21 @@ def test_the_scheduler_gives_a_sum_the_cublas_plans():
     ar = matmul_terms_task(MATMUL_ALL_REDUCE, [torch.empty(4096, 1024, dtype=BF16)] * 2,
                            [torch.empty(1024, 8192, dtype=BF16)] * 2, None, [], 0, "sum", "0", 2)
     assert fused_plan(ar).gemm == "cublas"
+
+
+def test_the_rmsnorm_op_still_concatenates_a_sum():
+    """The RMSNorm op takes one left operand: a sum's terms concatenated along K (the rewrite's
+    copy, counted), no accumulation read charged, its plans not restricted to cuBLAS."""
+    import dataclasses
+
+    from ditron_inductor.scheduler.cost_model import rewrite_costs
+    from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, matmul_collective_task
+
+    a, b = torch.empty(4096, 2048, dtype=BF16), torch.empty(2048, 4096, dtype=BF16)
+    one = matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], 0, "sum", "0", 2)
+    norm = dataclasses.replace(one, terms=2)
+    summed = dataclasses.replace(one, op=MATMUL_ALL_REDUCE, terms=2)
+    assert not norm.sums_terms and summed.sums_terms
+    assert "2 matmuls concatenated along K" in norm.describe()
+    assert "2 matmul products summed" in summed.describe()
+    assert rewrite_costs(norm)[0] == 0.0 < rewrite_costs(summed)[0]

@@ -188,9 +188,10 @@ class MatmulSum:
     """The GEMM of a sum of matmul products over the same rows (the op's terms: the input
     gradient of layers that share their input). Where a plan multiplies the first term's rows
     into `out` (matmul_into, which takes it as it takes a scaled GEMM), each further term's rows,
-    sliced alike, are multiplied and accumulated into `out` by cuBLAS (beta = 1): no copy of the
-    operands concatenated along K, which cost the training step more than the GEMMs saved
-    (Inductor wrote each concatenated left operand by a kernel of its own)."""
+    sliced alike, are multiplied and accumulated into `out` by cuBLAS (beta = 1). The operands
+    concatenated along K had cost a TP 2 training step 1.4 ms of kernels (Inductor wrote each
+    concatenated left operand by a kernel of its own), the GEMMs per term cost it 0.9 ms
+    (benchmarks/results/sum_terms_flag_writes_h200x2.md)."""
 
     others: tuple  # (a, b) of each further term
     out_dtype: torch.dtype

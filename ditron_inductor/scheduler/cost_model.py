@@ -143,14 +143,13 @@ RS_CANDIDATES = {
 }
 
 
-
 def candidates_for(task: Task) -> dict:
     """The AG or RS candidates that can run the task: a sum of matmul products (terms > 1) on the
     copy-engine plans with cuBLAS only, which accumulate each further term into the rows
     (runtime/launch.MatmulSum); the Triton GEMMs take one term."""
     if task.op == ALL_GATHER_MATMUL:
         return AG_CANDIDATES
-    if task.terms == 1:
+    if not task.sums_terms:
         return RS_CANDIDATES
     return {label: p for label, p in RS_CANDIDATES.items()
             if p["gemm"] == "cublas" and p.get("transfer") != "sm"}
@@ -239,7 +238,8 @@ def rewrite_costs(task: Task) -> tuple[float, float]:
     b = _itemsize(task)
     elems = task.m_hint * task.n_total
     gbps = c["copy_gbps"] * 1e6
-    copy_ms = (2 * size_hint(task.copy_elems) + (task.terms - 1) * elems) * b / gbps
+    accumulated = (task.terms - 1) * elems if task.sums_terms else 0
+    copy_ms = (2 * size_hint(task.copy_elems) + accumulated) * b / gbps
     sum_ms = (task.terms + 1) * elems * b / gbps if task.terms > 1 else 0.0
     return copy_ms, sum_ms
 
@@ -401,7 +401,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         cls, selector, label = AllReducePlan, "algo", ""
-        base = ({} if selector in params else cublas_all_reduce_params(task) if task.terms > 1
+        base = ({} if selector in params else cublas_all_reduce_params(task) if task.sums_terms
                 else all_reduce_params(task))
     else:
         cls = AllGatherPlan if task.op == ALL_GATHER_MATMUL else ReduceScatterPlan

@@ -117,6 +117,12 @@ class Task:
         return size_hint(self.m)
 
     @property
+    def sums_terms(self) -> bool:
+        """Whether the op takes a sum's terms apart and accumulates their products (all but the
+        RMSNorm op, which takes them concatenated along K as one matmul)."""
+        return self.terms > 1 and self.op != MATMUL_ALL_REDUCE_RMSNORM
+
+    @property
     def n_total(self) -> int:
         return sum(size_hint(n) for n in self.ns)
 
@@ -135,9 +141,8 @@ class Task:
         if self.terms > 1:
             extra += (f", {self.terms} grouped GEMMs summed" if self.op in MOE_PATTERNS
                       else f", {self.terms} _scaled_mm products summed" if self.out_dtype
-                      else f", {self.terms} matmuls concatenated along K"
-                      if self.op == MATMUL_ALL_REDUCE_RMSNORM
-                      else f", {self.terms} matmul products summed")
+                      else f", {self.terms} matmul products summed" if self.sums_terms
+                      else f", {self.terms} matmuls concatenated along K")
         if self.copy_elems:
             extra += f", copies {self.copy_elems} elements"
         if self.out_dtype is not None:
