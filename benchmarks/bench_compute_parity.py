@@ -17,9 +17,9 @@ shapes of its TP degree, run on this GPU. Per row:
             + residual and RMSNorm compiled by Inductor after cuBLAS (one fused kernel)
   plan      torch.ops.ditron.<op> with the plan the scheduler picks for the site at its TP
             degree ("chosen"; none where it keeps NCCL + cuBLAS), and each variant of --variants
-            (calibration), decoded from the plan text as a compiled graph carries it; the sums'
-            operands concatenated, and the elements the pass counted as copied (Task.copy_elems)
-            copied in the timed call
+            (calibration), decoded from the plan text as a compiled graph carries it; a sum's
+            terms as the op takes them, and the elements the pass counted as copied
+            (Task.copy_elems) copied in the timed call
 Timing (METHOD.md): two sets of random inputs alternated, warm-up, CUDA events around --iters
 calls, the median of --reps repetitions; eager (the calls queued while the device spins, so
 their device time alone, as a device-bound training step sees it; the host's time to queue a
@@ -273,14 +273,14 @@ def contenders(site: Site, group_name: str, device: str, dtype):
     is what is compared (the gathered products, the scattered sum, the normalised rows)."""
     task = site.task
     m, k, ns = task.m, task.k, task.ns
-    copied = task.copy_elems // m  # columns of `a` that the graph's concatenation copies
+    copied = task.copy_elems // m  # columns of `a` that the rewrite's copies amount to
 
     def one_set():
         a = torch.randn(m, k, device=device, dtype=dtype)
         ws = [torch.randn(k, n, device=device, dtype=dtype) / k ** 0.5 for n in ns]
         extra = dict(residual=torch.randn(m, ns[0], device=device, dtype=dtype),
                      weight=torch.rand(ns[0], device=device, dtype=dtype) + 0.5,
-                     concatenated=torch.empty(m, copied, device=device, dtype=dtype))
+                     copies=torch.empty(m, copied, device=device, dtype=dtype))
         return a, ws, extra
     inputs = [one_set() for _ in range(2)]
     ops = torch.ops.ditron
@@ -305,7 +305,7 @@ def contenders(site: Site, group_name: str, device: str, dtype):
         def fused(text):
             def call(a, ws, extra):
                 if copied:  # the rewrite's copies (reordered rows)
-                    extra["concatenated"].copy_(a[:, :copied])
+                    extra["copies"].copy_(a[:, :copied])
                 if not site.term_ks:
                     return ops.matmul_reduce_scatter([a], [ws[0]], None, [], 0, "sum",
                                                      group_name, 1, text)

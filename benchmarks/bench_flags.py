@@ -104,8 +104,8 @@ def rows_for(backend: str, ops: int, reps: int) -> list[tuple[str, float]]:
             dist.barrier()
             torch.cuda.synchronize()
             dist.barrier()
-            word = ctx.flags.local.view(torch.int32)[ctx.READY + (rank - 1) % world].item()
-            assert word == value[0], f"{backend}, {name}: the peer's flag word holds {word}, " \
+            held = ctx.flags.local.view(torch.int32)[ctx.READY + (rank - 1) % world].item()
+            assert held == value[0], f"{backend}, {name}: the peer's flag word holds {held}, " \
                                      f"not {value[0]}"
         out.append((name, ms))
     base = out[0][1]
