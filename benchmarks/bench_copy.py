@@ -27,16 +27,18 @@ import torch.distributed._symmetric_memory as symm_mem
 from ditron_inductor.runtime import driver
 
 
-def timed(fn, streams, reps, gemm=None):
-    """Median ms from the first stream's start to every stream's end (max over ranks)."""
+def timed(fn, streams, reps, before=None):
+    """Median ms from the first stream's start to every stream's end (max over ranks). before:
+    (stream, fn) queued ahead of the start, untimed (a GEMM on its own stream beside the timed
+    work; a spin on the timed stream, behind which the host queues it all)."""
     main = torch.cuda.current_stream()
     times = []
     for _ in range(reps + 2):
         dist.barrier()
         torch.cuda.synchronize()
-        if gemm is not None:
-            with torch.cuda.stream(gemm[0]):
-                gemm[1]()
+        if before is not None:
+            with torch.cuda.stream(before[0]):
+                before[1]()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(main)
         for s in streams:

@@ -26,43 +26,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 
-from ditron_inductor.runtime import driver
-from ditron_inductor.runtime.context import get_context
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.bench_copy import timed  # noqa: E402
+from benchmarks.bench_fused import init_ranks  # noqa: E402
+from ditron_inductor.runtime import driver  # noqa: E402
+from ditron_inductor.runtime.context import get_context  # noqa: E402
 
-def timed(chain, reps: int) -> float:
-    """Median ms of one chain on the current stream (max over ranks), after two warm-ups. The
-    chain is queued behind a 5 ms sleep, so the device runs it without waiting for the host."""
-    main = torch.cuda.current_stream()
-    times = []
-    for _ in range(reps + 2):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(10_000_000)  # cycles: ~5 ms at 2 GHz
-        start.record(main)
-        chain()
-        end.record(main)
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = torch.tensor(statistics.median(times[2:]), device="cuda")
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return ms.item()
+SPIN_CYCLES = 10_000_000  # ~5 ms at 2 GHz: the host queues a whole chain behind it
 
 
 def rows_for(backend: str, ops: int, reps: int) -> list[tuple[str, float]]:
-    group = dist.group.WORLD
-    ctx = get_context("bench_flags", group.group_name, backend, 4096)
+    ctx = get_context("bench_flags", dist.group.WORLD.group_name, backend, 4096)
     rank, world = ctx.rank, ctx.world
     peer = (rank + 1) % world
     main = torch.cuda.current_stream().cuda_stream
     side = ctx.side.cuda_stream
     there, back = driver.event(), driver.event()
+    spin = (torch.cuda.current_stream(), lambda: torch.cuda._sleep(SPIN_CYCLES))
     x = torch.zeros(4096, device="cuda")
     word = torch.zeros(1, dtype=torch.int32, device="cuda")  # the copy's source
     value = [0]
@@ -99,7 +85,7 @@ def rows_for(backend: str, ops: int, reps: int) -> list[tuple[str, float]]:
             for _ in range(ops):
                 x.add_(1)
                 step()
-        ms = timed(chain, reps)
+        ms = timed(chain, [], reps, spin)
         if name in ("copy to peer", "write peer"):
             dist.barrier()
             torch.cuda.synchronize()
@@ -118,15 +104,13 @@ def main():
     ap.add_argument("--ops", type=int, default=100)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank, world, group_name = init_ranks()
     from ditron_inductor.runtime.symm import choose_backend_name
 
-    backends = sorted({choose_backend_name(dist.group.WORLD.group_name, "auto"), "torch"})
+    backends = sorted({choose_backend_name(group_name, "auto"), "torch"})
     table = {b: rows_for(b, args.ops, args.reps) for b in backends}
     if rank == 0:
-        print(f"\nFlag operations on {dist.get_world_size()} ranks ({torch.cuda.get_device_name()}),"
+        print(f"\nFlag operations on {world} ranks ({torch.cuda.get_device_name()}),"
               f" {args.ops} per chain: us each adds between two kernels (kernel only: us per "
               "kernel)\n")
         print("| operation | " + " | ".join(f"{b} us" for b in backends) + " |")
