@@ -514,9 +514,12 @@ def shape_rows(shape: tuple[int, int, int], models: dict, args, config, timer) -
             graphs = compiled_graphs()
             step()
             rows[label]["graphs_later_calls"] += compiled_graphs() - graphs
-        # its cProfile of the bare steps is host_profile's, below
-        bare = e2e_llama.interleaved(steps, timer, argparse.Namespace(**{**vars(args),
-                                                                         "profile_host": 0}))
+        # its cProfile of the bare steps is host_profile's, below; the device profile's ranks
+        # are gathered over the process group (no fake group here), no traces written
+        bare = e2e_llama.interleaved(
+            steps, timer, argparse.Namespace(**{**vars(args), "profile_host": 0,
+                                                "no_comm": False, "profile_trace": None}),
+            f"decode_b{batch}_p{prompt}")
         for label, decoder in decoders.items():
             row = rows[label]
             row.update(step_stats(*times[label], batch))
