@@ -479,10 +479,9 @@ def kernel_times(events, calls: int) -> dict:
     """{kind: device ms per call} over the kernels and copies among the profiler's `events`;
     "busy": the time some kernel runs (kernels on different streams overlap, so the kinds may sum
     past it; a step longer than it waited on the host); "span": from the first kernel's start to
-    the last one's end; "top": the kernels that took longest,
-    with kind and ms. A user annotation (a record_function range such as
-    "Optimizer.step#AdamW.step") is on the device's timeline too, spanning the kernels it
-    launched: not a kernel, not counted."""
+    the last one's end; "top": the kernels that took longest, with kind and ms. A user
+    annotation (a record_function range such as "Optimizer.step#AdamW.step") is on the device's
+    timeline too, spanning the kernels it launched: not a kernel, not counted."""
     from torch.autograd import DeviceType
 
     kernels = [e for e in events
@@ -721,6 +720,11 @@ def fp8_verdict(r: dict) -> str:
             f"difference from it ({listed})")
 
 
+def gap_lines(gaps: list) -> list[str]:
+    """One line per idle stretch of a profile: time and count per call, the kernels around it."""
+    return [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}" for before, after, t, n in gaps]
+
+
 def device_table(rows: list[dict], calls: int) -> str:
     """Each profiled contender's step beside its device time by kernel kind."""
     head = ["workload", "shape", "mode", "contender", "step ms", "busy ms",
@@ -750,15 +754,13 @@ def device_table(rows: list[dict], calls: int) -> str:
             if "gaps" in ms:
                 lines.append(f"  idle {ms['idle']:.3f} ms per call between its first kernel and "
                              "its last, most between (count per call):")
-                lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
-                          for before, after, t, n in ms["gaps"]]
+                lines += gap_lines(ms["gaps"])
             for rank, other in enumerate(ms.get("ranks", ())):
                 kinds = ", ".join(f"{k} {other[k]:.3f}" for k in PROFILE_KINDS if k in other)
                 lines.append(f"  rank {rank}: idle {other['idle']:.3f} ms per call"
                              + (f" (span {other['span']:.3f}, busy {other['busy']:.3f}; "
                                 f"{kinds})" if "span" in other else "") + ", most between:")
-                lines += [f"  {t:8.3f} ms  {n:5.1f}x  {before}  ->  {after}"
-                          for before, after, t, n in other["gaps"]]
+                lines += gap_lines(other["gaps"])
     return "\n".join(lines)
 
 

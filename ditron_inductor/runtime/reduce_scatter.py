@@ -80,7 +80,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     terms, why = MatmulSum.of(a, b)
     if why:
         return decline(why)
-    if terms is not None and (plan.gemm != CUBLAS or plan.transfer == SM):
+    if terms is not None and not plan.takes_terms:
         return decline("a sum of matmul products: the copy-engine plan with cuBLAS only (each "
                        "further term accumulated into the rows)")
     if bias is not None and (bias.dim() != 1 or bias.dtype != a[0].dtype

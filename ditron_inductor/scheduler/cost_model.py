@@ -144,15 +144,14 @@ RS_CANDIDATES = {
 
 
 def candidates_for(task: Task) -> dict:
-    """The AG or RS candidates that can run the task: a sum of matmul products (terms > 1) on the
-    copy-engine plans with cuBLAS only, which accumulate each further term into the rows
-    (runtime/launch.MatmulSum); the Triton GEMMs take one term."""
+    """The AG or RS candidates that can run the task: for a sum of matmul products, the plans
+    that take its terms (ReduceScatterPlan.takes_terms)."""
     if task.op == ALL_GATHER_MATMUL:
         return AG_CANDIDATES
     if not task.sums_terms:
         return RS_CANDIDATES
     return {label: p for label, p in RS_CANDIDATES.items()
-            if p["gemm"] == "cublas" and p.get("transfer") != "sm"}
+            if from_params(ReduceScatterPlan, p).takes_terms}
 
 
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by

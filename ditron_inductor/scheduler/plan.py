@@ -147,6 +147,13 @@ class ReduceScatterPlan(FusedPlan):
     pull_block: int = 0  # 0 until resolved for a world size
     pull_warps: int = 32
 
+    @property
+    def takes_terms(self) -> bool:
+        """Whether it serves a sum of matmul products: the copy-engine plan with cuBLAS, which
+        accumulates each further term into the rows (runtime/launch.MatmulSum); the Triton GEMMs
+        take one term."""
+        return self.gemm == CUBLAS and self.transfer != SM
+
     def for_world(self, world: int) -> "ReduceScatterPlan":
         # 32-warp programs with W blocks of 16384 in flight (bytes in flight per SM set the speed
         # over NVLink); 8192 from 8 ranks on, where 16384 spills registers (ptxas, sm_90a)
