@@ -44,7 +44,8 @@ import torch.distributed as dist
 AG_SHAPES = [(8192, 8192, 7168), (8192, 8192, 1280), (4096, 8192, 4096), (16384, 8192, 3584)]
 RS_SHAPES = [(8192, 3584, 8192), (8192, 1024, 8192), (16384, 3584, 8192)]
 
-from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.cost_model import (  # noqa: E402
+    AG_CANDIDATES, RS_CANDIDATES, candidates_for)
 from ditron_inductor.scheduler.plan import GemmTile  # noqa: E402
 
 
@@ -273,7 +274,7 @@ def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_pl
             else plans.get(chosen["label"], float("nan")))
 
 
-def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
+def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, candidates=AG_CANDIDATES):
     M, K, N = shape
     rows = M // world
     dev = "cuda"
@@ -313,46 +314,62 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan):
     plans["triton_gemm_only"] = safe("triton gemm", bench,
                                      lambda a, b: triton_gemm(full, b, None, out, GemmTile()),
                                      inputs, args.iters, args.reps)
-    ms["ditron"] = bench_candidates(f"AG {shape}", AG_CANDIDATES, ditron, lambda out: out[1],
+    ms["ditron"] = bench_candidates(f"AG {shape}", candidates, ditron, lambda out: out[1],
                                     inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
-def run_rs(shape, dtype, group_name, world, args, ditron_task_plan):
+def run_rs(shape, dtype, group_name, world, args, ditron_task_plan, candidates=RS_CANDIDATES,
+           term_ks=()):
+    """candidates: those that can run the site (cost_model.candidates_for). term_ks: a sum of
+    matmul products (the site's Site.term_ks), run as the graphs run it: each term's left operand
+    contiguous on its own; ditron's op takes the terms, NCCL + cuBLAS sums the products with
+    Inductor's add (one kernel); PyTorch's fused op, which takes one matmul, gets the operands
+    concatenated along K (the concatenation not timed)."""
     M, K, N = shape
+    term_ks = tuple(term_ks) or (K,)
     dev = "cuda"
-    inputs = [(torch.randn(M, K, device=dev, dtype=dtype),
-               torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5) for _ in range(2)]
+
+    def operands():
+        a = [torch.randn(M, k, device=dev, dtype=dtype) for k in term_ks]
+        b = [torch.randn(k, N, device=dev, dtype=dtype) / K ** 0.5 for k in term_ks]
+        return a, b, torch.cat(a, dim=1), torch.cat(b, dim=0)
+    inputs = [operands() for _ in range(2)]
     c10d = torch.ops._c10d_functional
+    add = torch.compile(lambda *products: sum(products[1:], products[0]))
 
-    def nccl_cublas(a, b):
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(a @ b, "sum", world, group_name))
+    def products(a, b):
+        return a[0] @ b[0] if len(a) == 1 else add(*(x @ w for x, w in zip(a, b)))
 
-    def torch_fused(a, b):
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+    def nccl_cublas(a, b, a_cat, b_cat):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(products(a, b), "sum", world,
+                                                           group_name))
 
-    def gemm_only(a, b):
-        return a @ b
+    def torch_fused(a, b, a_cat, b_cat):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a_cat, b_cat, "sum", 0, group_name)
+
+    def gemm_only(a, b, a_cat, b_cat):
+        return products(a, b)
 
     full = torch.randn(M, N, device=dev, dtype=dtype)
 
-    def comm_only(a, b):
+    def comm_only(a, b, a_cat, b_cat):
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", world, group_name))
 
     def ditron(params):
         text = plan_text("matmul_reduce_scatter", world, shape, params) \
             if params is not None else None
-        def f(a, b):
+        def f(a, b, a_cat, b_cat):
             if text is None:
-                return nccl_cublas(a, b)
-            return torch.ops.ditron.matmul_reduce_scatter([a], [b], None, [], 0, "sum",
+                return nccl_cublas(a, b, a_cat, b_cat)
+            return torch.ops.ditron.matmul_reduce_scatter(list(a), list(b), None, [], 0, "sum",
                                                           group_name, world, text)
         return f
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     plans = {}
-    ms["ditron"] = bench_candidates(f"RS {shape}", RS_CANDIDATES, ditron, lambda out: out, inputs,
-                                    args, ditron_task_plan, plans)
+    ms["ditron"] = bench_candidates(f"RS {shape} terms {term_ks}", candidates, ditron,
+                                    lambda out: out, inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
@@ -374,9 +391,9 @@ def cost_model_choice(op, shape, dtype, group_name, world, task=None):
 
 def llama_site_shapes(model: str, world: int, tokens: int) -> dict:
     """{op: [(shape, site)]}: the training step's sites at TP = world (benchmarks/llama_sites.py)
-    as this benchmark's one-weight shapes: several weights as one of their summed width, a sum
-    of products as one matmul over the concatenated K (the operands the pass concatenates).
-    The cost model's choice is taken on the site's own Task."""
+    as this benchmark's one-weight shapes: several weights as one of their summed width (the
+    operands the pass concatenates), a sum of products by its terms (Site.term_ks; K their sum).
+    The cost model's choice and the candidates are taken on the site's own Task."""
     from benchmarks.llama_sites import sites
 
     found = {}
@@ -472,9 +489,11 @@ def main():
                                                 group_name=group_name, dtype=dtype)
             choice = cost_model_choice(op, shape, dtype, group_name, world, task)
             HOST_MS.clear()
-            ms, plans = runner(shape, dtype, group_name, world, args, choice)
+            terms = dict(term_ks=site.term_ks) if site and site.term_ks else {}
+            ms, plans = runner(shape, dtype, group_name, world, args, choice,
+                               **(dict(candidates=candidates_for(task), **terms) if task else {}))
             row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1],
-                   "N": shape[2], "world": world,
+                   "N": shape[2], **terms, "world": world,
                    "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
                    "chosen": choice[0]["label"] if choice[0] else "nccl_cublas", "why": choice[1]}
             rows.append(row)

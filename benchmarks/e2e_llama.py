@@ -41,7 +41,9 @@ its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what 
 fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions
 only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`), and
 ditron_keep_mask_shard (fusions only with plain TP's all-reduces as reduce-scatter + all-gather,
-`ditron.sequence_shard=True`: prefill's residual stream sharded on rows). Timing: random
+`ditron.sequence_shard=True`: prefill's residual stream sharded on rows), and ditron_keep_mask_b
+(fusions only with the ditron options of --b-options on top: a change's effect on the step, timed
+in one process beside fusions only, where runs in separate processes differ by ~1%). Timing: random
 token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls,
 or of as many as take --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on
 GPU; the median over repetitions, the maximum over ranks; the spread of the repetitions ((max - min)
@@ -109,9 +111,11 @@ from tests import llama_tp  # noqa: E402
 # ditron_keep_mask_model: that, its AG/RS plans from the link model alone (ditron.measured_plans
 # off), to time the measured plans' choice against the model's in one run;
 # ditron_keep_mask_shard: fusions only with plain TP's all-reduces made reduce-scatter +
-# all-gather (ditron.sequence_shard), the residual stream sharded on rows between them
+# all-gather (ditron.sequence_shard), the residual stream sharded on rows between them;
+# ditron_keep_mask_b: fusions only with --b-options on top (B_OPTIONS)
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask",
-              "ditron_keep_mask_model", "ditron_keep_mask_shard")
+              "ditron_keep_mask_model", "ditron_keep_mask_shard", "ditron_keep_mask_b")
+B_OPTIONS: dict = {}  # --b-options, parsed: the ditron options of ditron_keep_mask_b
 WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
          "model.norm.weight")
@@ -123,7 +127,8 @@ FUSIONS_ONLY = {"ditron.causal_mask": False, "ditron.decode_gemm": False,
 CONTENDER_TITLES = {"ditron_keep_mask":
                     "ditron fusions only (mask, decode-GEMM and GQA rewrites off)",
                     "ditron_keep_mask_model": "fusions only, the link model's plans",
-                    "ditron_keep_mask_shard": "fusions only + sequence sharding"}
+                    "ditron_keep_mask_shard": "fusions only + sequence sharding",
+                    "ditron_keep_mask_b": "fusions only + --b-options"}
 # --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
 # report says how far, beside how far the other contenders lie: any change of rounding upstream
 # flips e5m2 gradient elements, so two right answers can lie 0.2 apart (2x H200, 4 layers)
@@ -165,6 +170,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                      if not c.startswith("ditron_keep_mask")),
                    help="ditron brings ditron_keep_mask (fusions only) along, but with "
                         "--no-comm; ditron_keep_mask_model runs where named")
+    p.add_argument("--b-options", default="",
+                   help="ditron_keep_mask_b's ditron options over fusions only, KEY=VALUE pairs "
+                        "separated by ';', e.g. 'ditron.skip_plans=cublas_accumulate,"
+                        "cublas_accumulate_c4'")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's implementation in the training step (torchtitan's default: "
                         "fused)")
@@ -212,6 +221,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8 and importlib.util.find_spec("torchao") is None:
         p.error("--fp8: torchao is not installed (pip install torchao)")
     chosen = args.contenders.split(",")
+    if ("ditron_keep_mask_b" in chosen) != bool(args.b_options):
+        p.error("--b-options and the contender ditron_keep_mask_b go together")
+    B_OPTIONS.clear()
+    B_OPTIONS.update(b_options(p, args.b_options))
     # without communication ditron fuses nothing: there, fusions only is Inductor
     if "ditron" in chosen and "ditron_keep_mask" not in chosen and not args.no_comm:
         args.contenders += ",ditron_keep_mask"
@@ -228,6 +241,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.contenders:
             p.error(f"--no-comm: --contenders must include one of {', '.join(NO_COMM_CONTENDERS)}")
     return args
+
+
+def b_options(p: argparse.ArgumentParser, text: str) -> dict:
+    """--b-options' 'ditron.KEY=VALUE;...' as options, each checked as torch.compile would."""
+    from ditron_inductor import config
+
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith(config.PREFIX):
+            p.error(f"--b-options: {item!r} is not {config.PREFIX}KEY=VALUE")
+        options[key.strip()] = value.strip()
+    try:
+        config.split_options(options, config.Options())
+    except config.OptionError as error:
+        p.error(f"--b-options: {error}")
+    return options
 
 
 # ---------------------------------------------------------------------------------- contenders
@@ -253,10 +283,11 @@ def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = 
                    "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
     if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_model",
-                     "ditron_keep_mask_shard"):
+                     "ditron_keep_mask_shard", "ditron_keep_mask_b"):
         options = {**(FUSIONS_ONLY if "keep_mask" in contender else {}),
                    **({"ditron.measured_plans": False} if contender.endswith("_model") else {}),
                    **({"ditron.sequence_shard": True} if contender.endswith("_shard") else {}),
+                   **(B_OPTIONS if contender.endswith("_b") else {}),
                    **({"ditron.patterns": ""} if no_comm else {})}
         if not options:  # as a user writes it
             return torch.compile(model, backend="ditron", mode=cuda_graphs, dynamic=False)

@@ -40,6 +40,8 @@ def table(runs: list[tuple[str, dict]]) -> dict:
                              n=r["N"],
                              site=r.get("site"), ms={k: round(v, 4) for k, v in ms.items()},
                              source=len(sources) - 1)
+            if len(r.get("term_ks") or ()) > 1:  # timed as a sum of products (bench_fused)
+                rows[key]["terms"] = len(r["term_ks"])
     return {"sources": sources, "rows": list(rows.values())}
 
 

@@ -14,6 +14,10 @@ Inductor's own keys, and an environment variable that sets its default:
     ditron.measured_plans    DITRON_MEASURED_PLANS     1 | 0 (0: the AG/RS plans from the link
                                                        model alone, never from the plans measured
                                                        at a near shape, scheduler/measured_plans.py)
+    ditron.skip_plans        DITRON_SKIP_PLANS         comma-separated AG/RS candidate labels
+                                                       (cost_model.AG_CANDIDATES, RS_CANDIDATES)
+                                                       the scheduler never takes, measured or
+                                                       predicted (default: none)
     ditron.decode_gemm       DITRON_DECODE_GEMM        1 | 0 (1: one-row matmuls, a decode step's
                                                        at batch 1, take the decode GEMM template,
                                                        lowering/decode_gemm.py)
@@ -90,6 +94,9 @@ class Options:
     # Take the fastest measured AG/RS plan at a measured shape near the task's (on the task's
     # world size) over the link model's prediction (scheduler/measured_plans.py).
     measured_plans: bool = True
+    # AG/RS candidates never taken (a plan's effect on a whole step, timed in one process
+    # against the same step without it: benchmarks/e2e_llama.py --b-options).
+    skip_plans: frozenset[str] = frozenset()
     # One-row matmuls (a decode step at batch 1), plain and inside the fused all-reduces, in the
     # decode GEMM template instead of cuBLAS (lowering/decode_gemm.py).
     decode_gemm: bool = True
@@ -113,7 +120,8 @@ class Options:
         return repr((sorted(self.patterns), sorted(str(d) for d in dtypes), self.force_plan,
                      self.symm_mem_backend, self.wait_timeout_s, self.causal_mask,
                      self.measured_plans, self.decode_gemm, self.gqa_packing,
-                     self.decode_gemm_groups, self.cuda_graphs, self.sequence_shard))
+                     self.decode_gemm_groups, self.cuda_graphs, self.sequence_shard,
+                     sorted(self.skip_plans)))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -132,6 +140,18 @@ def _patterns(name: str, value: Any) -> frozenset[str]:
     if unknown:
         raise OptionError(f"{name}={value!r}: unknown pattern(s) {', '.join(unknown)}; allowed: "
                           f"a comma-separated subset of {', '.join(PATTERNS)}")
+    return chosen
+
+
+def _skip_plans(name: str, value: Any) -> frozenset[str]:
+    from .scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # it reads this module
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    chosen = frozenset(str(p).strip() for p in items if str(p).strip())
+    unknown = sorted(chosen - {*AG_CANDIDATES, *RS_CANDIDATES})
+    if unknown:
+        raise OptionError(f"{name}={value!r}: unknown plan label(s) {', '.join(unknown)}; "
+                          "allowed: labels of cost_model.AG_CANDIDATES and RS_CANDIDATES")
     return chosen
 
 
@@ -179,6 +199,7 @@ OPTIONS = {
     "log_all_ranks": ("DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool),
     "causal_mask": ("DITRON_CAUSAL_MASK", "causal_mask", _bool),
     "measured_plans": ("DITRON_MEASURED_PLANS", "measured_plans", _bool),
+    "skip_plans": ("DITRON_SKIP_PLANS", "skip_plans", _skip_plans),
     "decode_gemm": ("DITRON_DECODE_GEMM", "decode_gemm", _bool),
     "decode_gemm_groups": ("DITRON_DECODE_GEMM_GROUPS", "decode_gemm_groups", _bool),
     "gqa_packing": ("DITRON_GQA_PACKING", "gqa_packing", _bool),
@@ -261,6 +282,7 @@ wait_timeout_s: float = _defaults.wait_timeout_s
 log_all_ranks: bool = _defaults.log_all_ranks
 causal_mask: bool = _defaults.causal_mask
 measured_plans: bool = _defaults.measured_plans
+skip_plans: frozenset[str] = _defaults.skip_plans
 decode_gemm: bool = _defaults.decode_gemm
 decode_gemm_groups: bool = _defaults.decode_gemm_groups
 gqa_packing: bool = _defaults.gqa_packing

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ditron_inductor.runtime.context import OpContext
+
 
 class HostBuffer:
     """A rank's symmetric buffer as host memory (the runtime's view(rank, dtype, shape))."""
@@ -51,6 +53,9 @@ class HostContext:
     def next_epoch(self):
         self.epoch += 1
         return self.epoch
+
+    announced = 0
+    announcements = OpContext.announcements
 
     def flag_addr(self, idx):
         return self.flag_bases[self.rank] + 4 * idx

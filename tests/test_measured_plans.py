@@ -15,13 +15,14 @@ from ditron_inductor.scheduler import cost_model, measured_plans
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
 
 
-def _run(rows, date="2026-11-26 02:55 UTC"):
-    """A bench_fused.py JSON with these (op, M, K, N, {label: ms}, NCCL + cuBLAS ms) rows."""
+def _run(rows, date="2026-11-26 02:55 UTC", **more):
+    """A bench_fused.py JSON with these (op, M, K, N, {label: ms}, NCCL + cuBLAS ms) rows (`more`
+    in each, e.g. term_ks)."""
     return {"meta": {"gpu": "NVIDIA H200", "date": date, "command": "torchrun ..."},
             "rows": [{"op": op, "world": 2, "dtype": "bfloat16", "M": m, "K": k, "N": n,
                       "site": None,
                       "plans": {**plans, "triton_gemm_only": 0.1},
-                      "ms": {"nccl_cublas": nccl, "ditron": 9.9}}
+                      "ms": {"nccl_cublas": nccl, "ditron": 9.9}, **more}
                      for op, m, k, n, plans, nccl in rows]}
 
 
@@ -114,6 +115,21 @@ def test_a_sum_of_products_adds_the_rewrite_costs_to_each_side(table):
     assert decision.unfused_ms == pytest.approx(1.558 + sum_ms)
 
 
+def test_a_row_timed_as_the_sum_holds_its_accumulation_and_add(table):
+    """bench_fused.py times a sum site by its terms (term_ks): the fused time holds the op's
+    accumulation and NCCL + cuBLAS's the graph's add, so neither is added again; the rewrite's
+    copies still are."""
+    data = table(_run([(RS, 8192, 14336, 4096, {"cublas_triton_reduce": 1.444}, 1.558)],
+                      term_ks=[7168, 7168]))
+    assert data["rows"][0]["terms"] == 2
+    task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=1 << 20)
+    copy_only = cost_model.rewrite_costs(_task(RS, 8192, 14336, 4096, copy_elems=1 << 20))[0]
+    assert 0 < copy_only < cost_model.rewrite_costs(task)[0]
+    decision = cost_model.measured_decision(task)
+    assert decision.fused_ms == pytest.approx(1.444 + copy_only)
+    assert decision.unfused_ms == pytest.approx(1.558)
+
+
 def test_the_option_off_leaves_the_link_model(table):
     table(_run([GATE_UP]))
     task = _task(*GATE_UP[:4])
@@ -129,13 +145,14 @@ def test_the_option_off_leaves_the_link_model(table):
 
 
 def test_bench_fused_times_the_llama_sites_as_one_weight_shapes():
-    """bench_fused.py --sites: the training step's sites as the table's (M, K, N) rows."""
+    """bench_fused.py --sites: the training step's sites as the table's (M, K, N) rows, a sum of
+    products with its terms' K."""
     from benchmarks.bench_fused import llama_site_shapes
 
     shapes = llama_site_shapes("8b", 2, 8192)
     assert [(shape, site.name) for shape, site in shapes[AG]][:2] == [
         ((8192, 4096, 3072), "q/k/v gather"), ((8192, 4096, 14336), "gate/up gather")]
-    # a sum of products: one matmul over the concatenated K
-    assert ((8192, 14336, 4096), "gate/up input-grad scatter") in [
-        (shape, site.name) for shape, site in shapes[RS]]
+    # a sum of products: K the terms' together, each term's K with the site
+    assert ((8192, 14336, 4096), "gate/up input-grad scatter", (7168, 7168)) in [
+        (shape, site.name, site.term_ks) for shape, site in shapes[RS]]
     assert (len(shapes[AG]), len(shapes[RS])) == (5, 5)

@@ -33,6 +33,8 @@ GOOD = [
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "1", "log_all_ranks", True),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "off", "causal_mask", False),
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "0", "measured_plans", False),
+    ("ditron.skip_plans", "DITRON_SKIP_PLANS", "cublas_accumulate, cublas_each", "skip_plans",
+     frozenset({"cublas_accumulate", "cublas_each"})),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "0", "decode_gemm_groups", False),
@@ -62,6 +64,9 @@ BAD = [
      "expected a boolean (1/0, true/false)"),
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "model",
      "expected a boolean (1/0, true/false)"),
+    ("ditron.skip_plans", "DITRON_SKIP_PLANS", "cublas,fastest",
+     "unknown plan label(s) fastest; allowed: labels of cost_model.AG_CANDIDATES and "
+     "RS_CANDIDATES"),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "cublas", "expected a boolean (1/0, true/false)"),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "always",
      "expected auto or a boolean (1/0, true/false)"),
@@ -103,7 +108,7 @@ def test_unknown_ditron_key_names_the_known_ones():
     assert str(error.value) == (
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
-        "ditron.causal_mask, ditron.measured_plans, ditron.decode_gemm, "
+        "ditron.causal_mask, ditron.measured_plans, ditron.skip_plans, ditron.decode_gemm, "
         "ditron.decode_gemm_groups, ditron.gqa_packing, ditron.sequence_shard, "
         "ditron.cuda_graphs")
 

@@ -103,7 +103,8 @@ def test_the_scheduler_gives_a_sum_the_cublas_plans():
 
     rs = matmul_terms_task(MATMUL_REDUCE_SCATTER, [torch.empty(8192, 7168, dtype=BF16)] * 2,
                            [torch.empty(7168, 4096, dtype=BF16)] * 2, None, [], 0, "sum", "0", 2)
-    assert set(candidates_for(rs)) == {"cublas_triton_reduce", "cublas"}
+    assert set(candidates_for(rs)) == {"cublas_triton_reduce", "cublas", "cublas_accumulate",
+                                       "cublas_accumulate_c4"}
     assert fused_plan(rs).gemm == "cublas"
     ar = matmul_terms_task(MATMUL_ALL_REDUCE, [torch.empty(4096, 1024, dtype=BF16)] * 2,
                            [torch.empty(1024, 8192, dtype=BF16)] * 2, None, [], 0, "sum", "0", 2)

@@ -97,6 +97,7 @@ class OpContext:
         self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
         self.ev_chunks = [driver.event() for _ in range(w)]
         self.epoch = 0
+        self.announced = 0  # announcements(): chunks announced so far, over every call
         self._counters: dict[int, list] = {}
         group_barrier(self.backend.group)  # every rank's flags are zero before anyone signals
 
@@ -132,6 +133,16 @@ class OpContext:
     def next_epoch(self) -> int:
         self.epoch += 1
         return self.epoch
+
+    def announcements(self, count: int) -> int:
+        """The flag value before this call's `count` announcements (a READY word that grows by
+        one per chunk announced, c = 1..count: base + c), then counted. Not epoch x count: calls
+        that cut different numbers of chunks share the context, and a value written by a call of
+        more chunks would satisfy a later call's waits before its data is there. Every rank makes
+        the same calls, so every rank counts alike."""
+        base = self.announced
+        self.announced += count
+        return base
 
     def flag_addr(self, idx: int) -> int:
         """Address of my own flag word idx (what my streams wait on)."""

@@ -8,6 +8,20 @@ Copy engine (transfer="copy_engine"; templates/reduce.py sums the slots for redu
   main stream   my own partial straight into my receive slot r; wait READY[q] >= e for every q;
                 out = sum of the W slots (x 1/W for avg); DONE[r] = e on every peer; join
 
+Pull and accumulate (accumulate=True, cuBLAS; _pull_accumulate): the partials stay with their
+maker until their owner pulls them, so that the owner's own product, last, lands on them:
+  main stream   wait DONE[p] >= e-2 for every peer (it pulled my buffer of parity e%2); for each
+                row chunk s of S, for p = r+1, ...: my partial for p's chunk s into my buffer's
+                slot p; READY[r] = base + s + 1 on p (base: the chunks the context announced
+                before this call, OpContext.announcements)
+  side stream   for each chunk s, each peer q: wait READY[q] >= base + s + 1; copy-engine pull of
+                my rows of chunk s from q's slot r into my output (3+ ranks: into a staging slot
+                per peer); DONE[r] = e on every peer
+  main stream   for each chunk s, after its pulls: (3+ ranks: the staging slots summed into my
+                output) my own product added by cuBLAS with beta = 1 (x 1/W for avg); join
+The reduction needs no kernel of its own after the last GEMM (at 2 ranks none at all): the pulls
+of chunk s run beside the GEMMs of the chunks after it.
+
 SM pull (transfer="sm"; kernels: templates/gemm_ready.py with SLICES = W, and
 templates/reduce_scatter.py). One call on rank r: the persistent Triton GEMM on SMs - P programs
 of the main stream writes a @ b (+ bias) into the half of my symmetric buffer of the call's epoch
@@ -48,6 +62,7 @@ from .launch import (WAIT_NAMES, MatmulSum, check_errors, decline, gemm_beside, 
 from .scaled import Scaled, ScaledSum
 
 CONTEXT = "matmul_reduce_scatter_pull"
+ACCUMULATE_CONTEXT = "matmul_reduce_scatter_accumulate"
 # calls served by the fused path, and those of them the SM pull served (tests check which ran)
 stats = {"matmul_reduce_scatter": 0, "pulled": 0, "scaled_mm_reduce_scatter": 0}
 
@@ -57,9 +72,9 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
                                    reduce_op, group_name, world_size):
     """a, b, scale_a, scale_b: one per term of the sum (ScaledSum), one for a single product."""
     # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
-    if plan.gemm != CUBLAS or plan.transfer == SM:
+    if plan.gemm != CUBLAS or plan.transfer == SM or plan.accumulate:
         return decline("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; "
-                       "the Triton GEMMs take no float8)")
+                       "the Triton GEMMs take no float8, _scaled_mm accumulates into nothing)")
     gemms = []
     for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b)):
         gemm, why = Scaled.checked(a_i, [b_i], s_a, [s_b], [bias if i == 0 else None],
@@ -125,6 +140,10 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
     if torch.cuda.is_current_stream_capturing():
         return decline("CUDA graph capture (epochs are host values)")
     rows = M // W
+    if plan.accumulate:
+        out = _pull_accumulate(task, plan, a, b, bias, scaled, dtype, rows, N, reduce_op,
+                               group_name)
+        return out.view(out_shape_scattered)
     esize = dtype.itemsize
     chunk_bytes = rows * N * esize
     ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
@@ -170,6 +189,82 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
     check_errors(ctx, plan, task.op)
     stats[task.op] += 1
     return out.view(out_shape_scattered)
+
+
+def accumulate_chunks(rows: int, chunks: int) -> int:
+    """The row chunks of each rank's partial in the pull-and-accumulate plan: the most, up to
+    `chunks`, that cut `rows` evenly."""
+    return next(c for c in range(max(1, min(chunks, rows)), 0, -1) if rows % c == 0)
+
+
+def _pull_accumulate(task: Task, plan: ReduceScatterPlan, a, b, bias, sums: Optional[MatmulSum],
+                     dtype, rows: int, N: int, reduce_op: str, group_name: str):
+    """My rows [rows, N] of the reduced sum (module docstring: pull and accumulate); `sums`: the
+    further terms of a sum of products, else None."""
+    S = accumulate_chunks(rows, plan.chunks)
+    sub = rows // S
+    esize = dtype.itemsize
+    slot_bytes = rows * N * esize
+    W = task.world_size
+    # two parities of W slots (slot p: my partial for rank p)
+    ctx = get_context(ACCUMULATE_CONTEXT, group_name, plan.symm_mem_backend, 2 * W * slot_bytes)
+    r = ctx.rank
+    e = ctx.next_epoch()
+    base = ctx.announcements(S)
+    half = ctx.data.nbytes // 2
+    off = (e % 2) * half
+    slots = ctx.data.view(-1, dtype, (W, rows, N), off)
+    main, side = current_stream(), ctx.side.cuda_stream
+    peers = task.ring_order(r)[1:]
+    out = torch.empty((rows, N), dtype=dtype, device=a.device)
+    staging = torch.empty((W - 1, rows, N), dtype=dtype, device=a.device) if W > 2 else None
+    driver.record(ctx.ev_start, main)
+    driver.stream_wait(side, ctx.ev_start)
+
+    # my partials for the peers, chunk by chunk (every peer's chunk s before any chunk s + 1)
+    for p in peers:
+        wait_geq(ctx, plan, main, ctx.DONE + p, e - 2)
+    for s in range(S):
+        for p in peers:
+            first = p * rows + s * sub
+            matmul_into(a[first:first + sub], b, bias, slots[p, s * sub:(s + 1) * sub], None,
+                        sums, first)
+            ctx.signal(main, base + s + 1, [ctx.peer_flag_addr(p, ctx.READY + r)])
+
+    # my rows of theirs, pulled as each chunk is announced
+    pulled = ctx.chunk_events(S)
+    for s in range(S):
+        for i, q in enumerate(peers):
+            wait_geq(ctx, plan, side, ctx.READY + q, base + s + 1)
+            dst = out if staging is None else staging[i]
+            driver.memcpy(dst[s * sub:].data_ptr(),
+                          ctx.data_addrs[q] + off + r * slot_bytes + s * sub * N * esize,
+                          sub * N * esize, side)
+        driver.record(pulled[s], side)
+    ctx.signal(side, e, [ctx.peer_flag_addr(q, ctx.DONE + r) for q in peers])
+    driver.record(ctx.ev_end, side)
+
+    # my own product onto them, chunk by chunk
+    for s in range(S):
+        rows_out = out[s * sub:(s + 1) * sub]
+        first = r * rows + s * sub
+        if not peers:  # one rank: nothing to add onto
+            matmul_into(a[first:first + sub], b, bias, rows_out, None, sums, first)
+            continue
+        driver.stream_wait(main, pulled[s])
+        if staging is not None:
+            torch.sum(staging[:, s * sub:(s + 1) * sub], dim=0, out=rows_out)
+        rows_out.addmm_(a[first:first + sub], b)
+        for a_i, b_i in sums.others if sums is not None else ():
+            rows_out.addmm_(a_i[first:first + sub], b_i)
+        if bias is not None:
+            rows_out.add_(bias)
+    if reduce_op == "avg":
+        out.mul_(1.0 / W)
+    driver.stream_wait(main, ctx.ev_end)
+    check_errors(ctx, plan, task.op)
+    stats[task.op] += 1
+    return out
 
 
 def chunk_blocks(slice_blocks: int, chunks: int) -> int:

@@ -111,9 +111,11 @@ VALIDATED_ON = {
                                   "cublas_1_3_4_s2", "cublas_1_1_2_4")},
     "cublas_each": (4,),
     # taken only where measured (measured_plans.json), never from the model, which prices the
-    # local copies as hidden either way: measured on 2 ranks
+    # local copies as hidden either way (the all-gathers), or has no term for the pulls (the
+    # reduce-scatters that accumulate)
     **{label: () for label in ("cublas_each_first_ready", "tri_tma_128x256_ready",
-                               "cublas_each_first_ready_beside")},
+                               "cublas_each_first_ready_beside", "cublas_accumulate",
+                               "cublas_accumulate_c4")},
     **{label: _BOTH for label in ("cublas_triton_reduce", "cublas")},
 }
 
@@ -140,18 +142,20 @@ RS_CANDIDATES = {
     "tri_pull_p32": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=8),
     "tri_pull_p16_c16": dict(gemm="triton", transfer="sm", comm_sms=16, chunks=16),
     "tri_pull_p32_c16": dict(gemm="triton", transfer="sm", comm_sms=32, chunks=16),
+    # the receivers pull their rows of the partials and cuBLAS adds their own product onto them
+    # (runtime/reduce_scatter._pull_accumulate): no reduction after the last GEMM
+    "cublas_accumulate": dict(gemm="cublas", accumulate=True, chunks=2),
+    "cublas_accumulate_c4": dict(gemm="cublas", accumulate=True, chunks=4),
 }
 
 
 def candidates_for(task: Task) -> dict:
-    """The AG or RS candidates that can run the task: for a sum of matmul products, the plans
-    that take its terms (ReduceScatterPlan.takes_terms)."""
-    if task.op == ALL_GATHER_MATMUL:
-        return AG_CANDIDATES
-    if not task.sums_terms:
-        return RS_CANDIDATES
-    return {label: p for label, p in RS_CANDIDATES.items()
-            if from_params(ReduceScatterPlan, p).takes_terms}
+    """The AG or RS candidates that can run the task, less the option's skipped ones
+    (ditron.skip_plans): for a sum of matmul products, the plans that take its terms
+    (ReduceScatterPlan.takes_terms)."""
+    table = AG_CANDIDATES if task.op == ALL_GATHER_MATMUL else RS_CANDIDATES
+    return {label: p for label, p in table.items() if label not in config.skip_plans
+            and (not task.sums_terms or from_params(ReduceScatterPlan, p).takes_terms)}
 
 
 # Calibration: 8x H200 (NVLink, NV18 all-to-all), torch 2.11, Triton 3.6, measured 2026-11-20 by
@@ -258,7 +262,7 @@ def predict(task: Task) -> dict[str, float]:
         out["nccl_cublas"] = gathered / (c["nccl_ag_gbps"] * 1e6) + _gemm_ms(m, k, n)
         moved = gathered * (w - 1) / w
         chunk_ms = gathered / w / (c["ce_gbps"] * 1e6)  # one peer chunk over the copy engine
-        for label, p in AG_CANDIDATES.items():
+        for label, p in candidates_for(task).items():
             if p["gemm"] == "triton" and p.get("transfer") == "sm":
                 nsm = p["comm_sms"]
                 g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
@@ -284,6 +288,8 @@ def predict(task: Task) -> dict[str, float]:
         chunk_ms = full / w / (c["ce_gbps"] * 1e6)
         reduce_ms = full / (c["reduce_gbps"] * 1e6)  # W slots of one chunk = full bytes
         for label, p in candidates_for(task).items():
+            if p.get("accumulate"):  # no term for the pulls: taken only where measured
+                continue
             if p.get("transfer") == "sm":  # the pull beside the GEMM; the last chunk's after it
                 nsm = p["comm_sms"]
                 g = _gemm_ms(m, k, n, triton=True) * c["num_sms"] / (c["num_sms"] - nsm)
@@ -338,7 +344,8 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     fastest = row and row.fastest(label for label in cands if label in VALIDATED_ON)
     if not fastest:
         return None
-    copy_ms, sum_ms = rewrite_costs(task)
+    # a row timed as the sum (its terms apart) holds the op's accumulation and the graph's add
+    copy_ms, sum_ms = rewrite_costs(task if row.terms == 1 else dataclasses.replace(task, terms=1))
     fused = row.ms[fastest] + copy_ms
     unfused = row.ms[measured_plans.NCCL_CUBLAS] + sum_ms
     rm, rk, rn = row.shape
@@ -726,6 +733,9 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     skip = unvalidated(task.world_size)
     preds = {k: v for k, v in predict(task).items() if k not in skip}
     base = preds.pop("nccl_cublas")
+    if not preds:
+        return None, f"every candidate skipped (ditron.skip_plans) or unvalidated on " \
+                     f"{task.world_size} ranks"
     best = min(preds, key=preds.get)
     plan = candidate_plan(task, best)
     summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"

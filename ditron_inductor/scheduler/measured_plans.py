@@ -28,11 +28,13 @@ NCCL_CUBLAS = "nccl_cublas"  # the unfused contender's key among a row's times
 
 
 class Measured(NamedTuple):
-    """A measured row: {label: ms} over the fused candidates and NCCL_CUBLAS."""
+    """A measured row: {label: ms} over the fused candidates and NCCL_CUBLAS; `terms`: the matmul
+    products the row's op summed (1: one matmul over the whole K)."""
 
     shape: tuple[int, int, int]
     ms: dict
     source: str
+    terms: int = 1
 
     def fastest(self, labels) -> Optional[str]:
         """The fastest of `labels` measured here (a fused candidate), or None."""
@@ -51,7 +53,8 @@ def _rows() -> dict:
         source = data["sources"][row["source"]]
         rows.setdefault((row["op"], row["world"], row["dtype"]), []).append(
             Measured((row["m"], row["k"], row["n"]), row["ms"],
-                     f"{source['file']}: {source['card']}, {source['date']}"))
+                     f"{source['file']}: {source['card']}, {source['date']}",
+                     row.get("terms", 1)))
     return rows
 
 

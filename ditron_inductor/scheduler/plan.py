@@ -131,7 +131,11 @@ class AllGatherPlan(FusedPlan):
 class ReduceScatterPlan(FusedPlan):
     """transfer="copy_engine": the GEMM per destination chunk (rank+1 first; gemm="cublas" or a
     Triton launch of `tile`), each chunk pushed by the copy engine as soon as it is computed, the
-    received partials summed by torch (reduce="torch") or a Triton kernel (reduce="triton").
+    received partials summed by torch (reduce="torch") or a Triton kernel (reduce="triton");
+    with accumulate=True (cuBLAS) the other way round: each rank computes its partials for the
+    peers into its symmetric buffer in `chunks` row chunks each, every peer pulls its rows of
+    them by the copy engine into its output (on 3+ ranks into slots that torch sums there) and
+    cuBLAS adds its own product onto them (beta = 1): no reduction after the last GEMM.
     transfer="sm": one persistent Triton GEMM (`tile`) on the SMs but `comm_sms`, which pull and
     sum my rows of every rank's partial beside it, chunk by chunk (`chunks`), with
     `pull_warps`-warp programs loading `pull_block` elements per rank a step."""
@@ -146,6 +150,7 @@ class ReduceScatterPlan(FusedPlan):
     chunks: int = 8
     pull_block: int = 0  # 0 until resolved for a world size
     pull_warps: int = 32
+    accumulate: bool = False
 
     @property
     def takes_terms(self) -> bool:
@@ -250,6 +255,8 @@ def family(plan: FusedPlan) -> str:
         return plan.algo + (f"+overlap:{plan.gemm}" if plan.overlap else "")
     if isinstance(plan, ReduceScatterPlan) and plan.transfer == SM:
         return "pull"
+    if isinstance(plan, ReduceScatterPlan) and plan.accumulate:
+        return "cublas/accumulate"
     if isinstance(plan, GroupedMmPlan):
         return "grouped_mm"
     return plan.gemm + ("/sm" if getattr(plan, "transfer", COPY_ENGINE) == SM else "")

@@ -67,8 +67,10 @@ AG_PLANS = [
     dict(),  # empty params: the defaults
 ]
 RS_PULL = dict(gemm="triton", transfer="sm", comm_sms=16, chunks=8)
+RS_ACCUMULATE = dict(gemm="cublas", accumulate=True, chunks=2)
 RS_PLANS = [dict(gemm="cublas"), dict(gemm="triton", tma=True), dict(), RS_PULL,
-            dict(RS_PULL, comm_sms=3, pull_block=1024, pull_warps=4)]  # many blocks a program
+            dict(RS_PULL, comm_sms=3, pull_block=1024, pull_warps=4),  # many blocks a program
+            RS_ACCUMULATE, dict(RS_ACCUMULATE, chunks=4)]
 
 
 def _served() -> dict:
@@ -203,7 +205,7 @@ def _sum_of_products_cases(group_name, world, gen, calls):
 
     dev = torch.device("cuda")
     rs_plans = ((dict(gemm="cublas", reduce="triton"), True), (dict(gemm="cublas"), True),
-                (dict(gemm="triton", tma=True), False), (RS_PULL, False))
+                (RS_ACCUMULATE, True), (dict(gemm="triton", tma=True), False), (RS_PULL, False))
     ar_plans = ((dict(algo="copy_engine", chunks=2), True), (dict(algo="push"), True),
                 (dict(algo="push", overlap=True, gemm="triton", chunks=4, progs=16), False))
     for rows, ks, n in ((96, (256, 128), 264), (128, (512, 128, 128), 384)):
