@@ -68,6 +68,15 @@ class HostContext:
             ctypes.c_int32.from_address(dst).value = epoch
 
 
+def random_terms(world, rows, ks, n, seed, dtype=torch.bfloat16):
+    """Each emulated rank's terms of a sum of matmul products, ([a_i], [b_i]) with a_i
+    [world * rows, k_i] and b_i [k_i, n] (one term for a plain matmul)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [([torch.randn(world * rows, k, generator=gen).to(dtype) for k in ks],
+             [(torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype) for k in ks])
+            for _ in range(world)]
+
+
 def host_driver(module, monkeypatch):
     """The runtime module's stream operations on host memory: copies and writes done at once,
     events and waits no-ops (the emulated ranks run one after the other)."""

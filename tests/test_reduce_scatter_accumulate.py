@@ -11,17 +11,9 @@ import torch
 
 from ditron_inductor.scheduler.decide import plan_for
 from ditron_inductor.scheduler.task import MATMUL_REDUCE_SCATTER, matmul_terms_task
-from tests.host_ranks import HostContext, host_driver
+from tests.host_ranks import HostContext, host_driver, random_terms
 
 BF16 = torch.bfloat16
-
-
-def _ranks(world, rows, ks, n, seed):
-    """Each rank's terms ([a_i], [b_i]): a_i [world * rows, k_i], b_i [k_i, n]."""
-    gen = torch.Generator().manual_seed(seed)
-    return [([torch.randn(world * rows, k, generator=gen).to(BF16) for k in ks],
-             [(torch.randn(k, n, generator=gen) / k ** 0.5).to(BF16) for k in ks])
-            for _ in range(world)]
 
 
 def _run_on_host_ranks(monkeypatch, world, rows, ks, n, chunks, bias=None, reduce_op="sum",
@@ -34,7 +26,7 @@ def _run_on_host_ranks(monkeypatch, world, rows, ks, n, chunks, bias=None, reduc
     pytest.importorskip("triton")
     from ditron_inductor.runtime import reduce_scatter
 
-    ranks = _ranks(world, rows, ks, n, seed=world * 100 + rows + len(ks))
+    ranks = random_terms(world, rows, ks, n, seed=world * 100 + rows + len(ks))
     if ctxs is None:
         ctxs = [HostContext(world, r, 2 * world * rows * n * 2) for r in range(world)]
         for c in ctxs:

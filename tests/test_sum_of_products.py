@@ -16,16 +16,9 @@ from ditron_inductor.scheduler.decide import plan_for
 from ditron_inductor.scheduler.task import (MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER,
                                             matmul_terms_task)
 from tests.host_ranks import HostContext, host_driver
+from tests.host_ranks import random_terms as _terms
 
 BF16 = torch.bfloat16
-
-
-def _terms(world, rows, ks, n, seed):
-    """Each rank's terms: ([a_i], [b_i]) with a_i [world * rows, k_i], b_i [k_i, n]."""
-    gen = torch.Generator().manual_seed(seed)
-    return [([torch.randn(world * rows, k, generator=gen).to(BF16) for k in ks],
-             [(torch.randn(k, n, generator=gen) / k ** 0.5).to(BF16) for k in ks])
-            for _ in range(world)]
 
 
 @pytest.mark.parametrize("ks", [(24,), (24, 40), (40, 8, 24)])
