@@ -245,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def b_options(p: argparse.ArgumentParser, text: str) -> dict:
     """--b-options' 'ditron.KEY=VALUE;...' as options, each checked as torch.compile would."""
-    from ditron_inductor import config
+    from ditron_inductor import backend, config
 
     options = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
@@ -254,7 +254,7 @@ def b_options(p: argparse.ArgumentParser, text: str) -> dict:
             p.error(f"--b-options: {item!r} is not {config.PREFIX}KEY=VALUE")
         options[key.strip()] = value.strip()
     try:
-        config.split_options(options, config.Options())
+        backend.inductor_patches(None, options)
     except config.OptionError as error:
         p.error(f"--b-options: {error}")
     return options

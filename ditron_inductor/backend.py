@@ -30,6 +30,7 @@ def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> 
     from torch._inductor import list_mode_options
 
     ditron_options, inductor_options = config.split_options(options, config.defaults())
+    check_plan_labels(ditron_options)
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options)
     if not ditron_options.enabled:
@@ -44,6 +45,17 @@ def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> 
         # compile every graph.
         patches.setdefault("fx_graph_cache", False)
     return patches
+
+
+def check_plan_labels(options: config.Options) -> None:
+    """ditron.skip_plans names candidates of the scheduler's tables, else an OptionError."""
+    from .scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES
+
+    unknown = sorted(options.skip_plans - {*AG_CANDIDATES, *RS_CANDIDATES})
+    if unknown:
+        raise config.OptionError(
+            f"ditron.skip_plans (DITRON_SKIP_PLANS): unknown plan label(s) {', '.join(unknown)}; "
+            "allowed: labels of cost_model.AG_CANDIDATES and RS_CANDIDATES")
 
 
 def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,

@@ -64,9 +64,6 @@ BAD = [
      "expected a boolean (1/0, true/false)"),
     ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "model",
      "expected a boolean (1/0, true/false)"),
-    ("ditron.skip_plans", "DITRON_SKIP_PLANS", "cublas,fastest",
-     "unknown plan label(s) fastest; allowed: labels of cost_model.AG_CANDIDATES and "
-     "RS_CANDIDATES"),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "cublas", "expected a boolean (1/0, true/false)"),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "always",
      "expected auto or a boolean (1/0, true/false)"),
@@ -100,6 +97,17 @@ def test_each_bad_value_is_an_error_naming_option_value_and_allowed(key, var, va
     with pytest.raises(config.OptionError) as through_env:
         config.from_env({var: value})
     assert str(through_env.value) == f"{var}={value!r}: {text}"
+
+
+def test_an_unknown_plan_label_to_skip_is_an_error_at_the_compile():
+    """ditron.skip_plans is checked against the scheduler's candidates where the compile starts
+    (the options module imports no layer above it)."""
+    with pytest.raises(config.OptionError) as error:
+        inductor_patches(None, {"ditron.skip_plans": "cublas,fastest"})
+    assert str(error.value) == (
+        "ditron.skip_plans (DITRON_SKIP_PLANS): unknown plan label(s) fastest; allowed: labels of "
+        "cost_model.AG_CANDIDATES and RS_CANDIDATES")
+    assert config.from_env({"DITRON_SKIP_PLANS": "fastest"}).skip_plans == {"fastest"}
 
 
 def test_unknown_ditron_key_names_the_known_ones():

@@ -72,9 +72,11 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
                                    reduce_op, group_name, world_size):
     """a, b, scale_a, scale_b: one per term of the sum (ScaledSum), one for a single product."""
     # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
-    if plan.gemm != CUBLAS or plan.transfer == SM or plan.accumulate:
+    if plan.gemm != CUBLAS or plan.transfer == SM:
         return decline("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; "
-                       "the Triton GEMMs take no float8, _scaled_mm accumulates into nothing)")
+                       "the Triton GEMMs take no float8)")
+    if plan.accumulate:
+        return decline("fp8: not the plan that accumulates (_scaled_mm accumulates into nothing)")
     gemms = []
     for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b)):
         gemm, why = Scaled.checked(a_i, [b_i], s_a, [s_b], [bias if i == 0 else None],
