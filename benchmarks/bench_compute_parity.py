@@ -277,7 +277,7 @@ def contenders(site: Site, group_name: str, device: str, dtype):
 
     def one_set():
         a = torch.randn(m, k, device=device, dtype=dtype)
-        ws = [torch.randn(k, n, device=device, dtype=dtype) / k ** 0.5 for n in ns]
+        ws = site.weights(device, dtype)  # as the site's graph holds them
         extra = dict(residual=torch.randn(m, ns[0], device=device, dtype=dtype),
                      weight=torch.rand(ns[0], device=device, dtype=dtype) + 0.5,
                      copies=torch.empty(m, copied, device=device, dtype=dtype))

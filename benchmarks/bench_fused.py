@@ -274,66 +274,79 @@ def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_pl
             else plans.get(chosen["label"], float("nan")))
 
 
-def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, candidates=AG_CANDIDATES):
+def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, candidates=AG_CANDIDATES,
+           weights=None):
+    """weights: () -> the right operands [K, N_i] as the site's graph holds them (a Site's
+    weights: several, the Linear weight's transpose in a forward site), default one [K, N]."""
     M, K, N = shape
     rows = M // world
     dev = "cuda"
-    inputs = [(torch.randn(rows, K, device=dev, dtype=dtype),
-               torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5) for _ in range(2)]
+    if weights is None:
+        def weights():
+            return [torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5]
+    inputs = [(torch.randn(rows, K, device=dev, dtype=dtype), weights()) for _ in range(2)]
     c10d = torch.ops._c10d_functional
 
-    def nccl_cublas(a, b):
+    def nccl_cublas(a, ws):
         g = c10d.wait_tensor(c10d.all_gather_into_tensor(a, world, group_name))
-        return g, g @ b
+        return [g, *(g @ w for w in ws)]
 
-    def torch_fused(a, b):
-        return torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)
+    def torch_fused(a, ws):
+        g, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, ws, 0, group_name)
+        return [g, *outs]
 
-    def gemm_only(a, b, _full=torch.randn(M, K, device=dev, dtype=dtype)):
-        return _full @ b
+    def gemm_only(a, ws, _full=torch.randn(M, K, device=dev, dtype=dtype)):
+        return [_full @ w for w in ws]
 
-    def comm_only(a, b):
+    def comm_only(a, ws):
         return c10d.wait_tensor(c10d.all_gather_into_tensor(a, world, group_name))
 
     def ditron(params):
         text = (plan_text("all_gather_matmul", world, shape, params) if params is not None
                 else None)
 
-        def f(a, b):
+        def f(a, ws):
             if text is None:
-                return nccl_cublas(a, b)
-            return torch.ops.ditron.all_gather_matmul(a, [b], [None], 0, group_name, world, text)
+                return nccl_cublas(a, ws)
+            return torch.ops.ditron.all_gather_matmul(a, ws, [None] * len(ws), 0, group_name,
+                                                      world, text)
         return f
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     from ditron_inductor.runtime.launch import triton_gemm
 
     full = torch.randn(M, K, device=dev, dtype=dtype)
-    out = torch.empty(M, N, device=dev, dtype=dtype)
+    outs = [torch.empty(M, w.shape[1], device=dev, dtype=dtype) for w in inputs[0][1]]
     plans = {}
-    plans["triton_gemm_only"] = safe("triton gemm", bench,
-                                     lambda a, b: triton_gemm(full, b, None, out, GemmTile()),
-                                     inputs, args.iters, args.reps)
-    ms["ditron"] = bench_candidates(f"AG {shape}", candidates, ditron, lambda out: out[1],
+    plans["triton_gemm_only"] = safe(
+        "triton gemm", bench,
+        lambda a, ws: [triton_gemm(full, w, None, o, GemmTile()) for w, o in zip(ws, outs)],
+        inputs, args.iters, args.reps)
+    ms["ditron"] = bench_candidates(f"AG {shape}", candidates, ditron,
+                                    lambda out: torch.cat([o.flatten() for o in out[1:]]),
                                     inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
 def run_rs(shape, dtype, group_name, world, args, ditron_task_plan, candidates=RS_CANDIDATES,
-           term_ks=()):
+           term_ks=(), weights=None):
     """candidates: those that can run the site (cost_model.candidates_for). term_ks: a sum of
     matmul products (the site's Site.term_ks), run as the graphs run it: each term's left operand
     contiguous on its own; ditron's op takes the terms, NCCL + cuBLAS sums the products with
     Inductor's add (one kernel); PyTorch's fused op, which takes one matmul, gets the operands
-    concatenated along K (the concatenation not timed)."""
+    concatenated along K (the concatenation not timed). weights: () -> [the right operand
+    [K, N] as the site's graph holds it] (a Site's weights: a forward site's the Linear weight's
+    transpose), default a contiguous one; the terms are its rows."""
     M, K, N = shape
     term_ks = tuple(term_ks) or (K,)
     dev = "cuda"
 
     def operands():
         a = [torch.randn(M, k, device=dev, dtype=dtype) for k in term_ks]
-        b = [torch.randn(k, N, device=dev, dtype=dtype) / K ** 0.5 for k in term_ks]
-        return a, b, torch.cat(a, dim=1), torch.cat(b, dim=0)
+        whole = (weights()[0] if weights is not None
+                 else torch.randn(K, N, device=dev, dtype=dtype) / K ** 0.5)
+        b = list(whole.split(term_ks, dim=0))
+        return a, b, torch.cat(a, dim=1), whole
     inputs = [operands() for _ in range(2)]
     c10d = torch.ops._c10d_functional
     add = torch.compile(lambda *products: sum(products[1:], products[0]))
@@ -390,10 +403,12 @@ def cost_model_choice(op, shape, dtype, group_name, world, task=None):
 
 
 def llama_site_shapes(model: str, world: int, tokens: int) -> dict:
-    """{op: [(shape, site)]}: the training step's sites at TP = world (benchmarks/llama_sites.py)
-    as this benchmark's one-weight shapes: several weights as one of their summed width (the
-    operands the pass concatenates), a sum of products by its terms (Site.term_ks; K their sum).
-    The cost model's choice and the candidates are taken on the site's own Task."""
+    """{op: [(shape, site)]}: the training step's sites at TP = world (benchmarks/llama_sites.py),
+    each shape (M, K, N) with N the site's weights' summed width (the measured table's key); the
+    site's weights are timed as its graph holds them (Site.weights: several for q/k/v and
+    gate/up, a forward site's the Linear weight's transpose), a sum of products by its terms
+    (Site.term_ks; K their sum). The cost model's choice and the candidates are taken on the
+    site's own Task."""
     from benchmarks.llama_sites import sites
 
     found = {}
@@ -490,10 +505,16 @@ def main():
             choice = cost_model_choice(op, shape, dtype, group_name, world, task)
             HOST_MS.clear()
             terms = dict(term_ks=site.term_ks) if site and site.term_ks else {}
+            # a site's weights as its graph holds them (several; a forward site's transposed)
+            held = (dict(weights=functools.partial(site.weights, "cuda", dtype)) if site
+                    else {})
             ms, plans = runner(shape, dtype, group_name, world, args, choice,
-                               **(dict(candidates=candidates_for(task), **terms) if task else {}))
+                               **(dict(candidates=candidates_for(task), **terms, **held)
+                                  if task else {}))
+            layout = ({"ns": list(site.task.ns), "b_transposed": site.weights_transposed}
+                      if site else {})
             row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1],
-                   "N": shape[2], **terms, "world": world,
+                   "N": shape[2], **terms, **layout, "world": world,
                    "dtype": args.dtype, "ms": ms, "plans": plans, "host_ms": dict(HOST_MS),
                    "chosen": choice[0]["label"] if choice[0] else "nccl_cublas", "why": choice[1]}
             rows.append(row)

@@ -58,6 +58,23 @@ class Site:
     cuda_graphs: bool = False
     term_ks: tuple[int, ...] = ()  # a sum of matmul products: each one's K (they add up to K)
 
+    @property
+    def weights_transposed(self) -> bool:
+        """Whether the site's graph multiplies by the Linear weights' transposes: a forward
+        site's `mm(x, permute(W))` hands the op a [K, N] view of a [N, K] weight (strides
+        (1, K)); a backward one (an output-gradient gather, an input-gradient scatter) the
+        weight itself, contiguous [K, N]."""
+        return "grad" not in self.name
+
+    def weights(self, device, dtype) -> list[torch.Tensor]:
+        """Random right operands [K, N_i], one per weight of the task, laid out as the site's
+        graph holds them (weights_transposed), scaled by 1 / sqrt(K)."""
+        k = self.task.k
+        if self.weights_transposed:
+            return [(torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5).t()
+                    for n in self.task.ns]
+        return [torch.randn(k, n, device=device, dtype=dtype) / k ** 0.5 for n in self.task.ns]
+
 
 def sites(model: str, world: int, workload: str, tokens: int,
           cuda_graphs: bool = False) -> list[Site]:

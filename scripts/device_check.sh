@@ -6,7 +6,10 @@
 # Steps: torch_logs unit e2e_gloo demo_nccl demo_nccl_fused fused_w2 (the default); gpu_w1 (the
 # fused GPU tests at world size 1, for a one-GPU machine), compute_parity (benchmarks/
 # bench_compute_parity.py: every fused plan at world size 1 beside the unfused compute; PARITY_ARGS
-# narrows it); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
+# narrows it), rank_local_work (benchmarks/bench_rank_local_work.py: a TP-W rank's local work in
+# the chosen training plans, transfers free, one GPU; RANK_WORK_ARGS), gemm_tiles
+# (benchmarks/bench_gemm_tiles.py: the Triton GEMM's tiles beside cuBLAS where a chosen plan runs
+# it; GEMM_TILES_ARGS); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
 # taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K;
 # DITRON_TEST_AG_PLANS=sm16_tma,... runs those plans alone),
@@ -93,6 +96,10 @@ gpu_w1() { DITRON_AR_QUICK=1 timeout -k 5 400 python3 -m pytest -q -s -p no:cach
   -k "world1 or fused[1]"; }
 compute_parity() { timeout -k 5 ${PARITY_LIMIT:-480} torchrun --nproc-per-node 1 \
   benchmarks/bench_compute_parity.py --out "$W/compute_parity" ${PARITY_ARGS:-}; }
+rank_local_work() { timeout -k 5 ${RANK_WORK_LIMIT:-240} python3 \
+  benchmarks/bench_rank_local_work.py --out "$W/rank_local_work" ${RANK_WORK_ARGS:-}; }
+gemm_tiles() { timeout -k 5 ${GEMM_TILES_LIMIT:-300} python3 benchmarks/bench_gemm_tiles.py \
+  --out "$W/gemm_tiles" ${GEMM_TILES_ARGS:-}; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_exit_gpu.py; }
 ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running (the SM-pull defect)

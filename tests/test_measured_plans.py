@@ -144,14 +144,22 @@ def test_the_option_off_leaves_the_link_model(table):
     assert config.Options(measured_plans=False).cache_key() != config.Options().cache_key()
 
 
-def test_bench_fused_times_the_llama_sites_as_one_weight_shapes():
-    """bench_fused.py --sites: the training step's sites as the table's (M, K, N) rows, a sum of
+def test_bench_fused_times_the_llama_sites_with_their_weights():
+    """bench_fused.py --sites: the training step's sites keyed as the table's (M, K, N) rows (N the
+    weights' summed width), each timed with its weights as the graph holds them (q/k/v's three,
+    a forward site's the Linear weight's transpose, a backward site's the weight), a sum of
     products with its terms' K."""
     from benchmarks.bench_fused import llama_site_shapes
 
     shapes = llama_site_shapes("8b", 2, 8192)
     assert [(shape, site.name) for shape, site in shapes[AG]][:2] == [
         ((8192, 4096, 3072), "q/k/v gather"), ((8192, 4096, 14336), "gate/up gather")]
+    qkv = dict((site.name, site) for _, site in shapes[AG])["q/k/v gather"].weights("cpu",
+                                                                                  torch.float32)
+    assert [(tuple(w.shape), w.stride()) for w in qkv] == [
+        ((4096, 2048), (1, 4096)), ((4096, 512), (1, 4096)), ((4096, 512), (1, 4096))]
+    grad = dict((site.name, site) for _, site in shapes[AG])["o output-grad gather"]
+    assert [w.stride() for w in grad.weights("cpu", torch.float32)] == [(2048, 1)]
     # a sum of products: K the terms' together, each term's K with the site
     assert ((8192, 14336, 4096), "gate/up input-grad scatter", (7168, 7168)) in [
         (shape, site.name, site.term_ks) for shape, site in shapes[RS]]
