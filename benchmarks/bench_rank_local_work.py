@@ -5,8 +5,8 @@
 
 The world-1 parity table (bench_compute_parity.py) runs each op at world size 1, where the
 all-gather copies the whole input (W times a rank's shard) and no GEMM is cut into the ranks'
-chunks: it is not what a rank of W computes. Here each training site of Llama-3-8B
-(benchmarks/llama_sites.py, 8192 tokens) at TP W runs the local work of the plan the scheduler
+chunks: it is not what a rank of W computes. Here each training site of Llama-3-8B and -70B
+(--models; benchmarks/llama_sites.py, 8192 tokens) at TP W runs the local work of the plan the scheduler
 chooses there, with every peer's data taken as arrived (B as the model holds it, Site.weights):
   unfused    the GEMM over all M rows (cuBLAS per weight; a sum of products as Inductor computes
              it): what NCCL + cuBLAS computes
@@ -16,7 +16,8 @@ chooses there, with every peer's data taken as arrived (B as the model holds it,
   plan       + its local passes on the streams the plan puts them on: the all-gather's copy of
              my shard into the buffer the peers pull (main stream before the GEMM where the plan
              is ready_before_gemm) and into my rows of the gathered A (beside, on a stream of its
-             own, where local_copies_beside and cuBLAS); the reduce-scatter's partials for the
+             own, where local_copies_beside and cuBLAS; before the Triton GEMM, as two copies
+             where the runtime writes both in one kernel); the reduce-scatter's partials for the
              peers in a staging buffer and the reduction of the W slots of my rows
   no_buffer  (all-gather) the plan without the copy into the peers' buffer: what is left if the
              producer of A wrote my shard there itself
@@ -33,6 +34,7 @@ tables add to these rows. Timing as bench_fused: the device spinning while the h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -178,11 +180,11 @@ def all_gather_work(site, plan, device, dtype) -> tuple[dict, Callable[[], float
 
     def check() -> float:
         gathered.copy_(a)
-        outs_before = [o.fill_(float("nan")) for o in outs]
+        for o in outs:
+            o.fill_(float("nan"))
         local(True)()
         ref = torch.cat([(a @ w).flatten() for w in ws])
-        return max(rel_err(torch.cat([o.flatten() for o in outs_before]), ref),
-                   rel_err(buffer, mine))
+        return max(rel_err(torch.cat([o.flatten() for o in outs]), ref), rel_err(buffer, mine))
 
     return {"unfused": lambda: [a @ w for w in ws], "gemms": gemms, "plan": local(True),
             "no_buffer": local(False), "two_gemms": lambda: cublas_groups((1, W - 1))}, check
@@ -290,7 +292,6 @@ def run(args) -> list[dict]:
 
 def tiny(site):
     """The site at toy sizes (each dim / 64, K and N kept divisible by the terms and the world)."""
-    import dataclasses
     t = site.task
     term_ks = tuple(max(1, k // 64) for k in site.term_ks)
     k = sum(term_ks) if term_ks else max(8, t.k // 64)
