@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.bench_rank_local_work import timed, tiny  # noqa: E402
+from benchmarks.bench_rank_local_work import site_arguments, timed, tiny  # noqa: E402
 from benchmarks.llama_sites import sites  # noqa: E402
 from ditron_inductor.runtime.launch import triton_gemm  # noqa: E402
 from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
@@ -48,16 +48,8 @@ TILES = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tp", default="2,4,8")
-    p.add_argument("--models", default="8b,70b")
-    p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--tiles", default=",".join(TILES), help="comma-separated labels of TILES")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
-    p.add_argument("--out", help="write <out>.json and <out>.md")
-    return p.parse_args(argv)
+    return site_arguments(p, tp="2,4,8", models="8b,70b").parse_args(argv)
 
 
 def triton_sites(args):

@@ -56,17 +56,23 @@ from ditron_inductor.scheduler.plan import TRITON  # noqa: E402
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tp", default="2,4")
+def site_arguments(p: argparse.ArgumentParser, tp: str, models: str) -> argparse.ArgumentParser:
+    """The options of a one-GPU benchmark over the training step's sites (this one's and
+    bench_gemm_tiles')."""
+    p.add_argument("--tp", default=tp)
+    p.add_argument("--models", default=models, help="comma-separated: 8b,70b")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--models", default="8b", help="comma-separated: 8b,70b")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
     p.add_argument("--out", help="write <out>.json and <out>.md")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    return site_arguments(p, tp="2,4", models="8b").parse_args(argv)
 
 
 SPIN_CYCLES = 2_000_000  # ~1 ms of torch.cuda._sleep, doubled while the host falls behind
