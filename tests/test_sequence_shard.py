@@ -78,6 +78,51 @@ def test_residual_add_and_norm_run_on_this_ranks_rows():
         ROWS // WORLD, 1]
 
 
+def test_layer_norm_runs_on_this_ranks_rows():
+    """LayerNorm as Inductor's decomposition leaves it (var_mean over the last dim, its two
+    items): the variance and mean of this rank's rows, the normalised rows gathered once."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    def tail(x, w_row, w_col, embedded, norm_weight, norm_bias):
+        partial = torch.mm(x, w_row).view(1, ROWS, HIDDEN)
+        h = embedded + c10d.wait_tensor(c10d.all_reduce(partial, "sum", "0"))
+        y = torch.nn.functional.layer_norm(h, (HIDDEN,), norm_weight, norm_bias, 1e-5)
+        return (torch.mm(y.view(ROWS, HIDDEN), w_col),)
+    args = (torch.randn(ROWS, 16), torch.randn(16, HIDDEN), torch.randn(HIDDEN, 8),
+            torch.randn(1, ROWS, HIDDEN), torch.randn(HIDDEN), torch.randn(HIDDEN))
+    graph = make_fx(tail, tracing_mode="fake",
+                    decomposition_table=select_decomp_table())(*args).graph
+    (region,) = _regions(graph)
+    assert region.problem is None
+    assert [n.name for n in region.members] == [
+        "wait_tensor", "add", "var_mean", "getitem", "getitem_1", "add_1", "rsqrt", "sub", "mul",
+        "mul_1", "add_2", "view_1"]
+    assert [n.name for n in region.gathered_values()] == ["add_2"]  # after the bias, once
+
+    sequence_shard.rewrite_region(graph, region)
+    graph.lint()
+    (stats,) = _calls(graph, aten.var_mean.correction)
+    assert [list(v.shape) for v in stats.meta["val"]] == [[ROWS // WORLD, 1]] * 2
+    assert stats.args[1] == [-1] and stats.kwargs["keepdim"]
+    (gather,) = _calls(graph, c10d.all_gather_into_tensor.default)
+    assert gather.args[0].name == "add_2"
+
+
+def test_a_variance_over_the_rows_reads_the_gathered_rows():
+    """var_mean over the rows' dim is no row-by-row reduction: it reads the whole value."""
+    def tail(x, w_row, w_col, embedded, norm_weight, other):
+        partial = torch.mm(x, w_row).view(1, ROWS, HIDDEN)
+        h = embedded + c10d.wait_tensor(c10d.all_reduce(partial, "sum", "0"))
+        var, mean = torch.ops.aten.var_mean.correction(h, [1], correction=0, keepdim=True)
+        return (torch.mm(((h - mean) * var).view(ROWS, HIDDEN), w_col),)
+    args = (torch.randn(ROWS, 16), torch.randn(16, HIDDEN), torch.randn(HIDDEN, 8),
+            torch.randn(1, ROWS, HIDDEN), torch.randn(HIDDEN), torch.randn(ROWS, 16))
+    (region,) = _regions(make_fx(tail, tracing_mode="fake")(*args).graph)
+    assert "var_mean" not in [n.name for n in region.members]
+    assert [(reader.name, value.name) for reader, value, _ in region.gathers
+            if reader.name == "var_mean"] == [("var_mean", "add")]
+
+
 def test_a_graph_output_of_the_residual_keeps_the_all_reduce():
     # a training forward saves h for the backward: one more gather than all-reduces
     graph = _layer_tail(lambda h, y, other, w: (torch.mm(y.view(ROWS, HIDDEN), w), h))
@@ -219,38 +264,44 @@ def test_a_gathered_value_read_by_no_matmul_takes_a_plain_gather():
 
 
 def layer_tail_ranks(rank: int, world_size: int) -> dict:
-    """Two all-reduced matmuls with a residual add and an RMSNorm after each, the norm's rows
-    read by the next matmul and the last row by the logits' matmul, compiled with sequence
-    sharding on 4 ranks: every rank's own slices (rank_rows), the last row summed from the ranks'
-    shares (held_rows: rank 3's row, zeros from the others)."""
+    """Two all-reduced matmuls with a residual add and a norm after each (RMSNorm, and LayerNorm
+    with a bias), the norm's rows read by the next matmul and the last row by the logits'
+    matmul, compiled with sequence sharding on 4 ranks: every rank's own slices (rank_rows), the
+    last row summed from the ranks' shares (held_rows: rank 3's row, zeros from the others)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(0)  # the same "replicated" tensors on every rank
     embedded, norm_weight = torch.randn(1, ROWS, HIDDEN, generator=gen), torch.randn(HIDDEN,
                                                                                       generator=gen)
+    norm_bias = torch.randn(HIDDEN, generator=gen)
     w_col, w_out = torch.randn(HIDDEN, 16, generator=gen), torch.randn(HIDDEN, 8, generator=gen)
     x = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(1 + rank))  # this rank's
     w_row = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
 
-    def norm(h):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
-
-    def tail(x, w_row, w_col):
-        h = embedded + c10d.wait_tensor(c10d.all_reduce(
-            torch.mm(x, w_row).view(1, ROWS, HIDDEN), "sum", group))
-        inner = torch.mm(norm(h).view(ROWS, HIDDEN), w_col)  # rank-local columns, as q/k/v
-        h = h + c10d.wait_tensor(c10d.all_reduce(
-            torch.mm(inner, w_row).view(1, ROWS, HIDDEN), "sum", group))
-        return torch.mm(norm(h)[:, -1:, :].reshape(1, HIDDEN), w_out)
-
+    norms = {
+        "rms": lambda h: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight,
+        "layer": lambda h: torch.nn.functional.layer_norm(h, (HIDDEN,), norm_weight, norm_bias),
+    }
     from ditron_inductor.lowering import graph_pass
 
-    torch._dynamo.reset()
-    got = torch.compile(tail, backend="ditron", dynamic=False,
-                        options={"ditron.sequence_shard": True})(x, w_row, w_col)
-    return {"got": got.numpy().copy(), "expected": tail(x, w_row, w_col).numpy().copy(),
-            "ops": sorted(c.op for c in graph_pass.reports[-1].candidates)}
+    results = {}
+    for kind, norm in norms.items():
+        def tail(x, w_row, w_col):
+            h = embedded + c10d.wait_tensor(c10d.all_reduce(
+                torch.mm(x, w_row).view(1, ROWS, HIDDEN), "sum", group))
+            inner = torch.mm(norm(h).view(ROWS, HIDDEN), w_col)  # rank-local columns, as q/k/v
+            h = h + c10d.wait_tensor(c10d.all_reduce(
+                torch.mm(inner, w_row).view(1, ROWS, HIDDEN), "sum", group))
+            return torch.mm(norm(h)[:, -1:, :].reshape(1, HIDDEN), w_out)
+
+        torch._dynamo.reset()
+        got = torch.compile(tail, backend="ditron", dynamic=False,
+                            options={"ditron.sequence_shard": True})(x, w_row, w_col)
+        results[kind] = {"got": got.numpy().copy(),
+                         "expected": tail(x, w_row, w_col).numpy().copy(),
+                         "ops": sorted(c.op for c in graph_pass.reports[-1].candidates)}
+    return results
 
 
 _ranks_w4 = launched_once(f"{__name__}:layer_tail_ranks", 4, timeout_s=300,
@@ -258,8 +309,9 @@ _ranks_w4 = launched_once(f"{__name__}:layer_tail_ranks", 4, timeout_s=300,
 
 
 @pytest.mark.slow
-def test_four_ranks_match_the_all_reduced_tail():
-    results = _ranks_w4()
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_four_ranks_match_the_all_reduced_tail(norm):
+    results = [ranks[norm] for ranks in _ranks_w4()]
     for res in results:
         # the two all-reduces reduce-scattered, the first norm's rows gathered into the matmul
         assert res["ops"] == ["all_gather_matmul", "matmul_reduce_scatter",

@@ -15,7 +15,8 @@ M divisible by the world size) through their users, in graph order:
   - elementwise ops (`SHARDED_POINTWISE`) whose other operands are scalars, tensors without rows
     (the norm's weight) or tensors of the same rows that every rank computes alike (the
     embedding's output, the first residual: `ditron.rank_rows` takes this rank's rows of it);
-  - reductions over the last dim with keepdim (the norm's mean of squares);
+  - reductions over the last dim with keepdim (RMSNorm's mean of squares; LayerNorm's variance
+    and mean, `var_mean`, and the two items taken from it);
   - reshapes that keep the rows and the last dim;
 and ends at the readers that need the whole value (the matmuls that read the normalised rows,
 a graph output): an all-gather of the rows goes in front of them, one per sharded value. A slice
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -62,8 +64,10 @@ SHARDED_POINTWISE = (
     aten.div.Tensor, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default,
     aten.neg.default, prims.convert_element_type.default,
 )
-# Reductions over the last dim (keepdim): row by row.
+# Reductions over the last dim (keepdim): row by row. ROW_STATS return a tuple (LayerNorm's
+# variance and mean, as Inductor's decomposition leaves it), whose items operator.getitem takes.
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList)
+ROW_STATS = (aten.var_mean.correction,)
 # What a tensor that every rank computes alike is not computed from.
 _RANK_LOCAL = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default)
 # Launched eagerly, the rewrite's fused calls (a reduce-scatter per all-reduce, an all-gather per
@@ -238,18 +242,29 @@ def _few_rows_sliced(node: Node, sharded: list[Node]) -> Optional[tuple[list[int
     return shape[:-1], dim, start, end - start
 
 
+def _over_last_dim_keepdim(node: Node) -> bool:
+    """Whether a reduction node reduces its input's last dim alone, keeping it (size 1)."""
+    ndim = len(_static_shape(node.args[0]) or ())
+    dims = [d % ndim for d in node.args[1]] if len(node.args) > 1 and node.args[1] else []
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return ndim > 0 and dims == [ndim - 1] and bool(keepdim) and node.kwargs.get("dtype") is None
+
+
 def _runs_on_shards(node: Node, sharded: list[Node], region: Region) -> bool:
     """Whether `node`, which reads sharded rows, can itself run on this rank's rows alone."""
+    if is_call(node, *ROW_STATS):  # a tuple of [.., 1] values: the input's rows are checked
+        shape = _static_shape(node.args[0])
+        return (shape is not None and len(shape) > 0 and _rows(shape) == region.rows
+                and _over_last_dim_keepdim(node))
+    if node.target is operator.getitem:  # an item of ROW_STATS' tuple: its rows, as it was
+        return is_call(node.args[0], *ROW_STATS) and node.args[0] in sharded
     shape = _static_shape(node)
     if node.op != "call_function" or shape is None or not shape or _rows(shape) != region.rows:
         return False
     if is_call(node, *RESHAPES):  # the rows and the last dim kept
         return _static_shape(node.args[0])[-1] == shape[-1]
     if is_call(node, *ROW_REDUCTIONS):
-        ndim = len(_static_shape(node.args[0]))
-        dims = [d % ndim for d in node.args[1]] if len(node.args) > 1 else []
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return dims == [ndim - 1] and bool(keepdim) and node.kwargs.get("dtype") is None
+        return _over_last_dim_keepdim(node)
     if not is_call(node, *SHARDED_POINTWISE):
         return False
     # the sharded operands with the output's rows (no broadcast along them), the others
@@ -401,8 +416,10 @@ def rewrite_region(graph: Graph, region: Region) -> None:
             node.replace_all_uses_with(node.args[0])
             views.append(node)
             continue
-        if is_call(node, *ROW_REDUCTIONS):
+        if is_call(node, *ROW_REDUCTIONS, *ROW_STATS):
             node.update_arg(1, [-1])
+        elif node.target is operator.getitem:  # ROW_STATS' item: refreshed below
+            pass
         else:
             out_shape = _static_shape(node)
             for operand in node.all_input_nodes:
