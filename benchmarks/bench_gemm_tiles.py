@@ -26,10 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.bench_rank_local_work import site_arguments, timed, tiny  # noqa: E402
-from benchmarks.llama_sites import sites  # noqa: E402
+from benchmarks.bench_compute_parity import rel_err  # noqa: E402
+from benchmarks.bench_rank_local_work import site_arguments, site_plans, timed  # noqa: E402
 from ditron_inductor.runtime.launch import triton_gemm  # noqa: E402
-from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
 from ditron_inductor.scheduler.plan import TRITON, GemmTile  # noqa: E402
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL  # noqa: E402
 
@@ -54,12 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def triton_sites(args):
     """(model, TP, site) of every all-gather site whose chosen plan runs the Triton GEMM."""
-    for model in args.models.split(","):
-        for world in map(int, args.tp.split(",")):
-            for site in sites(model, world, "train", args.tokens):
-                plan, _ = choose_device_plan(site.task)
-                if site.task.op == ALL_GATHER_MATMUL and plan is not None and plan.gemm == TRITON:
-                    yield model, world, (tiny(site) if args.tiny else site)
+    for model, world, site, plan, _ in site_plans(args):
+        if site.task.op == ALL_GATHER_MATMUL and plan is not None and plan.gemm == TRITON:
+            yield model, world, site
 
 
 def run(args) -> list[dict]:
@@ -85,8 +81,7 @@ def run(args) -> list[dict]:
         for label in args.tiles.split(","):
             tile = TILES[label]
             tile_fn(tile)()  # compile (a tile that cannot is reported, not timed)
-            err = max(((o.double() - r.double()).norm() / r.double().norm()).item()
-                      for o, r in zip(outs, ref))
+            err = max(rel_err(o, r) for o, r in zip(outs, ref))
             if not err < 2e-2:
                 raise SystemExit(f"{site.name} tile {label}: relative error {err:.3g}")
             fns[label] = tile_fn(tile)

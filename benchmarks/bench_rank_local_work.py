@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.bench_compute_parity import _sum_of_products, compiled, rel_err  # noqa: E402
+from benchmarks.bench_fused import spin_device  # noqa: E402
 from benchmarks.llama_sites import sites  # noqa: E402
 from ditron_inductor.runtime.all_gather import chunk_groups, chunk_runs  # noqa: E402
 from ditron_inductor.runtime.launch import matmul_into  # noqa: E402
@@ -75,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return site_arguments(p, tp="2,4", models="8b").parse_args(argv)
 
 
-SPIN_CYCLES = 2_000_000  # ~1 ms of torch.cuda._sleep, doubled while the host falls behind
+SPIN_MS = 1.0  # the device's spin before a repetition, doubled while the host falls behind
 
 
 def timed(fns: dict, device: str, iters: int, reps: int) -> dict:
@@ -98,7 +99,7 @@ def host_ms(fns: dict, iters: int) -> dict:
     out = {}
     for name, fn in fns.items():
         torch.cuda.synchronize()
-        torch.cuda._sleep(SPIN_CYCLES * 8)
+        spin_device(8 * SPIN_MS)
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
@@ -117,11 +118,11 @@ def _one_rep(fn, device: str, iters: int) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - t0) * 1e3 / iters
-    spin = SPIN_CYCLES
+    spin = SPIN_MS
     for _ in range(8):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin)  # the host queues the calls meanwhile
+        spin_device(spin)  # the host queues the calls meanwhile
         start.record()
         for _ in range(iters):
             fn()
@@ -132,7 +133,7 @@ def _one_rep(fn, device: str, iters: int) -> float:
             return start.elapsed_time(end) / iters
         spin *= 2
     raise RuntimeError(f"host-bound: the device reached the calls before the host had queued "
-                       f"{iters} of them, even after a spin of {spin // 2} cycles")
+                       f"{iters} of them, even after a spin of {spin / 2:g} ms")
 
 
 def all_gather_work(site, plan, device, dtype) -> tuple[dict, Callable[[], float]]:
@@ -269,30 +270,36 @@ def reduce_scatter_work(site, plan, device, dtype) -> tuple[dict, Callable[[], f
     return {"unfused": unfused, "gemms": gemms, "plan": plan_work, "accumulate": accumulate}, check
 
 
-def run(args) -> list[dict]:
-    dtype = torch.bfloat16  # the runtime's GEMMs and sums take bf16 / fp16 (on CPU too)
-    rows = []
+def site_plans(args):
+    """(model, TP, site, plan, why) of every training site of --models at each --tp, the plan
+    the scheduler chooses for the full-size site (None: NCCL + cuBLAS); with --tiny the site
+    at toy shapes."""
     for model, world in [(m, int(w)) for m in args.models.split(",")
                          for w in args.tp.split(",")]:
         for site in sites(model, world, "train", args.tokens):
             plan, why = choose_device_plan(site.task)
-            if args.tiny:  # the full-size site's plan, on toy shapes
-                site = tiny(site)
-            row = dict(model=model, tp=world, site=site.name, op=site.task.op,
-                       M=site.task.m, K=site.task.k, N=list(site.task.ns),
-                       label=None if plan is None else plan.label, why=why)
-            if plan is not None:
-                work, check = (all_gather_work if site.task.op == ALL_GATHER_MATMUL
-                               else reduce_scatter_work)(site, plan, args.device, dtype)
-                row["rel_err"] = check()
-                if not row["rel_err"] < 2e-2:
-                    raise SystemExit(f"{site.name} at TP {world}: the emulated plan computes "
-                                     f"something else (relative error {row['rel_err']:.3g})")
-                row.update(timed(work, args.device, args.iters, args.reps))
-                if args.device == "cuda":
-                    row["host_ms"] = host_ms(work, args.iters)
-            rows.append(row)
-            print(row_line(row), flush=True)
+            yield model, world, tiny(site) if args.tiny else site, plan, why
+
+
+def run(args) -> list[dict]:
+    dtype = torch.bfloat16  # the runtime's GEMMs and sums take bf16 / fp16 (on CPU too)
+    rows = []
+    for model, world, site, plan, why in site_plans(args):
+        row = dict(model=model, tp=world, site=site.name, op=site.task.op,
+                   M=site.task.m, K=site.task.k, N=list(site.task.ns),
+                   label=None if plan is None else plan.label, why=why)
+        if plan is not None:
+            work, check = (all_gather_work if site.task.op == ALL_GATHER_MATMUL
+                           else reduce_scatter_work)(site, plan, args.device, dtype)
+            row["rel_err"] = check()
+            if not row["rel_err"] < 2e-2:
+                raise SystemExit(f"{site.name} at TP {world}: the emulated plan computes "
+                                 f"something else (relative error {row['rel_err']:.3g})")
+            row.update(timed(work, args.device, args.iters, args.reps))
+            if args.device == "cuda":
+                row["host_ms"] = host_ms(work, args.iters)
+        rows.append(row)
+        print(row_line(row), flush=True)
     return rows
 
 

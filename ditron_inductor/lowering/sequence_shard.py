@@ -254,8 +254,7 @@ def _runs_on_shards(node: Node, sharded: list[Node], region: Region) -> bool:
     """Whether `node`, which reads sharded rows, can itself run on this rank's rows alone."""
     if is_call(node, *ROW_STATS):  # a tuple of [.., 1] values: the input's rows are checked
         shape = _static_shape(node.args[0])
-        return (shape is not None and len(shape) > 0 and _rows(shape) == region.rows
-                and _over_last_dim_keepdim(node))
+        return _over_last_dim_keepdim(node) and _rows(shape) == region.rows
     if node.target is operator.getitem:  # an item of ROW_STATS' tuple: its rows, as it was
         return is_call(node.args[0], *ROW_STATS) and node.args[0] in sharded
     shape = _static_shape(node)
