@@ -57,12 +57,8 @@ from benchmarks.llama_sites import Site, sites  # noqa: E402
 
 from benchmarks.bench_all_reduce import EPS, EXTRA_PLANS  # noqa: E402
 from benchmarks.bench_fused import _timed_reps, bench_graph  # noqa: E402
-from ditron_inductor.scheduler.cost_model import (  # noqa: E402
-    AG_CANDIDATES,
-    RS_CANDIDATES,
-    candidates_for,
-    choose_device_plan,
-)
+from ditron_inductor.scheduler.candidates import CANDIDATES, candidates_for  # noqa: E402
+from ditron_inductor.scheduler.choose import choose_device_plan  # noqa: E402
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
@@ -73,14 +69,13 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
 
 # label -> plan parameters (scheduler/plan.py's fields), per op: the variants timed beside the
 # chosen plans for calibration (--variants default), from the candidate tables
+AG_CANDIDATES = {label: c.params for label, c in CANDIDATES[ALL_GATHER_MATMUL].items()}
+RS_CANDIDATES = {label: c.params for label, c in CANDIDATES[MATMUL_REDUCE_SCATTER].items()}
 VARIANTS = {
     ALL_GATHER_MATMUL: {
         **{label: AG_CANDIDATES[label] for label in ("tri_tma_128x256", "cublas_1_3_4")},
-        # the local copies of my shard before the GEMM, on the main stream (the earlier default)
-        "cublas_copies_first": dict(AG_CANDIDATES["cublas_1_3_4"], local_copies_beside=False),
     },
-    MATMUL_REDUCE_SCATTER: {label: RS_CANDIDATES[label] for label in
-                            ("cublas_triton_reduce", "tri_tma_128x256", "tri_pull_p16")},
+    MATMUL_REDUCE_SCATTER: dict(RS_CANDIDATES),
     # push after the GEMM; the prefill plans: beside the persistent Triton GEMM, beside cuBLAS's
     # row chunks; lamport (decode)
     MATMUL_ALL_REDUCE_RMSNORM: {label: EXTRA_PLANS[label][0] for label in
@@ -89,8 +84,6 @@ VARIANTS = {
                                  "lamport_all_b1024", "all_b1024", "lamport_all_b1024_gemv",
                                  "all_b1024_gemv")},
 }
-# variants timed for comparison, not plans the scheduler runs (kept out of its table)
-COMPARISON_ONLY = {"cublas_copies_first"}
 # the variants a row of that many rows takes (the others do not apply: lamport is the decode
 # kernel, the overlap plans the prefill ones)
 APPLIES = {"lamport": lambda m: m <= 512,
@@ -122,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="a line per contender")
     ap.add_argument("--table", default="",
                     help="also write the scheduler's world-1 compute table here "
-                         "(ditron_inductor/scheduler/world1_compute.json)")
+                         "(ditron_inductor/scheduler/evidence/world1_compute.json)")
     ap.add_argument("--table-merge", action="store_true",
                     help="--table updates the rows this run measured, keeps the others")
     ap.add_argument("--from-json", default="",
@@ -166,7 +159,7 @@ def plans_of(task, cuda_graphs: bool, variants: str) -> dict:
     degree ("chosen"; "none", with no text, where it keeps NCCL + cuBLAS) and the variants that
     apply to the task."""
     plan, why = choose_device_plan(task, cuda_graphs=cuda_graphs)
-    plans = ({"chosen": (with_options(plan, task).encode(), why)} if plan is not None
+    plans = ({"chosen": (with_options(plan, task=task).encode(), why)} if plan is not None
              else {"none": (None, why)})
     table = VARIANTS[task.op]
     wanted = (table if variants == "default" else {} if variants == "none"
@@ -478,33 +471,38 @@ def report(rows: list[dict], args, argv: list[str]) -> dict:
 
 
 def export_table(rows: list[dict], meta: dict, path: str, merge: bool = False) -> None:
-    """The scheduler's world-1 compute table (scheduler/measured.py) from a run's rows: per op,
+    """The scheduler's world-1 compute table (scheduler/evidence.py) from a run's rows: per op,
     plan family, mode and shape, the fused plan's and the unfused compute's ms, where the fused
-    path served the call. merge: the table at `path` keeps the rows this run did not measure
-    (a partial run, e.g. --workloads decode, updates its own), and its head names both runs."""
+    path served the call, with the run's provenance. merge: the table at `path` keeps the rows
+    this run did not measure (a partial run, e.g. --workloads decode, updates its own) and the
+    sources of both runs."""
     from ditron_inductor.scheduler.plan import decode, family
 
-    table = {}
-    head = {"source": meta["command"], "card": meta["device"], "date": meta["date"]}
+    table, sources = {}, []
+    source = {"machine": meta["device"], "date": meta["date"], "command": meta["command"]}
+    what = ("World-1 compute: ms per call of a fused plan's family and of the unfused path it "
+            "replaces on one GPU; rows [op, family, mode, M, K, N, fused ms, unfused ms]; "
+            "written by benchmarks/bench_compute_parity.py --table.")
     if merge and os.path.exists(path):
         with open(path) as fh:
             before = json.load(fh)
         table = {tuple(r[:6]): r[6:] for r in before["rows"]}
-        if before["card"] != meta["device"]:
-            raise SystemExit(f"--table-merge: {path} was measured on {before['card']}, "
-                             f"this run on {meta['device']}")
-        head = {"source": f"{before['source']}; its rows measured again by {meta['command']}",
-                "card": before["card"], "date": f"{before['date']}; {meta['date']}"}
+        sources, what = before["sources"], before.get("what", what)
+        if {s["machine"] for s in sources} != {meta["device"]}:
+            raise SystemExit(f"--table-merge: {path} was measured on other machines "
+                             f"({', '.join(sorted({s['machine'] for s in sources}))}), this run "
+                             f"on {meta['device']}")
+    head = {"what": what, "sources": [*sources, source]}
     # the chosen plans last: where a variant of the same family was timed too, theirs stand
     for r in sorted(rows, key=lambda r: r["chosen"]):
-        if (r["plan_text"] and r["served"] and math.isfinite(r["ratio"])
-                and r["plan"] not in COMPARISON_ONLY):
+        if r["plan_text"] and r["served"] and math.isfinite(r["ratio"]):
             key = (r["op"], family(decode(r["plan_text"])), r["mode"], r["M"], r["K"],
                    sum(r["N"]))
             table[key] = [round(r["fused_ms"], 4), round(r["unfused_ms"], 4)]
     lines = [json.dumps(list(k) + v) for k, v in sorted(table.items())]
     with open(path, "w") as fh:  # a row a line: diffs of a re-measured table stay readable
-        fh.write(json.dumps(head)[:-1] + ', "rows": [\n' + ",\n".join(lines) + "\n]}\n")
+        fh.write(json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(lines)
+                 + "\n ]\n}\n")
     print(f"{len(table)} rows of the world-1 compute table written to {path}")
 
 

@@ -8,15 +8,16 @@ Methods (each pulls the W - 1 peer shards of `--mb` MB in ring order, rank + 1 f
   driver_ce     cuMemcpyAsync from the peer's symmetric buffer, one stream (ditron's AG plans)
   driver_ce_wS  the same, each peer on its own stream
   torch_copy    Tensor.copy_ from the peer's buffer view, one stream (PyTorch's fused AG)
-  sm_kernel     an elementwise kernel on every SM reading the peer's memory (torch.mul(x, 1))
 and one local copy of `--mb` MB (my shard into my rows of the output): local_ce (cuMemcpyAsync,
 which the driver runs on SMs), local_ce_hint (cuMemcpyBatchAsync with the hint to overlap compute,
-driver.memcpy_copy_engine) and local_sm (the elementwise kernel); GB/s of copied bytes.
+memcpy_copy_engine) and local_sm (the elementwise kernel); GB/s of copied bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import os
 import statistics
 
@@ -25,6 +26,57 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from ditron_inductor.runtime import driver
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_location", _MemLocation),
+                ("dst_location", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+@functools.lru_cache(None)
+def _batch_copy():
+    """(cuMemcpyBatchAsync, whether it takes failIdx) or None: CUDA 13 drivers export the call
+    without failIdx as cuMemcpyBatchAsync_v2 beside the 12.8 one with it."""
+    lib = driver._lib()
+    for name, fail_idx in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            continue
+        fn.restype = ctypes.c_int
+        return fn, fail_idx
+    return None
+
+
+@functools.lru_cache(None)
+def _overlap_attributes(device: int) -> _MemcpyAttributes:
+    here = _MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device)
+    return _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, here, here,
+                             CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+
+
+def memcpy_copy_engine(dst: int, src: int, nbytes: int, stream: int, device: int) -> None:
+    """A copy within GPU `device`, queued with the hint that it should overlap compute (CUDA
+    12.8+ drivers; the driver may then run it on a copy engine); driver.memcpy where the driver
+    lacks the call."""
+    batch = _batch_copy()
+    if batch is None:
+        return driver.memcpy(dst, src, nbytes, stream)
+    fn, fail_idx = batch
+    attrs = _overlap_attributes(device)
+    args = [(ctypes.c_uint64 * 1)(dst), (ctypes.c_uint64 * 1)(src), (ctypes.c_size_t * 1)(nbytes),
+            ctypes.c_size_t(1), ctypes.byref(attrs), (ctypes.c_size_t * 1)(0), ctypes.c_size_t(1)]
+    if fail_idx:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))
+    driver._check(fn(*args, ctypes.c_void_p(stream)), "cuMemcpyBatchAsync")
 
 
 def timed(fn, streams, reps, before=None):
@@ -88,11 +140,6 @@ def main():
             for p in peers:
                 out[p].copy_(views[p])
 
-    def sm_kernel():
-        with torch.cuda.stream(streams[0]):
-            for p in peers:
-                torch.mul(views[p], 1, out=out[p])
-
     def local(kind):  # my own shard into the gathered output: what the AG plans also copy
         def run():
             with torch.cuda.stream(streams[0]):
@@ -100,8 +147,8 @@ def main():
                     driver.memcpy(out[rank].data_ptr(), buf.data_ptr(), numel * 2,
                                   streams[0].cuda_stream)
                 elif kind == "ce_hint":
-                    driver.memcpy_copy_engine(out[rank].data_ptr(), buf.data_ptr(), numel * 2,
-                                              streams[0].cuda_stream, rank)
+                    memcpy_copy_engine(out[rank].data_ptr(), buf.data_ptr(), numel * 2,
+                                       streams[0].cuda_stream, rank)
                 else:
                     torch.mul(buf, 1, out=out[rank])
         return run, streams[:1]
@@ -116,7 +163,7 @@ def main():
             local_rows.append((f"local_{kind}", "beside GEMM" if beside else "alone", ms,
                                numel * 2 / 1e9 / ms * 1e3))
     methods = {"driver_ce": driver_ce(False), "driver_ce_wS": driver_ce(True),
-               "torch_copy": (torch_copy, streams[:1]), "sm_kernel": (sm_kernel, streams[:1])}
+               "torch_copy": (torch_copy, streams[:1])}
     pulled_gb = (world - 1) * numel * 2 / 1e9
     gemm_ms = timed(gemm[1], [], args.reps)
     rows = []

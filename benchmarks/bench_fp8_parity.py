@@ -1,7 +1,7 @@
 """FP8 compute parity at world size 1: the fp8 ops' fused plans (ditron.all_gather_scaled_mm,
-scaled_mm_reduce_scatter, scaled_mm_all_reduce) beside the torch._scaled_mm calls they replace,
-at the all-gather and reduce-scatter sites of a Llama training step and the all-reduce sites of
-plain TP.
+scaled_mm_reduce_scatter) beside the torch._scaled_mm calls they replace, at the all-gather and
+reduce-scatter sites of a Llama training step (scaled_mm_all_reduce has no fused plan: it runs as
+_scaled_mm + NCCL).
 
     torchrun --nproc-per-node 1 benchmarks/bench_fp8_parity.py \
         --out benchmarks/results/fp8_parity_h100x1                  # one GPU
@@ -16,14 +16,12 @@ Rows: the all-gather sites of benchmarks/llama_sites.py (workload "train", seque
 --tp's per-rank shapes, as float8: A e4m3 (e5m2 for the backward's output-gradient gathers),
 weights e4m3 column-major, tensorwise scales, bf16 output, use_fast_accum as torchao's forward
 (True) and backward (False) call it; then the forward's o and down reduce-scatters (workload
-"train") and the o and down all-reduces of plain TP (workload "prefill", without the RMSNorm:
-the fp8 all-reduce fuses none), e4m3 with fast accumulation, each with the plan DITRON_PLAN=fused
-gives it (the copy-engine RS plan with cuBLAS; the AR plan by M with a cuBLAS GEMM). At world
-size 1 the RS plan's GEMM writes its one slot and the reduction copies it out; the AR plan's
-kernel runs on the partial. Per row:
+"train"), e4m3 with fast accumulation, with the plan DITRON_PLAN=fused gives them (the
+copy-engine RS plan with cuBLAS). At world size 1 the RS plan's GEMM writes its one slot and the
+reduction copies it out. Per row:
   scaled_mm  torch._scaled_mm per weight (what the graph computes beside its all-gather)
-  plan       torch.ops.ditron.all_gather_scaled_mm with each plan of --plans (the default: the
-             plan DITRON_PLAN=fused gives the site)
+  plan       torch.ops.ditron.all_gather_scaled_mm with each plan of PLANS (the plan
+             DITRON_PLAN=fused gives the site)
   bf16_mm    torch.mm per weight in bf16, for scale (what fp8 saves)
 Timing: bench_compute_parity.timed (random inputs alternated, warm-up, CUDA events around --iters
 calls queued behind a device spin, the median of --reps repetitions). Each plan's output is
@@ -57,15 +55,13 @@ from ditron_inductor.scheduler.decide import plan_for  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
-    MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
-    SCALED_MM_ALL_REDUCE,
     SCALED_MM_REDUCE_SCATTER,
 )
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 # label -> plan parameters (AllGatherPlan's fields); {}: what DITRON_PLAN=fused gives the site
-PLANS = {"fused": {}, "copies_first": dict(local_copies_beside=False)}
+PLANS = {"fused": {}}
 
 
 def rel_err(x, ref) -> float:
@@ -73,8 +69,7 @@ def rel_err(x, ref) -> float:
 
 
 # op -> the runtime module whose stats count its fused calls
-RUNTIMES = {ALL_GATHER_SCALED_MM: "all_gather", SCALED_MM_REDUCE_SCATTER: "reduce_scatter",
-            SCALED_MM_ALL_REDUCE: "all_reduce"}
+RUNTIMES = {ALL_GATHER_SCALED_MM: "all_gather", SCALED_MM_REDUCE_SCATTER: "reduce_scatter"}
 
 
 def served_count(op: str = ALL_GATHER_SCALED_MM) -> int:
@@ -140,9 +135,10 @@ def measure(site, plans: dict, group_name: str, args) -> list[dict]:
     return rows
 
 
-def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
-    """One row: the fp8 reduce-scatter or all-reduce op's fused plan at world size 1 against
-    _scaled_mm (forward: e4m3, fast accumulation)."""
+def measure_reduction(site, group_name: str, args) -> list[dict]:
+    """One row: the fp8 reduce-scatter op's fused plan at world size 1 against _scaled_mm
+    (forward: e4m3, fast accumulation)."""
+    op = SCALED_MM_REDUCE_SCATTER
     task, dev = site.task, args.device
     (m, k), n = (task.m, task.k), task.ns[0]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -163,13 +159,10 @@ def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
                                    scales="tensorwise", fast_accum=True, has_residual=False)
     plan = plan_for(fp8_task)
     text = plan.encode()
-    ditron_op = getattr(torch.ops.ditron, op)
-    scatter = op == SCALED_MM_REDUCE_SCATTER  # its operands are lists of terms, one here
 
-    def fused(a, b, s_a, s_b):
-        operands = ([a], [b], [s_a], [s_b]) if scatter else (a, b, s_a, s_b)
-        return ditron_op(*operands, None, BF16, True, [], *[0] * scatter, "sum", group_name, 1,
-                         text)
+    def fused(a, b, s_a, s_b):  # its operands are lists of terms, one here
+        return torch.ops.ditron.scaled_mm_reduce_scatter([a], [b], [s_a], [s_b], None, BF16, True,
+                                                         [], 0, "sum", group_name, 1, text)
 
     base_ms, base_host = timed(scaled_mm, inputs, dev, args.iters, args.reps)
     bf16_inputs = [(a.to(BF16), b.to(BF16), s_a, s_b) for a, b, s_a, s_b in inputs]
@@ -179,7 +172,7 @@ def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
     served = served_count(op) > before
     err = rel_err(out, scaled_mm(*inputs[0]))
     ms, host = timed(fused, inputs, dev, args.iters, args.reps)
-    name = site.name.replace(" + norm", "")
+    name = site.name
     print(f"{name:28s} M={m} K={k} N={n} {plan.label:16s} served={served} err={err:.1e} "
           f"scaled_mm {base_ms:.3f} ms  fused {ms:.3f} ms  ratio {ms / base_ms:.3f}  "
           f"(bf16 mm {bf16_ms:.3f} ms)", flush=True)
@@ -192,7 +185,7 @@ def measure_reduction(site, op: str, group_name: str, args) -> list[dict]:
 def table(rows: list[dict], meta: dict) -> str:
     lines = [f"# FP8 compute parity at world size 1 ({meta['device_name']})", "",
              f"torch {meta['torch']}, {meta['date']}, Llama-3-{meta['model']} TP {meta['tp']} "
-             f"training-step gathers and forward scatters, plain-TP all-reduces, "
+             f"training-step gathers and forward scatters, "
              f"{meta['tokens']} tokens; median ms per call; ratio = "
              "plan / _scaled_mm; served = the fused path ran (else the reference did)", "",
              "| site | M | K | N | A | plan | served | rel err | _scaled_mm | plan ms | ratio "
@@ -203,7 +196,7 @@ def table(rows: list[dict], meta: dict) -> str:
                      f"{r['scaled_mm_ms']:.3f} | {r['fused_ms']:.3f} | {r['ratio']:.3f} | "
                      f"{r['bf16_mm_ms']:.3f} |")
     lines.append("")
-    for kind in ("gather", "scatter", "all-reduce"):  # one geometric mean per op
+    for kind in ("gather", "scatter"):  # one geometric mean per op
         fused = [r["ratio"] for r in rows
                  if r["plan"] == "fused" and r["served"] and kind in r["site"]]
         if fused:
@@ -240,10 +233,7 @@ def main() -> None:
             rows += measure(site, PLANS, group_name, args)
     for site in sites(args.model, args.tp, "train", args.tokens):  # the forward's scatters
         if site.task.op == MATMUL_REDUCE_SCATTER and site.name in ("o scatter", "down scatter"):
-            rows += measure_reduction(site, SCALED_MM_REDUCE_SCATTER, group_name, args)
-    for site in sites(args.model, args.tp, "prefill", args.tokens):
-        if site.task.op == MATMUL_ALL_REDUCE_RMSNORM:
-            rows += measure_reduction(site, SCALED_MM_ALL_REDUCE, group_name, args)
+            rows += measure_reduction(site, group_name, args)
     meta = dict(model=args.model, tp=args.tp, tokens=args.tokens, torch=torch.__version__,
                 date=datetime.date.today().isoformat(),
                 device_name=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"))

@@ -4,7 +4,7 @@ torch._scaled_mm and PyTorch's async TP fp8 ops (symm_mem.fused_all_gather_scale
 fused_scaled_matmul_reduce_scatter), at the float8 sites of a Llama training step at TP = the
 world size (benchmarks/llama_sites.py; lm_head stays bf16 in torchao's recipe and is left out):
 what the scheduler needs to choose the fp8 plans per site (it chooses them only where the
-float8 training step was measured end to end: cost_model.FP8_CHOSEN_WORLD).
+float8 training step was measured end to end: policy.FP8_CHOSEN_WORLD).
 
     torchrun --nproc-per-node 2 benchmarks/bench_fp8_tp.py --out benchmarks/results/fp8_tp_h200x2
     torchrun --nproc-per-node 2 benchmarks/bench_fp8_tp.py --device cpu --tiny --out /tmp/fp8_tp

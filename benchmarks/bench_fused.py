@@ -1,14 +1,14 @@
 """Fused collective + matmul benchmark: one run on W GPUs, every contender measured side by side.
 
-    torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/fused_h200x8_<variant measured>
+    torchrun --nproc-per-node 8 benchmarks/bench_fused.py --out benchmarks/results/<name>
     torchrun --nproc-per-node 2 benchmarks/bench_fused.py --sites 8b --tokens 8192 --no-mlp \
-        --out benchmarks/results/fused_h200x2_llama8b_sites   # a Llama training step's sites
+        --out benchmarks/results/<name>   # a Llama training step's sites
 
 The runs' JSON feed the scheduler's measured plans (benchmarks/measured_plans_table.py).
 
 Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
 (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter), ditron with the plan
-the cost model picks (and every candidate plan, for calibration), the GEMM alone, the collective
+the scheduler picks (and every candidate plan, its evidence), the GEMM alone, the collective
 alone. Timing: random inputs (two sets, alternated), warm-up, CUDA events around `--iters` calls,
 `--reps` repetitions; each rank takes the median over repetitions and the row reports the maximum
 over ranks (the slowest rank bounds a collective). The device spins while the host queues the
@@ -44,8 +44,7 @@ import torch.distributed as dist
 AG_SHAPES = [(8192, 8192, 7168), (8192, 8192, 1280), (4096, 8192, 4096), (16384, 8192, 3584)]
 RS_SHAPES = [(8192, 3584, 8192), (8192, 1024, 8192), (16384, 3584, 8192)]
 
-from ditron_inductor.scheduler.cost_model import (  # noqa: E402
-    AG_CANDIDATES, RS_CANDIDATES, candidates_for)
+from ditron_inductor.scheduler.candidates import CANDIDATES  # noqa: E402
 from ditron_inductor.scheduler.plan import GemmTile  # noqa: E402
 
 
@@ -258,7 +257,7 @@ def check_close(name, out, ref):
 def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_plan, plans):
     """Time every candidate plan (`ditron(params)`; `ditron(None)` is NCCL + cuBLAS), each first
     checked against NCCL + cuBLAS (`pick` takes the compared output), into `plans`; return the
-    time of the cost model's choice."""
+    time of the scheduler's choice."""
     ref = pick(ditron(None)(*inputs[0]))
     for name, params in candidates.items():
         if (args.plans and name not in args.plans.split(",")
@@ -274,8 +273,12 @@ def bench_candidates(tag, candidates, ditron, pick, inputs, args, ditron_task_pl
             else plans.get(chosen["label"], float("nan")))
 
 
-def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, candidates=AG_CANDIDATES,
-           weights=None):
+def candidate_params(op: str) -> dict:
+    """{label: plan parameters} of the op's candidates (scheduler/candidates.py)."""
+    return {label: c.params for label, c in CANDIDATES[op].items()}
+
+
+def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, weights=None):
     """weights: () -> the right operands [K, N_i] as the site's graph holds them (a Site's
     weights: several, the Linear weight's transpose in a forward site), default one [K, N]."""
     M, K, N = shape
@@ -322,16 +325,15 @@ def run_ag(shape, dtype, group_name, world, args, ditron_task_plan, candidates=A
         "triton gemm", bench,
         lambda a, ws: [triton_gemm(full, w, None, o, GemmTile()) for w, o in zip(ws, outs)],
         inputs, args.iters, args.reps)
-    ms["ditron"] = bench_candidates(f"AG {shape}", candidates, ditron,
+    ms["ditron"] = bench_candidates(f"AG {shape}", candidate_params("all_gather_matmul"), ditron,
                                     lambda out: torch.cat([o.flatten() for o in out[1:]]),
                                     inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
-def run_rs(shape, dtype, group_name, world, args, ditron_task_plan, candidates=RS_CANDIDATES,
-           term_ks=(), weights=None):
-    """candidates: those that can run the site (cost_model.candidates_for). term_ks: a sum of
-    matmul products (the site's Site.term_ks), run as the graphs run it: each term's left operand
+def run_rs(shape, dtype, group_name, world, args, ditron_task_plan, term_ks=(), weights=None):
+    """Every candidate of the op is timed (each takes a sum's terms). term_ks: a sum of matmul
+    products (the site's Site.term_ks), run as the graphs run it: each term's left operand
     contiguous on its own; ditron's op takes the terms, NCCL + cuBLAS sums the products with
     Inductor's add (one kernel); PyTorch's fused op, which takes one matmul, gets the operands
     concatenated along K (the concatenation not timed). weights: () -> [the right operand
@@ -381,15 +383,16 @@ def run_rs(shape, dtype, group_name, world, args, ditron_task_plan, candidates=R
 
     ms = bench_contenders(nccl_cublas, torch_fused, gemm_only, comm_only, inputs, args)
     plans = {}
-    ms["ditron"] = bench_candidates(f"RS {shape} terms {term_ks}", candidates, ditron,
+    ms["ditron"] = bench_candidates(f"RS {shape} terms {term_ks}",
+                                    candidate_params("matmul_reduce_scatter"), ditron,
                                     lambda out: out, inputs, args, ditron_task_plan, plans)
     return ms, plans
 
 
-def cost_model_choice(op, shape, dtype, group_name, world, task=None):
-    """The cost model's plan for this shape (or for `task`, a site's own), as a candidate label
+def scheduler_choice(op, shape, dtype, group_name, world, task=None):
+    """The scheduler's plan for this shape (or for `task`, a site's own), as a candidate label
     (None: NCCL + cuBLAS)."""
-    from ditron_inductor.scheduler.cost_model import choose_device_plan, plan_label
+    from ditron_inductor.scheduler.choose import choose_device_plan
     from ditron_inductor.scheduler.task import Task
 
     M, K, N = shape
@@ -399,7 +402,7 @@ def cost_model_choice(op, shape, dtype, group_name, world, task=None):
     plan, why = choose_device_plan(task)
     if plan is None or plan.impl == "reference":
         return None, why
-    return {"label": plan_label(plan)}, why
+    return {"label": plan.label}, why
 
 
 def llama_site_shapes(model: str, world: int, tokens: int) -> dict:
@@ -407,8 +410,7 @@ def llama_site_shapes(model: str, world: int, tokens: int) -> dict:
     each shape (M, K, N) with N the site's weights' summed width (the measured table's key); the
     site's weights are timed as its graph holds them (Site.weights: several for q/k/v and
     gate/up, a forward site's the Linear weight's transpose), a sum of products by its terms
-    (Site.term_ks; K their sum). The cost model's choice and the candidates are taken on the
-    site's own Task."""
+    (Site.term_ks; K their sum). The scheduler's choice is taken on the site's own Task."""
     from benchmarks.llama_sites import sites
 
     found = {}
@@ -473,8 +475,8 @@ def main():
     ap.add_argument("--mlp-f", type=int, default=28672)
     ap.add_argument("--no-mlp", action="store_true")
     ap.add_argument("--ops", default="", help="only these ops, e.g. matmul_reduce_scatter")
-    ap.add_argument("--plans", default="", help="only these candidate labels (and the cost "
-                    "model's choice), e.g. tri_pull_p16,tri_pull_p32")
+    ap.add_argument("--plans", default="", help="only these candidate labels (and the "
+                    "scheduler's choice), e.g. cublas_each,cublas_each_first_ready")
     ap.add_argument("--sites", default="", help="a Llama size (8b, 70b): its training step's "
                     "sites at TP = the world size instead of the fixed shapes")
     ap.add_argument("--tokens", type=int, default=8192, help="the sites' tokens (B x S)")
@@ -482,7 +484,7 @@ def main():
     ap.add_argument("--no-spin", action="store_true",
                     help="time the host's queueing with the device (SPIN_MS says why not)")
     ap.add_argument("--from-json", help="no GPU: re-select each row's ditron plan with the current "
-                    "cost model from the candidates measured in that run, rewrite <out>.md/.json")
+                    "scheduler from the candidates measured in that run, rewrite <out>.md/.json")
     args = ap.parse_args()
     if args.from_json:
         return reselect(args)
@@ -502,15 +504,13 @@ def main():
             shape = (int(shape[0] * args.scale) // (8 * world) * 8 * world, shape[1], shape[2])
             task = site and dataclasses.replace(site.task, m=shape[0], dim_size=shape[0],
                                                 group_name=group_name, dtype=dtype)
-            choice = cost_model_choice(op, shape, dtype, group_name, world, task)
+            choice = scheduler_choice(op, shape, dtype, group_name, world, task)
             HOST_MS.clear()
             terms = dict(term_ks=site.term_ks) if site and site.term_ks else {}
             # a site's weights as its graph holds them (several; a forward site's transposed)
             held = (dict(weights=functools.partial(site.weights, "cuda", dtype)) if site
                     else {})
-            ms, plans = runner(shape, dtype, group_name, world, args, choice,
-                               **(dict(candidates=candidates_for(task), **terms, **held)
-                                  if task else {}))
+            ms, plans = runner(shape, dtype, group_name, world, args, choice, **terms, **held)
             layout = ({"ns": list(site.task.ns), "b_transposed": site.weights_transposed}
                       if site else {})
             row = {"op": op, "site": site and site.name, "M": shape[0], "K": shape[1],
@@ -538,21 +538,21 @@ def main():
 
 
 def reselect(args):
-    """Offline: the cost model (as now calibrated) picks each row's plan among the candidates that
-    the run measured; ditron's time is that candidate's time from the same run (NCCL+cuBLAS's
-    when the model leaves the graph alone)."""
+    """Offline: the scheduler (with its evidence as it is now) picks each row's plan; ditron's
+    time is that candidate's time from the same run (NCCL+cuBLAS's when the scheduler leaves
+    the graph alone)."""
     with open(args.from_json) as fh:
         data = json.load(fh)
     rows = data["rows"]
     for r in rows:
-        choice, why = cost_model_choice(r["op"], (r["M"], r["K"], r["N"]),
-                                        getattr(torch, r["dtype"]), "0", r["world"])
+        choice, why = scheduler_choice(r["op"], (r["M"], r["K"], r["N"]),
+                                       getattr(torch, r["dtype"]), "0", r["world"])
         r["chosen"] = choice["label"] if choice else "nccl_cublas"
         r["why"] = why
         r["ms"]["ditron"] = (r["plans"].get(r["chosen"], float("nan")) if choice
                              else r["ms"]["nccl_cublas"])
     meta = data["meta"]
-    meta["reselected"] = ("plans re-selected offline by the calibrated cost model from this run's "
+    meta["reselected"] = ("plans re-selected offline by the scheduler from this run's "
                           "measured candidates: python benchmarks/bench_fused.py --from-json "
                           f"{args.from_json} --out {args.out}")
     args.machine = meta["machine"]
@@ -607,7 +607,7 @@ def write_results(rows, mlp, args, world, meta=None, quiet=False):
                      f"| {b:.2f}x | {c:.2f} | {r['chosen']} |")
     lines += ["", f"Geometric mean: {geomean(s1):.3f}x over NCCL+cuBLAS, {geomean(s2):.3f}x over "
               f"PyTorch fused, ditron reaches {geomean(s3):.3f} of the max(GEMM, comm) bound.", "",
-              "Every candidate plan (ms), for the cost model's calibration:", "",
+              "Every candidate plan (ms), the scheduler's evidence:", "",
               "| op | M | K | N | " + " | ".join(sorted({k for r in rows for k in r['plans']})) + " |"]
     keys = sorted({k for r in rows for k in r["plans"]})
     lines.append("| --- " * (4 + len(keys)) + "|")

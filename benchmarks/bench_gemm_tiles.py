@@ -1,7 +1,7 @@
 """The persistent Triton GEMM's tile programs at the sites where a chosen plan runs it, beside cuBLAS,
 on one GPU: would a tile chosen per shape close its gap to cuBLAS?
 
-    python benchmarks/bench_gemm_tiles.py --out benchmarks/results/gemm_tiles_h200x1
+    python benchmarks/bench_gemm_tiles.py --out benchmarks/results/<name>
     python benchmarks/bench_gemm_tiles.py --device cpu --tiny        # smoke run (interpreter)
 
 Rows: the all-gather sites of the Llama-3-8B and -70B training step (benchmarks/llama_sites.py,

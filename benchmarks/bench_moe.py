@@ -91,15 +91,13 @@ PLANS = {
                         tma_b=True),
     "128x256_tma_b": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_a=False,
                           tma_b=True),
-    # the scheduler's tile for the op and world size (cost_model.grouped_mm_params)
+    # the scheduler's tile for the op and world size (policy.grouped_mm_params)
     "default": {},
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
                         tma_a=True),
     # the combine on several ranks: its rows stored in send order, then put (a 128 x 256 tile)
     "staged": dict(block_n=256, staged_push=True),
-    # the dispatch on several ranks: its put beside its first GEMM, which leaves it 16 SMs
-    "put16": dict(put_sms=16),
     "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
                            tma_a=True),
 }

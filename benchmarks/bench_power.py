@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_fused import _timed_reps, plan_text, ranks_meta, write_tables  # noqa: E402
 from benchmarks.bench_moe import close_group, init_group  # noqa: E402
-from ditron_inductor.scheduler.cost_model import AG_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.candidates import CANDIDATES  # noqa: E402
 
 SAMPLE_MS = 100
 QUERY = "clocks.sm,power.draw"
@@ -109,7 +109,8 @@ def contenders(args, world: int, group_name: str) -> dict:
     fns = {"gemm_only": lambda: full @ w, "comm_only": gather,
            "nccl_cublas": lambda: gather() @ w}
     for label in filter(None, args.plans.split(",")):
-        text = plan_text("all_gather_matmul", world, (m, k, n), AG_CANDIDATES[label])
+        text = plan_text("all_gather_matmul", world, (m, k, n),
+                         CANDIDATES["all_gather_matmul"][label].params)
         fns[label] = (lambda text=text: torch.ops.ditron.all_gather_matmul(
             shard, [w], [None], 0, group_name, world, text))
     return fns
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
                     help="M,K,N: rows gathered (B x S), K, N; default: gate/up at Llama-3-8B TP 2")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--plans", default="cublas_1_3_4,tri_tma_128x256",
-                    help="ditron AG candidates (cost_model.AG_CANDIDATES labels)")
+                    help="ditron AG candidates (labels of candidates.CANDIDATES)")
     args = ap.parse_args(argv)
     m, k, n = args.shape
     init_group("cuda", launched=True)

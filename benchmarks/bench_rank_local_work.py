@@ -1,6 +1,6 @@
 """What a TP-W rank computes in a fused plan when the transfers cost nothing, on one GPU.
 
-    python benchmarks/bench_rank_local_work.py --tp 2,4 --out benchmarks/results/rank_local_work_h200x1
+    python benchmarks/bench_rank_local_work.py --tp 2,4 --out benchmarks/results/<name>
     python benchmarks/bench_rank_local_work.py --device cpu --tiny          # smoke run
 
 The world-1 parity table (bench_compute_parity.py) runs each op at world size 1, where the
@@ -15,15 +15,12 @@ chooses there, with every peer's data taken as arrived (B as the model holds it,
              cuBLAS call, accumulated)
   plan       + its local passes on the streams the plan puts them on: the all-gather's copy of
              my shard into the buffer the peers pull (main stream before the GEMM where the plan
-             is ready_before_gemm) and into my rows of the gathered A (beside, on a stream of its
-             own, where local_copies_beside and cuBLAS; before the Triton GEMM, as two copies
-             where the runtime writes both in one kernel); the reduce-scatter's partials for the
+             is ready_before_gemm) and into my rows of the gathered A (beside cuBLAS, on a stream
+             of its own; before the Triton GEMM, as two copies where the runtime writes both in
+             one kernel); the reduce-scatter's partials for the
              peers in a staging buffer and the reduction of the W slots of my rows
   no_buffer  (all-gather) the plan without the copy into the peers' buffer: what is left if the
              producer of A wrote my shard there itself
-  accumulate (reduce-scatter) the pull-and-accumulate plan's local work instead
-             (ReduceScatterPlan.accumulate): my product added onto the peers' pulled sum by
-             cuBLAS (beta = 1), no reduction pass
   two_gemms  (all-gather) cuBLAS on my rows, then on every peer's rows at once (groups 1, W-1),
              no copies: the fewest GEMM calls a plan that starts on my rows can make
 The copy-engine transfers and the peers' flags are left out: their cost is what the W-GPU site
@@ -52,7 +49,7 @@ from benchmarks.bench_fused import spin_device  # noqa: E402
 from benchmarks.llama_sites import sites  # noqa: E402
 from ditron_inductor.runtime.all_gather import chunk_groups, chunk_runs  # noqa: E402
 from ditron_inductor.runtime.launch import matmul_into  # noqa: E402
-from ditron_inductor.scheduler.cost_model import choose_device_plan  # noqa: E402
+from ditron_inductor.scheduler.choose import choose_device_plan  # noqa: E402
 from ditron_inductor.scheduler.plan import TRITON  # noqa: E402
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL  # noqa: E402
 
@@ -168,7 +165,7 @@ def all_gather_work(site, plan, device, dtype) -> tuple[dict, Callable[[], float
 
     def local(buffer_copy: bool):
         def run():
-            beside = side is not None and plan.local_copies_beside and plan.gemm != TRITON
+            beside = side is not None and plan.gemm != TRITON
             first = plan.ready_before_gemm or not beside
             if buffer_copy and first:
                 buffer.copy_(mine)
@@ -231,8 +228,7 @@ def reduce_scatter_work(site, plan, device, dtype) -> tuple[dict, Callable[[], f
         if summed is not None:
             summed.matmul_into(a_rows, b_terms[0], None, into, p * rows)
         else:
-            matmul_into(a_rows, b_terms[0], None, into,
-                        plan.tile if plan.gemm == TRITON and device == "cuda" else None)
+            matmul_into(a_rows, b_terms[0], None, into)
 
     def gemms():
         for i, p in enumerate(task.ring_order(r)[1:]):
@@ -248,26 +244,14 @@ def reduce_scatter_work(site, plan, device, dtype) -> tuple[dict, Callable[[], f
         else:
             torch.sum(slots, dim=0, out=out)
 
-    def accumulate():
-        """the pull-and-accumulate plan's local work: the peers' partials as before, then my
-        product added by cuBLAS (beta = 1) onto my rows, where the peers' sum has arrived"""
-        for i, p in enumerate(task.ring_order(r)[1:]):
-            gemm(p, staging[i])
-        rows_r = slice(r * rows, (r + 1) * rows)
-        for a_i, b_i in zip(a_terms, b_terms):
-            out.addmm_(a_i[rows_r], b_i)
-
     def check() -> float:
         ref = unfused()[r * rows:(r + 1) * rows]
         slots.copy_(ref.expand(W, rows, n))
         out.fill_(float("nan"))
         plan_work()
-        reduced = rel_err(out, W * ref.double())
-        out.copy_((W - 1) * ref)  # the peers' sum of my rows, pulled
-        accumulate()
-        return max(reduced, rel_err(out, W * ref.double()))
+        return rel_err(out, W * ref.double())
 
-    return {"unfused": unfused, "gemms": gemms, "plan": plan_work, "accumulate": accumulate}, check
+    return {"unfused": unfused, "gemms": gemms, "plan": plan_work}, check
 
 
 def site_plans(args):
@@ -313,7 +297,7 @@ def tiny(site):
     return dataclasses.replace(site, task=task, term_ks=term_ks)
 
 
-COLUMNS = ("unfused", "gemms", "plan", "no_buffer", "two_gemms", "accumulate")
+COLUMNS = ("unfused", "gemms", "plan", "no_buffer", "two_gemms")
 
 
 def row_line(row: dict) -> str:

@@ -38,13 +38,10 @@ Workloads:
 Contenders: eager, Inductor, Inductor + PyTorch async TP (`_micro_pipeline_tp` with symmetric memory
 enabled for the group; CUDA only), ditron, and beside ditron always ditron_keep_mask (ditron with
 its causal-mask, decode-GEMM and GQA-packing rewrites off, "fusions only": what the collective
-fusion alone gains, so the effects are never mixed); where named, ditron_keep_mask_model (fusions
-only with the AG/RS plans of the link model alone, `ditron.measured_plans=False`), and
-ditron_keep_mask_shard (fusions only with plain TP's all-reduces as reduce-scatter + all-gather,
-`ditron.sequence_shard=True`: prefill's residual stream sharded on rows), and ditron_keep_mask_b
-(fusions only with the ditron options of --b-options on top: a change's effect on the step, timed
-in one process beside fusions only, where runs in separate processes differ by ~1%). Timing: random
-token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls,
+fusion alone gains, so the effects are never mixed); where named,
+ditron_keep_mask_b (fusions only with the ditron options of --b-options on top: a change's effect
+on the step, timed in one process beside fusions only, where runs in separate processes differ by
+~1%). Timing: random token ids, warm-up, then --reps interleaved repetitions (each contender in turn) of --iters calls,
 or of as many as take --min-ms (5 decode steps of 0.7 ms spread by 30% between runs); CUDA events on
 GPU; the median over repetitions, the maximum over ranks; the spread of the repetitions ((max - min)
 / median, the largest over contenders and ranks: differences smaller than it are noise); and the
@@ -108,13 +105,9 @@ from tests import llama_tp  # noqa: E402
 
 # ditron_keep_mask: ditron with its causal-mask, decode-GEMM and GQA rewrites off (what overlap
 # alone gains);
-# ditron_keep_mask_model: that, its AG/RS plans from the link model alone (ditron.measured_plans
-# off), to time the measured plans' choice against the model's in one run;
-# ditron_keep_mask_shard: fusions only with plain TP's all-reduces made reduce-scatter +
-# all-gather (ditron.sequence_shard), the residual stream sharded on rows between them;
 # ditron_keep_mask_b: fusions only with --b-options on top (B_OPTIONS)
 CONTENDERS = ("eager", "inductor", "inductor_async_tp", "ditron", "ditron_keep_mask",
-              "ditron_keep_mask_model", "ditron_keep_mask_shard", "ditron_keep_mask_b")
+              "ditron_keep_mask_b")
 B_OPTIONS: dict = {}  # --b-options, parsed: the ditron options of ditron_keep_mask_b
 WORKLOADS = ("train", "prefill", "decode")
 GRADS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
@@ -126,8 +119,6 @@ FUSIONS_ONLY = {"ditron.causal_mask": False, "ditron.decode_gemm": False,
                 "ditron.gqa_packing": False}
 CONTENDER_TITLES = {"ditron_keep_mask":
                     "ditron fusions only (mask, decode-GEMM and GQA rewrites off)",
-                    "ditron_keep_mask_model": "fusions only, the link model's plans",
-                    "ditron_keep_mask_shard": "fusions only + sequence sharding",
                     "ditron_keep_mask_b": "fusions only + --b-options"}
 # --fp8: ditron's loss and gradients within this of the baseline's largest magnitude, else the
 # report says how far, beside how far the other contenders lie: any change of rounding upstream
@@ -169,11 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS
                                                      if not c.startswith("ditron_keep_mask")),
                    help="ditron brings ditron_keep_mask (fusions only) along, but with "
-                        "--no-comm; ditron_keep_mask_model runs where named")
+                        "--no-comm; ditron_keep_mask_b runs where named")
     p.add_argument("--b-options", default="",
                    help="ditron_keep_mask_b's ditron options over fusions only, KEY=VALUE pairs "
-                        "separated by ';', e.g. 'ditron.skip_plans=cublas_accumulate,"
-                        "cublas_accumulate_c4'")
+                        "separated by ';', e.g. 'ditron.decode_gemm_groups=0'")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW's implementation in the training step (torchtitan's default: "
                         "fused)")
@@ -282,11 +272,8 @@ def compiled(contender: str, model, mode: str, group_name: str, no_comm: bool = 
         options = {**(list_mode_options(cuda_graphs) if cuda_graphs else {}),
                    "_micro_pipeline_tp": True}
         return torch.compile(model, options=options, dynamic=False)
-    if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_model",
-                     "ditron_keep_mask_shard", "ditron_keep_mask_b"):
+    if contender in ("ditron", "ditron_keep_mask", "ditron_keep_mask_b"):
         options = {**(FUSIONS_ONLY if "keep_mask" in contender else {}),
-                   **({"ditron.measured_plans": False} if contender.endswith("_model") else {}),
-                   **({"ditron.sequence_shard": True} if contender.endswith("_shard") else {}),
                    **(B_OPTIONS if contender.endswith("_b") else {}),
                    **({"ditron.patterns": ""} if no_comm else {})}
         if not options:  # as a user writes it

@@ -15,7 +15,7 @@ rest is the same on every rank).
 Contenders (each `torch.compile(model, dynamic=False)`, the step's loss a sum over the head):
   inductor               Inductor;
   ditron                 backend="ditron" as a user writes it: the scheduler's plans (today
-                         NCCL all-to-all + grouped GEMM at both MoE ops, cost_model.moe_not_fused);
+                         NCCL all-to-all + grouped GEMM at both MoE ops: moe_not_fused);
   ditron_fused           every MoE op's fused plan (ditron.plan=fused): the dispatch and the
                          combine on symmetric memory where they serve;
   ditron_fused_combine   the combine's fused plan alone (ditron.patterns: the combine's), the

@@ -8,10 +8,9 @@ plan.
         --k 2048 --ns 4096 --labels cublas_triton_reduce
 
 Three calls are queued while the device spins (as bench_fused.py times them) and the last third of
-the profiled span is printed: the start of each activity in us from the first one there. What it
-showed (benchmarks/results/all_gather_h100x2_ready_before_gemm.md): with the local copies beside
-the GEMM, the copy into the symmetric buffer ran only in the GEMM's last wave, and the peer's
-pull, then its GEMM, waited for it.
+the profiled span is printed: the start of each activity in us from the first one there (e.g.
+where the copy into the symmetric buffer runs beside the GEMM, and when the peer's pull and its
+GEMM of my rows start after it).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.bench_fused import init_ranks, plan_text  # noqa: E402
-from ditron_inductor.scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES  # noqa: E402
+from ditron_inductor.scheduler.candidates import CANDIDATES  # noqa: E402
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER  # noqa: E402
 
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -58,7 +57,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--ns", default="3072,14336")
     ap.add_argument("--labels", default="cublas_each,cublas_each_first_ready",
-                    help="cost_model.AG_CANDIDATES (or RS_CANDIDATES) labels")
+                    help="labels of the op's candidates (scheduler/candidates.py)")
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
 
@@ -69,7 +68,7 @@ def main() -> None:
                         dtype=torch.bfloat16)
         b = torch.randn(args.k, n, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
         for label in args.labels.split(","):
-            params = (AG_CANDIDATES if gather else RS_CANDIDATES)[label]
+            params = CANDIDATES[args.op][label].params
             text = plan_text(args.op, world, (args.m, args.k, n), params)
 
             def call():

@@ -1,7 +1,5 @@
-"""The `ditron` torch.compile backend: Inductor with the ditron post-grad pass.
-
-Registered through the `torch_dynamo_backends` entry point (pyproject.toml) and nowhere else.
-"""
+"""The `ditron` torch.compile backend: Inductor with the ditron post-grad pass, registered
+through the `torch_dynamo_backends` entry point (pyproject.toml) and nowhere else."""
 
 from __future__ import annotations
 
@@ -30,7 +28,6 @@ def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> 
     from torch._inductor import list_mode_options
 
     ditron_options, inductor_options = config.split_options(options, config.defaults())
-    check_plan_labels(ditron_options)
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options)
     if not ditron_options.enabled:
@@ -41,21 +38,9 @@ def inductor_patches(mode: Optional[str], options: Optional[dict[str, Any]]) -> 
                             inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = DitronPass(ditron_options, user_pass)
     if log.isEnabledFor(logging.INFO):
-        # A cached graph skips the pass and so its report: while the user asks for the report,
-        # compile every graph.
+        # a cached graph skips the pass and so its report: while INFO is on, compile every graph
         patches.setdefault("fx_graph_cache", False)
     return patches
-
-
-def check_plan_labels(options: config.Options) -> None:
-    """ditron.skip_plans names candidates of the scheduler's tables, else an OptionError."""
-    from .scheduler.cost_model import AG_CANDIDATES, RS_CANDIDATES
-
-    unknown = sorted(options.skip_plans - {*AG_CANDIDATES, *RS_CANDIDATES})
-    if unknown:
-        raise config.OptionError(
-            f"ditron.skip_plans (DITRON_SKIP_PLANS): unknown plan label(s) {', '.join(unknown)}; "
-            "allowed: labels of cost_model.AG_CANDIDATES and RS_CANDIDATES")
 
 
 def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
@@ -92,8 +77,7 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
 
 
 def _optional_rewrite(rewrite, gm: torch.fx.GraphModule, name: str, left: str) -> list:
-    """rewrite(gm)'s sites, or none after a warning where it fails: an optimization, each step
-    of which leaves a valid graph."""
+    """rewrite(gm)'s sites, or none after a warning: each of its steps leaves a valid graph."""
     try:
         return rewrite(gm)
     except Exception as e:  # noqa: BLE001 - the graph stays valid; the user's model still runs
@@ -102,8 +86,7 @@ def _optional_rewrite(rewrite, gm: torch.fx.GraphModule, name: str, left: str) -
 
 
 def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
-    """SDPA calls with a constant causal (or empty) mask take is_causal=True (or no mask): one
-    INFO line per graph, one per mask kept and why; every call at DEBUG."""
+    """lowering/causal_mask.py's rewrite: one INFO line per graph and per mask kept."""
     sites = _optional_rewrite(causal_mask.rewrite_causal_masks, gm, "the attention-mask rewrite",
                               "the masks it had not reached stay as they are")
     if not sites:
@@ -118,8 +101,8 @@ def _rewrite_causal_masks(gm: torch.fx.GraphModule) -> None:
 
 
 def _pack_grouped_queries(gm: torch.fx.GraphModule) -> None:
-    """SDPA calls on repeated keys/values take packed query heads: one INFO line per graph (with
-    why the first call kept was kept: prefill and training keep every call); each at DEBUG."""
+    """lowering/gqa_packing.py's rewrite: one INFO line per graph, with why the first call kept
+    was kept (prefill and training keep every call)."""
     sites = _optional_rewrite(gqa_packing.pack_grouped_queries, gm, "the grouped-query packing",
                               "the calls it had not reached keep their repeated keys and values")
     if not sites:

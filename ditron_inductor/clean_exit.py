@@ -1,16 +1,11 @@
 """A clean exit for a program that compiled with ditron, whatever order it shuts down in.
 
-At interpreter exit, a process group outlives `destroy_process_group()` (DTensor's meshes and
-compiled graphs' guards hold it), and so do its worker threads and the works and tensors they
-hold. Left to interpreter finalisation, those objects die while Python tears itself down, and a
-C++ thread that then needs the GIL aborts the process ("terminate called without an active
-exception"), or a collective teardown waits on a peer that has gone. `release_at_exit` runs
-first among the exit handlers that exist when it is installed (at the first compile that sees a
-process group), while the interpreter is whole, and releases in dependency order: ditron's
-runtime (symmetric memory and its contexts, which live on the group), then the compiled graphs,
-then the process groups the program did not destroy itself. And a program that destroys its
-default group itself gets its CUDA graphs released first (`release_cuda_graphs`: NCCL waits for
-graphs that captured its collectives).
+A process group outlives `destroy_process_group()` (DTensor's meshes and compiled graphs' guards
+hold it); left to interpreter teardown, a C++ thread that then needs the GIL aborts the process
+("terminate called without an active exception"), or a teardown waits on a peer that has gone.
+So `release_at_exit` runs before the exit handlers registered earlier, while the interpreter is
+whole, and releases in dependency order: ditron's runtime (symmetric memory lives on the group),
+the compiled graphs, then the process groups the program did not destroy.
 """
 
 from __future__ import annotations
@@ -38,12 +33,10 @@ def install() -> None:
 
 
 def release_cuda_graphs() -> None:
-    """Drops the compiled graphs and Inductor's CUDA-graph trees (`torch._dynamo.reset()` resets
-    both). NCCL keeps a communicator until every CUDA graph that captured one of its collectives
-    is destroyed, and its finalize in `destroy_process_group()` waits for that: with the trees
-    alive (mode="reduce-overhead") it waited for good (py-spy on 2x H100: both ranks in
-    ncclCommFinalize -> commDestroySync); StepGraph's graphs go first (step_graph.release_all).
-    Nothing to do where CUDA never started."""
+    """Drops StepGraph's graphs, then the compiled graphs and Inductor's CUDA-graph trees
+    (`torch._dynamo.reset()`): NCCL's finalize in `destroy_process_group()` waits until every
+    CUDA graph that captured one of its collectives is destroyed, with the trees alive
+    (mode="reduce-overhead") for good. Nothing to do where CUDA never started."""
     import torch
 
     step_graph = sys.modules.get("ditron_inductor.step_graph")  # loaded by a StepGraph's user

@@ -3,17 +3,11 @@
     python -m ditron_inductor.demo                  # CPU ranks over gloo (2), or one rank per GPU
     python -m ditron_inductor.demo --world-size 4 --device cpu
 
-Launches the ranks itself (CPU + gloo by default; one rank per CUDA GPU over NCCL when at least
-two GPUs are present), builds a small transformer block with DTensor tensor-parallel plans:
-
-    RMSNorm (SequenceParallel) -> Q/K/V (Colwise, input Shard(1)) -> attention -> O (Rowwise,
-    output Shard(1)) -> residual -> RMSNorm (SequenceParallel) -> gate/up (Colwise, input
-    Shard(1)) -> SiLU-gated MLP -> down (Rowwise, output Shard(1)) -> residual
-
-compiles it with `torch.compile(backend="ditron")`, runs forward and backward, prints on rank 0
-which collective + matmul subgraphs became which ditron op (and why the others did not), and checks
-the output, the input grad and every parameter grad against the same model run eagerly. The last
-line says PASS or FAIL; the exit code is non-zero on FAIL.
+Launches its ranks (CPU + gloo by default; one per CUDA GPU over NCCL where there are at least
+two), runs a small sequence-parallel attention + MLP block with DTensor's tensor-parallel plans
+forward and backward, prints on rank 0 which subgraphs became which ditron op (and why the others
+did not), and checks the output and every gradient against eager: the last line says PASS or
+FAIL, and the exit code is non-zero on FAIL.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Where ditron_inductor logs, and which ranks say it.
 
-Every module logs to the logger "ditron". `TORCH_LOGS=ditron` turns it on with no import of ours:
-torch accepts any importable module name there, and the top-level module `ditron` (an empty
-module shipped with this package for that purpose) is one.
-
-Every rank makes the same decisions, so at INFO only rank 0 speaks; at `TORCH_LOGS=+ditron`, or
-with the option `ditron.log_all_ranks` (DITRON_LOG_ALL_RANKS=1), every rank does, and warnings
-always come from every rank.
+Every module logs to the logger "ditron"; `TORCH_LOGS=ditron` turns it on with no import of ours,
+as torch accepts any importable module name there and the package ships an empty top-level
+module `ditron` for it. Every rank makes the same decisions, so at INFO only rank 0 speaks unless
+`TORCH_LOGS=+ditron` or `ditron.log_all_ranks` (DITRON_LOG_ALL_RANKS=1); warnings come from every
+rank.
 """
 
+import contextlib
+import contextvars
 import logging
 import sys
 
@@ -22,13 +22,24 @@ def _rank() -> int:
     return dist.get_rank()
 
 
+_all_ranks = contextvars.ContextVar("ditron_log_all_ranks", default=False)
+
+
+@contextlib.contextmanager
+def all_ranks_logging(on: bool):
+    """Every rank's INFO lines while the pass runs with ditron.log_all_ranks."""
+    token = _all_ranks.set(on)
+    try:
+        yield
+    finally:
+        _all_ranks.reset(token)
+
+
 class _RankZeroAtInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING or logger.isEnabledFor(logging.DEBUG):
             return True
-        from . import config
-
-        return config.log_all_ranks or _rank() == 0
+        return _all_ranks.get() or _rank() == 0
 
 
 logger = logging.getLogger(LOGGER_NAME)

@@ -1,32 +1,21 @@
-"""The ditron ops: one op per fused collective + matmul (and two for a decode step, without
-collectives: decode_mm, a one-row matmul in the decode GEMM template; decode_attention, packed
-grouped-query rows in the split-keys decode attention template; and for the sequence sharding
-of lowering/sequence_shard.py, rank_rows, this rank's rows of a tensor, and held_rows, this
-rank's share of a slice of sharded rows).
+"""The ditron ops: one per fused collective + matmul, and the decode step's ops without one
+(decode_mm, decode_mm_group, decode_attention).
 
-Each op is defined with `torch.library` (schema, one implementation for every backend, a fake
-(meta) implementation), so Inductor and symbolic shapes see it as one opaque kernel. Its reference
-implementation, from functional collectives and matmuls, runs on any device (CPU with gloo
-included) and is the ground truth in tests. The ops are registered with `Library.define/impl`
-rather than `torch.library.custom_op`, whose per-call Python wrapping (dynamo guard, alias checks
-of the outputs) cost more host time than the rest of a call. The pass puts the ops in post-grad
-graphs, where autograd has run; only the MoE ops have an autograd formula (each one's backward is
-the other's transposed sequence), for a training step that calls them itself. The scaled (FP8)
-ops have none: torch._scaled_mm has none either (float8 training defines its backward as more
-_scaled_mm calls, which the pass finds in the backward graph).
-
-The fused CUDA implementations come from one place, `runtime.FUSED_IMPLS`. An op whose plan asks
-for a fused kernel calls it with the plan (decoded once per distinct text) and the Task (built only
-then); the fused implementation returns None for an input its plan cannot serve (a layout or size
-its kernel does not handle), and the op then takes the reference path instead of failing, and
-says so at debug level.
+Each is a `torch.library` op (schema, one implementation for every backend, a fake), one opaque
+kernel to Inductor; `Library.define/impl` because `custom_op`'s per-call wrapping costs more host
+time than the rest of a call. Its reference implementation (functional collectives and matmuls,
+on any device, gloo included) is the ground truth in tests. An op whose plan asks for a fused
+kernel calls `runtime.FUSED_IMPLS`' implementation, which returns None for an input its kernel
+does not handle: the op then runs the reference. The ops go in post-grad graphs, after autograd;
+only the MoE ops have an autograd formula (each one's backward is the other's transposed), for
+training steps that call them directly; the scaled ops have none, as _scaled_mm has none
+(float8 training's backward is more _scaled_mm calls, which the pass finds).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import operator
 from typing import Callable, Optional, Sequence
 
@@ -65,8 +54,7 @@ log = logging.getLogger(LOGGER_NAME)
 c10d = torch.ops._c10d_functional
 _lib = torch.library.Library("ditron", "DEF")
 
-# op name -> fused implementation (runtime.FUSED_IMPLS, loaded at the first fused call):
-# fn(task, plan, *op_args) -> outputs, or None to fall back.
+# op name -> fn(task, plan, *op_args) -> outputs, or None to fall back (runtime.FUSED_IMPLS)
 _fused_impls: dict[str, Callable] = {}
 _fallbacks_logged: set[tuple[str, str]] = set()
 
@@ -93,8 +81,7 @@ _MAX_TASKS = 4096
 
 
 def _signature(arg):
-    """What a Task can depend on in one op argument: a tensor's shape, dtype and device (CUDA or
-    not), a list's items, anything else (sizes, names, flags) as it is."""
+    """What a Task depends on in one op argument: a tensor's shape, dtype and is_cuda."""
     if isinstance(arg, Tensor):
         return arg.shape, arg.dtype, arg.is_cuda
     if isinstance(arg, list):
@@ -103,10 +90,8 @@ def _signature(arg):
 
 
 def task_of(op: str, *args):
-    """The Task of a call of `op` with these arguments, memoised on their signatures: a Task is
-    a function of shapes, dtypes, options and the group, the same few recur call after call, and
-    building one costs more host time than the rest of the dispatch (the table is dropped whole
-    if it ever grows past _MAX_TASKS)."""
+    """The Task of a call of `op`, memoised on its arguments' signatures: the same few recur
+    call after call, and building one costs more host time than the rest of the dispatch."""
     key = (op, *map(_signature, args))
     task = _tasks.get(key)
     if task is None:
@@ -116,8 +101,7 @@ def task_of(op: str, *args):
     return task
 
 
-# op -> its Task from the op's own arguments (scheduler/task.py's builders, which the matcher
-# calls too)
+# op -> its Task from the op's arguments (scheduler/task.py's builders, the matcher's too)
 _TASK_BUILDERS: dict[str, Callable] = {
     ALL_GATHER_MATMUL: all_gather_matmul_task,
     MATMUL_REDUCE_SCATTER: functools.partial(matmul_terms_task, MATMUL_REDUCE_SCATTER),
@@ -158,8 +142,7 @@ def _dispatch(op: str, plan_text: str, on_cuda: bool, reference: Callable, *args
 
 
 def _load_fused_impl(op: str) -> Optional[Callable]:
-    """The runtime's implementation of `op` (it imports triton and the kernels: only when a fused
-    plan first runs)."""
+    """The runtime's implementation of `op` (it imports triton: only at the first fused call)."""
     try:
         from .runtime import FUSED_IMPLS
     except ImportError as e:
@@ -172,8 +155,7 @@ def _load_fused_impl(op: str) -> Optional[Callable]:
 
 def _define(schema: str, impl: Callable, fake: Callable, backward: Optional[Callable] = None,
             setup_context: Optional[Callable] = None) -> None:
-    """torch.ops.ditron.<name>: `impl` for every backend, `fake` for fake tensors and meta, and
-    where given the autograd formula (`backward`, with its `setup_context`)."""
+    """torch.ops.ditron.<name>: `impl` for every backend, `fake`, the autograd formula if any."""
     name = schema.split("(", 1)[0]
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     _lib.impl(name, impl, "CompositeExplicitAutograd")
@@ -202,9 +184,23 @@ def _full_shape(a: Tensor, b: Tensor, out_shape: Sequence) -> list:
     return list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
 
 
+def _gathered_fakes(a_shard, weights, gather_dim, world_size, dtype) -> list[Tensor]:
+    """The all-gather ops' outputs: the gathered activation, then [rows, N_i] per weight."""
+    shape = list(a_shard.shape)
+    shape[gather_dim] = shape[gather_dim] * world_size
+    gathered = a_shard.new_empty(shape)
+    rows = gathered.numel() // shape[-1]
+    return [gathered] + [a_shard.new_empty([rows, w.shape[1]], dtype=dtype) for w in weights]
+
+
+def _scattered_fake(a, b, out_shape, scatter_dim, world_size, dtype) -> Tensor:
+    shape = _full_shape(a, b, out_shape)
+    shape[scatter_dim] = shape[scatter_dim] // world_size
+    return a.new_empty(shape, dtype=dtype)
+
+
 def _sum_of_products(a: Sequence[Tensor], b: Sequence[Tensor], bias: Optional[Tensor]) -> Tensor:
-    """a[0] @ b[0] (+ bias) + a[1] @ b[1] + ...: each product in the operands' dtype, added in
-    turn, as the graph's adds did."""
+    """a[0] @ b[0] (+ bias) + a[1] @ b[1] + ...: added in turn, as the graph's adds did."""
     out = _matmul(a[0], b[0], bias)
     for a_i, b_i in zip(a[1:], b[1:]):
         out = out + torch.mm(a_i, b_i)
@@ -223,22 +219,14 @@ def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name
 def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]],
                       gather_dim: int, group_name: str, world_size: int,
                       plan: str) -> list[Tensor]:
-    """All-gather `a_shard` along `gather_dim` over the group, then multiply the gathered
-    activation, flattened to [M, K], by each weight [K, N_i] (plus its bias).
-
-    Returns [gathered activation (N-d, as the collective produces it), A @ W_0, A @ W_1, ...];
-    the data crosses the wire once however many weights share it.
-    """
+    """All-gather `a_shard` along `gather_dim`, then A (the gathered activation as [M, K]) @ each
+    weight [K, N_i] (+ bias): [gathered (N-d), A @ W_0, ...], on the wire once for all weights."""
     return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, all_gather_matmul_reference,
                      a_shard, weights, biases, gather_dim, group_name, world_size)
 
 
 def _all_gather_matmul_fake(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
-    shape = list(a_shard.shape)
-    shape[gather_dim] = shape[gather_dim] * world_size
-    gathered = a_shard.new_empty(shape)
-    rows = gathered.numel() // shape[-1]
-    return [gathered] + [a_shard.new_empty([rows, w.shape[1]]) for w in weights]
+    return _gathered_fakes(a_shard, weights, gather_dim, world_size, a_shard.dtype)
 
 
 _define("all_gather_matmul(Tensor a_shard, Tensor[] weights, Tensor?[] biases, SymInt gather_dim, "
@@ -266,19 +254,15 @@ def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_o
 def matmul_reduce_scatter(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
                           out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
                           group_name: str, world_size: int, plan: str) -> Tensor:
-    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...), viewed as `out_shape` (empty: the 2-d product),
-    reduce-scattered over the group along `scatter_dim` with `reduce_op` ("sum" or "avg"). One
-    term for a matmul; more for a sum of matmul products over the same rows (the input gradient
-    of layers that share their input: q/k/v, gate/up)."""
+    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...: q/k/v's input gradient) viewed as `out_shape`
+    (empty: the 2-d product), reduce-scattered along `scatter_dim` with `reduce_op`."""
     return _dispatch(MATMUL_REDUCE_SCATTER, plan, a[0].is_cuda, matmul_reduce_scatter_reference,
                      a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size)
 
 
 def _matmul_reduce_scatter_fake(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
                                 world_size, plan):
-    shape = _full_shape(a[0], b[0], out_shape)
-    shape[scatter_dim] = shape[scatter_dim] // world_size
-    return a[0].new_empty(shape)
+    return _scattered_fake(a[0], b[0], out_shape, scatter_dim, world_size, a[0].dtype)
 
 
 _define("matmul_reduce_scatter(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
@@ -297,8 +281,7 @@ def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, wo
 def matmul_all_reduce(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
                       out_shape: Sequence[int], reduce_op: str, group_name: str, world_size: int,
                       plan: str) -> Tensor:
-    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...: the terms as for matmul_reduce_scatter), viewed
-    as `out_shape` (empty: the 2-d product), all-reduced over the group with `reduce_op`."""
+    """matmul_reduce_scatter's sum of products, viewed as `out_shape`, all-reduced."""
     return _dispatch(MATMUL_ALL_REDUCE, plan, a[0].is_cuda, matmul_all_reduce_reference, a, b,
                      bias, out_shape, reduce_op, group_name, world_size)
 
@@ -316,9 +299,8 @@ _define("matmul_all_reduce(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_sh
 
 
 def rms_norm_reference(h: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool) -> Tensor:
-    """Llama-style RMSNorm over the last dim, in the two roundings models use:
-    weight_in_fp32=False: (h32 * rsqrt(mean(h32^2) + eps)).to(h.dtype) * weight (Hugging Face);
-    weight_in_fp32=True:  (h32 * rsqrt(mean(h32^2) + eps) * weight).to(h.dtype) (F.rms_norm)."""
+    """RMSNorm over the last dim in float32, rounded to h's dtype before the weight (Hugging
+    Face) or, weight_in_fp32, after it (F.rms_norm)."""
     h32 = h.float()
     normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
     if weight_in_fp32:
@@ -339,9 +321,8 @@ def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],
                               norm_weight: Tensor, eps: float, weight_in_fp32: bool,
                               reduce_op: str, group_name: str, world_size: int,
                               plan: str) -> tuple[Tensor, Tensor]:
-    """The row-parallel layer of tensor-parallel inference in one op:
-    h = all_reduce(a @ b + bias) (viewed as `out_shape`) + residual, y = RMSNorm(h) * norm_weight
-    (see `rms_norm_reference` for the two roundings). Returns (h, y): h is the next residual."""
+    """The row-parallel layer of tensor-parallel inference: h = all_reduce(a @ b + bias) (viewed
+    as `out_shape`) + residual, y = RMSNorm(h). Returns (h, y), h the next residual."""
     return _dispatch(MATMUL_ALL_REDUCE_RMSNORM, plan, a.is_cuda,
                      matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape, residual,
                      norm_weight, eps, weight_in_fp32, reduce_op, group_name, world_size)
@@ -360,10 +341,9 @@ _define("matmul_all_reduce_rmsnorm(Tensor a, Tensor b, Tensor? bias, SymInt[] ou
 
 
 # ------------------------------------------ expert parallelism: all-to-all <-> grouped GEMM
-# Expert e of this rank owns rows offsets[e - 1]:offsets[e] of a grouped GEMM (offsets: the
-# cumulative row counts, int32, as torch._grouped_mm takes them) and multiplies them by
-# weight[e] [K, N]. The all-to-all sends input_split_sizes[r] rows to rank r and receives
-# output_split_sizes[r] rows from rank r, rank-major.
+# Local expert e multiplies rows offsets[e - 1]:offsets[e] (cumulative int32 counts, as
+# torch._grouped_mm takes them) by weight[e] [K, N]. The all-to-all sends input_split_sizes[r]
+# rows to rank r and receives output_split_sizes[r] from it, rank-major.
 
 
 def _exchange(x: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
@@ -383,7 +363,7 @@ def _sum_of_grouped_mms(lefts: Sequence[Tensor], weights: Sequence[Tensor],
 
 def _send_rows(y: Tensor, row_index: Optional[Tensor], accumulate: bool, output_split_sizes,
                input_split_sizes, group_name: str) -> Tensor:
-    """y's row i to row row_index[i] of the rows to send (zeros where no row lands; summed where
+    """y's row i to row row_index[i] of the rows to send (zeros where none lands, summed where
     several do and `accumulate`), exchanged."""
     if row_index is not None:
         rows = y.new_zeros([total(input_split_sizes), y.shape[1]])
@@ -402,15 +382,9 @@ def all_to_all_grouped_mm(x: Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], row_index: Optional[Tensor],
                           weights: list[Tensor], offsets: Tensor, group_name: str,
                           world_size: int, plan: str) -> list[Tensor]:
-    """The dispatch of expert parallelism: all-to-all of x's rows [tokens, K], the received rows
-    taken in the order of row_index (expert-major; in arrival order when None), each weight
-    [experts, K, N_i] applied to them as a grouped GEMM.
-
-    Returns [the rows the experts read, rows @ W_0, rows @ W_1, ...]: the data crosses the wire
-    once however many weights share it (gate and up). Where each row lands depends on the
-    splits and row_index alone, never on which rank's rows arrive first: a fused kernel that
-    starts an expert's tiles as their rows land keeps this order.
-    """
+    """The dispatch: all-to-all of x's rows [tokens, K], taken in the order of row_index (None:
+    arrival order), then [rows, rows @ W_0, ...] by grouped GEMMs. Where a row lands depends on the
+    splits and row_index alone, never on arrival order, so fused kernels compute the same rows."""
     return _dispatch(ALL_TO_ALL_GROUPED_MM, plan, x.is_cuda, all_to_all_grouped_mm_reference,
                      x, output_split_sizes, input_split_sizes, row_index, weights, offsets,
                      group_name, world_size)
@@ -431,9 +405,8 @@ def _all_to_all_grouped_mm_setup(ctx, inputs, output):
 
 
 def _all_to_all_grouped_mm_backward(ctx, grads):
-    """The combine's sequence, transposed: the gradients of the outputs through the transposed
-    weights (and the rows' own gradient), back to the rows they came from (summed where a row
-    was read twice), exchanged back; the weights' gradients rows^T @ grad per expert."""
+    """The combine's sequence, transposed: the outputs' gradients through the transposed weights
+    (+ the rows' own), put back where the rows came from, exchanged; weights' rows^T @ grad."""
     grad_rows, grad_outs = grads[0], [None if g is None else g.contiguous() for g in grads[1:]]
     rows, offsets, row_index, *weights = ctx.saved_tensors
     taken = [(g, w.transpose(-2, -1)) for g, w in zip(grad_outs, weights) if g is not None]
@@ -466,14 +439,9 @@ def grouped_mm_all_to_all(lefts: list[Tensor], weights: list[Tensor], offsets: T
                           row_index: Optional[Tensor], accumulate: bool,
                           output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
                           group_name: str, world_size: int, plan: str) -> Tensor:
-    """The combine of expert parallelism: y = sum_i lefts[i] @ weights[i] as grouped GEMMs
-    (lefts [rows, K_i], weights [experts, K_i, N]; the backward of gate and up sums two), row j
-    of y written to row row_index[j] of the rows to send (zeros where none lands, summed where
-    several do and `accumulate`; y itself when row_index is None), and all-to-all'd back.
-
-    Returns the received rows [sum(output_split_sizes), N], rank-major. A fused kernel writes
-    each row from the GEMM's epilogue to the same place on its peer.
-    """
+    """The combine: y = sum_i lefts[i] @ weights[i] by grouped GEMMs (gate's and up's backward
+    sums two), put by `_send_rows` and all-to-all'd back: the received rows, rank-major (a fused
+    kernel writes each row to that place from the GEMM's epilogue)."""
     return _dispatch(GROUPED_MM_ALL_TO_ALL, plan, lefts[0].is_cuda,
                      grouped_mm_all_to_all_reference, lefts, weights, offsets, row_index,
                      accumulate, output_split_sizes, input_split_sizes, group_name, world_size)
@@ -492,9 +460,8 @@ def _grouped_mm_all_to_all_setup(ctx, inputs, output):
 
 
 def _grouped_mm_all_to_all_backward(ctx, grad):
-    """The dispatch's sequence, transposed: the gradient exchanged back, its rows taken as the
-    forward wrote them, through each transposed weight (each left's gradient); the weights'
-    gradients left^T @ rows per expert."""
+    """The dispatch's sequence, transposed: the gradient exchanged back, its rows taken where the
+    forward put them, through each transposed weight; the weights' gradients left^T @ rows."""
     offsets, row_index, *saved = ctx.saved_tensors
     lefts, weights = saved[:ctx.terms], saved[ctx.terms:]
     output_split_sizes, input_split_sizes = ctx.splits
@@ -514,9 +481,8 @@ _define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets,
 
 
 # ------------------------------------------------------------------------ FP8: the scaled ops
-# torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=, use_fast_accum=): a [M, K] and
-# b [K, N] in a float8 dtype, dequantised by float32 scales, tensorwise (one each) or rowwise
-# (scale_a [M, 1], scale_b [1, N]), the product (+ bias) in out_dtype (None: a's dtype).
+# torch._scaled_mm: float8 a [M, K] @ b [K, N], dequantised by float32 scales, tensorwise (one
+# each) or rowwise (scale_a [M, 1], scale_b [1, N]), the product (+ bias) in out_dtype.
 
 FLOAT8_DTYPES = FLOAT8  # the scaled ops' operands (scheduler/precision.py)
 
@@ -524,7 +490,7 @@ FLOAT8_DTYPES = FLOAT8  # the scaled ops' operands (scheduler/precision.py)
 def check_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
                     bias: Optional[Tensor], what: str, rows: Optional[int] = None) -> None:
     """Fail before any collective, naming the problem, where _scaled_mm would fail after it (or
-    on some ranks only). rows: the rows a rowwise scale_a has (default: a's)."""
+    on some ranks only). rows: a rowwise scale_a's (default: a's)."""
     problem = None
     rows = a.shape[0] if rows is None else rows
     if a.dtype not in FLOAT8_DTYPES or b.dtype not in FLOAT8_DTYPES:
@@ -545,16 +511,14 @@ def check_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
 
 
 def _all_gather_bytes(x: Tensor, gather_dim: int, group_name: str, world_size: int) -> Tensor:
-    """_all_gather of a float8 tensor as its bytes: gloo has no float8 dtypes (nor has CPU cat
-    of them), and the bytes are what moves anyway."""
+    """_all_gather of a float8 tensor as its bytes: gloo and CPU cat have no float8 dtypes."""
     if x.dtype not in FLOAT8_DTYPES:
         return _all_gather(x, gather_dim, group_name, world_size)
     return _all_gather(x.view(torch.uint8), gather_dim, group_name, world_size).view(x.dtype)
 
 
 def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
-    # rowwise scales with stride 1 along their size-1 dim, which _scaled_mm checks and a layout
-    # that Inductor chose for them need not have
+    # rowwise scales need stride 1 along their size-1 dim, which an Inductor layout may lack
     if scale_a.numel() > 1:
         scale_a, scale_b = scale_a.reshape(-1).unsqueeze(1), scale_b.reshape(-1).unsqueeze(0)
     return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
@@ -588,12 +552,8 @@ def all_gather_scaled_mm(a_shard: Tensor, scale_a: Tensor, weights: list[Tensor]
                          scales_b: list[Tensor], biases: list[Optional[Tensor]],
                          out_dtype: Optional[torch.dtype], use_fast_accum: bool, gather_dim: int,
                          group_name: str, world_size: int, plan: str) -> list[Tensor]:
-    """all_gather_matmul for float8: gather the float8 `a_shard` along `gather_dim` (one byte
-    an element on the wire), flatten it to [M, K] and _scaled_mm it by each weight [K, N_i]
-    with scale_a and scales_b[i] (+ biases[i]) into out_dtype. scale_a: one element
-    (tensorwise), or the shard's rows' scales [rows, 1] (rowwise, gather_dim 0), gathered too.
-
-    Returns [gathered activation (float8, N-d), product 0, product 1, ...]."""
+    """all_gather_matmul for float8 (one byte an element on the wire), each product a _scaled_mm;
+    scale_a: one element, or the shard's rows' [rows, 1] (gather_dim 0), gathered with them."""
     _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gather_dim)
     return _dispatch(ALL_GATHER_SCALED_MM, plan, a_shard.is_cuda,
                      all_gather_scaled_mm_reference, a_shard, scale_a, weights, scales_b, biases,
@@ -602,12 +562,7 @@ def all_gather_scaled_mm(a_shard: Tensor, scale_a: Tensor, weights: list[Tensor]
 
 def _all_gather_scaled_mm_fake(a_shard, scale_a, weights, scales_b, biases, out_dtype,
                                use_fast_accum, gather_dim, group_name, world_size, plan):
-    shape = list(a_shard.shape)
-    shape[gather_dim] = shape[gather_dim] * world_size
-    gathered = a_shard.new_empty(shape)
-    rows = gathered.numel() // shape[-1]
-    return [gathered] + [a_shard.new_empty([rows, w.shape[1]], dtype=out_dtype or a_shard.dtype)
-                         for w in weights]
+    return _gathered_fakes(a_shard, weights, gather_dim, world_size, out_dtype or a_shard.dtype)
 
 
 _define("all_gather_scaled_mm(Tensor a_shard, Tensor scale_a, Tensor[] weights, "
@@ -619,7 +574,7 @@ _define("all_gather_scaled_mm(Tensor a_shard, Tensor scale_a, Tensor[] weights, 
 def scaled_mm_reduce_scatter_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                        out_shape, scatter_dim, reduce_op, group_name,
                                        world_size):
-    # the terms added in out_dtype one after the other, as the graph's adds did
+    # added in out_dtype in turn, as the graph's adds did
     total = functools.reduce(operator.add, (
         _scaled_mm(a_i, b_i, s_a, s_b, bias if i == 0 else None, out_dtype, use_fast_accum)
         for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b))))
@@ -645,12 +600,8 @@ def scaled_mm_reduce_scatter(a: list[Tensor], b: list[Tensor], scale_a: list[Ten
                              out_dtype: Optional[torch.dtype], use_fast_accum: bool,
                              out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
                              group_name: str, world_size: int, plan: str) -> Tensor:
-    """matmul_reduce_scatter for float8, of a sum of terms: the sum over i of
-    _scaled_mm(a[i], b[i], scale_a[i], scale_b[i]) (+ bias, once) in out_dtype, viewed as
-    `out_shape`, reduce-scattered along `scatter_dim` (in out_dtype: the partial sums are not
-    float8). One term: one _scaled_mm; several: the input gradient of layers that share their
-    input (q/k/v, gate/up), whose scales differ, so that the bf16 ops' concatenation along K
-    does not apply."""
+    """matmul_reduce_scatter for float8, in out_dtype: each term a _scaled_mm with scales of its
+    own (so the terms cannot be concatenated along K)."""
     _check_scaled_mm_terms(a, b, scale_a, scale_b, bias)
     return _dispatch(SCALED_MM_REDUCE_SCATTER, plan, a[0].is_cuda,
                      scaled_mm_reduce_scatter_reference, a, b, scale_a, scale_b, bias, out_dtype,
@@ -660,9 +611,8 @@ def scaled_mm_reduce_scatter(a: list[Tensor], b: list[Tensor], scale_a: list[Ten
 def _scaled_mm_reduce_scatter_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                    out_shape, scatter_dim, reduce_op, group_name, world_size,
                                    plan):
-    shape = _full_shape(a[0], b[0], out_shape)
-    shape[scatter_dim] = shape[scatter_dim] // world_size
-    return a[0].new_empty(shape, dtype=out_dtype or a[0].dtype)
+    return _scattered_fake(a[0], b[0], out_shape, scatter_dim, world_size,
+                           out_dtype or a[0].dtype)
 
 
 _define("scaled_mm_reduce_scatter(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, "
@@ -681,8 +631,7 @@ def scaled_mm_all_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
                          bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
                          use_fast_accum: bool, out_shape: Sequence[int], reduce_op: str,
                          group_name: str, world_size: int, plan: str) -> Tensor:
-    """matmul_all_reduce for float8: _scaled_mm(a, b, scale_a, scale_b, bias) in out_dtype,
-    viewed as `out_shape`, all-reduced over the group."""
+    """matmul_all_reduce for float8, one term. No fused plan serves it: it runs its reference."""
     check_scaled_mm(a, b, scale_a, scale_b, bias, "scaled_mm_all_reduce")
     return _dispatch(SCALED_MM_ALL_REDUCE, plan, a.is_cuda, scaled_mm_all_reduce_reference,
                      a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out_shape,
@@ -700,69 +649,11 @@ _define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b
         scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)
 
 
-# ------------------------------------------- this rank's rows (sequence sharding, no collective)
-
-
-def _rank_in(group_name: str, world_size: int) -> int:
-    """This process's rank in the group, read at run time (a compiled graph holds no rank)."""
-    check_group(group_name, world_size)
-    return _resolve_process_group(group_name).rank()
-
-
-def rank_rows(x: Tensor, world_size: int, group_name: str) -> Tensor:
-    """This rank's 1/world_size of the rows of x [M, N], a copy: what lowering/sequence_shard.py
-    takes of a tensor that every rank computes alike (the embedding's output that the first
-    residual add reads beside a reduce-scattered sum)."""
-    rank = _rank_in(group_name, world_size)
-    return x.reshape(world_size, x.shape[0] // world_size, *x.shape[1:])[rank].clone()
-
-
-def _rank_rows_fake(x, world_size, group_name):
-    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
-
-
-_define("rank_rows(Tensor x, int world_size, str group_name) -> Tensor", rank_rows,
-        _rank_rows_fake)
-
-
-def _sliced_row_ids(row_dims: Sequence[int], dim: int, start: int, length: int,
-                    device) -> Tensor:
-    """The ids (of the flattened rows of a [*row_dims, X] tensor) of the rows that slicing dim
-    `dim` at [start, start + length) keeps, in the slice's order."""
-    ids = torch.arange(math.prod(row_dims), device=device).view(list(row_dims))
-    return ids.narrow(dim, start, length).reshape(-1)
-
-
-def held_rows(shard: Tensor, row_dims: Sequence[int], dim: int, start: int, length: int,
-              world_size: int, group_name: str) -> Tensor:
-    """This rank's share of a slice of rows of a value sharded on its rows (this rank holds
-    `shard`, its 1/world_size of the rows [*row_dims, X] flattened): the slice's rows as
-    [rows, X], with the rows this rank holds and zeros for the others, so that their sum over
-    the ranks (an all-reduce) is the slice (lowering/sequence_shard.py: the logits' last tokens).
-    Indices and mask are computed on the device: no host copy, no synchronisation."""
-    rank = _rank_in(group_name, world_size)
-    per_rank = shard.shape[0]
-    local = _sliced_row_ids(row_dims, dim, start, length, shard.device) - rank * per_rank
-    held = (local >= 0) & (local < per_rank)
-    rows = shard.index_select(0, local.clamp(0, per_rank - 1))
-    return torch.where(held[:, None], rows, torch.zeros((), dtype=shard.dtype,
-                                                        device=shard.device))
-
-
-def _held_rows_fake(shard, row_dims, dim, start, length, world_size, group_name):
-    return shard.new_empty((math.prod(row_dims) // row_dims[dim] * length, shard.shape[1]))
-
-
-_define("held_rows(Tensor shard, int[] row_dims, int dim, int start, int length, "
-        "int world_size, str group_name) -> Tensor", held_rows, _held_rows_fake)
-
-
 # ------------------------------------------------------------------- decode GEMM (no collective)
 
 
 def decode_mm(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for a decode step's one-row products (lowering/decode_gemm.py puts it in graphs):
-    the decode GEMM template on CUDA where it takes the operands, torch.mm otherwise."""
+    """a @ b by the decode GEMM template on CUDA where it takes the operands, else torch.mm."""
     if a.is_cuda and gemv_applies(a, b) is None:
         from .runtime.gemv import decode_mm as decode_gemm_template
 
@@ -778,9 +669,7 @@ _define("decode_mm(Tensor a, Tensor b) -> Tensor", decode_mm, _decode_mm_fake)
 
 
 def decode_mm_group(a: Tensor, bs: list[Tensor]) -> list[Tensor]:
-    """[a @ b for b in bs]: one-row products of the same rows (lowering/decode_gemm.py groups
-    them), one launch of the decode GEMM template on CUDA where it takes them all, torch.mm
-    otherwise."""
+    """[a @ b for b in bs]: decode_mm of the same rows in one launch of the template."""
     if a.is_cuda and all(gemv_applies(a, b) is None for b in bs):
         from .runtime.gemv import decode_mm_group as grouped_template
 
@@ -802,8 +691,7 @@ _define("decode_mm_group(Tensor a, Tensor[] bs) -> Tensor[]", decode_mm_group,
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                      scale: float) -> Tensor:
     """softmax(q k^T * scale + mask) v for a decode step's packed query rows (q [B, KV, R, D],
-    k and v [B, KV, L, D]; lowering/gqa_packing.py puts it in graphs): the split-keys decode
-    attention template on CUDA where it takes the inputs, SDPA otherwise."""
+    k and v [B, KV, L, D]): the split-keys template on CUDA where it takes them, SDPA otherwise."""
     if q.is_cuda:
         from .runtime import decode_attention as template
 

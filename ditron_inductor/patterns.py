@@ -1,26 +1,20 @@
-"""The patterns the pass rewrites, by the name of the ditron op each becomes.
-
-The lowest layer that needs them: the options (config.py) validate `ditron.patterns` against
-this list, and the Task (scheduler/task.py) names its op with it.
+"""The patterns the pass rewrites, by the name of the ditron op each becomes; the lowest layer,
+as config.py validates `ditron.patterns` against them and a Task's op is one of them.
 """
 
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 MATMUL_ALL_REDUCE = "matmul_all_reduce"
 MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
-# Expert parallelism: the dispatch all-to-all into the experts' grouped GEMMs, and the experts'
-# grouped GEMM into the combine all-to-all (lowering/moe.py).
+# expert parallelism (lowering/moe.py): dispatch -> grouped GEMMs, grouped GEMMs -> combine
 ALL_TO_ALL_GROUPED_MM = "all_to_all_grouped_mm"
 GROUPED_MM_ALL_TO_ALL = "grouped_mm_all_to_all"
 MOE_PATTERNS = (ALL_TO_ALL_GROUPED_MM, GROUPED_MM_ALL_TO_ALL)
-# FP8: the all-gather, reduce-scatter and all-reduce shapes around torch._scaled_mm (torchao's
-# float8 training, DTensor's fp8 tensor parallelism), scales, bias and output dtype carried.
+# FP8: the same collectives around torch._scaled_mm (torchao's float8 tensor parallelism)
 ALL_GATHER_SCALED_MM = "all_gather_scaled_mm"
 SCALED_MM_REDUCE_SCATTER = "scaled_mm_reduce_scatter"
 SCALED_MM_ALL_REDUCE = "scaled_mm_all_reduce"
 SCALED_MM_PATTERNS = (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE)
 PATTERNS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
             MATMUL_ALL_REDUCE_RMSNORM) + MOE_PATTERNS + SCALED_MM_PATTERNS
-# by the collective they end or start with
-ALL_GATHER_PATTERNS = (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM)
 REDUCE_SCATTER_PATTERNS = (MATMUL_REDUCE_SCATTER, SCALED_MM_REDUCE_SCATTER)

@@ -1,39 +1,18 @@
 """A whole decode step replayed from one CUDA graph, with nothing of torch.compile on the host.
 
-Under `mode="reduce-overhead"` a compiled step replays its kernels from a CUDA graph, but every
-call still runs Dynamo's frame (collecting the ~11 parameters and cache tensors of each layer
-as graph inputs), AOTAutograd's wrappers and the CUDA-graph tree's bookkeeping around the
-replay: at 32 layers on 1x H100 most of a step's host time, the replay itself 0.02 ms of it
-(benchmarks/results/logs/gpu_checks_s44.log). `StepGraph(step)` captures the whole call of
-`step` (compiled without "reduce-overhead": this graph is the CUDA graph) once per input
-signature and then only copies the new inputs in and replays:
+Under `mode="reduce-overhead"` every call still runs Dynamo's frame, AOTAutograd's wrappers and
+the CUDA-graph tree's bookkeeping: with many layers, most of a step's host time. `StepGraph(step)`
+captures the whole call of `step` (compiled without "reduce-overhead") once per input signature,
+then only copies the new inputs in and replays:
 
     step = StepGraph(torch.compile(model.__call__, backend="ditron", fullgraph=True))
-    out = step(**inputs)     # a signature's first call runs eagerly (and compiles), the second
-                             # is captured and replayed, later ones replayed
 
-Rules, as for any CUDA graph:
-- the signature is the structure of the arguments, each tensor's shape, strides, dtype,
-  device and requires_grad, and every other argument's value (an object that is not a number,
-  string, None or enum by its identity: a KV cache object); a new signature warms up and
-  captures a graph of its own (one memory pool for all of them);
-- every call runs the step once, as eagerly (the warm-up calls are the caller's own calls, and
-  capturing runs nothing): a stateful step (a KV cache's position) advances once per call;
-- the graph has its own copy of each tensor argument: each call copies the caller's tensors in
-  (pass large state, weights or caches, inside modules or objects, not as tensor arguments),
-  and a tensor the step writes (its version counter moved in a warm-up call) is copied back out
-  after the replay, so the caller sees the writes as it would eagerly;
-- the outputs are the captured ones: the next replay overwrites them (use them, or copy them,
-  before the next call);
-- parameters and buffers are read at their addresses: update them in place, not by assigning
-  new tensors;
-- it replays forward calls: capture under `torch.no_grad()` or `torch.inference_mode()` (as
-  `generate()` runs).
-
-While it warms up and captures, graphs that ditron compiles are told that they will be replayed
-from a CUDA graph (`config.cuda_graphs`), so the scheduler picks the plans it measured under
-CUDA graphs (the decode all-reduces), as under "reduce-overhead". Without CUDA the step is
-called as it is.
+The signature: the arguments' structure, each tensor's shape, strides, dtype, device and
+requires_grad, every other argument's value (an object that is no number, string, None or enum
+by its identity: a KV cache). Every call runs the step once. Each call copies the tensor
+arguments into the graph's own (pass large state inside objects) and those the step writes back
+out; the next replay overwrites the outputs; parameters are read at their addresses (update them
+in place); forward only (no grad). Its compiles plan for a CUDA graph (`ditron.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -59,15 +38,13 @@ class _Captured:
     inputs: dict[int, torch.Tensor]  # the graph's own copy of each tensor argument, by position
     written: list[int]  # positions of the tensor arguments the step writes
     out: Any
-    # the other arguments, held: an object known by its identity (a KV cache) must not die and
-    # leave its id to another while the graph reads its tensors
+    # the other arguments, held: an object known by its id must not die and leave the id to another
     held: list
 
 
 class StepGraph:
-    """`step(*args, **kwargs)` replayed from a CUDA graph per argument signature (see the module
-    docstring for the rules). `warmup`: the eager calls of each signature before its capture
-    (torch.compile compiles in the first); each call, eager or replayed, runs the step once."""
+    """`step(*args, **kwargs)` replayed from a CUDA graph per argument signature (the module
+    docstring says the rules). `warmup`: the eager calls of each signature before its capture."""
 
     def __init__(self, step: Callable, warmup: int = 1):
         if warmup < 1:
@@ -81,8 +58,7 @@ class StepGraph:
         clean_exit.install()  # its graphs released before the process group (release_all)
 
     def release(self) -> None:
-        """Destroys the captured graphs (the next call of each signature warms up and captures
-        again)."""
+        """Destroys the captured graphs (each signature then warms up and captures again)."""
         if self.graphs and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no replay still running on what goes
         self.graphs.clear()
@@ -111,8 +87,7 @@ class StepGraph:
         return captured.out
 
     def _eager_call(self, key, args, kwargs, flat, calls, written):
-        """A warm-up call: the step as it is (it compiles at the first), noting the tensor
-        arguments it writes (their version counters move)."""
+        """A warm-up call, noting the tensor arguments it writes (their version counters move)."""
         versions = {i: x._version for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
         with _replayed_from_graphs():
             out = self.step(*args, **kwargs)
@@ -122,8 +97,7 @@ class StepGraph:
 
     def _capture(self, flat, spec, written) -> _Captured:
         """One call captured on the graph's own copies of the tensor arguments (the caller's may
-        be views of something the caller keeps using); capturing runs nothing, the replay that
-        follows does."""
+        be views of something it keeps using); the replay that follows runs it."""
         if torch.is_grad_enabled():
             raise RuntimeError("StepGraph replays forward calls, no autograd: call it under "
                                "torch.no_grad() or torch.inference_mode()")
@@ -160,16 +134,14 @@ _live: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
 
 
 def release_all() -> None:
-    """Every StepGraph's graphs destroyed: NCCL's finalize in `destroy_process_group()` waits
-    for every CUDA graph that captured one of its collectives (clean_exit.release_cuda_graphs
-    calls this first)."""
+    """Every StepGraph's graphs destroyed: NCCL's finalize in `destroy_process_group()` waits for
+    the CUDA graphs that captured its collectives."""
     for graphed in list(_live):
         graphed.release()
 
 
 def _dense(x: torch.Tensor) -> bool:
-    """Whether x's elements fill a block of memory one each, in some order of its dims (so a
-    tensor of its shape and strides can be written)."""
+    """Whether x's elements fill a block of memory one each, in some order of its dims."""
     span = 1
     for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz != 1):
         if stride != span:
@@ -188,4 +160,4 @@ def _signature(x: Any):
 
 def _replayed_from_graphs():
     """ditron's compiles inside: their graphs will be replayed from a CUDA graph."""
-    return config.using(dataclasses.replace(config.current(), cuda_graphs=True))
+    return config.overriding(cuda_graphs=True)

@@ -1,28 +1,17 @@
 """transformers' expert parallelism in a form torch.compile captures whole, so that the ditron
 backend fuses its all-to-alls with the experts' grouped GEMMs.
 
-transformers (5.x) runs an MoE model's experts on several ranks through an `EPImplementation`
-(`DistributedConfig(ep_size=N, ep_implementation=...)`). Its "all_to_all" one does not compile:
-Dynamo breaks the graph at `if tokens.shape[0] == 0` (the rows received, an unbacked SymInt)
-inside the experts' `_use_local_dtensor_params` context manager, where it cannot break, so the
-whole expert-parallel forward runs eagerly under any backend (transformers 5.24, torch 2.13).
-`register()` adds "ditron" beside it: the same exchange, written as torchtitan's EP layer is
-(tests/moe_ep.py), with no data-dependent branch: the pairs sorted by expert (stable), the counts
-exchanged, the split sizes read to the host (unbacked SymInts under `capture_scalar_outputs`),
-all_to_all_single, the received rows in expert-major order, the experts' grouped GEMMs
-(torch._grouped_mm over the module's own weights and gate), the reverse all_to_all_single, the
-weighted sum. Those are the patterns ditron rewrites (lowering/moe.py).
+transformers' "all_to_all" `EPImplementation` does not compile: Dynamo breaks the graph at
+`if tokens.shape[0] == 0` (an unbacked SymInt) inside the experts' `_use_local_dtensor_params`
+context manager, where it cannot break, so the expert-parallel forward runs eagerly. `register()`
+adds "ditron": the same exchange as torchtitan's EP layer writes it (tests/moe_ep.py), with no
+data-dependent branch. Experts it does not serve run transformers' "all_to_all".
 
-    import ditron_inductor.transformers_ep
     ditron_inductor.transformers_ep.register()
     model = AutoModelForCausalLM.from_pretrained(
-        name, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2,
-                                                   ep_implementation="ditron"))
+        name, distributed_config=DistributedConfig(ep_size=2, ep_implementation="ditron"))
     torch._dynamo.config.capture_scalar_outputs = True
     model = torch.compile(model, backend="ditron")
-
-Experts it does not serve (a bias, a norm after the experts, tensor parallelism inside the
-expert group) run transformers' "all_to_all", said once in the log.
 """
 
 from __future__ import annotations

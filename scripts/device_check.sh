@@ -12,7 +12,7 @@
 # it; GEMM_TILES_ARGS); and on two or more GPUs: exit_gpu (programs that used the fused ops exit,
 # tests/gpu/test_exit_gpu.py), ag_in_turn (the AG plans back to back on fresh inputs, alone and
 # taking turns, free running: tests/gpu/test_fused_gpu.py -k free_running, or -k $AG_IN_TURN_K;
-# DITRON_TEST_AG_PLANS=sm16_tma,... runs those plans alone),
+# DITRON_TEST_AG_PLANS=name,... runs those plans alone),
 # ar_w2 (the all-reduce GPU tests on 2 ranks), ar_bench (benchmarks/bench_all_reduce.py on
 # $(ranks) GPUs; AR_BENCH_ARGS narrows it), moe_multi_rank (the MoE dispatch and combine on every local
 # GPU), moe_gpu (every MoE GPU test: world size 1 and the multi-rank ones), moe_bench
@@ -22,14 +22,13 @@
 # Inductor, ditron, every MoE op fused, the fused combine alone; E2E_MOE_ARGS), fp8_tp (benchmarks/bench_fp8_tp.py: the fp8 plans per site against NCCL + _scaled_mm and async TP's fp8 ops),
 # fused_sites (benchmarks/bench_fused.py --sites 8b: every AG/RS candidate plan at the Llama
 # training step's sites, TP = the GPUs present, for each of FUSED_TOKENS: the rows of
-# scheduler/measured_plans.json), power (benchmarks/bench_power.py: SM clock and power while
+# scheduler/evidence/measured_plans.json), power (benchmarks/bench_power.py: SM clock and power while
 # the GEMM alone, the all-gather alone, NCCL + cuBLAS and ditron's AG plans each run), fp8_gpu (the FP8 plans at the world sizes present), e2e_llama (benchmarks/e2e_llama.py over every local GPU after its --no-comm bound on
 # one; 180 + 400 s at most, so pick workloads to fit a call: E2E_ARGS="--workloads train,prefill",
 # then "--workloads decode"; the contenders: Inductor, async TP, ditron and ditron without its
 # causal-mask rewrite), train_profile (the training step of Inductor and ditron with the device
-# time by kernel kind; TRAIN_CONTENDERS names others, e.g. inductor,ditron_keep_mask,
-# ditron_keep_mask_model: the measured plans' choice against the link model's; E2E_ARGS adds
-# options, e.g. "--fp8 tensorwise"), e2e_fp8 (the float8 training step as the scheduler decides,
+# time by kernel kind; TRAIN_CONTENDERS names others, e.g. inductor,ditron_keep_mask;
+# E2E_ARGS adds options, e.g. "--fp8 tensorwise"), e2e_fp8 (the float8 training step as the scheduler decides,
 # then with DITRON_PLAN=fused; FP8_PLANS picks one, E2E_ARGS adds options), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
 # guards skipped, the host's time split; DECODE_ARGS adds options, e.g. "--layers 32"),
 # fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
@@ -102,7 +101,7 @@ gemm_tiles() { timeout -k 5 ${GEMM_TILES_LIMIT:-300} python3 benchmarks/bench_ge
   --out "$W/gemm_tiles" ${GEMM_TILES_ARGS:-}; }
 exit_gpu() { timeout -k 5 420 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_exit_gpu.py; }
-ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running (the SM-pull defect)
+ag_in_turn() {  # the AG plans taking turns on fresh inputs, free running
   DITRON_TEST_AG_IN_TURN=1 limited ${AG_IN_TURN_LIMIT:-300} python3 -m pytest -q -s \
     -p no:cacheprovider tests/gpu/test_fused_gpu.py -k "${AG_IN_TURN_K:-free_running}"; }
 ar_bench() { local world; world=$(ranks)  # AR_BENCH_ARGS: e.g. "--ms 1,16 --cols 4096"

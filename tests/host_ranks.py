@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import torch
 
-from ditron_inductor.runtime.context import OpContext
 
 
 class HostBuffer:
@@ -53,9 +52,6 @@ class HostContext:
     def next_epoch(self):
         self.epoch += 1
         return self.epoch
-
-    announced = 0
-    announcements = OpContext.announcements
 
     def flag_addr(self, idx):
         return self.flag_bases[self.rank] + 4 * idx

@@ -35,7 +35,6 @@ from ditron_inductor.templates import (  # noqa: E402
     grouped_gemm,
     moe_routes,
     reduce,
-    reduce_scatter,
     transfer,
 )
 
@@ -55,15 +54,14 @@ def variants():
             push = dict(HAS_RES=res, NORM=norm, W_FP32=w_fp32, BLOCK=1024, BLOCK_N=4096,
                         SEND=True, REDUCE=True, NORMALISE=True,
                         **flags.world_constants(world))
-            for chunked, scatter in ((False, False), (True, False), (False, True)):
+            for chunked in (False, True):
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
-                       dict(push, CHUNKED=chunked, SCATTER=scatter, COPY=True, ROW_BLOCK=0), 4)
+                       dict(push, CHUNKED=chunked, COPY=True, ROW_BLOCK=0), 4)
             # the norm of whole rows (4096 of them: BLOCK 16384) in the copy-out, and (not
             # CHUNKED) in REDUCE too, for my own blocks
             for chunked in (True, False) if norm else ():
                 yield (all_reduce_push.push_kernel, _AR_ARGS,
-                       dict(push, BLOCK=16384, CHUNKED=chunked, SCATTER=False, COPY=True,
-                            ROW_BLOCK=4096), 32)
+                       dict(push, BLOCK=16384, CHUNKED=chunked, COPY=True, ROW_BLOCK=4096), 32)
             no_rows = dict(push, ROW_BLOCK=0)
             yield all_reduce_push.push_all_kernel, _AR_ARGS, no_rows, 4
             yield all_reduce_lamport.lamport_kernel, _AR_ARGS, dict(no_rows, COPY=True), 4
@@ -75,24 +73,16 @@ def variants():
                                   (all_reduce_lamport.lamport_all_kernel, {})):
                 if norm:
                     yield kernel, _AR_ARGS, dict(rows, **extra), 8
-    # the GEMM beside push (TMA loads, B as given or as B^T), and beside the reduce-scatter's
-    # pull (8 slices, the halves of the buffer by epoch parity)
-    for b_trans, slices in ((False, 1), (True, 1), (False, 8)):
+    # the GEMM beside push (TMA loads, B as given or as B^T)
+    for b_trans in (False, True):
         yield (gemm_ready.gemm_ready_kernel,
                dict(a_desc="tensordesc<bf16[128,64]>",
                     b_desc=f"tensordesc<bf16[{'256,64' if b_trans else '64,256'}]>",
                     c_ptr="*bf16", bias_ptr="*bf16", flags_ptr="*i32", counts_ptr="*i32",
-                    epoch_ptr="*i32", M="i32", N="i32", K="i32", slice_blocks="i32",
-                    parity_elems="i32"),
+                    epoch_ptr="*i32", M="i32", N="i32", K="i32"),
                dict(HAS_BIAS=True, B_TRANS=b_trans, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                    GROUP_M=2 * slices, NUM_PROGS=100, SLICES=slices, PARITY=slices > 1), 8)
-    for world, scale, block in ((4, True, 16384), (8, False, 8192)):  # reduce_scatter.pull_block
-        yield (reduce_scatter.pull_reduce_kernel,
-               dict(data_table="*i64", flag_table="*i64", epoch_ptr="*i32", arrive_ptr="*i32",
-                    err_ptr="*i32", out_ptr="*bf16", rows="i32", N="i32", rank="i32",
-                    chunk_rows="i32", parity_elems="i32", scale="fp32", limit="i32"),
-               dict(BLOCK=block, SCALE=scale, **flags.world_constants(world)), 32)
-    # the all-gather's GEMM (pointers, and TMA with B as given or as B^T) and its SM pull
+                    GROUP_M=2, NUM_PROGS=100), 8)
+    # the all-gather's GEMM (pointers, and TMA with B as given or as B^T) and its local copies
     ag_dynamic = dict(M="i32", N="i32", K="i32", rows_per_chunk="i32", first_row="i32",
                       epoch="i32", limit="i32", bias_ptr="*bf16", flag_ptr="*i32", err_ptr="*i32")
     tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_PROGS=132)
@@ -101,17 +91,12 @@ def variants():
                 stride_ak="i32", stride_bk="i32", stride_bn="i32", stride_cm="i32",
                 stride_cn="i32"),
            dict(tiles, HAS_BIAS=True, WAIT=True), 8)
-    for b_trans, proxy_fence in ((False, False), (True, True)):
+    for b_trans in (False, True):
         yield (ag_gemm.ag_gemm_tma_kernel,
                dict(ag_dynamic, a_desc="tensordesc<bf16[128,64]>",
                     b_desc=f"tensordesc<bf16[{'128,64' if b_trans else '64,128'}]>",
                     c_desc="tensordesc<bf16[128,128]>"),
-               dict(tiles, HAS_BIAS=True, WAIT=True, B_TRANS=b_trans, PROXY_FENCE=proxy_fence),
-               8)
-    yield (transfer.ag_pull_kernel,
-           dict(data_table="*i64", src_off="i32", dst_ptr="*i32", ready_ptr="*i32",
-                count_ptr="*i32", err_ptr="*i32", rank="i32", world="i32", chunk_words="i32",
-                epoch="i32", limit="i32"), dict(BLOCK=4096), 8)
+               dict(tiles, HAS_BIAS=True, WAIT=True, B_TRANS=b_trans), 8)
     yield (transfer.copy_twice_kernel,
            dict(src_ptr="*i32", dst_a_ptr="*i32", dst_b_ptr="*i32", words="i32"),
            dict(BLOCK=4096), 8)
@@ -180,8 +165,6 @@ def variants():
         yield (flags.wait_flags_kernel,
                dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit=limit,
                     err_ptr="*i32"), {}, 1)
-    yield (flags.notify_peers_kernel,
-           dict(table_ptr="*i64", offset="i32", value="i32", skip="i32", world="i32"), {}, 1)
 
 
 def moe_route_variants():

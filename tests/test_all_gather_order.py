@@ -37,7 +37,7 @@ class RecordingContext(HostContext):
         super().signal(stream, epoch, dst_addrs)
 
 
-def _run(monkeypatch, ready_before_gemm, shape, **plan_options):
+def _run(monkeypatch, ready_before_gemm, shape, gemm="cublas", **plan_options):
     """Rank 0 of 2 gathers its shard and rank 1's (placed in rank 1's buffer beforehand) and
     multiplies; returns (the queued operations, rank 0's context, the product, the reference)."""
     ROWS, K, N = shape
@@ -59,14 +59,16 @@ def _run(monkeypatch, ready_before_gemm, shape, **plan_options):
     fake = all_gather.driver
     fake.record = lambda ev, stream: ops.append(("record", stream, ev))
     fake.stream_wait = lambda stream, ev: ops.append(("stream_wait", stream, ev))
-    memmove = fake.memcpy
+    memmove, write = fake.memcpy, fake.write
     fake.memcpy = lambda dst, src, n, stream: (ops.append(("memcpy", stream, dst)),
                                                memmove(dst, src, n, stream))
+    fake.write = lambda stream, addr, v: (ops.append(("write", stream, addr)),
+                                          write(stream, addr, v))
     monkeypatch.setattr(all_gather, "wait_geq", lambda ctx, plan, stream, idx, value: (
         ops.append(("wait_geq", stream, idx)) if value > 0 else None))
     monkeypatch.setattr(all_gather, "current_stream", lambda: MAIN)
     monkeypatch.setattr(all_gather, "get_context", lambda *a, **k: ctxs[rank])
-    # my shard's two local copies as one kernel (local_copies_beside=False), done on the host
+    # my shard's two local copies as one kernel (before the Triton GEMM), done on the host
     monkeypatch.setattr(all_gather, "num_sms", lambda device: 2)
     monkeypatch.setattr(all_gather, "preload", lambda *args, **meta: None)
     monkeypatch.setattr(all_gather, "launch", lambda kernel, grid, src, buffer, mine, words, stream,
@@ -75,8 +77,10 @@ def _run(monkeypatch, ready_before_gemm, shape, **plan_options):
     real_matmul = all_gather.matmul_into
     monkeypatch.setattr(all_gather, "matmul_into", lambda a, b, bias, out, **kw: (
         ops.append(("gemm", MAIN, a.data_ptr())), real_matmul(a, b, bias, out, **kw)))
+    monkeypatch.setattr(all_gather, "triton_gemm", lambda a, b, bias, out, tile, **kw: (
+        ops.append(("gemm", MAIN, a.data_ptr())), real_matmul(a, b, bias, out)))
 
-    plan = AllGatherPlan(gemm="cublas", groups=(1, 1), ready_before_gemm=ready_before_gemm,
+    plan = AllGatherPlan(gemm=gemm, groups=(1, 1), ready_before_gemm=ready_before_gemm,
                          **plan_options)
     task = Task(op="all_gather_matmul", group_name="g", world_size=world, m=world * ROWS, k=K,
                 ns=(N,), dtype=torch.bfloat16, device_type="cuda")
@@ -138,12 +142,14 @@ def test_barrier_beside_leaves_the_gemm_of_my_rows_unwaited(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(8, 16, 24), (5, 7, 3)])
-def test_both_local_copies_before_the_barrier(monkeypatch, shape):
-    """local_copies_beside=False with the barrier: my shard written to my buffer and my rows of
-    the gathered A by one kernel on the main stream before READY; where the shard is no whole
-    4-byte words, the buffer's copy there and my rows copied on the main stream after it.
-    Nothing on the local copies' stream."""
-    ops, ctx, out, ref = _run(monkeypatch, True, shape, local_copies_beside=False)
+@pytest.mark.parametrize("ready_before_gemm", [False, True])
+def test_triton_gemm_follows_both_local_copies_on_the_main_stream(monkeypatch, ready_before_gemm,
+                                                                  shape):
+    """gemm="triton" reads my rows from the gathered A: my shard written to my buffer and my rows
+    by one kernel on the main stream before READY (where the shard is no whole 4-byte words, the
+    buffer's copy there and my rows copied after it), then my chunk flag, then the GEMM. Nothing
+    on the local copies' stream."""
+    ops, ctx, out, ref = _run(monkeypatch, ready_before_gemm, shape, gemm="triton")
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     ready = ops.index(("signal", MAIN, "READY"))
     rows, k, _ = shape
@@ -154,3 +160,6 @@ def test_both_local_copies_before_the_barrier(monkeypatch, shape):
     kind = "copy_twice" if rows * k * 2 % 4 == 0 else "memcpy"
     assert [op for i, op in copies if i < ready] == [(kind, MAIN, my_buffer)]
     assert len(copies) == (1 if kind == "copy_twice" else 2)
+    my_flag = ops.index(("write", MAIN, ctx.chunk_flags.data_ptr()))
+    assert copies[-1][0] < my_flag < next(i for i, op in enumerate(ops) if op[0] == "gemm")
+    assert not any(op[1] == LOCAL for op in ops)

@@ -81,9 +81,9 @@ def started(ranks, r, progs):
 
 def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=0,
          algo="push", gemm=None, rows=None, copy_progs=None, row_block=0):
-    """A push kernel (push, push_scatter or push_all): every rank's SEND phase (which raises
-    STARTED, after the scatter's or push_all's stores), then every rank's REDUCE (push and
-    push_scatter push the sums there), COPY, and with a norm NORMALISE; chunks > 0: the GEMM in
+    """A push kernel (push or push_all): every rank's SEND phase (which raises STARTED, after
+    push_all's stores), then every rank's REDUCE (push pushes the sums there), COPY, and with a
+    norm NORMALISE; chunks > 0: the GEMM in
     row chunks, each followed by its READY; gemm(r): rank r's GEMM, which raises its READY
     flags itself (chunks of `rows` rows), runs instead. copy_progs: COPY and NORMALISE on that
     many programs (a multiple of progs), as the runtime launches them beside the GEMM.
@@ -118,8 +118,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
             else:
                 grid = copy_progs if phase in ("COPY", "NORMALISE") and copy_progs else progs
                 all_reduce_push.push_kernel[(grid,)](
-                    *args, rows, progs, region(ranks, algo), LIMIT, CHUNKED=chunked,
-                    SCATTER=algo == "push_scatter", COPY=phase == "COPY",
+                    *args, rows, progs, LIMIT, CHUNKED=chunked, COPY=phase == "COPY",
                     ROW_BLOCK=row_block, **consts)
     ranks.check_call_finished(epoch)
     for r in range(world):
@@ -134,7 +133,7 @@ def push(ranks, residuals, weight, eps, w_fp32, progs, block, outs=None, chunks=
 def ranks_for(path, world, m, n, dtype):
     """Ranks whose buffers have the runtime's size and layout for this path's kernel (lamport:
     every word the empty mark, -0.0, to begin with)."""
-    if path not in ("push_scatter", "push_all", "lamport", "lamport_all"):
+    if path not in ("push_all", "lamport", "lamport_all"):
         return Ranks(world, m, n, dtype)
     ranks = Ranks(world, m, n, dtype, _buffer_elements(path, m * n, world)[1])
     if path in LAMPORT:
@@ -219,7 +218,7 @@ SHAPES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32), run by every
 ]
 _16_BIT = {torch.float32: torch.float16}  # lamport's empty mark is one 16-bit word
 CASES = [  # (world, M, N, dtype, residual, norm, weight_in_fp32, path)
-    *[(*shape, path) for path in ("push", "push_scatter", "push_all") for shape in SHAPES],
+    *[(*shape, path) for path in ("push", "push_all") for shape in SHAPES],
     *[(w, m, n, _16_BIT.get(dtype, dtype), *rest, path) for path in LAMPORT
       for w, m, n, dtype, *rest in SHAPES],
     (2, 256, 16, torch.bfloat16, True, True, True, "push"),  # bfloat16, many block rows
@@ -260,13 +259,13 @@ def test_all_reduce_rmsnorm(world, m, n, dtype, res, norm, w_fp32, path):
         else:
             outs = push(ranks, residuals, weight, 1e-6, w_fp32, progs=3, block=16,
                         chunks=2 * world if path.endswith("chunked") else 0,
-                        algo=algo if algo in ("push_scatter", "push_all") else "push",
+                        algo="push_all" if algo == "push_all" else "push",
                         row_block=rows)
         check(outs, partials, residuals, weight, 1e-6, w_fp32, dtype)
         assert int(ranks.epoch[0][0]) == call + 1
 
 
-@pytest.mark.parametrize("path", ["push", "push_scatter", "push_all", *LAMPORT])
+@pytest.mark.parametrize("path", ["push", "push_all", *LAMPORT])
 def test_replay_same_launch_arguments(path):
     """What a CUDA graph replays: the very same launch arguments (output, residual and weight
     tensors, no host epoch) call after call; new partials land in place, the device epoch
@@ -325,7 +324,7 @@ def test_push_beside_ready_gemm(world, m, n, k, dtype, group_m, b_trans, bias):
             gemm_ready_kernel[(3,)](
                 TensorDescriptor.from_tensor(a[r], [16, 16]), bd, partial,
                 partial if biases[r] is None else biases[r], ranks.flags[r], ranks.arrive[r][1:],
-                ranks.epoch[r], m, n, k, 1, 0, HAS_BIAS=bias, B_TRANS=b_trans, GROUP_M=group_m,
+                ranks.epoch[r], m, n, k, HAS_BIAS=bias, B_TRANS=b_trans, GROUP_M=group_m,
                 NUM_PROGS=3, **tile)
             ref = a[r].double() @ b[r].double() + (biases[r].double() if bias else 0)
             assert rel_err(partial, ref) < 2e-3
@@ -348,7 +347,7 @@ def test_chunk_never_ready_is_reported_not_a_hang():
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
-                                      1, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
+                                      1, 1, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, CHUNKED=True,
                                       **flags.world_constants(world))
     assert int(ranks.err[0]) == flags.ERR_READY
@@ -361,7 +360,7 @@ def test_push_missing_peer_is_reported_not_a_hang():
     ranks.write_partials([torch.ones(m, n)] * world)
     h = torch.empty(m, n)
     all_reduce_push.push_kernel[(1,)](*launch_args(ranks, 0, h, None, None, None), m, n, 1e-6, 0,
-                                      m, 1, m * n, LIMIT, HAS_RES=False, NORM=False,
+                                      m, 1, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
                                       **flags.world_constants(world))
     assert int(ranks.err[0]) == flags.ERR_STARTED
@@ -404,7 +403,8 @@ def test_lamport_missing_peer_is_reported_not_a_hang(algo):
 
 def test_plans_and_declines():
     from ditron_inductor.runtime.all_reduce import _declines
-    from ditron_inductor.scheduler.cost_model import all_reduce_params, choose_device_plan
+    from ditron_inductor.scheduler.choose import choose_device_plan
+    from ditron_inductor.scheduler.policy import all_reduce_params
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, Task
 
     task = Task(op=MATMUL_ALL_REDUCE_RMSNORM, group_name="0", world_size=8, m=128, k=3584,
@@ -444,7 +444,10 @@ def test_plans_and_declines():
     with pytest.raises(ValueError, match="one_shot"):
         AllReducePlan(algo="one_shot")
     with pytest.raises(ValueError, match="overlap=True is for algo='push'"):
-        AllReducePlan(algo="push_scatter", overlap=True)
+        AllReducePlan(algo="push_all", overlap=True)
+    for deleted in ("push_scatter", "copy_engine_two_shot"):
+        with pytest.raises(ValueError, match="not one of"):
+            AllReducePlan(algo=deleted)
 
 
 def test_push_grid():
@@ -493,35 +496,27 @@ def test_decode_grid_blocks_of_whole_rows():
                                                                               norm=True)
 
 
-def test_cublas_chunks_carve_out_the_push_sms_and_restore(monkeypatch):
-    """carveout=True: cuBLAS is told to leave the push's SMs free while it queues the chunks
-    beside push, and the user's own carve-out setting is back afterwards (also after a failed
-    GEMM); READY is raised after each chunk."""
+def test_cublas_chunks_raise_ready_after_each_chunk(monkeypatch):
+    """The cuBLAS GEMM beside push: row chunks of `rows` rows in order, READY[j] raised by a
+    copy of the device epoch word after chunk j."""
     from types import SimpleNamespace
 
     from ditron_inductor.runtime import all_reduce as runtime
 
-    seen, flags = [], []
-    monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out, **kw: seen.append(
-        (out.shape[0], torch._C._get_sm_carveout_experimental())))
-    monkeypatch.setattr(runtime.driver, "memcpy", lambda dst, src, n, stream: flags.append(dst))
+    queued = []
+    monkeypatch.setattr(runtime, "matmul_into", lambda a, b, bias, out, **kw: queued.append(
+        ("gemm", out.shape[0], kw["first_row"])))
+    monkeypatch.setattr(runtime.driver, "memcpy",
+                        lambda dst, src, n, stream: queued.append(("ready", dst, src, n)))
     monkeypatch.setattr(runtime, "current_stream", lambda: 0)
     ctx = SimpleNamespace(flag_addr=lambda i: 1000 + i)
     dev = SimpleNamespace(epoch=torch.zeros(2, dtype=torch.int32))
     a, b, partial = torch.zeros(10, 4), torch.zeros(4, 3), torch.zeros(10, 3)
-    torch._C._set_sm_carveout_experimental(None)
-    runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
-    assert seen == [(4, 16), (4, 16), (2, 16)] and flags == [1000, 1001, 1002]
-    assert torch._C._get_sm_carveout_experimental() is None
-    seen.clear()
-    runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4)  # no carve-out asked: none set
-    assert [c for _, c in seen] == [None, None, None]
-    monkeypatch.setattr(runtime, "matmul_into", lambda *args, **kw: 1 / 0)
-    torch._C._set_sm_carveout_experimental(8)
-    with pytest.raises(ZeroDivisionError):
-        runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4, carveout=16)
-    assert torch._C._get_sm_carveout_experimental() == 8
-    torch._C._set_sm_carveout_experimental(None)
+    runtime._cublas_chunks(ctx, dev, a, b, None, partial, 4)
+    epoch = dev.epoch.data_ptr() + 4
+    ready = [1000 + flags.READY + j for j in range(3)]
+    assert queued == [("gemm", 4, 0), ("ready", ready[0], epoch, 4), ("gemm", 4, 4),
+                      ("ready", ready[1], epoch, 4), ("gemm", 2, 8), ("ready", ready[2], epoch, 4)]
 
 
 def test_ready_gemm_tile_from_the_plan():
@@ -611,22 +606,17 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     ("copy_engine", 2, 16, 64, False, False, False, torch.bfloat16),  # the all-reduce alone
     # two peers, the weight's rounding in fp32
     ("copy_engine", 3, 21, 128, True, True, True, torch.float16),
-    # slices of 19 and 18 rows; three peers on three copy streams, slices of 3 and 2 rows
-    ("copy_engine_two_shot", 2, 37, 96, True, True, False, torch.float16),
-    ("copy_engine_two_shot", 4, 10, 64, True, True, True, torch.float16),
-    ("copy_engine_two_shot", 3, 21, 128, False, False, False, torch.bfloat16),
+    ("copy_engine", 4, 10, 64, True, True, True, torch.float16),  # three peers
 ])
 def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, res, norm,
                                               w_fp32, dtype):
-    """The copy-engine plans end to end on ranks emulated in host memory (tests/host_ranks.py:
+    """The copy-engine plan end to end on ranks emulated in host memory (tests/host_ranks.py:
     the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter), each
     rank a thread whose flag waits spin on the words until the peers set them, three calls on
     new inputs. copy_engine: cuBLAS's row chunks into my slot, each chunk copied into my slot on
     every peer, READY and DONE raised, waited and cleared, then h = the sum + my residual and y =
-    its RMSNorm. copy_engine_two_shot: each slice's rows to its owner (READY), the owner's sums
-    gathered (GATHERED), then h and y from each rank's own residual. After the calls every flag
-    is as the first call found it (READY and GATHERED 0, DONE 1), which is what lets a CUDA
-    graph replay a captured call. (float16 where y is compared to an ulp: the interpreter
+    its RMSNorm. After the calls every flag is as the first call found it (READY 0, DONE 1),
+    which is what lets a CUDA graph replay a captured call. (float16 where y is compared to an ulp: the interpreter
     truncates float32 to bfloat16, a GPU rounds to nearest.)"""
     import threading
     import time
@@ -646,7 +636,7 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
                 group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=dtype,
                 device_type="cuda", has_residual=res)
     plan = plan_for(task, algo=algo)
-    elements = all_reduce.two_shot_elements(m, n, world) if algo != "copy_engine" else world * m * n
+    elements = world * m * n
     ctxs = [HostContext(world, r, elements * 2) for r in range(world)]
     for c in ctxs:
         c.connect(ctxs)
@@ -688,10 +678,9 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
         t.join()
     assert not failures, failures[0]
     assert set(launched) == {all_reduce.sum_slots_norm_kernel}
-    # the groups of W flag words each call waits on, in order (the one-shot: DONE before its
-    # copies, READY before the sum; the two-shot: READY before the sum, GATHERED (its second
-    # group) before the last pass), and each group's value after the calls
-    waited, after = ((1, 0), (1, 0)) if algo == "copy_engine" else ((0, 1), (0, 0))
+    # the groups of W flag words each call waits on, in order (DONE before its copies, READY
+    # before the sum), and each group's value after the calls
+    waited, after = (1, 0), (1, 0)
     for r in range(world):
         peers = [(r + i) % world for i in range(1, world)]
         assert [w[1:] for w in waits if w[0] == r] == [
@@ -734,10 +723,10 @@ def test_sum_slots_norm_kernel_rounds_as_the_reference():
 
 
 def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
-    """Before their protocol starts (alike on every rank: shapes and the capture agree), the
-    copy-engine plans decline rows wider than their sum kernel holds, the two-shot fewer rows
-    than ranks, and a CUDA-graph capture before any eager call made the context (whose setup is
-    collective): the op then runs its reference path; nothing was queued."""
+    """Before its protocol starts (alike on every rank: shapes and the capture agree), the
+    copy-engine plan declines rows wider than its sum kernel holds and a CUDA-graph capture
+    before any eager call made the context (whose setup is collective): the op then runs its
+    reference path; nothing was queued."""
     from ditron_inductor.runtime import all_reduce
     from ditron_inductor.runtime.launch import declined
     from ditron_inductor.scheduler.decide import plan_for
@@ -751,21 +740,19 @@ def test_copy_engine_declines_what_it_cannot_serve(monkeypatch):
     all_reduce_on_host(monkeypatch, ctx, lambda *args: queued.append(args))
     monkeypatch.setattr(all_reduce, "matmul_into", lambda *args, **kw: queued.append(args))
 
-    def call(m, n, algo="copy_engine"):
+    def call(m, n):
         task = Task(op="matmul_all_reduce", group_name="0", world_size=2, m=m, k=8, ns=(n,),
                     dtype=torch.bfloat16, device_type="cuda")
         a, b = torch.randn(m, 8, dtype=torch.bfloat16), torch.randn(8, n, dtype=torch.bfloat16)
-        return all_reduce.all_reduce_fused(task, plan_for(task, algo=algo), a, b, None,
+        return all_reduce.all_reduce_fused(task, plan_for(task, algo="copy_engine"), a, b, None,
                                            [], None, None, 0.0, False, "sum")
 
     before = dict(declined)
     assert call(4, COPY_ENGINE_MAX_N + 8) is None
-    assert call(1, 64, "copy_engine_two_shot") is None  # a slice of the rows for every rank
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert call(4, 64) is None
     new = {msg: n - before.get(msg, 0) for msg, n in declined.items() if n != before.get(msg, 0)}
     assert sorted(new) == ["CUDA graph capture before any eager call of this size class",
-                           "fewer rows than ranks: each rank reduces a slice of them (M=1)",
                            f"the copy-engine all-reduce's sum holds whole rows: "
                            f"N={COPY_ENGINE_MAX_N + 8} > {COPY_ENGINE_MAX_N}"]
     assert queued == [] and not ctx.flag_words.any()

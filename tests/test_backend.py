@@ -104,8 +104,7 @@ def test_unknown_inductor_option_is_an_error():
 def test_pass_uuid_follows_options_and_user_pass(monkeypatch):
     assert DitronPass().uuid() == DitronPass().uuid() is not None
     before = DitronPass().uuid()
-    monkeypatch.setattr(config, "force_plan", "reference")
-    assert DitronPass().uuid() != before
+    assert DitronPass(config.Options(force_plan="reference")).uuid() != before
     # a user pass with no uuid: no caching
     assert DitronPass(user_pass=lambda graph: None).uuid() is None
 

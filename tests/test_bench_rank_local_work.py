@@ -18,8 +18,8 @@ def test_every_chosen_plan_is_checked_and_timed(tmp_path):
     for r in chosen:
         assert r["rel_err"] < 2e-2, r
         wanted = {"unfused", "gemms", "plan"}
-        wanted |= ({"no_buffer", "two_gemms"} if r["op"] == "all_gather_matmul"
-                   else {"accumulate"})
+        if r["op"] == "all_gather_matmul":
+            wanted |= {"no_buffer", "two_gemms"}
         assert all(r[c] > 0 for c in wanted), r
     text = (tmp_path / "work.md").read_text()
     assert "| 8b | 2 | gate/up input-grad scatter |" in text
@@ -44,7 +44,7 @@ def test_gemm_tiles_checks_each_tile_against_the_product(tmp_path):
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     # the TP 4 all-gathers whose chosen plan runs the Triton GEMM
     from benchmarks.llama_sites import sites
-    from ditron_inductor.scheduler.cost_model import choose_device_plan
+    from ditron_inductor.scheduler.choose import choose_device_plan
 
     wanted = [s.name for s in sites("8b", 4, "train", 8192)
               if s.task.op == "all_gather_matmul"

@@ -1,4 +1,4 @@
-"""The world-1 compute table (scheduler/measured.py) and the all-reduce decisions it feeds: what a
+"""The world-1 compute table (scheduler/evidence.py) and the all-reduce decisions it feeds: what a
 fused plan's compute costs beside the unfused path's, measured, plus the link model's
 communication; the AG/RS decisions' log lines that quote it; the table written by
 benchmarks/bench_compute_parity.py, and that program's run on CPU."""
@@ -13,14 +13,9 @@ import sys
 import pytest
 import torch
 
-from ditron_inductor.scheduler import measured
-from ditron_inductor.scheduler.cost_model import (
-    MIN_GAIN,
-    all_reduce_costs,
-    calibration,
-    choose_device_plan,
-    fused_plan,
-)
+from ditron_inductor.scheduler import evidence, link_model
+from ditron_inductor.scheduler.choose import choose_device_plan, fused_plan
+from ditron_inductor.scheduler.policy import MIN_GAIN
 from ditron_inductor.scheduler.plan import (
     AllGatherPlan,
     AllReducePlan,
@@ -43,20 +38,19 @@ def table(tmp_path, monkeypatch):
     place of the package's."""
     def use(rows):
         path = tmp_path / "world1_compute.json"
-        path.write_text(json.dumps({"source": "test", "card": "none", "date": "today",
-                                    "rows": rows}))
-        monkeypatch.setattr(measured, "TABLE", path)
-        measured._table.cache_clear()
+        path.write_text(json.dumps({"sources": [{"machine": "none", "date": "today",
+                                                 "command": "test"}], "rows": rows}))
+        monkeypatch.setattr(evidence, "WORLD1_COMPUTE", path)
+        evidence.clear_caches()
     yield use
-    measured._table.cache_clear()
+    monkeypatch.undo()
+    evidence.clear_caches()
 
 
 def test_plan_families():
     assert family(AllGatherPlan(gemm="triton")) == "triton"
     assert family(AllGatherPlan(gemm="cublas")) == "cublas"
-    assert family(AllGatherPlan(gemm="triton", transfer="sm")) == "triton/sm"
-    assert family(ReduceScatterPlan(gemm="cublas")) == "cublas"
-    assert family(ReduceScatterPlan(gemm="triton", transfer="sm")) == "pull"
+    assert family(ReduceScatterPlan(reduce="triton")) == "cublas"
     assert family(AllReducePlan(algo="lamport")) == "lamport"
     assert family(AllReducePlan(algo="push", overlap=True, gemm="triton")) == OVERLAP
     assert family(AllReducePlan(algo="push", overlap=True)) == "push+overlap:cublas"
@@ -66,7 +60,7 @@ def test_nearest_measured_shape_stands_for_a_task(table):
     table([[MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 4096, 7168, 4096, 0.5, 0.4],
            [MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 16, 7168, 4096, 0.03, 0.02],
            [MATMUL_ALL_REDUCE_RMSNORM, "push", "eager", 4096, 7168, 4096, 0.9, 0.8]])
-    costs = measured.world1_costs
+    costs = evidence.world1_costs
     assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 4096, 7168, 4096) == (
         0.5, 0.4, (4096, 7168, 4096))
     assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", False, 4096, 7168, 4096)[:2] == (0.9, 0.8)
@@ -83,12 +77,13 @@ def test_all_reduce_costs_add_the_link_model_to_the_measured_compute(table):
     table([[MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.40, 0.36]])
     plan = fused_plan(ARN)
     assert family(plan) == OVERLAP and plan.chunks == 16
-    costs = all_reduce_costs(ARN, plan, cuda_graphs=True)
-    c = calibration(2)
+    world1 = evidence.world1_costs(ARN.op, family(plan), True, 4096, 7168, 4096)
+    c = evidence.link(2)
+    costs = link_model.all_reduce_costs(ARN, plan, c, world1.fused_ms, world1.unfused_ms)
     ring = 2 * 1 / 2 * 4096 * 4096 * 2 / 1e9 / c["nccl_ar_busbw_gbps"] * 1e3
     assert costs.fused == pytest.approx(0.40 + ring / 16 + c["fused_latency_ms"])
     assert costs.unfused == pytest.approx(0.36 + ring + c["nccl_latency_ms"])
-    assert all_reduce_costs(ARN, plan, cuda_graphs=False) is None  # no eager row measured
+    assert evidence.world1_costs(ARN.op, family(plan), False, 4096, 7168, 4096) is None
 
 
 def test_all_reduce_fused_only_where_predicted_faster(table):
@@ -117,17 +112,17 @@ def test_all_reduce_without_a_measurement_keeps_the_thresholds(table):
 def test_the_package_table_is_well_formed():
     """Every row names a known op and family and has finite, positive times; the table says
     where it came from."""
-    data = json.loads(measured.TABLE.read_text())
-    assert data["card"] and data["date"] and "bench_compute_parity.py" in data["source"]
-    families = {"cublas", "triton", "triton/sm", "pull", "push", "push_all", "push_scatter",
-                "lamport", "lamport_all", "push+overlap:triton", "push+overlap:cublas",
-                "copy_engine"}
+    data = json.loads(evidence.WORLD1_COMPUTE.read_text())
+    assert all(s["machine"] and s["date"] and "bench_compute_parity.py" in s["command"]
+               for s in data["sources"]) and data["sources"]
+    families = {"cublas", "triton", "push", "push_all", "lamport", "lamport_all",
+                "push+overlap:triton", "push+overlap:cublas", "copy_engine"}
     for op, fam, mode, m, k, n, fused_ms, unfused_ms in data["rows"]:
         assert fam in families and mode in ("eager", "graph") and min(m, k, n) >= 1
         assert 0 < fused_ms < math.inf and 0 < unfused_ms < math.inf, (op, fam, m, k, n)
 
 
-def test_export_table_from_a_run(tmp_path):
+def test_export_table_from_a_run(tmp_path, monkeypatch):
     """The benchmark's rows become the table: served plans only, one row per op, family, mode
     and shape, the chosen plan's where a variant of its family was timed too."""
     from benchmarks.bench_compute_parity import export_table
@@ -150,6 +145,18 @@ def test_export_table_from_a_run(tmp_path):
                             [MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096,
                              0.41, 0.36]]
     assert family(decode(overlap)) == OVERLAP
+    # the scheduler reads it, provenance included; a merged run keeps both runs' sources
+    export_table(rows[2:3], {"command": "bench_compute_parity.py --workloads decode",
+                             "device": "GPU", "date": "later"}, str(path), merge=True)
+    monkeypatch.setattr(evidence, "WORLD1_COMPUTE", path)
+    evidence.clear_caches()
+    try:
+        assert evidence.world1_source() == "GPU, now; GPU, later"
+        assert evidence.world1_costs(MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, True, 4096, 7168,
+                                     4096)[:2] == (0.41, 0.36)
+    finally:
+        monkeypatch.undo()
+        evidence.clear_caches()
 
 
 def test_benchmark_runs_on_cpu(tmp_path):
@@ -181,7 +188,7 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("model", ["8b", "70b"])
 def test_llama_tp2_prefill_all_reduces_under_cuda_graphs(model):
-    """The package's table (1x H100), TP 2 under CUDA graphs: at S 1024 the push beside the
+    """The package's table, TP 2 under CUDA graphs: at S 1024 the push beside the
     Triton GEMM of down_proj's long K costs more compute than the all-reduce it hides, so the
     graph keeps NCCL + cuBLAS there, and o_proj's, with a short K, is fused; from S 2048 both
     take the copy-engine plan (cuBLAS on every SM), predicted faster from its measured
@@ -202,12 +209,10 @@ def test_llama_tp2_prefill_all_reduces_under_cuda_graphs(model):
 
 
 def test_all_gather_and_scatter_decisions_name_the_measured_world1_compute(table, monkeypatch):
-    # the AG/RS decision is the link and GEMM model's (the plans measured on several ranks off:
-    # they hold this shape); the log adds the plan family's compute measured at world size 1
-    # where the table has a shape near the task's
-    from ditron_inductor import config
-
-    monkeypatch.setattr(config, "measured_plans", False)
+    # the AG/RS decision is the link and GEMM model's (no measured row stands for the shape);
+    # the log adds the plan family's compute measured at world size 1 where the table has a
+    # shape near the task's
+    monkeypatch.setattr(evidence, "nearest_measured", lambda *args: None)
     ag = Task(op="all_gather_matmul", group_name="0", world_size=2, m=8192, k=4096,
               ns=(2048, 512, 512), dtype=torch.bfloat16, device_type="cuda")
     table([])
@@ -218,4 +223,3 @@ def test_all_gather_and_scatter_decisions_name_the_measured_world1_compute(table
     assert plan_again.label == plan.label  # the decision does not change
     assert why_measured == (why + "; compute measured at world size 1: fused 0.344 vs unfused "
                             "0.272 ms")
-    assert choose_device_plan(ag, cuda_graphs=True)[1] == why  # no CUDA-graph row: nothing added

@@ -12,7 +12,7 @@ from ditron_inductor.lowering.decode_gemm import rewrite_decode_mms
 from ditron_inductor.lowering.graph_pass import DitronPass
 from ditron_inductor.runtime.gemv import (ROWS, GemvConfig, config_for, decode_mm,
                                           decode_mm_group)
-from ditron_inductor.scheduler.cost_model import choose_device_plan
+from ditron_inductor.scheduler.choose import choose_device_plan
 from ditron_inductor.scheduler.decide import with_options
 from ditron_inductor.scheduler.decode_gemm import gemv_applies, mm_not_rewritten
 from ditron_inductor.scheduler.plan import GEMV, AllReducePlan
@@ -197,15 +197,14 @@ def one_row_all_reduce_task(m=1, dtype=torch.bfloat16):
     return dataclasses.replace(task, device_type="cuda")
 
 
-def test_a_one_row_all_reduce_plan_takes_the_template(monkeypatch):
+def test_a_one_row_all_reduce_plan_takes_the_template():
     task = one_row_all_reduce_task()
     plan, _ = choose_device_plan(task, cuda_graphs=True)
     assert isinstance(plan, AllReducePlan) and plan.gemm == "cublas"
     chosen = with_options(plan, task)
     assert chosen.gemm == GEMV and "gemm=gemv" in chosen.describe()
     assert with_options(plan).gemm == "cublas"  # no task: the plan as named
-    monkeypatch.setattr(config, "decode_gemm", False)
-    assert with_options(plan, task).gemm == "cublas"
+    assert with_options(plan, task, config.Options(decode_gemm=False)).gemm == "cublas"
 
 
 def test_all_reduce_plans_of_more_rows_keep_cublas():

@@ -40,7 +40,7 @@ from ditron_inductor.scheduler.task import (
     scaled_mm_collective_task,
 )
 from tests.distributed import launched_once
-from tests.host_ranks import HostContext, all_reduce_on_host, host_driver
+from tests.host_ranks import HostContext, host_driver
 from tests.fx_helpers import fake_group, graph_text, trace
 
 c10d = torch.ops._c10d_functional
@@ -343,10 +343,12 @@ def fp8_tasks(rows: int = 4096):
     }
 
 
-MEASURED = ("measured end to end on 2 ranks, M >= 8192, eager launch (the float8 Llama training "
-            "step with every fp8 site fused: 1.045x Inductor's on 2x H200)")
+MEASURED = ("chosen on 2 ranks from M 8192, launched eagerly, where the float8 training step "
+            "measured faster fused")
 KEEP = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
-        "reference, DITRON_PLAN=fused that plan)")
+        "reference), DITRON_PLAN=fused that plan")
+# the fp8 all-reduce has no fused kernel: every decision leaves it to _scaled_mm + NCCL
+FP8_ALL_REDUCE_KEPT = "no fused fp8 all-reduce kernel"
 
 
 def test_on_cuda_fp8_plans_outside_what_was_measured_are_not_chosen_and_the_log_says_why():
@@ -355,15 +357,14 @@ def test_on_cuda_fp8_plans_outside_what_was_measured_are_not_chosen_and_the_log_
     with fake_group(2):
         decisions = {op: decide(t) for op, t in fp8_tasks(rows=2048).items()}
     assert not any(d.fuse for d in decisions.values())
-    assert {op: d.reason for op, d in decisions.items()} == {
+    reasons = {op: d.reason for op, d in decisions.items()}
+    assert FP8_ALL_REDUCE_KEPT in reasons.pop(SCALED_MM_ALL_REDUCE)
+    assert reasons == {
         ALL_GATHER_SCALED_MM: "the fp8 plan (cublas_scaled_mm: _scaled_mm per group of gathered "
-                              f"chunks) is chosen only as {MEASURED}: {KEEP}",
+                              f"chunks) is {MEASURED}: {KEEP}",
         SCALED_MM_REDUCE_SCATTER: "the fp8 plan (cublas_scaled_mm: _scaled_mm per rank's rows, "
-                                  f"each pushed by the copy engine) is chosen only as {MEASURED}: "
-                                  f"{KEEP}",
-        SCALED_MM_ALL_REDUCE: "the fp8 plan (cublas_scaled_mm: _scaled_mm into the partial, "
-                              f"then the all-reduce kernel for M) is not timed on GPUs yet: "
-                              f"{KEEP}"}
+                                  f"each pushed by the copy engine) is {MEASURED}: "
+                                  f"{KEEP}"}
 
 
 def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypatch):
@@ -378,7 +379,7 @@ def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypa
     assert {op: (d.fuse, d.plan.describe() if d.fuse else None)
             for op, d in chosen.items()} == {
         ALL_GATHER_SCALED_MM: (True, "fused cublas_scaled_mm gemm=cublas groups=1,1"),
-        SCALED_MM_REDUCE_SCATTER: (True, "fused cublas_scaled_mm reduce=triton pull_block=16384"),
+        SCALED_MM_REDUCE_SCATTER: (True, "fused cublas_scaled_mm reduce=triton"),
         SCALED_MM_ALL_REDUCE: (False, None)}
     assert chosen[ALL_GATHER_SCALED_MM].reason == (
         f"fused plan cublas_scaled_mm (_scaled_mm per group of gathered chunks): {MEASURED}")
@@ -388,46 +389,32 @@ def test_on_cuda_fp8_gather_and_scatter_plans_are_chosen_where_measured(monkeypa
     with fake_group(2):
         assert not decide(dataclasses.replace(rs, rank_chunks_contiguous=False)).fuse
         # reduce-overhead
-        monkeypatch.setattr(decide_module, "replayed_in_cuda_graph", lambda: True)
+        monkeypatch.setattr(decide_module, "replayed_in_cuda_graph", lambda *options: True)
         assert not any(decide(t).fuse for t in tasks.values())
 
 
-def test_forced_plans_for_fp8(monkeypatch):
+def test_forced_plans_for_fp8():
     tasks = fp8_tasks()
     with fake_group(2):
-        monkeypatch.setattr(config, "force_plan", "fused")
-        forced = {op: decide(t) for op, t in tasks.items()}
-        monkeypatch.setattr(config, "force_plan", "reference")
-        reference = {op: decide(t) for op, t in tasks.items()}
+        forced = {op: decide(t, config.Options(force_plan="fused")) for op, t in tasks.items()}
+        reference = {op: decide(t, config.Options(force_plan="reference"))
+                     for op, t in tasks.items()}
     ag = forced[ALL_GATHER_SCALED_MM]
     assert ag.fuse and isinstance(ag.plan, AllGatherPlan) and ag.plan.gemm == "cublas"
+    # the fp8 all-reduce has no fused plan to force: NCCL + _scaled_mm, with the reason
+    ar = forced.pop(SCALED_MM_ALL_REDUCE)
+    assert not ar.fuse and FP8_ALL_REDUCE_KEPT in ar.reason
     assert {op: d.plan.describe() for op, d in forced.items()} == {
         ALL_GATHER_SCALED_MM: "fused cublas_scaled_mm gemm=cublas groups=1,1",
         # the copy-engine plan with cuBLAS (gemm="cublas" is the family's default)
-        SCALED_MM_REDUCE_SCATTER: "fused cublas_scaled_mm reduce=triton pull_block=16384",
-        # M=4096 on 2 ranks: push beside the GEMM (all_reduce_params), the GEMM cuBLAS in 2W
-        # row chunks, not the persistent Triton GEMM's 16
-        SCALED_MM_ALL_REDUCE: "fused push overlap=True chunks=4 progs=16 block=16384 warps=32"}
+        SCALED_MM_REDUCE_SCATTER: "fused cublas_scaled_mm reduce=triton"}
     assert all(d.fuse and d.plan.impl == "reference" for d in reference.values())
 
 
-def test_forced_fp8_all_reduce_plan_by_m_is_the_bf16_one_with_cublas():
-    from ditron_inductor.scheduler.cost_model import all_reduce_params, fused_plan
-
-    task = fp8_tasks()[SCALED_MM_ALL_REDUCE]
-    for m, world in ((1, 2), (8, 8), (64, 4), (512, 8), (4096, 8), (2048, 4)):
-        t = dataclasses.replace(task, m=m, world_size=world)
-        plan = fused_plan(t)
-        bf16 = all_reduce_params(t)
-        assert (plan.algo, plan.overlap, plan.gemm) == (
-            bf16["algo"], bf16.get("overlap", False), "cublas"), (m, world)
-    assert fused_plan(task, {"algo": "push_all"}).describe() == "fused push_all algo=push_all"
-
-
-def test_fp8_patterns_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(config, "patterns", frozenset({"all_gather_matmul"}))
+def test_fp8_patterns_can_be_turned_off():
     with fake_group(2):
-        d = decide(fp8_tasks()[ALL_GATHER_SCALED_MM])
+        d = decide(fp8_tasks()[ALL_GATHER_SCALED_MM],
+                   config.Options(patterns=frozenset({"all_gather_matmul"})))
     assert d.reason == ("pattern all_gather_scaled_mm is disabled (ditron.patterns / "
                         "DITRON_PATTERNS)")
 
@@ -473,48 +460,35 @@ def scaled_rs_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
     return ([a], [b], [s_a], [s_b], bias, out_dtype, False, [], 0, "sum", "0", world)
 
 
-def scaled_ar_args(a, b, s_a, s_b, out_dtype=BF16, bias=None, world=2):
-    return (a, b, s_a, s_b, bias, out_dtype, False, [], "sum", "0", world)
-
-
 @pytest.fixture
 def no_protocol(monkeypatch):
-    """Every first protocol step of the reduce-scatter and all-reduce runtimes fails the test."""
+    """Every first protocol step of the reduce-scatter runtime fails the test."""
     pytest.importorskip("triton")
-    from ditron_inductor.runtime import all_reduce, reduce_scatter
+    from ditron_inductor.runtime import reduce_scatter
 
     def touched(*args, **kwargs):
         raise AssertionError("a declined call touched the protocol")
 
-    for module in (reduce_scatter, all_reduce):
-        monkeypatch.setattr(module, "get_context", touched)
-        monkeypatch.setattr(module, "current_stream", touched)
-        monkeypatch.setattr(module, "matmul_into", touched)
+    monkeypatch.setattr(reduce_scatter, "get_context", touched)
+    monkeypatch.setattr(reduce_scatter, "current_stream", touched)
+    monkeypatch.setattr(reduce_scatter, "matmul_into", touched)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    return reduce_scatter, all_reduce
+    return reduce_scatter
 
 
-def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol, caplog):
-    """Triton GEMMs, an fp8 output, rowwise with fp16, shapes _scaled_mm cannot take, CPU
-    tensors: each declined with its reason, before any context, stream or GEMM."""
+def test_fp8_scatter_declines_before_any_protocol_step(no_protocol, caplog):
+    """An fp8 output, rowwise with fp16, shapes _scaled_mm cannot take, a bias of another dtype,
+    CPU tensors: each declined with its reason, before any context, stream or GEMM."""
     import logging
 
     from ditron_inductor.log_names import LOGGER_NAME
     from ditron_inductor.scheduler.decide import plan_for
 
-    reduce_scatter, all_reduce = no_protocol
-    tasks = fp8_tasks()
-    rs_task, ar_task = tasks[SCALED_MM_REDUCE_SCATTER], tasks[SCALED_MM_ALL_REDUCE]
+    reduce_scatter = no_protocol
+    rs_task = fp8_tasks()[SCALED_MM_REDUCE_SCATTER]
     a, b, t = fp8(64, 32), col_major(fp8(48, 32)), scale(())
     rowwise = (scale(64, 1), scale(1, 48))
-    triton_gemm = ("fp8: the copy-engine plan with cuBLAS only (_scaled_mm per rank's rows; the "
-                   "Triton GEMMs take no float8)")
     cases = [
-        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task, gemm="triton"),
-         scaled_rs_args(a, b, t, t), triton_gemm),
-        (reduce_scatter.scaled_mm_reduce_scatter_fused,
-         plan_for(rs_task, gemm="triton", transfer="sm"), scaled_rs_args(a, b, t, t),
-         triton_gemm),
         (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
          scaled_rs_args(a, b, t, t, out_dtype=None),
          "fp8: output dtype torch.float8_e4m3fn (the fused partials and sums are bf16 or fp16)"),
@@ -526,21 +500,13 @@ def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol
          "fp8: K=24, N=48 and layouts _scaled_mm cannot take"),
         (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
          scaled_rs_args(a, b, *rowwise), "fp8: operands not on CUDA"),
-        (all_reduce.scaled_mm_all_reduce_fused,
-         plan_for(ar_task, algo="push", overlap=True, gemm="triton"), scaled_ar_args(a, b, t, t),
-         "fp8: the persistent Triton GEMM beside push takes no float8"),
-        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
-         scaled_ar_args(a, b, t, t, bias=torch.zeros(48)), "fp8: bias shape/dtype"),
-        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task),
-         scaled_ar_args(a, b.contiguous(), t, t), "fp8: K=32, N=48 and layouts"),  # B row-major
-        (all_reduce.scaled_mm_all_reduce_fused, plan_for(ar_task, algo="lamport"),
-         scaled_ar_args(a, b, *rowwise), "fp8: operands not on CUDA"),
+        (reduce_scatter.scaled_mm_reduce_scatter_fused, plan_for(rs_task),
+         scaled_rs_args(a, b, t, t, bias=torch.zeros(48)), "fp8: bias shape/dtype"),
     ]
     caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
     for fused, plan, args, reason in cases:
         caplog.clear()
-        task = rs_task if fused is reduce_scatter.scaled_mm_reduce_scatter_fused else ar_task
-        assert fused(task, plan, *args) is None
+        assert fused(rs_task, plan, *args) is None
         messages = [r.getMessage() for r in caplog.records]
         assert len(messages) == 1 and messages[0].startswith(f"fused path declined: {reason}"), (
             plan.describe(), messages)
@@ -548,8 +514,7 @@ def test_fp8_scatter_and_all_reduce_decline_before_any_protocol_step(no_protocol
 
 def test_fp8_all_gather_declines_what_scaled_mm_rejects_before_any_protocol_step(monkeypatch,
                                                                                   caplog):
-    """The all-gather's fp8 plan checks each weight's GEMM as the scatter and the all-reduce do
-    (Scaled.declines): a _scaled_mm that failed after my shard was signalled to the peers would
+    """The all-gather's fp8 plan checks each weight's GEMM as the scatter does (Scaled.declines): a _scaled_mm that failed after my shard was signalled to the peers would
     leave them waiting."""
     import logging
 
@@ -612,7 +577,7 @@ def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch, term
     a, b, s_a, s_b = ins[0]
     task = scaled_mm_collective_task(SCALED_MM_REDUCE_SCATTER, a, b, s_a, s_b, None, BF16, False,
                                      [], 0, "sum", "0", world)
-    plan = plan_for(task, gemm="cublas")  # torch.sum reduces the slots (no Triton launch)
+    plan = plan_for(task, reduce="torch")  # torch.sum reduces the slots (no Triton launch)
     outs = {}
     served = reduce_scatter.stats["scaled_mm_reduce_scatter"]
     for r in (1, 0, 1):
@@ -629,45 +594,6 @@ def test_fp8_reduce_scatter_copy_engine_plan_on_emulated_ranks(monkeypatch, term
     for r in range(world):
         want = torch.stack([p[r * rows:(r + 1) * rows] for p in products]).sum(0)
         assert outs[r].dtype == BF16 and torch.equal(outs[r], want), r
-
-
-@pytest.mark.parametrize("params", [dict(algo="push"), dict(algo="push_scatter"),
-                                    dict(algo="push_all"), dict(algo="lamport"),
-                                    dict(algo="push", overlap=True, chunks=3)])
-def test_fp8_all_reduce_partial_is_the_scaled_product_in_the_output_dtype(monkeypatch, params):
-    """Each all-reduce plan's GEMM writes _scaled_mm (rowwise, row chunks with their scales
-    beside push) into the partial of the symmetric buffer, in bf16, before its kernel; the
-    overlapped cuBLAS plan raises READY after each chunk."""
-    pytest.importorskip("triton")
-    from ditron_inductor.runtime import all_reduce
-    from ditron_inductor.runtime.scaled import Scaled
-    from ditron_inductor.scheduler.decide import plan_for
-
-    m, k, n = 20, 32, 16
-    a, b, s_a, s_b = fp8(m, k), col_major(fp8(n, k, seed=1)), scale(m, 1), scale(1, n, seed=2)
-    task = scaled_mm_collective_task(SCALED_MM_ALL_REDUCE, a, b, s_a, s_b, None, BF16, False, [],
-                                     0, "sum", "0", 2)
-    ctx = HostContext(2, 0, 1 << 22)
-    ctx.connect([ctx, HostContext(2, 1, 16)])
-    launched = []
-    all_reduce_on_host(monkeypatch, ctx, lambda kernel, grid, args, meta: launched.append(
-        (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel),
-         torch.equal(partial(), want))))
-    monkeypatch.setattr(all_reduce, "gemm_beside",
-                        lambda ctx_, dev, queue_gemm, side_kernel: (queue_gemm(), side_kernel(1)))
-    want = ops._scaled_mm(a, b, s_a, s_b, None, BF16, False)
-
-    def partial():
-        return ctx.data.view(-1, BF16, (m, n))
-
-    plan = plan_for(task, **params)
-    h = all_reduce.all_reduce_fused(task, plan, a, b, None, [], None, None, 0.0, False, "sum",
-                                    Scaled.of(s_a, s_b, BF16, a.dtype, False))[0]
-    assert h.dtype == BF16 and h.shape == (m, n)
-    assert torch.equal(partial(), want)
-    assert launched and all(ok for _, ok in launched), launched  # the GEMM ran before the kernel
-    if plan.overlap:  # READY[j] = the device epoch word (7) after each of the 3 row chunks
-        assert ctx.flag_words[:4].tolist() == [7, 7, 7, 0]
 
 
 # ------------------------------------------------------------------------- gloo, 2 CPU ranks

@@ -135,9 +135,9 @@ def test_a_first_launch_runs_on_the_stream_its_handle_names(monkeypatch):
 
 
 def test_preload_compiles_and_loads_so_that_the_launch_loads_nothing(monkeypatch):
-    """The all-gather's SM pull loads its kernels before it queues a spinning one: preload
-    compiles and loads the module once per class, launches nothing, and the launch that follows
-    goes straight to the compiled launcher."""
+    """A kernel queued where another may spin on a peer is loaded first: preload compiles and
+    loads the module once per class, launches nothing, and the launch that follows goes
+    straight to the compiled launcher."""
     on_gpu(monkeypatch, stream=7)
     k = FakeKernel()
     x = torch.zeros(64)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from expecttest import TestCase
 
+from ditron_inductor import config
 from ditron_inductor.lowering.graph_pass import run_pass
 from ditron_inductor.lowering.match import find_matches
 from tests.fx_helpers import (
@@ -20,8 +21,8 @@ from tests.fx_helpers import (
 )
 
 
-def rewrite(gm):
-    report = run_pass(gm.graph)
+def rewrite(gm, options=config.Options()):
+    report = run_pass(gm.graph, options)
     gm.recompile()
     return report
 
@@ -419,11 +420,11 @@ return matmul_reduce_scatter_default
 class LeftAloneTest(TestCase):
     """Shapes that match but must not be rewritten: the graph stays as it was, with a reason."""
 
-    def assert_left_alone(self, fn, args, world_size, reason):
+    def assert_left_alone(self, fn, args, world_size, reason, options=config.Options()):
         with fake_group(world_size) as g:
             gm = trace(lambda *a: fn(g, *a), *args)
             before = graph_text(gm)
-            report = rewrite(gm)
+            report = rewrite(gm, options)
         self.assertEqual(graph_text(gm), before)
         self.assertEqual([c.fused for c in report.candidates], [False])
         self.assertIn(reason, report.candidates[0].reason)
@@ -465,16 +466,10 @@ class LeftAloneTest(TestCase):
                                "the weight of mm_1 is computed from mm")
 
     def test_disabled_pattern(self):
-        from ditron_inductor import config
-
-        saved = config.patterns
-        config.patterns = frozenset({"all_gather_matmul"})
-        try:
-            self.assert_left_alone(lambda g, x, w: all_reduce(x @ w, "sum", g),
-                                   (randn(4, 8), randn(8, 8)), 2,
-                                   "pattern matmul_all_reduce is disabled")
-        finally:
-            config.patterns = saved
+        self.assert_left_alone(lambda g, x, w: all_reduce(x @ w, "sum", g),
+                               (randn(4, 8), randn(8, 8)), 2,
+                               "pattern matmul_all_reduce is disabled",
+                               config.Options(patterns=frozenset({"all_gather_matmul"})))
 
 
     def test_matmul_between_gather_and_scatter_goes_to_the_first_match(self):

@@ -1,6 +1,6 @@
-"""The AG/RS plans measured on several ranks (scheduler/measured_plans.py): which measured row
-stands for a task, the decision taken from it, the option that turns it off, and the table
-written from bench_fused.py runs."""
+"""The AG/RS plans measured on several ranks (scheduler/evidence.py): which measured row stands
+for a task, the decision taken from it, the link model where none does, and the table written
+from bench_fused.py runs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from benchmarks import measured_plans_table
-from ditron_inductor import config
-from ditron_inductor.scheduler import cost_model, measured_plans
+from ditron_inductor.scheduler import choose, evidence, link_model
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
 
 
@@ -33,11 +32,12 @@ def table(tmp_path, monkeypatch):
         path = tmp_path / "measured_plans.json"
         measured_plans_table.main([*(_write(tmp_path, i, run) for i, run in enumerate(runs)),
                                    "--out", str(path)])
-        monkeypatch.setattr(measured_plans, "TABLE", path)
-        measured_plans._rows.cache_clear()
+        monkeypatch.setattr(evidence, "MEASURED_PLANS", path)
+        evidence.clear_caches()
         return json.loads(path.read_text())
     yield install
-    measured_plans._rows.cache_clear()
+    monkeypatch.undo()
+    evidence.clear_caches()
 
 
 def _write(tmp_path, i, run) -> str:
@@ -75,42 +75,42 @@ def test_the_table_keeps_candidates_and_a_later_run_replaces_a_row(table):
 def test_a_measured_shape_stands_for_near_tasks_only(table):
     table(_run([GATE_UP]))
     bf16 = torch.bfloat16
-    assert measured_plans.nearest(AG, 2, bf16, 8192, 4096, 14336).shape == (8192, 4096, 14336)
+    assert evidence.nearest_measured(AG, 2, bf16, 8192, 4096, 14336).shape == (8192, 4096, 14336)
     # each dim within 1.25x: near; one beyond: not; another world size, op or dtype: not
-    assert measured_plans.nearest(AG, 2, bf16, 10240, 3584, 12288) is not None
-    assert measured_plans.nearest(AG, 2, bf16, 8192, 4096, 7168) is None
-    assert measured_plans.nearest(AG, 4, bf16, 8192, 4096, 14336) is None
-    assert measured_plans.nearest(RS, 2, bf16, 8192, 4096, 14336) is None
-    assert measured_plans.nearest(AG, 2, torch.float16, 8192, 4096, 14336) is None
+    assert evidence.nearest_measured(AG, 2, bf16, 10240, 3584, 12288) is not None
+    assert evidence.nearest_measured(AG, 2, bf16, 8192, 4096, 7168) is None
+    assert evidence.nearest_measured(AG, 4, bf16, 8192, 4096, 14336) is None
+    assert evidence.nearest_measured(RS, 2, bf16, 8192, 4096, 14336) is None
+    assert evidence.nearest_measured(AG, 2, torch.float16, 8192, 4096, 14336) is None
 
 
 def test_the_scheduler_takes_the_fastest_measured_plan_or_nccl(table):
     table(_run([GATE_UP, DOWN_GRAD]))
-    # gate/up: every validated fused plan slower than NCCL + cuBLAS (the SM-pull one, faster
-    # but not validated, is not taken): the graph keeps NCCL + cuBLAS
-    plan, why = cost_model.choose_device_plan(_task(*GATE_UP[:4]))
+    # gate/up: every fused candidate slower than NCCL + cuBLAS (a column that names no
+    # candidate is not taken): the graph keeps NCCL + cuBLAS
+    plan, why = choose.choose_device_plan(_task(*GATE_UP[:4]))
     assert plan is None
-    assert why.startswith("no measured gain: measured on 2 ranks at 8192x4096x14336 (run0.json: "
-                          "NVIDIA H200, 2026-11-26 02:55 UTC): NCCL+cuBLAS 1.432 ms, fastest "
+    assert why.startswith("no measured gain: measured on 2 ranks at 8192x4096x14336 (NVIDIA H200, "
+                          "2026-11-26 02:55 UTC): NCCL+cuBLAS 1.432 ms, fastest "
                           "fused cublas_1_3_4 1.489 ms")
     # down's output gradient: the cuBLAS-group plan, 1.03x NCCL's time (>= MEASURED_MIN_GAIN)
-    plan, why = cost_model.choose_device_plan(_task(*DOWN_GRAD[:4]))
+    plan, why = choose.choose_device_plan(_task(*DOWN_GRAD[:4]))
     assert (plan.label, plan.predicted_ms) == ("cublas_1_2_5", (("nccl_cublas", 0.831),
                                                                ("fused", 0.807)))
     assert why.startswith("fused plan cublas_1_2_5: measured on 2 ranks")
     # DITRON_PLAN=fused where NCCL won: the fastest measured fused plan
-    assert cost_model.fused_plan(_task(*GATE_UP[:4])).label == "cublas_1_3_4"
+    assert choose.fused_plan(_task(*GATE_UP[:4])).label == "cublas_1_3_4"
     # a gain below MEASURED_MIN_GAIN (1.5%) is not taken
     table(_run([(RS, 8192, 64128, 4096, {"cublas_triton_reduce": 6.2}, 6.293)]))
-    assert cost_model.choose_device_plan(_task(RS, 8192, 64128, 4096))[0] is None
+    assert choose.choose_device_plan(_task(RS, 8192, 64128, 4096))[0] is None
 
 
 def test_a_sum_of_products_adds_the_rewrite_costs_to_each_side(table):
     table(_run([(RS, 8192, 14336, 4096, {"cublas_triton_reduce": 1.444}, 1.558)]))
     task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=58720256)
-    copy_ms, sum_ms = cost_model.rewrite_costs(task)
+    copy_ms, sum_ms = link_model.rewrite_costs(task, evidence.link(2))
     assert copy_ms > 0 and sum_ms > 0
-    decision = cost_model.measured_decision(task)
+    decision = choose.measured_decision(task)
     assert decision.fused_ms == pytest.approx(1.444 + copy_ms)
     assert decision.unfused_ms == pytest.approx(1.558 + sum_ms)
 
@@ -123,25 +123,20 @@ def test_a_row_timed_as_the_sum_holds_its_accumulation_and_add(table):
                       term_ks=[7168, 7168]))
     assert data["rows"][0]["terms"] == 2
     task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=1 << 20)
-    copy_only = cost_model.rewrite_costs(_task(RS, 8192, 14336, 4096, copy_elems=1 << 20))[0]
-    assert 0 < copy_only < cost_model.rewrite_costs(task)[0]
-    decision = cost_model.measured_decision(task)
+    copy_only = link_model.rewrite_costs(
+        _task(RS, 8192, 14336, 4096, copy_elems=1 << 20), evidence.link(2))[0]
+    assert 0 < copy_only < link_model.rewrite_costs(task, evidence.link(2))[0]
+    decision = choose.measured_decision(task)
     assert decision.fused_ms == pytest.approx(1.444 + copy_only)
     assert decision.unfused_ms == pytest.approx(1.558)
 
 
-def test_the_option_off_leaves_the_link_model(table):
+def test_where_no_row_is_near_the_link_model_decides(table):
     table(_run([GATE_UP]))
-    task = _task(*GATE_UP[:4])
-    saved, config.measured_plans = config.measured_plans, False
-    try:
-        assert cost_model.measured_decision(task) is None
-        plan, why = cost_model.choose_device_plan(task)
-        assert why.startswith("fused plan tri_tma_128x256: predicted")
-    finally:
-        config.measured_plans = saved
-    assert config.from_env({"DITRON_MEASURED_PLANS": "0"}).measured_plans is False
-    assert config.Options(measured_plans=False).cache_key() != config.Options().cache_key()
+    task = _task(AG, 8192, 4096, 28672)  # N twice gate/up's: no measured row stands for it
+    assert choose.measured_decision(task) is None
+    plan, why = choose.choose_device_plan(task)
+    assert why.startswith("fused plan tri_tma_128x256: predicted")
 
 
 def test_bench_fused_times_the_llama_sites_with_their_weights():

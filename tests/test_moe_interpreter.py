@@ -461,9 +461,9 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
     return [x for x, _ in xs], splits, receivers
 
 
-@pytest.mark.parametrize("world,tma_a,first_progs", [(2, False, 0), (3, False, 0), (2, True, 0),
-                                                     (3, True, 1)])
-def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, first_progs):
+@pytest.mark.parametrize("world,tma_a,progs", [(2, False, 0), (3, False, 0), (2, True, 0),
+                                               (3, True, 1)])
+def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
     (moe_dispatch.publish, push, compute: the routes, put_rows_kernel, the grouped GEMM
     waiting on its tiles' counters), the signals between them played by running every rank's
@@ -471,13 +471,13 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, first_progs
     second expecting on top of the first), then a call in which the last rank receives
     nothing and one in which every row goes to rank 0. Each rank's outputs against the op's
     reference (received[row_index], torch._grouped_mm per weight). tma_a: the waiting GEMM
-    reads the receive buffer through a TMA descriptor; first_progs: the waiting GEMM on one
-    program (as beside the put on a side stream, plan.put_sms: fewer programs than SMs)."""
+    reads the receive buffer through a TMA descriptor; progs: the plan's programs (1: one
+    program takes every tile in turn, waiting on each one's counter)."""
     from ditron_inductor.runtime import moe_dispatch
 
     gen = torch.Generator().manual_seed(10 + world)
     local_experts, k, ns = 3, 40, (24, 33)
-    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a, progs=progs)
     ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
           for _ in range(world)]
     capacity = 64
@@ -502,8 +502,7 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, first_progs
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
             rows, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
-                                               ws[r], offsets, moe.grouped_gemm,
-                                               first_progs=first_progs)
+                                               ws[r], offsets, moe.grouped_gemm)
             assert int(ctx.err) == 0, (call, r)
             counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
             assert torch.equal(counters, states[r].expect), (call, r)

@@ -24,8 +24,8 @@ BF16 = torch.bfloat16
 MOE_NODES = ("all_to_all", "wait_tensor", "grouped_mm", "index")
 
 
-def rewrite(gm):
-    report = run_pass(gm.graph)
+def rewrite(gm, options=None):
+    report = run_pass(gm.graph, options or config.Options())
     gm.recompile()
     return report
 
@@ -167,11 +167,11 @@ def combine_args():
 
 
 class ShapesTest(TestCase):
-    def trace(self, fn, args, world_size=2):
+    def trace(self, fn, args, world_size=2, options=None):
         with fake_group(world_size) as g:
             gm = trace_data_dependent(lambda *a: fn(g, *a), *args)
             before = graph_text(gm)
-            report = rewrite(gm)
+            report = rewrite(gm, options)
         return gm, before, report
 
     def test_one_expert_per_rank_needs_no_row_index(self):
@@ -204,8 +204,8 @@ all_to_all_grouped_mm_default = all_to_all_grouped_mm(arg0_1, [_local_scalar_den
 grouped_mm_all_to_all_default = grouped_mm_all_to_all([arg0_1], [permute], arg2_1, arg1_1, True, [3, 5], [6, 2], '0', 2, '{"impl": "reference"}')
 """)
 
-    def assert_left_alone(self, fn, args, reason):
-        gm, before, report = self.trace(fn, args)
+    def assert_left_alone(self, fn, args, reason, options=None):
+        gm, before, report = self.trace(fn, args, options=options)
         self.assertEqual(graph_text(gm), before)
         self.assertEqual([(c.fused, c.reason) for c in report.candidates], [(False, reason)])
 
@@ -245,13 +245,10 @@ grouped_mm_all_to_all_default = grouped_mm_all_to_all([arg0_1], [permute], arg2_
         def dispatch(g, x, counts, index, offsets, w1, w3):
             return grouped_mm(exchange(x, counts.tolist(), g)[index], w1, offsets)
 
-        saved = config.patterns
-        config.patterns = saved - {"all_to_all_grouped_mm"}
-        try:
-            self.assert_left_alone(dispatch, dispatch_args(), "pattern all_to_all_grouped_mm is "
-                                   "disabled (ditron.patterns / DITRON_PATTERNS)")
-        finally:
-            config.patterns = saved
+        patterns = config.Options().patterns - {"all_to_all_grouped_mm"}
+        self.assert_left_alone(dispatch, dispatch_args(), "pattern all_to_all_grouped_mm is "
+                               "disabled (ditron.patterns / DITRON_PATTERNS)",
+                               config.Options(patterns=patterns))
 
     def test_all_to_all_between_grouped_gemms_goes_to_the_combine(self):
         def chain(g, h, counts, index, offsets, w):

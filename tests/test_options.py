@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,11 +13,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from ditron_inductor import config
 from ditron_inductor.backend import inductor_patches
 from ditron_inductor.lowering import graph_pass
 from ditron_inductor.lowering.graph_pass import DitronPass
+from tests import REPO_ROOT
 from tests.fx_helpers import all_gather, fake_group
 
 # option key, environment variable, a value as the user writes it, the Options field it sets
@@ -32,13 +35,9 @@ GOOD = [
     ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "2.5", "wait_timeout_s", 2.5),
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "1", "log_all_ranks", True),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "off", "causal_mask", False),
-    ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "0", "measured_plans", False),
-    ("ditron.skip_plans", "DITRON_SKIP_PLANS", "cublas_accumulate, cublas_each", "skip_plans",
-     frozenset({"cublas_accumulate", "cublas_each"})),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "0", "gqa_packing", False),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "0", "decode_gemm_groups", False),
-    ("ditron.sequence_shard", "DITRON_SEQUENCE_SHARD", "on", "sequence_shard", True),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "1", "cuda_graphs", True),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "off", "cuda_graphs", False),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "auto", "cuda_graphs", None),
@@ -62,15 +61,11 @@ BAD = [
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "2", "expected a boolean (1/0, true/false)"),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "sometimes",
      "expected a boolean (1/0, true/false)"),
-    ("ditron.measured_plans", "DITRON_MEASURED_PLANS", "model",
-     "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "cublas", "expected a boolean (1/0, true/false)"),
     ("ditron.cuda_graphs", "DITRON_CUDA_GRAPHS", "always",
      "expected auto or a boolean (1/0, true/false)"),
     ("ditron.gqa_packing", "DITRON_GQA_PACKING", "repeat", "expected a boolean (1/0, true/false)"),
     ("ditron.decode_gemm_groups", "DITRON_DECODE_GEMM_GROUPS", "qkv",
-     "expected a boolean (1/0, true/false)"),
-    ("ditron.sequence_shard", "DITRON_SEQUENCE_SHARD", "rows",
      "expected a boolean (1/0, true/false)"),
 ]
 
@@ -99,31 +94,19 @@ def test_each_bad_value_is_an_error_naming_option_value_and_allowed(key, var, va
     assert str(through_env.value) == f"{var}={value!r}: {text}"
 
 
-def test_an_unknown_plan_label_to_skip_is_an_error_at_the_compile():
-    """ditron.skip_plans is checked against the scheduler's candidates where the compile starts
-    (the options module imports no layer above it)."""
-    with pytest.raises(config.OptionError) as error:
-        inductor_patches(None, {"ditron.skip_plans": "cublas,fastest"})
-    assert str(error.value) == (
-        "ditron.skip_plans (DITRON_SKIP_PLANS): unknown plan label(s) fastest; allowed: labels of "
-        "cost_model.AG_CANDIDATES and RS_CANDIDATES")
-    assert config.from_env({"DITRON_SKIP_PLANS": "fastest"}).skip_plans == {"fastest"}
-
-
 def test_unknown_ditron_key_names_the_known_ones():
     with pytest.raises(config.OptionError) as error:
         inductor_patches(None, {"ditron_plan": "fused", "ditron.plna": "fused"})
     assert str(error.value) == (
         "unknown option 'ditron.plna'; ditron's options are ditron.enabled, ditron.patterns, "
         "ditron.plan, ditron.symm_mem_backend, ditron.wait_timeout_s, ditron.log_all_ranks, "
-        "ditron.causal_mask, ditron.measured_plans, ditron.skip_plans, ditron.decode_gemm, "
-        "ditron.decode_gemm_groups, ditron.gqa_packing, ditron.sequence_shard, "
-        "ditron.cuda_graphs")
+        "ditron.causal_mask, ditron.decode_gemm, ditron.gqa_packing, ditron.cuda_graphs, "
+        "ditron.decode_gemm_groups")
 
 
 def test_options_win_over_the_environment_and_inductor_keys_pass_through(monkeypatch):
-    monkeypatch.setattr(config, "force_plan", "reference")  # as DITRON_PLAN=reference sets it
-    monkeypatch.setattr(config, "wait_timeout_s", 3.0)
+    monkeypatch.setenv("DITRON_PLAN", "reference")
+    monkeypatch.setenv("DITRON_WAIT_TIMEOUT_S", "3")
     patches = inductor_patches(None, {"ditron.plan": "fused", "epilogue_fusion": False})
     assert patches["epilogue_fusion"] is False
     assert not any(k.startswith("ditron.") for k in patches)
@@ -189,7 +172,7 @@ def compile_layer(options: dict) -> list:
 
 
 def test_per_compile_options_reach_the_pass_and_the_off_switch_skips_it():
-    before = config.current()
+    before = config.defaults()
     with fake_group(2):
         assert compile_layer({"ditron.patterns": "matmul_reduce_scatter"}) == [
             ("all_gather_matmul", False,
@@ -198,7 +181,7 @@ def test_per_compile_options_reach_the_pass_and_the_off_switch_skips_it():
             ("all_gather_matmul", True, "reference plan (decomposed collective + matmul): "
              "plan=fused forced, but the fused kernels run on CUDA only, not cpu")]
         assert compile_layer({"ditron.enabled": False}) == []
-        assert config.current() == before  # a compile's options end with it
+        assert config.defaults() == before  # a compile's options end with it
 
 
 def test_pass_uuid_differs_per_option_that_changes_graphs():
@@ -209,11 +192,46 @@ def test_pass_uuid_differs_per_option_that_changes_graphs():
     assert len(keys) == len(changed) + 1
 
 
-@pytest.mark.parametrize("field", ["causal_mask", "measured_plans", "decode_gemm",
-                                   "decode_gemm_groups", "gqa_packing", "sequence_shard"])
-def test_each_rewrite_option_enters_the_pass_cache_key(field):
-    # a graph compiled with the rewrite on must not be served from Inductor's cache to a
-    # compile with it off
+@pytest.mark.parametrize("option", [o for o in config.TABLE if o.changes_graphs])
+def test_each_option_that_changes_graphs_enters_the_pass_cache_key(option):
+    # a graph compiled with a rewrite on must not be served from Inductor's cache to a compile
+    # with it off
     default = config.Options()
-    flipped = dataclasses.replace(default, **{field: not getattr(default, field)})
+    value = getattr(default, option.field)
+    other = {bool: lambda v: not v, frozenset: lambda v: frozenset(list(v)[:1]),
+             float: lambda v: v + 1.0, str: lambda v: "fused" if v != "fused" else "reference",
+             type(None): lambda v: True}[type(value)](value)
+    if option.key == "symm_mem_backend":
+        other = "torch"
+    flipped = dataclasses.replace(default, **{option.field: other})
     assert flipped.cache_key() != default.cache_key()
+
+
+def test_the_readme_option_table_is_the_declared_one():
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert config.readme_with_table(readme) == readme, (
+        "README's option table is stale: python -m ditron_inductor.config --readme README.md")
+    for option in config.TABLE:
+        assert (f"`{option.name}`" in readme) != option.debug, option.name
+
+
+def test_the_pass_uuid_covers_the_evidence_tables(tmp_path, monkeypatch):
+    """Every source and data file of the package enters the uuid: a changed table changes it."""
+    package = tmp_path / "ditron_inductor"
+    (package / "lowering").mkdir(parents=True)
+    (package / "scheduler" / "evidence").mkdir(parents=True)
+    table = package / "scheduler" / "evidence" / "measured_plans.json"
+    table.write_text('{"rows": []}')
+    monkeypatch.setattr(graph_pass, "__file__", str(package / "lowering" / "graph_pass.py"))
+    assert str(table) in graph_pass._source_files()
+    before = DitronPass(config.Options()).uuid()
+    table.write_text('{"rows": [1]}')
+    get_hash_for_files.cache_clear()  # torch hashes a tuple of files once per process
+    assert DitronPass(config.Options()).uuid() != before
+    real = pathlib.Path(config.__file__).parent
+    monkeypatch.undo()
+    files = graph_pass._source_files()
+    for name in ("scheduler/evidence/measured_plans.json", "scheduler/evidence/link.json",
+                 "scheduler/evidence/world1_compute.json", "scheduler/evidence.py",
+                 "scheduler/policy.py", "scheduler/precision.py", "runtime/all_reduce.py"):
+        assert str(real / name) in files, name

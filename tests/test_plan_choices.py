@@ -1,7 +1,11 @@
 """Every suite shape's plan, pinned at world sizes 2, 4 and 8, as the runtime runs it: the
 scheduler's choice with every default resolved, unprompted and with the fused plan forced; and
 the decision at each site of the Llama-3-8B graphs at TP 2 and 4: from the plans measured there
-(scheduler/measured_plans.json), and from the link model alone as the earlier runs took it."""
+(scheduler/evidence/measured_plans.json), and from the link model alone (no measured row), each
+as the logs of runs of the real model took it.
+
+Re-pin (only for a change meant to change the plans): `python -m tests.test_plan_choices >
+tests/plan_choices.json`, and say why in the commit."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import pytest
 import torch
 
 from ditron_inductor import config
-from ditron_inductor.scheduler.cost_model import candidate_plan
+from ditron_inductor.scheduler import evidence
+from ditron_inductor.scheduler.candidates import candidate_plan
 from ditron_inductor.scheduler.decide import decide, with_options
 from ditron_inductor.scheduler.task import (
     ALL_GATHER_MATMUL,
@@ -42,12 +47,9 @@ def _task(op, world, m, k, n) -> Task:
                 has_residual=op == MATMUL_ALL_REDUCE_RMSNORM)
 
 
-def resolved(task: Task, cuda_graphs: bool) -> str:
+def resolved(task: Task, cuda_graphs: bool, forced: str = "") -> str:
     """The decision as one line: the plan the runtime runs, every default resolved."""
-    from torch._inductor import config as inductor_config
-
-    with inductor_config.patch({"triton.cudagraphs": cuda_graphs}):
-        d = decide(task)
+    d = decide(task, config.Options(force_plan=forced, cuda_graphs=cuda_graphs))
     if not d.fuse:
         return "nccl_cublas"
     plan = d.plan
@@ -73,53 +75,34 @@ def choices(forced: str = "") -> dict:
     out = {}
     for world in WORLDS:
         with fake_group(world):
-            saved, config.force_plan = config.force_plan, forced
-            try:
-                for op, m, k, n in AG_RS_SUITE:
-                    out[f"{op} {m}x{k}x{n} w{world}"] = resolved(_task(op, world, m, k, n), False)
-                for op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
-                    for k in AR_KS:
-                        for m in AR_MS:
-                            for graphs in (False, True):
-                                mode = "graphs" if graphs else "eager"
-                                key = f"{op} {m}x{k}x8192 w{world} {mode}"
-                                out[key] = resolved(_task(op, world, m, k, 8192), graphs)
-            finally:
-                config.force_plan = saved
+            for op, m, k, n in AG_RS_SUITE:
+                out[f"{op} {m}x{k}x{n} w{world}"] = resolved(_task(op, world, m, k, n), False,
+                                                              forced)
+            for op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+                for k in AR_KS:
+                    for m in AR_MS:
+                        for graphs in (False, True):
+                            key = f"{op} {m}x{k}x8192 w{world} {'graphs' if graphs else 'eager'}"
+                            out[key] = resolved(_task(op, world, m, k, 8192), graphs, forced)
     return out
 
 
 PINNED = pathlib.Path(__file__).with_name("plan_choices.json")
 
 # The sites of the Llama-3-8B graphs at TP 2 (hidden 4096, intermediate 14336, heads 32/8, vocab
-# 128256; training B 1 S 8192, prefill S 4096 and 8192), each as the ditron log of the 2x H200
-# run described it (benchmarks/results/e2e_llama_h200x2_train_prefill.json), with the decision it
-# took there: the fused and the refused sites of the real model, pinned without GPUs. The
-# all-reduce sites are decided by the world-1 compute table (scheduler/measured.py) since, and
-# take the same decisions.
+# 128256; training B 1 S 8192, prefill S 4096 and 8192), each as the ditron log of a 2-GPU run
+# described it, with the decision taken from the evidence now: the fused and the refused sites
+# of the real model, pinned without GPUs.
 AG, RS, ARN = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE_RMSNORM
-# The training sites' plans come from the device-time rows (session 45: the device spins while
-# the host queues the timed calls); the rows timed with the host's queueing had left gate/up's
-# gather and lm_head's input gradient to NCCL and fused lm_head's gather.
 LLAMA_TP2_SITES = [
-    # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather. The
-    # gathers: my shard's buffer copy and a barrier before the GEMM since session 52
-    # (all_gather_h100x2_ready_before_gemm.md; before: tri_tma_128x256, cublas_1_1_2_4,
-    # cublas_1_3_4_s2 and tri_tma_128x256); since the 2x H200 rows of session 53, gate/up's,
-    # lm_head's and down's output gradient's with the barrier beside the GEMM of my rows
-    # (fused_h200x2_llama8b_ag_barrier_8192.md: lm_head 5.909 ms against NCCL + cuBLAS's 6.054;
-    # on 2x H100 lm_head's had been left, under the 2% margin)
+    # training, forward: q/k/v and gate/up gathers, o and down scatters, lm_head's gather
     (dict(op=AG, m=8192, k=4096, ns=(2048, 512, 512)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=2048, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
     (dict(op=AG, m=8192, k=4096, ns=(7168, 7168)), False, "cublas_each_first_ready_beside"),
     (dict(op=RS, m=8192, k=7168, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
     (dict(op=AG, m=8192, k=4096, ns=(64128,)), False, "cublas_each_first_ready_beside"),
-    # training, backward: lm_head's input gradient, the gradients of down's and o's outputs
-    # gathered, gate/up's and q/k/v's input gradients as one scatter of a sum of products each
-    # (the logs before session 54 name them "concatenated along K": _logged matches them). The
-    # scatters from the 2x H200 rows of session 55 (fused_h200x2_llama8b_rs_terms_8192.md, the
-    # sums timed by their terms): lm_head's input gradient with the Triton reduction (5.606 ms,
-    # plain cuBLAS 5.706, NCCL + cuBLAS 5.832; before: cublas)
+    # training, backward: lm_head's input gradient, down's and o's output gradients gathered,
+    # gate/up's and q/k/v's input gradients each a scatter of a sum of products
     (dict(op=RS, m=8192, k=64128, ns=(4096,), dim=1), False, "cublas_triton_reduce"),
     (dict(op=AG, m=8192, k=4096, ns=(7168,)), False, "cublas_each_first_ready_beside"),
     (dict(op=RS, m=8192, k=14336, ns=(4096,), dim=1, terms=2), False,
@@ -127,11 +110,8 @@ LLAMA_TP2_SITES = [
     (dict(op=AG, m=8192, k=4096, ns=(2048,)), False, "cublas_each_first_ready"),
     (dict(op=RS, m=8192, k=3072, ns=(4096,), dim=1, terms=3), False,
      "cublas_triton_reduce"),
-    # prefill: o's and down's all-reduce with the residual add and the next RMSNorm; launched
-    # eagerly (as the H200 run did: left at S 4096, push beside the Triton GEMM at 8192) the
-    # copy-engine plan since session 49 (2x H100: all_reduce_h100x2_copy_engine.md), under CUDA
-    # graphs (push beside the Triton GEMM before) since session 50, with twice the chunks
-    # (all_reduce_h100x2_copy_engine_graphs.md)
+    # prefill: o's and down's all-reduce with the residual add and the next RMSNorm, launched
+    # eagerly and under CUDA graphs
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), False, "copy_engine chunks=2"),
     (dict(op=ARN, m=4096, k=7168, ns=(4096,)), False, "copy_engine chunks=2"),
     (dict(op=ARN, m=4096, k=2048, ns=(4096,)), True, "copy_engine chunks=4"),
@@ -139,9 +119,8 @@ LLAMA_TP2_SITES = [
     (dict(op=ARN, m=8192, k=2048, ns=(4096,)), False, "copy_engine chunks=4"),
     (dict(op=ARN, m=8192, k=7168, ns=(4096,)), False, "copy_engine chunks=4"),
 ]
-# The training sites' plans as the 2x H200 run took them, from the link model (fitted at 4 and 8
-# ranks) before the plans measured at these shapes on 2 ranks (fused_h200x2_llama8b_sites.md)
-# took over: what ditron.measured_plans=False still gives.
+# The training sites' plans from the link model alone, as a 2-GPU run before the measured rows
+# took them (its log names them).
 LLAMA_TP2_TRAIN_MODEL = ["cublas_1_3_4", "cublas_triton_reduce", "tri_tma_128x256",
                          "cublas_triton_reduce", "tri_tma_128x256", "nccl_cublas",
                          "tri_tma_128x256", "cublas_triton_reduce", "cublas_1_3_4",
@@ -149,15 +128,8 @@ LLAMA_TP2_TRAIN_MODEL = ["cublas_1_3_4", "cublas_triton_reduce", "tri_tma_128x25
 
 
 # The training sites at TP 4 (rows 8192 everywhere: the [S, H] activations of B 1, S 8192), with
-# the plan the link model took (4x H200, session 27, e2e_llama_h200x4_train.json, run 1: fusions
-# only 1.034-1.055x Inductor's step over 9 runs) and the plan taken from the rows measured per
-# site on 4x H200 as device time (session 55, fused_h200x4_llama8b_sites_spin_8192.json, with
-# the all-gathers that copy my shard and pass a barrier before the GEMM: the step with them 49.692
-# and 49.793 ms against the model's 49.953 and 50.104 and Inductor's 53.240 and 53.297,
-# e2e_llama_h200x4_train_h200_rows_{1,2}.json; with session 46's 4x H100 rows, which left the
-# gathers of q/k/v and o's output gradient to NCCL, 51.307 against the model's 51.183,
-# e2e_llama_h200x4_train_s55.json). The 4-rank rows timed with the host's queueing (session 27)
-# had made the step 0.48 ms slower than the model's; they are not in measured_plans.json.
+# the plan the link model took and the plan taken from the rows measured per site, each as the
+# log of a 4-GPU run took it.
 LLAMA_TP4_TRAIN = [
     # site, the link model's plan, the measured plan
     (dict(op=AG, m=8192, k=4096, ns=(1024, 256, 256)), "cublas_each",
@@ -204,25 +176,26 @@ def test_llama_tp2_sites_decide_as_pinned(site, cuda_graphs, expected):
         assert resolved(task, cuda_graphs) == expected
 
 
-def test_llama_tp2_training_sites_from_the_link_model_alone():
-    """ditron.measured_plans=False: the plans the 2x H200 run took (its log says which)."""
+@pytest.fixture
+def no_measured_rows(monkeypatch):
+    """The link model alone decides: no measured AG/RS row stands for any shape."""
+    monkeypatch.setattr(evidence, "nearest_measured", lambda *args: None)
+
+
+def test_llama_tp2_training_sites_from_the_link_model_alone(no_measured_rows):
+    """The plans the run before the measured rows took (its log says which)."""
     lines = _logged_lines()
-    saved, config.measured_plans = config.measured_plans, False
-    try:
-        with fake_group(2):
-            for (site, graphs, _), model_plan in zip(LLAMA_TP2_SITES, LLAMA_TP2_TRAIN_MODEL):
-                task = _llama_task(site)
-                assert resolved(task, graphs) == model_plan, task.describe()
-                logged = _logged(task, lines)
-                assert all(model_plan in line or model_plan == "nccl_cublas" for line in logged)
-    finally:
-        config.measured_plans = saved
+    with fake_group(2):
+        for (site, graphs, _), model_plan in zip(LLAMA_TP2_SITES, LLAMA_TP2_TRAIN_MODEL):
+            task = _llama_task(site)
+            assert resolved(task, graphs) == model_plan, task.describe()
+            logged = _logged(task, lines)
+            assert all(model_plan in line or model_plan == "nccl_cublas" for line in logged)
 
 
 def _logged(task: Task, lines: list[str]) -> list[str]:
-    """The log lines of the task's decision. A sum of matmul products reads as such since
-    session 54; the logs before name the same sites "N matmuls concatenated along K, copies ...
-    elements" (the rewrite concatenated the operands then)."""
+    """The log lines of the task's decision. Older logs name a sum of matmul products "N matmuls
+    concatenated along K, copies ... elements" (the rewrite concatenated the operands then)."""
     head = task.describe()
     if task.terms > 1:
         head = head.split(", ")[0]
@@ -237,10 +210,10 @@ def _decision_in(line: str, plan: str) -> bool:
 
 
 @pytest.mark.parametrize("site, model_plan, measured_plan", LLAMA_TP4_TRAIN)
-def test_llama_tp4_training_sites_decide_as_the_runs_did(site, model_plan, measured_plan):
-    """From the rows measured at 4 ranks (as the 4x H200 run took them, its log lines naming the
-    4-rank measurement), and with ditron.measured_plans=False the link model's (as the 4x H200
-    run of session 27 took them)."""
+def test_llama_tp4_training_sites_decide_as_the_runs_did(site, model_plan, measured_plan,
+                                                          monkeypatch):
+    """From the rows measured at 4 ranks (as a 4-GPU run took them, its log lines naming the
+    4-rank measurement), and with no measured row the link model's (as an earlier run did)."""
     task = _llama_task(site, world=4)
     results = REPO_ROOT / "benchmarks" / "results"
     measured_log = json.loads((results / "e2e_llama_h200x4_train_h200_rows_1.json")
@@ -253,11 +226,8 @@ def test_llama_tp4_training_sites_decide_as_the_runs_did(site, model_plan, measu
     assert lines and all(_decision_in(line, model_plan) for line in lines), task.describe()
     with fake_group(4):
         assert resolved(task, False) == measured_plan
-        saved, config.measured_plans = config.measured_plans, False
-        try:
-            assert resolved(task, False) == model_plan
-        finally:
-            config.measured_plans = saved
+        monkeypatch.setattr(evidence, "nearest_measured", lambda *args: None)
+        assert resolved(task, False) == model_plan
 
 
 @pytest.mark.parametrize("kind,forced", [("chosen", ""), ("forced", "fused")])
@@ -268,5 +238,5 @@ def test_plans_stay_as_pinned(kind, forced):
     assert now.keys() == pinned.keys()
 
 
-if __name__ == "__main__":  # re-pin (only for a change meant to change the plans)
+if __name__ == "__main__":
     print(json.dumps({"chosen": choices(), "forced": choices("fused")}, indent=1))

@@ -104,7 +104,7 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
         assert not decide(dataclasses.replace(decode, m=32769)).fuse  # above OVERLAP_MAX_M
         one_row = dataclasses.replace(decode, m=1)
         assert decide(one_row).plan.algo == "lamport_all"  # measured on 4 ranks
-        from ditron_inductor.scheduler.cost_model import all_reduce_params
+        from ditron_inductor.scheduler.policy import all_reduce_params
 
         # the group is of 4 ranks (decide checks it): the parameters alone for 8
         assert all_reduce_params(dataclasses.replace(one_row, world_size=8))["algo"] == "push_all"
@@ -140,21 +140,24 @@ def test_prefill_all_reduce_overlaps_the_gemm_where_measured(group4):
 def test_push_beside_the_gemm_leaves_what_outlasts_the_gemm():
     """The push beside the GEMM hides its ring's bytes only while the GEMM runs: with a short
     GEMM (Llama-3-8B's o_proj at TP 4, K 1024) what its bandwidth beside the GEMM leaves over is
-    exposed, and the prediction lands near the 1.018 ms measured on 4x H100 at M 16384 (CUDA
-    graphs, all_reduce_h100x4_two_shot.md; counting only the last chunk predicted 0.61); with a
-    long one (down_proj, K 3584) only the last chunk's share is."""
-    from ditron_inductor.scheduler.cost_model import (all_reduce_costs, calibration,
-                                                      fused_plan)
+    exposed, and the prediction lands near the 1.018 ms measured on 4 GPUs at M 16384 under
+    CUDA graphs (counting only the last chunk predicted 0.61); with a long one (down_proj, K
+    3584) only the last chunk's share is."""
+    from ditron_inductor.scheduler import evidence, link_model
+    from ditron_inductor.scheduler.choose import fused_plan
+    from ditron_inductor.scheduler.plan import family
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
 
     o_proj = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, m=16384, k=1024, ns=(4096,),
                                  reduce_op="sum", has_residual=True)
-    c = calibration(4)
+    c = evidence.link(4)
     ring_ms = 2 * 3 / 4 * 16384 * 4096 * 2 / (c["nccl_ar_busbw_gbps"] * 1e6)
     for task, outlasts in ((o_proj, True), (dataclasses.replace(o_proj, k=3584), False)):
         plan = fused_plan(task)
         assert plan.overlap, plan
-        costs = all_reduce_costs(task, plan, cuda_graphs=True)
+        world1 = evidence.world1_costs(task.op, family(plan), True, task.m_hint, task.k,
+                                       task.n_total)
+        costs = link_model.all_reduce_costs(task, plan, c, world1.fused_ms, world1.unfused_ms)
         last_chunk = ring_ms / plan.chunks + c["fused_latency_ms"]
         if outlasts:
             assert costs.fused_exposed > last_chunk + 0.2
@@ -212,20 +215,16 @@ def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
 
 def test_forced_plans(group4, monkeypatch):
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (None, "no gain"))
-    monkeypatch.setattr(config, "force_plan", "fused")
-    forced = decide(AG).plan
-    # the forced plan is complete at compile time: the task's best validated candidate
+    forced = decide(AG, config.Options(force_plan="fused")).plan
+    # the forced plan is complete at compile time: the task's best candidate
     assert forced.impl == FUSED and forced.label == "tri_tma_128x256"
-    monkeypatch.setattr(config, "force_plan", "reference")
-    assert decide(AG).plan.impl == REFERENCE
+    assert decide(AG, config.Options(force_plan="reference")).plan.impl == REFERENCE
 
 
-def test_plans_carry_the_runtime_options(group4, monkeypatch):
+def test_plans_carry_the_runtime_options(group4):
     """The options the runtime needs are read once, at compile time, into the plan."""
-    monkeypatch.setattr(config, "force_plan", "fused")
-    monkeypatch.setattr(config, "wait_timeout_s", 2.5)
-    monkeypatch.setattr(config, "symm_mem_backend", "torch")
-    plan = decide(AG).plan
+    plan = decide(AG, config.Options(force_plan="fused", wait_timeout_s=2.5,
+                                     symm_mem_backend="torch")).plan
     assert (plan.wait_timeout_s, plan.symm_mem_backend, plan.debug_waits) == (2.5, "torch", True)
 
 
@@ -249,7 +248,7 @@ def test_plan_survives_the_graph_as_text():
 
     plans = [from_params(AllGatherPlan, {"gemm": "cublas", "groups": [1, 3, 4], "block_m": 64},
                          label="x", wait_timeout_s=1.0, predicted_ms=(("fused", 1.0),)),
-             ReduceScatterPlan(transfer="sm").for_world(8),
+             ReduceScatterPlan(reduce="triton").for_world(8),
              AllReducePlan(algo="push", overlap=True).for_world(4), REFERENCE_PLAN]
     for plan in plans:
         assert decode(plan.encode()) == plan
@@ -286,7 +285,7 @@ def test_rank_chunks_contiguous_follows_the_layout():
 
 
 def test_cuda_tasks_without_a_fused_kernel_keep_nccl_and_cublas():
-    from ditron_inductor.scheduler.cost_model import choose_device_plan
+    from ditron_inductor.scheduler.choose import choose_device_plan
 
     plan, why = choose_device_plan(dataclasses.replace(AG, dim=1, rank_chunks_contiguous=False))
     assert plan is None and "interleaves" in why
@@ -304,7 +303,9 @@ def test_the_rewrites_copies_count_against_the_fused_plans():
     the unfused graph pays the pointwise sum of the terms' products, the fused plans a read of
     their output rows per further term (cuBLAS accumulating, beta = 1), and only the plans with
     cuBLAS GEMMs take it."""
-    from ditron_inductor.scheduler.cost_model import calibration, choose_device_plan, predict
+    from ditron_inductor.scheduler.choose import choose_device_plan
+    from ditron_inductor.scheduler.choose import predicted as predict
+    from ditron_inductor.scheduler.evidence import link as calibration
 
     copied = dataclasses.replace(AG, dim=1, rows_reordered=True, copy_elems=8192 * 7168)
     assert copied.describe() == ("all_gather_matmul M=8192 K=8192 N=7168 bfloat16 world=4 group=0 "
@@ -325,26 +326,23 @@ def test_the_rewrites_copies_count_against_the_fused_plans():
     assert predict(summed)["nccl_cublas"] == pytest.approx(predict(rs)["nccl_cublas"] + sum_ms)
     accumulate_ms = 2 * 8192 * 8192 * 2 / (calibration(4)["copy_gbps"] * 1e6)
     assert predict(summed)["cublas"] == pytest.approx(predict(rs)["cublas"] + accumulate_ms)
-    assert set(predict(summed)) == {"nccl_cublas", "cublas", "cublas_triton_reduce"}
-    assert "tri_tma_128x256" in predict(rs)
+    assert set(predict(summed)) == set(predict(rs)) == {"nccl_cublas", "cublas",
+                                                        "cublas_triton_reduce"}
     plan, _ = choose_device_plan(summed)
-    assert plan is not None and plan.gemm == "cublas"
+    assert plan is not None and plan.label == "cublas_triton_reduce"
 
 
 def test_calibration_by_world_picks_what_was_measured_best():
     """Each world size is planned with the constants measured nearest to it: on 4 ranks the
-    measured best plan of every suite shape (all_gather_h200x4_own_rows_main_stream.md: the persistent Triton AG for the
+    measured best plan of every suite shape of a 4-GPU table (the persistent Triton AG for the
     long GEMMs, cuBLAS on each chunk as it lands for the short ones, the cuBLAS-chunk RS), on 8
     the plans of the 8-GPU live table (three shapes left to NCCL + cuBLAS)."""
-    from ditron_inductor.scheduler.cost_model import (
-        CALIBRATION_BY_WORLD,
-        calibration,
-        choose_device_plan,
-        plan_label,
-    )
+    from ditron_inductor.scheduler.choose import choose_device_plan
+    from ditron_inductor.scheduler.evidence import link as calibration
+    from ditron_inductor.scheduler.evidence import link_calibrations
 
-    assert calibration(2) is calibration(4) is CALIBRATION_BY_WORLD[4]
-    assert calibration(6) is calibration(16) is CALIBRATION_BY_WORLD[8]
+    assert calibration(2) is calibration(4) is link_calibrations()[4]
+    assert calibration(6) is calibration(16) is link_calibrations()[8]
     suite = [(AG, 8192, 8192, 7168), (AG, 8192, 8192, 1280), (AG, 4096, 8192, 4096),
              (AG, 16384, 8192, 3584), (RS, 8192, 3584, 8192), (RS, 8192, 1024, 8192),
              (RS, 16384, 3584, 8192)]
@@ -353,7 +351,7 @@ def test_calibration_by_world_picks_what_was_measured_best():
         plans = [choose_device_plan(dataclasses.replace(
             task, world_size=world, m=m, k=k, ns=(n,), device_type="cuda"))[0]
             for task, m, k, n in suite]
-        return [plan_label(p) if p else "nccl_cublas" for p in plans]
+        return [p.label if p else "nccl_cublas" for p in plans]
 
     assert picks(4) == ["tri_tma_128x256", "cublas_each", "cublas_1_1_2_4", "tri_tma_128x256"] \
         + ["cublas_triton_reduce"] * 3
@@ -365,7 +363,7 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     """The scheduler keeps NCCL + torch._grouped_mm at the MoE ops on CUDA (not measured faster
     in a model); DITRON_PLAN=fused rewrites them into their fused plans (what e2e_moe.py's
     ditron_fused contenders measure: before, the forced plan was ignored there)."""
-    from ditron_inductor.scheduler.cost_model import moe_not_fused
+    from ditron_inductor.scheduler.choose import moe_not_fused
     from ditron_inductor.scheduler.plan import FUSED, GroupedMmPlan, decode, family
     from ditron_inductor.scheduler.task import all_to_all_grouped_mm_task
 
@@ -378,12 +376,10 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     on_cuda = dataclasses.replace(dispatch, device_type="cuda")
     d = decide(on_cuda)
     assert (d.fuse, d.reason) == (False, moe_not_fused("all_to_all_grouped_mm"))
-    monkeypatch.setattr(config, "force_plan", "fused")
-    d = decide(on_cuda)
+    d = decide(on_cuda, config.Options(force_plan="fused"))
     assert d.fuse and d.reason == "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     assert family(d.plan) == "grouped_mm" and d.plan.impl == FUSED
-    monkeypatch.setattr(config, "force_plan", "reference")
-    assert decide(on_cuda).plan.impl == REFERENCE
+    assert decide(on_cuda, config.Options(force_plan="reference")).plan.impl == REFERENCE
     # a plan named for it (the world-1 benchmark, the GPU tests): the grouped GEMM's family
     from ditron_inductor.scheduler.decide import plan_for
 
@@ -401,10 +397,8 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     assert not plan_for(combine, staged_push=False).staged_push
     assert not plan_for(dataclasses.replace(combine, world_size=1)).staged_push
     assert not plan_for(on_cuda).staged_push  # the dispatch: nothing to stage
-    # the dispatch's put beside its first GEMM only where a plan names it
-    assert plan_for(on_cuda).put_sms == 0
-    beside = plan_for(on_cuda, put_sms=16, min_rows=4096)
-    assert (beside.put_sms, beside.min_rows) == (16, 4096) and decode(beside.encode()) == beside
+    declining = plan_for(on_cuda, min_rows=4096)
+    assert declining.min_rows == 4096 and decode(declining.encode()) == declining
     assert plan_for(combine).min_rows == 0  # no token count declines where a plan is named
 
 
@@ -417,12 +411,13 @@ def test_float32_on_cuda_keeps_nccl_and_cublas(op):
 
     fp32 = dataclasses.replace(AG, op=op, world_size=2, m=2048, dim=0, dim_size=2048,
                                reduce_op="sum", dtype=torch.float32)
-    with fake_group(2), inductor_config.patch({"triton.cudagraphs": True}):
+    # under CUDA graphs the all-reduce is fused at this size, the others launched eagerly
+    graphs = op == MATMUL_ALL_REDUCE
+    with fake_group(2), inductor_config.patch({"triton.cudagraphs": graphs}):
         assert decide(dataclasses.replace(fp32, dtype=torch.bfloat16)).fuse
         d = decide(fp32)
         assert not d.fuse and d.reason.startswith("dtype torch.float32: the fused kernels compute")
-        with config.using(dataclasses.replace(config.current(), force_plan="fused")):
-            assert not decide(fp32).fuse
+        assert not decide(fp32, config.Options(force_plan="fused")).fuse
         cpu = decide(dataclasses.replace(fp32, device_type="cpu"))
         scaled = dataclasses.replace(fp32, op=ALL_GATHER_SCALED_MM, dtype=torch.float8_e4m3fn,
                                      out_dtype=torch.float32)
@@ -430,3 +425,12 @@ def test_float32_on_cuda_keeps_nccl_and_cublas(op):
         bf16_out = decide(dataclasses.replace(scaled, out_dtype=torch.bfloat16))
         assert not bf16_out.reason.startswith("dtype")
     assert cpu.fuse and cpu.plan.impl == REFERENCE
+
+
+def test_all_gather_and_reduce_scatter_decline_under_cuda_graphs(group4):
+    """Their epochs are host values, so the runtime runs them eagerly only: a graph replayed from
+    a CUDA graph keeps NCCL + cuBLAS there (rather than the op's reference inside the graph)."""
+    for task in (AG, dataclasses.replace(RS, device_type="cuda", dim=0, dim_size=8192)):
+        assert decide(task, config.Options(cuda_graphs=False)).fuse
+        d = decide(task, config.Options(cuda_graphs=True))
+        assert not d.fuse and "run eagerly only" in d.reason

@@ -54,16 +54,16 @@ def test_the_signature_compares_layouts_values_and_objects_by_identity():
 def test_ditron_compiles_inside_a_capture_pick_the_cuda_graph_plans(monkeypatch):
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(config, "cuda_graphs", None)
+    monkeypatch.delenv("DITRON_CUDA_GRAPHS", raising=False)
     for cudagraphs in (False, True):  # auto: Inductor's "reduce-overhead" decides
         with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
-            assert decide.replayed_in_cuda_graph() is cudagraphs
+            assert decide.replayed_in_cuda_graph(config.defaults()) is cudagraphs
             with _replayed_from_graphs():
-                assert decide.replayed_in_cuda_graph() is True
-            assert config.cuda_graphs is None
-    monkeypatch.setattr(config, "cuda_graphs", False)  # ditron.cuda_graphs=0 wins
+                assert decide.replayed_in_cuda_graph(config.defaults()) is True
+            assert config.defaults().cuda_graphs is None
+    monkeypatch.setenv("DITRON_CUDA_GRAPHS", "0")  # ditron.cuda_graphs=0 wins
     with inductor_config.patch({"triton.cudagraphs": True}):
-        assert decide.replayed_in_cuda_graph() is False
+        assert decide.replayed_in_cuda_graph(config.defaults()) is False
 
 
 def test_its_graphs_are_released_before_the_process_group():

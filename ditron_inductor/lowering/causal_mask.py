@@ -1,20 +1,12 @@
 """Attention masks that say "causal" in a tensor: `is_causal=True` instead.
 
-Under torch.compile (torch < 2.14), Hugging Face builds the mask of every SDPA call as a boolean
-tensor from `arange`s: dynamo reads `torch.compiler.is_exporting()` as True, so the model's
-"no padding, so let SDPA apply causality" shortcut never fires. A mask rules out the flash
-kernels: on 1x H200 at Llama-3-8B layer sizes (TP 2 shapes), Inductor's training step spends
-24.1 ms in attention where eager spends 6.9 ms, prefill S 4096 2.0 ms where eager spends 0.6.
-
-Such a mask depends on no input of the graph, so this pass, run on the dynamo graph before
-AOTAutograd (the backward follows from the forward it leaves), evaluates it once, at compile time,
-and compares it with what SDPA would do without it:
-- it equals SDPA's causal mask (query i sees keys 0..i): the call takes `is_causal=True` and no
-  mask;
-- it masks nothing: the call takes no mask.
-Any other mask is left as it is, with the reason in the log, and so is a mask whose value this
-pass cannot know for sure: one that depends on an input (padding, dynamic shapes), draws random
-numbers, or shares its computation with a tensor changed in place; and one too large to evaluate.
+Under torch.compile (torch < 2.14) Hugging Face builds every SDPA mask as a tensor from `arange`s
+(dynamo reads `torch.compiler.is_exporting()` as True), and a mask rules out the flash kernels.
+Such a mask depends on no graph input, so this pass, on the dynamo graph before AOTAutograd,
+evaluates it once at compile time: a causal mask becomes `is_causal=True`, one that masks nothing
+goes. Any other mask stays, with the reason in the log, and so does one whose value is not
+certain (it depends on an input, draws random numbers, or shares its computation with a tensor
+changed in place) or that is too large to evaluate.
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ class MaskSite:
 
 
 def rewrite_causal_masks(gm: GraphModule) -> list[MaskSite]:
-    """Rewrite the SDPA calls of `gm` whose constant mask is causal or empty (in place); one
-    MaskSite per SDPA call that has a mask."""
+    """Rewrite (in place) the SDPA calls of `gm` whose constant mask is causal or empty; a
+    MaskSite per call with a mask."""
     calls = [(node, call_arg(node, MASK_ARG, "attn_mask")) for node in gm.graph.nodes
              if node.op == "call_function" and node.target in SDPA
              and not call_arg(node, CAUSAL_ARG, "is_causal")]
@@ -130,7 +122,6 @@ def classify(mask: torch.Tensor, queries: int, keys: int) -> Optional[str]:
 
 
 def call_arg(node: Node, index: int, name: str) -> Any:
-    """The call's argument at `index`, or by `name` where passed by keyword."""
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
@@ -140,7 +131,6 @@ def traced_value(node: Node) -> Any:
 
 
 def example_shape(value: Any) -> Optional[list]:
-    """The shape of a node's traced value, else None."""
     meta = traced_value(value) if isinstance(value, Node) else None
     return list(meta.shape) if isinstance(meta, torch.Tensor) else None
 
@@ -178,7 +168,7 @@ IN_PLACE_METHODS = frozenset(f"__{op.__name__}__" for op in IN_PLACE_OPERATORS)
 
 def _mutated_after(gm: GraphModule, above: set[Node]) -> Optional[str]:
     """A node that may change in place a tensor computed from the mask's computation (`above`):
-    evaluating `above` alone would miss that change. One pass in graph (topological) order."""
+    evaluating `above` alone would miss that change."""
     reached = set(above)
     for node in gm.graph.nodes:
         if node not in reached and any(p in reached for p in node.all_input_nodes):
@@ -198,14 +188,12 @@ def _draws_random(node: Node) -> bool:
 
 
 def _target_name(node: Node) -> str:
-    """The method's name, or the called function's."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return name if isinstance(name, str) else ""
 
 
 def _evaluate(gm: GraphModule, above: list[Node]) -> torch.Tensor:
-    """The value of the last of `above`, the mask's computation in graph order (no graph input
-    among it), run on real tensors."""
+    """The mask's value: `above`, its computation (no graph input), run on real tensors."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     values: dict[Node, Any] = {}

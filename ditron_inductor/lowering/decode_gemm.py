@@ -1,10 +1,9 @@
 """One-row matmuls (a decode step at batch 1) -> ditron.decode_mm, the decode GEMM template.
 
-Runs on the post-grad graph after the collective rewrites (which take the matmuls they fuse
-first; a fused all-reduce's own one-row GEMM takes the template through its plan), where the
-option `ditron.decode_gemm` is on. Which products qualify, and why only one-row ones, is
-scheduler/decode_gemm.py's to say: `mm_not_rewritten`. With `ditron.decode_gemm_groups` on,
-the products of the same rows (a step's q/k/v, its gate/up) then become one
+Runs after the collective rewrites (which take the matmuls they fuse first; a fused all-reduce's
+one-row GEMM takes the template through its plan), where the option `ditron.decode_gemm` is on;
+which products qualify is scheduler/decode_gemm.py's `mm_not_rewritten`. With
+`ditron.decode_gemm_groups`, the products of the same rows (q/k/v, gate/up) then become one
 ditron.decode_mm_group call: one launch instead of two or three.
 """
 
@@ -45,9 +44,8 @@ def rewrite_decode_mms(graph: Graph) -> list[str]:
 
 
 def group_decode_mms(graph: Graph) -> list[list[str]]:
-    """Replace the ditron.decode_mm calls of `graph` that multiply the same rows (views of one
-    node with one shape: a step's q/k/v, its gate/up) by ditron.decode_mm_group, up to
-    MAX_GROUP per call (in place); the names of the calls grouped, per group."""
+    """Replace (in place) the ditron.decode_mm calls of `graph` on the same rows (q/k/v, gate/up)
+    by ditron.decode_mm_group, MAX_GROUP at most per call; the names of the calls, per group."""
     from ..runtime.gemv import MAX_GROUP
     from torch._inductor.pattern_matcher import stable_topological_sort
 

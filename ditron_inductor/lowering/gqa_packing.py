@@ -1,31 +1,17 @@
 """Grouped-query attention without repeated keys and values: a decode step's query heads packed.
 
-Hugging Face's Llama-class models (GQA: `n` query heads share each key/value head) call SDPA
-with the keys and values repeated per query head (`repeat_kv`: index `[:, :, None]`, `expand`,
-`reshape`) whenever there is a mask, as there is in every step of `generate()` with a static
-cache. Inductor materializes those repeats: at B 16, 32 layers, TP 2 (2x H100, Llama-3-8B
-sizes, cache 1152) the copy took 2.08 ms and the attention reading the n-times larger keys
-1.99 ms of a 9.2 ms decode step.
+Hugging Face's GQA models call SDPA on keys and values repeated per query head (`repeat_kv`)
+whenever there is a mask (every `generate()` step with a static cache), and Inductor copies the
+repeats. Attention is per query row, so the `n` query heads of a key/value head can be one head
+of `n * s` rows (query `[b, kv * n, s, d]` -> `[b, kv, n * s, d]`, the mask repeated alike, the
+output reshaped back): the same numbers, the keys read once. In inference (no gradient, no
+dropout) the packed call becomes `ditron.decode_attention`, as SDPA over few packed programs is
+slow at small batches; elsewhere it stays SDPA, packed.
 
-Attention is per query row, so the `n` query heads of one key/value head can be one head with
-`n * s` query rows: query `[b, kv * n, s, d]` is reshaped to `[b, kv, n * s, d]` (head
-`kv * n + r`'s row `i` becomes row `r * s + i`), the mask repeated the same way, and SDPA reads
-the keys and values as they are, once per key/value head; its output `[b, kv, n * s, d]` is
-reshaped back to `[b, kv * n, s, d]`. The same numbers (exactly the same products and softmax
-per row), a fraction of the memory traffic.
-
-Packed, the call has few programs where SDPA runs one per (batch, head): at B 1 on TP 2 cuDNN's
-kernel took 0.84 ms per step over the packed rows against 0.41 ms repeated (2x H100). So where
-nothing needs a gradient and there is no dropout (inference), the packed call becomes
-`torch.ops.ditron.decode_attention` (templates/decode_attention.py: the keys split across
-programs, flash decoding; SDPA itself off CUDA); elsewhere it stays an SDPA call, packed.
-
-This pass runs on the dynamo graph before AOTAutograd (as lowering/causal_mask.py does). It
-rewrites a call only where every fact it needs is known: keys and values are repeats of the
-same factor of `[b, kv, L, d]` tensors, the call is not causal (a causal call's rows are not
-independent of their index), `enable_gqa` is off, the shapes are static, and the packed rows
-`n * s` are at most MAX_PACKED_ROWS: decode (s of 1 to a few), where the mask copy is small.
-Prefill keeps its call: there the repeated mask would be as large as the keys.
+A call is rewritten only where every fact is known: keys and values repeat `[b, kv, L, d]`
+tensors by one factor, the call is not causal (a causal row depends on its index), `enable_gqa`
+is off, shapes are static, and `n * s` <= MAX_PACKED_ROWS (decode; in prefill the repeated mask
+would be as large as the keys).
 """
 
 from __future__ import annotations
@@ -67,8 +53,7 @@ class PackSite:
 
 
 def pack_grouped_queries(gm: GraphModule) -> list[PackSite]:
-    """Rewrite (in place) the SDPA calls of `gm` whose keys and values are repeated key/value
-    heads; one PackSite per SDPA call whose keys are a repeat."""
+    """Pack (in place) the SDPA calls of `gm` on repeated keys and values; a PackSite each."""
     sites, repeats = [], []
     try:
         for sdpa in [n for n in gm.graph.nodes
@@ -101,9 +86,8 @@ def _erase_unused(reshape: Node) -> None:
 
 
 def _repeat(node: Any) -> Optional[tuple[Node, int]]:
-    """(the `[b, kv, L, d]` tensor, n) where `node` is `repeat_kv`'s result:
-    `x[:, :, None].expand(b, kv, n, L, d).reshape(b, kv * n, L, d)`, or `x.unsqueeze(2)` for
-    the index; None otherwise."""
+    """(x, n) where `node` is `x[:, :, None].expand(b, kv, n, L, d).reshape(b, kv * n, L, d)`
+    (`repeat_kv`; or x.unsqueeze(2) for the index), else None."""
     if not (isinstance(node, Node) and _is_method(node, "reshape", "view")):
         return None
     expand = node.args[0]
@@ -180,9 +164,8 @@ def _fake_subclass(sdpa: Node) -> bool:
 
 
 def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
-    """sdpa(q, repeat(k), repeat(v), mask) -> attention(q packed, k, v, mask packed) unpacked,
-    the attention ditron.decode_attention where nothing needs gradients and there is no dropout,
-    else the same SDPA call; returns which."""
+    """sdpa(q, repeat(k), repeat(v), mask) -> attention(packed q, k, v, packed mask), unpacked:
+    ditron.decode_attention in inference without dropout, else the same SDPA call; says which."""
     query = call_arg(sdpa, QUERY, "query")
     batch, heads, rows, dim = example_shape(query)
     kv = heads // n
@@ -226,8 +209,7 @@ def _inference(sdpa: Node) -> bool:
 
 
 def _example_values(first: Node, last: Node) -> None:
-    """Each node's `example_value` from `first` to `last` (graph order) anew, computed on its
-    inputs' fake values, as dynamo leaves them for the passes after this one."""
+    """Each node's `example_value` from `first` to `last` recomputed, for the passes after."""
     query = first.args[0].meta.get("example_value")
     fake_mode = getattr(query, "fake_mode", None)  # the mode dynamo traced the graph in
     node = first
@@ -248,9 +230,8 @@ def _example_values(first: Node, last: Node) -> None:
 
 
 def _packed_mask(graph: torch.fx.Graph, mask: Node, n: int, heads: int, rows: int) -> Node:
-    """The mask over the packed rows, `[mb, 1 or kv, n * rows, L]`, from SDPA's broadcast of
-    `mask` to `[mb, 1 or heads, rows, L]` (packed head k's row r * rows + i is head k * n + r's
-    row i)."""
+    """`mask`, as SDPA broadcasts it to `[mb, 1 or heads, rows, L]`, over the packed rows
+    `[mb, 1 or kv, n * rows, L]` (packed head k's row r * rows + i: head k * n + r's row i)."""
     shape = example_shape(mask)
     while len(shape) < 4:  # SDPA broadcasts from the right
         mask = graph.call_method("unsqueeze", (mask, 0))

@@ -1,6 +1,4 @@
-"""Editing a post-grad graph: insert a call (its fake value computed), compute a changed node's
-fake value again, take an output of a multi-output op, erase what a rewrite left unused. Shared by
-every rewrite."""
+"""Editing a post-grad graph, for every rewrite: calls inserted with their fake values."""
 
 from __future__ import annotations
 

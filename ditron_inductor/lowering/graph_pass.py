@@ -20,7 +20,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from .. import config
-from ..log_names import LOGGER_NAME
+from ..log_names import LOGGER_NAME, all_ranks_logging
 from ..scheduler.decide import Decision, decide, reject
 from .decode_gemm import group_decode_mms, rewrite_decode_mms
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_matches
@@ -31,7 +31,6 @@ from .moe import (
     rewrite_grouped_mm_all_to_all,
 )
 from .rewrite import rewrite_all_gather_matmul, rewrite_matmul_collective
-from .sequence_shard import shard_residual_streams
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -82,14 +81,11 @@ reports: collections.deque[GraphReport] = collections.deque(maxlen=256)
 
 
 def _source_files() -> tuple[str, ...]:
+    """Every source and data file of the package: any of them can change a decision or a
+    rewrite (the scheduler's evidence tables among them)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = ["ops.py", "config.py", "patterns.py", "lowering/match.py", "lowering/nodes.py",
-             "lowering/norm.py", "lowering/reorder.py", "lowering/rewrite.py", "lowering/moe.py",
-             "lowering/graph_edit.py", "lowering/graph_pass.py", "lowering/decode_gemm.py",
-             "lowering/sequence_shard.py",
-             "scheduler/decide.py", "scheduler/cost_model.py", "scheduler/plan.py",
-             "scheduler/task.py", "scheduler/decode_gemm.py"]
-    return tuple(os.path.join(root, n) for n in names)
+    return tuple(sorted(os.path.join(where, name) for where, _, names in os.walk(root)
+                        for name in names if name.endswith((".py", ".json"))))
 
 
 class DitronPass(CustomGraphPass):
@@ -99,14 +95,14 @@ class DitronPass(CustomGraphPass):
 
     def __init__(self, options: Optional[config.Options] = None,
                  user_pass: Optional[Callable[[Graph], Any]] = None):
-        self.options = options or config.current()
+        self.options = options if options is not None else config.Options()
         self.user_pass = user_pass
 
     def __call__(self, graph: Graph) -> None:
         if self.user_pass is not None:
             self.user_pass(graph)
-        with config.using(self.options):
-            run_pass(graph)
+        with all_ranks_logging(self.options.log_all_ranks):
+            run_pass(graph, self.options)
             if self.options.decode_gemm:
                 _rewrite_decode_mms(graph, self.options.decode_gemm_groups)
 
@@ -168,11 +164,9 @@ def source_layers(match) -> tuple[str, ...]:
         layer for n in match.replaced_nodes() if (layer := source_layer(n))))
 
 
-def run_pass(graph: Graph) -> GraphReport:
+def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphReport:
     name = graph_name(graph)
-    if config.sequence_shard:
-        _shard_sequences(graph, name)
-    matches = find_matches(graph)
+    matches = find_matches(graph, options.patterns)
     if not matches:
         report = GraphReport(name, ())
         reports.append(report)
@@ -186,7 +180,7 @@ def run_pass(graph: Graph) -> GraphReport:
     rewritten: set = set()
     candidates = []
     for match, task in zip(matches, tasks):
-        decision = _decide(match, task, rewritten)
+        decision = _decide(match, task, rewritten, options)
         layers = source_layers(match)
         where = f"{', '.join(layers)}: " if layers else ""
         if decision.fuse:
@@ -213,17 +207,6 @@ def run_pass(graph: Graph) -> GraphReport:
     return report
 
 
-def _shard_sequences(graph: Graph, name: str) -> None:
-    for region, why in shard_residual_streams(graph):
-        if why is None:
-            log.info("graph %s: sequence sharding: %s -> reduce-scatters, the residual stream on "
-                     "1/%d of the rows, %d value(s) gathered, %d row slice(s) all-reduced", name,
-                     region.describe(), region.world_size, len(region.gathered_values()),
-                     len(region.slices))
-        else:
-            log.info("graph %s: sequence sharding: %s kept: %s", name, region.describe(), why)
-
-
 def _rewrite_decode_mms(graph: Graph, grouped: bool) -> None:
     replaced = rewrite_decode_mms(graph)
     if replaced:
@@ -238,10 +221,10 @@ def _rewrite_decode_mms(graph: Graph, grouped: bool) -> None:
                   "; ".join(", ".join(g) for g in groups))
 
 
-def _decide(match, task, rewritten: set) -> Decision:
+def _decide(match, task, rewritten: set, options: config.Options) -> Decision:
     if match.problem:
         return reject(match.problem)
     taken = [n.name for n in match.replaced_nodes() if n in rewritten]
     if taken:
         return reject(f"{', '.join(taken)} already belongs to an earlier ditron op")
-    return decide(task)
+    return decide(task, options)

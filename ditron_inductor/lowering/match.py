@@ -1,10 +1,9 @@
-"""Find collective + matmul subgraphs in a post-grad FX graph.
+"""Find collective + matmul subgraphs in a post-grad FX graph, without changing it.
 
-Each finder walks from one functional collective and returns a small match object that records
-what was found (nodes, group, world size, dims) and, where the subgraph has the right shape but
-cannot be rewritten safely, the problem. Finders never change the graph; `rewrite` does.
+Each finder walks from one functional collective to a match (nodes, group, world size, dims);
+where the subgraph has the right shape but cannot be rewritten safely, or no op serves it, the
+match carries the problem, so that the log names it. Shapes handled (post-grad ATen):
 
-Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
   all_gather_into_tensor -> wait_tensor [-> split/slice on dim 0 -> cat(dim d)]
       [-> reshapes to 2-d] -> mm / addmm (one or several, the gathered activation as left operand)
   mm / addmm [-> reshapes to N-d] [-> split/slice on dim d -> cat(dim 0)]
@@ -12,17 +11,8 @@ Shapes handled (post-grad ATen, as Inductor's AOT tracing produces them):
   mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
   all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
-FP8: _scaled_mm takes the place of mm / addmm in the first three (the ops all_gather_scaled_mm,
-scaled_mm_reduce_scatter, scaled_mm_all_reduce), its scales, bias, out_dtype and use_fast_accum
-carried. As torchao's float8 tensor parallelism leaves them: the float8 activation (tensorwise
-scaled) gathered, its pieces moved along the gather dim as bytes (view(uint8) -> cat ->
-view(float8)); a rowwise scale_a of the gathered rows is itself an all-gather of the shard's
-scales on dim 0; the product (bf16) reduce-scattered or all-reduced. A reduce-scatter of a sum
-of _scaled_mm products becomes the scaled op's terms, each with its own scales (no
-concatenation along K).
-
-Candidates that no op serves are matches too, with the problem (a collective of a sum of matmuls,
-a gathered activation no matmul takes as its left operand), so that the log names them.
+and the same with _scaled_mm (torchao's float8 tensor parallelism): float8 pieces moved as bytes
+(view(uint8) -> cat -> view(float8)), a rowwise scale_a gathered like the rows.
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from .. import config
 from ..scheduler.task import (
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
@@ -52,6 +41,7 @@ from ..scheduler.task import (
     scaled_mm_collective_task,
     scaled_mm_reduce_scatter_task,
 )
+from ..patterns import PATTERNS
 from .moe import find_moe_matches
 from .nodes import RESHAPES, fake, is_call, output_among_inputs
 from .norm import RmsNormTail, find_rmsnorm_tail
@@ -85,17 +75,13 @@ def scaled_mm_arg(node: Node, name: str):
 
 @dataclasses.dataclass
 class MatmulUse:
-    """One mm/addmm/_scaled_mm whose left operand is the gathered activation (or that feeds a
-    collective).
-
-    The operands are read from the node when asked: an earlier rewrite in the same pass may have
-    replaced one of them (a matmul fed by another fused matmul)."""
+    """One mm/addmm/_scaled_mm on the gathered activation or feeding a collective. Its operands
+    are read from the node when asked: an earlier rewrite in the pass may have replaced one."""
 
     node: Node
 
     @property
     def scaled(self) -> bool:
-        """A _scaled_mm of float8 operands, with the scales, out_dtype and use_fast_accum below."""
         return self.node.target is aten._scaled_mm.default
 
     @property
@@ -147,7 +133,7 @@ def as_matmul(node: Node) -> Optional[MatmulUse]:
     # scale_result scales a float8 output, which no op here produces
     if is_call(node, aten._scaled_mm.default) and scaled_mm_arg(node, "scale_result") is None:
         return MatmulUse(node)
-    # Only a per-column bias: the ops add a bias of shape [N] (broadcast over rows).
+    # the ops add a bias of shape [N] only
     if (is_call(node, aten.addmm.default) and not node.kwargs and len(node.args) == 3
             and len(fake(node.args[0]).shape) == 1):
         return MatmulUse(node)
@@ -156,8 +142,8 @@ def as_matmul(node: Node) -> Optional[MatmulUse]:
 
 @dataclasses.dataclass
 class ChunkCat:
-    """`src` cut into world-size equal pieces along `chunk_dim` and concatenated in order along
-    `cat_dim`: how functional collectives move a non-zero gather/scatter dim to dim 0 and back."""
+    """`src` cut into world-size pieces along `chunk_dim`, concatenated in order along `cat_dim`:
+    how functional collectives move a non-zero gather/scatter dim to dim 0 and back."""
 
     cat: Node
     cat_dim: int
@@ -171,13 +157,12 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
     slices = [u for u in src.users if is_call(u, aten.slice.Tensor)]
     if len(splits) == 1 and not slices:
         split = splits[0]
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        if normalize_dim(dim, ndim) != chunk_dim or len(fake(split)) != world_size:
+        if normalize_dim(_split_dim(split), ndim) != chunk_dim or len(fake(split)) != world_size:
             return None
-        pieces = sorted(split.users, key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
-        if [p.args[1] if is_call(p, operator.getitem) else None for p in pieces] != list(
-            range(world_size)
-        ):
+        pieces = sorted(split.users,
+                        key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
+        indices = [p.args[1] if is_call(p, operator.getitem) else None for p in pieces]
+        if indices != list(range(world_size)):
             return None
         inner = [split] + pieces
     elif len(slices) == world_size and not splits:
@@ -208,8 +193,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
 
 
 def _byte_views(pieces: list[Node]) -> Optional[list[Node]]:
-    """piece.view(uint8) of each piece, the piece's only user, or None: how DTensor moves the
-    pieces of a float8 tensor along a dim (there is no CPU cat of float8)."""
+    """Each piece's only user, piece.view(uint8), or None: how DTensor moves float8 pieces."""
     views = [next(iter(p.users)) if len(p.users) == 1 else None for p in pieces]
     if all(is_call(v, aten.view.dtype) and v.args[1] == torch.uint8 for v in views):
         return views
@@ -226,12 +210,8 @@ def _slices_tile_in_order(slices: list[Node]) -> bool:
 
 
 def matrix_views(node: Node) -> tuple[list[Node], list[Node]]:
-    """The [rows, K] matrices (K: the last dim of `node`) that chains of reshapes make of `node`,
-    `node` itself included when it is 2-d, and the reshapes on the way, parents first.
-
-    A reshape keeps the row-major order of the elements, so however many there are in a chain,
-    a 2-d result whose last dim is K is `node.reshape(-1, K)`: the matrix a matmul op computes
-    from the gathered activation itself."""
+    """The [rows, K] matrices that reshapes make of `node` (itself if 2-d), and the reshapes:
+    each is `node.reshape(-1, K)` (row-major order kept), the matrix the op computes."""
     k = fake(node).shape[-1]
     matrices, chain, frontier = [], [], [node]
     while frontier:
@@ -265,14 +245,11 @@ class AllGatherMatmulMatch:
     world_size: int
     views: list[Node] = dataclasses.field(default_factory=list)  # reshapes of `gathered`
     problem: Optional[str] = None
-    # Uses of the gathered matrix the op does not compute (they read its gathered output).
-    notes: list[str] = dataclasses.field(default_factory=list)
-    # The ranks' chunks interleave along gather_dim: the op gathers rank-major rows on dim 0 and
-    # the graph permutes them back (lowering/reorder.py), to the gathered activation's sizes.
+    notes: list[str] = dataclasses.field(default_factory=list)  # uses the op does not compute
+    # interleaved ranks' chunks: rank-major rows, permuted back in the graph (lowering/reorder.py)
     row_order: Optional[RowOrder] = None
     gathered_sizes: Optional[list[int]] = None
-    # _scaled_mm: the scale_a the op takes (one element, or the shard's rowwise scales) and
-    # the all-gather of the rowwise scales (wait, gather) that the op replaces
+    # _scaled_mm: the scale_a the op takes, and the rowwise scales' (wait, gather) it replaces
     scale_a: Optional[Node] = None
     scale_gather: list[Node] = dataclasses.field(default_factory=list)
 
@@ -347,8 +324,8 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
 
 
 def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
-    """Sets the scale_a the op takes: the _scaled_mm calls' one scale, or for rowwise scales of
-    the gathered rows the shard's, whose all-gather the op replaces; or says why there is none."""
+    """Sets the scale_a the op takes: the calls' one scale, or for rowwise scales of the gathered
+    rows the shard's, whose all-gather the op replaces; or says why there is none."""
     scaled = [m for m in match.matmuls if m.scaled]
     names = ", ".join(m.node.name for m in match.matmuls)
     if len(scaled) != len(match.matmuls):
@@ -377,18 +354,16 @@ def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
 
 
 def _rows_interleave(piece_shape, dim: int) -> bool:
-    """Whether the ranks' pieces, cut along a dim of rows (not the last), interleave in the
-    matrix of rows (lowering/reorder.py)."""
+    """Whether the ranks' pieces, cut along a dim before the last, interleave in the rows."""
     return dim < len(piece_shape) - 1 and not chunks_contiguous(piece_shape, dim)
 
 
 def _rank_major(piece_shape, full_shape, dim: int, world_size: int, permuted: list[Node],
                 folds: Callable[[Node], bool], verb: str
                 ) -> tuple[Optional[RowOrder], Optional[list[int]], str]:
-    """For a gather / scatter whose ranks' chunks interleave in the matrix of rows: the row
-    permutation that lets the op work on rank-major rows, the sizes that view the result as
-    `full_shape`, and the log's note on it; no permutation where views cannot say the sizes
-    (the op then works along `dim`, and the fused kernels decline it)."""
+    """For ranks' chunks that interleave in the matrix of rows: the permutation to rank-major
+    rows, the sizes that view the result as `full_shape`, and the log's note; no permutation
+    where views cannot say the sizes (the op works along `dim`, and fused kernels decline it)."""
     order, sizes = RowOrder.of(piece_shape, dim, world_size), static_sizes(full_shape)
     if order is None or sizes is None:
         return None, None, (f"the ranks' chunks interleave and more than one of their sizes is "
@@ -422,8 +397,7 @@ def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
 
 
 def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
-    """One op computes all the matmuls at once, so no weight may be computed from another's
-    output (that would be a cycle)."""
+    """One op computes every matmul, so no weight may come from another's output (a cycle)."""
     if len(matmuls) < 2:
         return None
     outputs = {m.node for m in matmuls}
@@ -434,7 +408,7 @@ def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
     return None
 
 
-# -------------------------------------------------------------------- mm -> reduce-scatter / all-reduce
+# -------------------------------------------------------- mm -> reduce-scatter / all-reduce
 
 
 @dataclasses.dataclass
@@ -442,10 +416,8 @@ class MatmulCollectiveMatch:
     op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM or SCALED_MM_*
     collective: Node
     wait: Node
-    # One matmul, or the terms of a sum of matmul products (the input gradient of layers that
-    # share their input: q/k/v, gate/up), which the op takes as lists of operands; the RMSNorm
-    # op (one left operand) takes them as one matmul over the operands concatenated along K:
-    # sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
+    # One matmul, or a sum's terms (q/k/v's input gradient); the RMSNorm op takes them as one
+    # matmul of the operands concatenated along K: sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
     matmuls: list[MatmulUse]
     reshape: Optional[Node]  # product -> N-d activation
     chunk_cat: Optional[ChunkCat]  # N-d activation -> pieces along scatter_dim stacked on dim 0
@@ -455,12 +427,10 @@ class MatmulCollectiveMatch:
     world_size: int
     problem: Optional[str] = None
     norm: Optional[RmsNormTail] = None  # the residual add + RMSNorm after an all-reduce
-    # the nodes from the collective to the matmuls, collective side first: reshapes, and for a
-    # sum its adds and each term's reshapes
+    # the reshapes and a sum's adds from the collective to the matmuls, collective side first
     views: list[Node] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    # The ranks' chunks interleave along dim: the op scatters rank-major rows of its left
-    # operand, which the graph permutes (lowering/reorder.py), into a piece of these sizes.
+    # interleaved ranks' chunks: the graph permutes the left operand to rank-major rows
     row_order: Optional[RowOrder] = None
     scattered_sizes: Optional[list[int]] = None
 
@@ -506,9 +476,8 @@ class MatmulCollectiveMatch:
             rows_reordered=self.row_order is not None, copy_elems=self._copied_elems())
 
     def _copied_elems(self):
-        """What the rewrite copies: each left operand that it permutes or concatenates and
-        whose producer cannot write it so, and the concatenated weights (for the RMSNorm op
-        only: the others take a sum's terms as lists)."""
+        """What the rewrite copies: each permuted or concatenated left operand whose producer
+        cannot write it so, and the weights that the RMSNorm op takes concatenated."""
         concatenated = len(self.matmuls) > 1 and self.norm is not None
         if not concatenated and self.row_order is None:
             return 0
@@ -522,7 +491,8 @@ class MatmulCollectiveMatch:
         return [m.node for m in self.matmuls]
 
 
-def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
+def find_matmul_collective(collective: Node,
+                           patterns=PATTERNS) -> Optional[MatmulCollectiveMatch]:
     if is_call(collective, c10d.reduce_scatter_tensor.default):
         op = MATMUL_REDUCE_SCATTER
         inp, reduce_op, world_size, group_name = collective.args[:4]
@@ -568,7 +538,7 @@ def find_matmul_collective(collective: Node) -> Optional[MatmulCollectiveMatch]:
         match.problem = match.problem or f"{reshape.name} infers a size (-1)"
     if matmuls[0].scaled:
         match.op = SCALED_MM_REDUCE_SCATTER if op == MATMUL_REDUCE_SCATTER else SCALED_MM_ALL_REDUCE
-    elif op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in config.patterns:
+    elif op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in patterns:
         match.norm = find_rmsnorm_tail(match.wait)
         if match.norm is not None:
             match.op = MATMUL_ALL_REDUCE_RMSNORM
@@ -621,9 +591,7 @@ def _users_problem(match: MatmulCollectiveMatch) -> Optional[str]:
 
 
 def _terms_problem(total: Node, matmuls: list[MatmulUse], op: str) -> Optional[str]:
-    """Why the terms of a sum of matmul products cannot be the op's terms (for the RMSNorm op:
-    one matmul over operands concatenated along K), nor (_scaled_mm products, each scaled on its
-    own) the terms of the scaled reduce-scatter, or None."""
+    """Why a sum's matmul products cannot be the op's terms, or None."""
     if len(matmuls) < 2:
         return None
     names = " + ".join(m.node.name for m in matmuls)
@@ -658,9 +626,12 @@ def _chunk_dim(cat: Node) -> int:
     first = cat.args[0][0]
     ndim = len(fake(src).shape)
     if is_call(first, operator.getitem):
-        split = first.args[0]
-        return normalize_dim(split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0), ndim)
+        return normalize_dim(_split_dim(first.args[0]), ndim)
     return normalize_dim(first.args[1], ndim)
+
+
+def _split_dim(split: Node) -> int:
+    return split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
 
 
 def _chunk_cat_into(cat: Node, world_size: int) -> Optional[ChunkCat]:
@@ -676,8 +647,8 @@ def _chunk_cat_into(cat: Node, world_size: int) -> Optional[ChunkCat]:
 
 
 def group_size(group_name: str) -> int:
-    """all_reduce carries no group size; the input and output shapes do not tell it either, so
-    it comes from the group itself (0 when the name is unknown here: the decision rejects it)."""
+    """all_reduce carries no group size, nor do its shapes: the group's (0 when the name is
+    unknown here: the decision rejects it)."""
     from torch._C._distributed_c10d import _resolve_process_group
 
     try:
@@ -686,15 +657,15 @@ def group_size(group_name: str) -> int:
         return 0
 
 
-def find_matches(graph: Graph) -> list:
-    """All candidates in graph order, each a match object (with `problem` set where it cannot be
-    rewritten)."""
+def find_matches(graph: Graph, patterns=PATTERNS) -> list:
+    """All candidates in graph order, `problem` set where one cannot be rewritten; an all-reduce
+    takes the RMSNorm after it where that pattern is among `patterns`."""
     found = []
     for node in graph.nodes:
         if is_call(node, c10d.all_gather_into_tensor.default):
             match = find_all_gather_matmul(node)
         elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
-            match = find_matmul_collective(node)
+            match = find_matmul_collective(node, patterns)
         elif is_call(node, c10d.all_to_all_single.default):
             found += find_moe_matches(node)
             continue

@@ -1,7 +1,7 @@
 """Expert parallelism: an MoE layer's all-to-alls beside its experts' grouped GEMMs.
 
-Shapes handled (post-grad ATen, as AOTAutograd traces a torchtitan-style EP layer; the backward
-of a combine is a dispatch and the other way round, so forward and backward graphs hold both):
+Shapes handled (post-grad ATen of a torchtitan-style EP layer; a combine's backward is a
+dispatch and the other way round, so forward and backward graphs hold both):
 
   dispatch: all_to_all_single(x, out_splits, in_splits) -> wait_tensor
               [-> index(received, [row_index])] -> _grouped_mm(rows, W_i, offsets) per weight
@@ -9,14 +9,9 @@ of a combine is a dispatch and the other way round, so forward and backward grap
               [-> index_put(empty | zeros, [row_index], y, accumulate)]
               -> all_to_all_single(., out_splits, in_splits) -> wait_tensor
 
-The split sizes stay as the graph holds them: unbacked SymInts (`.tolist()` under Dynamo's
-`capture_scalar_outputs`), or constants after a graph break there. The row index is whatever the
-graph computed (a stable sort by expert, as a rule); the ops take it as it is.
-
-Candidates that no op serves are matches too, with the problem, so that the log names them: the
-experts' matmuls in a loop over pieces of the rows (only torch._grouped_mm is matched), rows the
-op would not compute the same way. An all-to-all whose rows reach no matmul (the exchange of
-the per-expert counts) is no candidate.
+The split sizes (unbacked SymInts, or constants after a graph break) and the row index are taken
+as the graph holds them. Experts that loop over matmuls are candidates with a problem, so that
+the log names them; an all-to-all whose rows reach no matmul (the counts' exchange) is none.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ def as_grouped_mm(node: object) -> Optional[GroupedMm]:
 
 @dataclasses.dataclass
 class Exchange:
-    """all_to_all_single -> wait_tensor, and the queries of its row count (AOTAutograd saves
-    them for the backward)."""
+    """all_to_all_single -> wait_tensor, and the row-count queries AOTAutograd saves for later."""
 
     node: Node
     wait: Node
@@ -153,8 +147,7 @@ def _loop_matmuls(rows: Node) -> tuple[list[Node], int]:
 
 
 def _is_matmul(node: Node) -> bool:
-    """mm, or addmm: Inductor's post-grad passes make `mm + mm` (a backward's sum of two
-    products) an addmm."""
+    """mm, or addmm: Inductor's post-grad passes make a backward's `mm + mm` an addmm."""
     return is_call(node, aten.mm.default, aten.addmm.default)
 
 
@@ -174,8 +167,7 @@ def _offsets_problem(grouped_mms: list[GroupedMm]) -> Optional[str]:
 
 
 def _loop_task(task: Task, loop: list[Node], rows: Node) -> Task:
-    """The Task the log shows for experts that loop over matmuls: all the rows, the first
-    matmul's N."""
+    """The log's Task for experts that loop over matmuls: all the rows, the first matmul's N."""
     return dataclasses.replace(task, m=fake(rows).shape[0], ns=(fake(loop[0]).shape[-1],))
 
 
@@ -240,8 +232,7 @@ def find_all_to_all_grouped_mm(node: Node) -> Optional[AllToAllGroupedMmMatch]:
 
 
 def _weight_from_output(grouped_mms: list[GroupedMm]) -> Optional[str]:
-    """One op computes every grouped GEMM at once, so no weight (or the offsets) may be computed
-    from another's output (that would be a cycle)."""
+    """One op computes every grouped GEMM: no weight or offsets may come from another's output."""
     outputs = {g.node for g in grouped_mms}
     for g in grouped_mms:
         found = output_among_inputs(outputs, [g.weight, g.offsets])
@@ -266,8 +257,7 @@ def rewrite_all_to_all_grouped_mm(graph: Graph, match: AllToAllGroupedMmMatch, p
 
 
 def _count_rows_from_splits(graph: Graph, exchange: Exchange) -> None:
-    """The row count of the erased all-to-all's output, where the graph asks for it: the sum
-    of its output splits."""
+    """The erased all-to-all's row-count queries answered by the sum of its output splits."""
     for query in exchange.row_counts:
         query.replace_all_uses_with(
             insert_call(graph, torch.sym_sum, (exchange.output_split_sizes,)))
@@ -351,8 +341,7 @@ def _summands(y: Node) -> tuple[list[Node], list[Node]]:
 
 
 def _sum_of_grouped_mms(y: Node) -> tuple[list[GroupedMm], list[Node]]:
-    """The grouped GEMMs whose products `y` adds up and the adds; none unless every summand is
-    one."""
+    """The grouped GEMMs that `y` adds up, and the adds; none unless every summand is one."""
     summands, adds = _summands(y)
     terms = [g for s in summands if (g := as_grouped_mm(s)) is not None]
     return (terms, adds) if len(terms) == len(summands) else ([], [])
@@ -371,9 +360,8 @@ _FRESH_BUFFERS = (aten.empty.memory_format, aten.full.default, aten.zeros.defaul
 
 
 def _scatter_problem(match: GroupedMmAllToAllMatch, y: Node) -> Optional[str]:
-    """The rows must be put into a buffer of zeros (or an uninitialised one: rows no index
-    reaches hold anything, zeros among it) that serves nothing else, as long as what the
-    all-to-all sends."""
+    """The rows must go into a buffer of zeros (or an uninitialised one, whose rows no index
+    reaches may hold anything, zeros too) that serves nothing else, as long as what is sent."""
     scatter = match.scatter
     if scatter is None:
         return None

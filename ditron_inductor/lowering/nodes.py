@@ -18,7 +18,6 @@ VIEWS = RESHAPES + (
 
 
 def is_call(node: object, *targets) -> bool:
-    """Whether `node` is a graph node calling one of `targets`."""
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 

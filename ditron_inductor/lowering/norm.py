@@ -7,8 +7,7 @@ inference, as Llama-style models produce them after decomposition:
     y   = convert_element_type(n, h.dtype) * weight                  (Hugging Face rounding)
        or convert_element_type(n * weight, h.dtype)                  (F.rms_norm rounding)
 
-`find_rmsnorm_tail` returns what it found, or None when the nodes after the all-reduce are not
-exactly this (then the all-reduce is matched on its own and the rest stays with Inductor).
+Anything else after the all-reduce is no tail: the all-reduce is matched on its own.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ prims = torch.ops.prims
 
 @dataclasses.dataclass
 class RmsNormTail:
-    """The residual and the norm weight are read from the nodes when asked: an earlier rewrite
-    in the same pass may have replaced them (the next layer's residual is this layer's h)."""
+    """residual and weight are read when asked: an earlier rewrite may have replaced them."""
 
     reduced: Node  # the all-reduce's result (its wait_tensor)
     residual_add: Optional[Node]  # h = reduced + residual; None: h is the reduced sum itself

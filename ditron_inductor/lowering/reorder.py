@@ -1,25 +1,13 @@
 """Rank-major rows: how the rewrite serves a gather or scatter whose ranks' chunks interleave.
 
-A sequence-parallel `Shard(1)` of `[B, S, H]` with B > 1 cuts the `[B*S, H]` matrix that the
-matmul sees into row blocks (b, r, s): each rank's chunk is B blocks, not one, while the fused
-kernels take each rank's chunk as one block of rows. The op then runs on the rows in rank-major
-order (r, b, s), a gather or scatter on dim 0 of the matrix, and the graph permutes the rows
-around it. With P the product of the dims before the gather/scatter dim and Q the rows of one
-rank's chunk per leading index:
-
-  all-gather:     each output [W*P*Q, N], rank-major  -> view [W, P, Q, N] -> permute(1, 0, 2, 3)
-                  -> reshape [P*W*Q, N], the graph's order
-  reduce-scatter: the left operand [P*W*Q, K]          -> view [P, W, Q, K] -> permute(1, 0, 2, 3)
-                  -> reshape [W*P*Q, K], rank-major; the op's [P*Q, N] is the rank's piece
-
-A row of a matmul product depends on the same row of its left operand only, so the numbers are
-those of the graph. Inductor computes a permute + reshape inside the kernel that reads it (a
-pointwise op, a reduction, a concatenation, a reshape that copies in the graph anyway) or that
-writes its input (a pointwise producer); elsewhere (an extern kernel such as a matmul or
-attention, a graph output) it is a copy, which `folds_into_*` below tell apart so that the cost
-model counts it. Between two such ops (a gather, pointwise ops, a scatter of their products) the
-permutations cancel: Inductor's one pointwise kernel reads the gather's rank-major rows and
-writes the scatter's.
+A sequence-parallel `Shard(1)` of `[B, S, H]` with B > 1 cuts the `[B*S, H]` matrix into row
+blocks (b, r, s), B per rank, where the fused kernels take a rank's chunk as one block. The op
+then runs on rank-major rows (r, b, s), a gather or scatter on dim 0, and the graph permutes the
+rows around it (view [W, P, Q, cols] <-> [P, W, Q, cols], P the leading rows, Q a rank's rows
+per leading index). Safe: a row of a matmul product depends on the same row of its left operand
+only. Inductor folds the permute into the kernel that reads it (pointwise, reduction, cat, a
+reshape that copies anyway) or writes its input (a pointwise producer); elsewhere it is a copy,
+which `folds_into_*` tell apart for the cost model.
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from ..scheduler.task import numel
 from .nodes import RESHAPES, VIEWS, is_call
 
 aten = torch.ops.aten
+
 
 def static_sizes(sizes: Sequence) -> Optional[list[int]]:
     """`sizes` as a view's argument: ints, with one symbolic size as -1 (the view infers it);

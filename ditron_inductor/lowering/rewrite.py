@@ -1,9 +1,8 @@
 """Rewrite a match into one ditron op call.
 
 The op goes right after the last of its inputs; its outputs take over the uses of the nodes they
-replace (the gathered activation, the matmul results, the collective's result). Nodes of the old
-subgraph that nobody uses any more are erased. The pass sorts the graph once at the end, since a
-later weight may have placed the op after a user of an earlier matmul.
+replace, and what of the old subgraph nothing uses any more is erased. The pass sorts the graph
+once at the end: a later weight may have put the op after a user of an earlier matmul.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         operands = (*terms, mm.bias, mm.out_dtype, mm.use_fast_accum)
     elif norm is not None:
         operands = (*_concatenated_operands(graph, lefts, match), mm.bias)
-    else:  # one term per matmul product, each as it is
+    else:
         operands = (lefts, [m.weight for m in match.matmuls], mm.bias)
     if match.op in REDUCE_SCATTER_PATTERNS:
         target = (ditron.scaled_mm_reduce_scatter if mm.scaled
@@ -133,9 +132,8 @@ def _scale_a(graph: Graph, scale_a: Node, order: Optional[RowOrder]) -> Node:
 
 def _concatenated_operands(graph: Graph, lefts: list[Node], match: MatmulCollectiveMatch
                            ) -> tuple[Node, Node]:
-    """The RMSNorm op's left and right operands: the matmul's, or for a sum of matmul products
-    the operands (`lefts`: the terms' left operands as the op takes their rows) concatenated
-    along K."""
+    """The RMSNorm op's operands: the matmul's, or a sum's terms' (`lefts`, rows as the op takes
+    them) concatenated along K."""
     if len(lefts) == 1:
         return lefts[0], match.matmul.weight
     return (insert_call(graph, aten.cat.default, (lefts, 1)),

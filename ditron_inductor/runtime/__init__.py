@@ -1,22 +1,18 @@
-"""Runtime of the fused ops: symmetric memory per process group (symm.py), per-op contexts
-(context.py), the CUDA driver calls of the hot path (driver.py), what the ops share (launch.py),
-and one module per op: all_gather.py, reduce_scatter.py, all_reduce.py, moe.py (the MoE ops).
+"""Runtime of the fused ops: symmetric memory (symm.py), per-op contexts (context.py), the hot
+path's CUDA driver calls (driver.py), what the ops share (launch.py), and a module per op.
 
-Imported lazily by `ops` on the first CUDA call with a fused plan (it imports triton, and nvshmem
-where that backend is chosen), which takes FUSED_IMPLS from here; nothing here imports `ops`.
+`ops` imports it lazily, on the first CUDA call with a fused plan (it imports triton, and nvshmem
+where chosen); nothing here imports `ops`.
 """
 
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
-from .all_reduce import (
-    matmul_all_reduce_fused,
-    matmul_all_reduce_rmsnorm_fused,
-    scaled_mm_all_reduce_fused,
-)
+from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
 from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
 from .reduce_scatter import matmul_reduce_scatter_fused, scaled_mm_reduce_scatter_fused
 
 # op name -> fn(task, plan, *op_args) -> outputs, or None where the plan cannot serve the input
+# (scaled_mm_all_reduce has none: it runs its reference, _scaled_mm + NCCL)
 FUSED_IMPLS = {
     "all_gather_matmul": all_gather_matmul_fused,
     "matmul_reduce_scatter": matmul_reduce_scatter_fused,
@@ -24,7 +20,6 @@ FUSED_IMPLS = {
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
     "all_gather_scaled_mm": all_gather_scaled_mm_fused,
     "scaled_mm_reduce_scatter": scaled_mm_reduce_scatter_fused,
-    "scaled_mm_all_reduce": scaled_mm_all_reduce_fused,
     "all_to_all_grouped_mm": all_to_all_grouped_mm_fused,
     "grouped_mm_all_to_all": grouped_mm_all_to_all_fused,
 }

@@ -1,32 +1,22 @@
 """Fused all-gather + GEMM on symmetric memory (kernels: templates/ag_gemm.py, transfer.py).
 
-One call (epoch e, this rank r of W, A chunk c = rank c's shard):
-  main stream   wait DONE[p] >= e-2 for every peer (they finished reading my buffer of parity e%2)
-                copy my shard into my symmetric buffer (parity e%2) and into my rows of the
-                gathered A (one kernel reading it once, transfer.copy_twice_kernel; beside a
-                cuBLAS GEMM, two memcpys on a stream of their own); READY[r] = e on every peer;
-                chunk_flags[r] = e
-  copy streams  for p = r+1, r+2, ...: wait READY[p] >= e; copy-engine pull of p's shard into
-                the gathered A;
-                chunk_flags[p] = e (or an event, for the cuBLAS plan); finally DONE[r] = e on
+One call (epoch e, rank r of W; chunk c of the gathered A is rank c's shard):
+  local stream  wait DONE[p] >= e-2 for every peer p (it has pulled my buffer of parity e%2);
+                copy my shard into that buffer and my rows of the gathered A; READY[r] = e on
                 every peer
-  main stream   the GEMM: a persistent Triton kernel whose tiles wait on chunk_flags (plan gemm=
-                "triton"), or cuBLAS on groups of chunks in arrival order, each group after the
-                events of its chunks (plan gemm="cublas"); then join the copy streams
-  (plan transfer="sm", opt-in: one Triton kernel on a few SMs pulls every chunk instead of the
-  copy engine, templates/transfer.py, and the GEMM leaves those SMs free)
-  (plan ready_before_gemm: the copy into my symmetric buffer and READY on the main stream, which
-  then waits READY[p] >= e for every peer before the GEMM; the copy streams pull after it, and
-  my rows of the gathered A are copied beside the GEMM; with barrier_beside the local copies'
-  stream waits for the peers' READY, and the GEMM of my rows, which needs none, starts at once)
+  copy streams  for p = r+1, r+2, ...: wait READY[p] >= e, copy-engine pull of p's shard, then
+                chunk_flags[p] = e (Triton) or an event (cuBLAS); finally DONE[r] = e on every peer
+  main stream   the GEMM: a persistent Triton kernel whose tiles wait on chunk_flags, or cuBLAS
+                on groups of chunks in arrival order, each after its chunks' events
+The local stream is the main one before the Triton GEMM, which reads my rows from the gathered A
+(both copies one kernel); beside cuBLAS, whose GEMM of my rows reads the input, a stream of its
+own. ready_before_gemm: the buffer's copy and READY on the main stream, then a barrier (wait
+READY[p] >= e for every peer) before the GEMM and the pulls; barrier_beside: the barrier on the
+local stream, so that the GEMM of my rows does not wait.
 
-FP8 (all_gather_scaled_mm): the same protocol on float8 bytes (half of bf16's on the wire), the
-cuBLAS plan only, each group's GEMM a torch._scaled_mm into its rows of the outputs; tensorwise
-scales only (a chunk's rows share A's one scale; a rowwise scale_a would need its own gather).
-
-Signals are 4-byte copy-engine copies of a word holding the epoch (driver.py, context.py): every
-stream operation is a ctypes driver call (~50 per fused call at W=8) because a torch op or a
-Triton launch costs 10-100x more host time on the benchmark machine.
+FP8 (all_gather_scaled_mm): the cuBLAS plan on float8 bytes, each group's GEMM a _scaled_mm;
+tensorwise scales only (a rowwise scale_a would need its own gather). Flags are stream writes
+and waits of the driver (context.py; driver.py says why).
 """
 
 from __future__ import annotations
@@ -35,10 +25,10 @@ from typing import Optional
 
 import torch
 
-from ..scheduler.plan import CUBLAS, SM, TRITON, AllGatherPlan
+from ..scheduler.plan import CUBLAS, TRITON, AllGatherPlan
 from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
-from ..templates.transfer import ag_pull_kernel, copy_twice_kernel
+from ..templates.transfer import copy_twice_kernel
 from . import driver
 from .context import OpContext, get_context, wait_limit
 from .kernel_launch import current_stream, launch, preload
@@ -61,12 +51,12 @@ stats = {"all_gather_matmul": 0, "all_gather_scaled_mm": 0}
 def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a, weights,
                                scales_b, biases, out_dtype, use_fast_accum, gather_dim,
                                group_name, world_size):
-    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree)
-    if plan.gemm != CUBLAS or plan.transfer == SM:
+    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree),
+    # with what _scaled_mm would reject once the peers were signalled
+    if plan.gemm != CUBLAS:
         return decline("fp8: the cuBLAS plan only (_scaled_mm per group of chunks)")
     if scale_a.numel() != 1 or any(s.numel() != 1 for s in scales_b):
         return decline(f"fp8: {task.scales} scales (tensorwise only)")
-    # what _scaled_mm would reject once the peers were signalled (K, N, layouts, dtypes)
     scaled, why = Scaled.checked(a_shard.reshape(-1, a_shard.shape[-1]), weights, scale_a,
                                  scales_b, biases, out_dtype, use_fast_accum)
     if why:
@@ -87,8 +77,7 @@ def chunk_runs(chunks: list[int]) -> list[tuple[int, int]]:
 
 
 def chunk_groups(order: list[int], sizes) -> list[list[int]]:
-    """The arrival order (the Task's ring order: own chunk first) cut into groups of the given
-    sizes."""
+    """The arrival (ring) order, own chunk first, cut into groups of the given sizes."""
     world = len(order)
     groups, i = [], 0
     for s in sizes:
@@ -130,12 +119,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     rows = a_shard.numel() // k
     if rows == 0 or k == 0:
         return decline("empty input")
-    esize = a_shard.element_size()
-    shard_bytes = rows * k * esize
-    # declined before the protocol starts (every rank declines alike: plan and shapes agree)
-    if plan.transfer == SM and not (plan.gemm == TRITON and shard_bytes % 4 == 0
-                                    and not plan.debug_waits):
-        return decline("the SM pull takes a Triton GEMM, whole 4-byte words and unbounded waits")
+    shard_bytes = rows * k * a_shard.element_size()
     half = max(shard_bytes, 1)
     ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * half)
     half = ctx.data.nbytes // 2
@@ -150,64 +134,29 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         a2d = a2d.contiguous()
     src = a2d.data_ptr()
     order = task.ring_order(r)
-    peers = order[1:]  # the chunk of rank+1 first
+    peers = order[1:]
 
     use_triton = plan.gemm == TRITON
-    # my shard's local copies: on the main stream before the GEMM, or (cuBLAS, which reads my
-    # rows from the input) on a stream of their own beside the GEMM of my rows
-    local = main
     driver.record(ctx.ev_start, main)  # the input is ready
-    if plan.local_copies_beside and not use_triton and plan.transfer != SM:
-        local = ctx.local.cuda_stream
+    local = main if use_triton else ctx.local.cuda_stream  # the module docstring says why
+    if local != main:
         driver.stream_wait(local, ctx.ev_start)
 
     off = parity * half
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
     limit = wait_limit(plan)
-    if plan.transfer == SM:
-        # the SM pull's kernels, loaded before this call queues anything (kernel_launch.preload
-        # says why); a GEMM that cannot be still lets the pull and its DONE run below, which
-        # the peers' next calls wait for
-        nprog = plan.comm_sms
-        counts, expect = ctx.counters(nprog)
-        outs = [torch.empty((M, w.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-                for w in weights]
 
-        def gemms(load_only):
-            for w, b, out in zip(weights, biases, outs):
-                triton_gemm(gathered, w, b, out, plan.tile, flags=counts, err=ctx.err,
-                            rows_per_chunk=rows, first_row=r * rows, epoch=expect,
-                            num_progs=num_sms(a_shard.device) - nprog, proxy_fence=True,
-                            limit=limit, load_only=load_only)
-        pull = (ag_pull_kernel, (nprog,), ctx.data.ptr_table, off // 4,
-                gathered.view(-1).view(torch.int32), ctx.flags.words, counts, ctx.err, r, W,
-                shard_bytes // 4, e, limit)
-        pull_meta = dict(BLOCK=plan.pull_block, num_warps=plan.pull_warps)
-        preload(*pull, **pull_meta)
-        failure = None
-        try:
-            gemms(load_only=True)
-        except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
-            failure = exc
-
-    # my shard's two local copies, where they run before the GEMM, as one kernel that reads it
-    # once, loaded before anything is queued (preload says why). Beside cuBLAS's GEMM of my rows
-    # the kernel measured no gain (world-1 parity, 1x H100: gate/up's gather 1.246 ms with it,
-    # 1.227 with two memcpys, within the 2% between runs; benchmarks/results/
-    # compute_parity_h100x1_copy_twice.md), so the memcpys stay there; the SM pull copies my
-    # rows itself.
+    # before the Triton GEMM, one kernel makes both local copies, loaded before anything is
+    # queued (kernel_launch.preload says why); beside cuBLAS it is no faster than two memcpys
     copy_twice = (copy_twice_args(ctx, a2d, gathered, off,
                                   COPY_TWICE_PROGRAMS_PER_SM * num_sms(a_shard.device))
-                  if plan.transfer != SM and local == main else None)
+                  if use_triton else None)
     if copy_twice is not None:
         preload(*copy_twice, **COPY_TWICE_META)
 
-    # 1. my buffer of this parity is free once every peer has pulled it two calls ago (DONE);
-    #    fill it (and my rows of the gathered A) and tell the peers (READY[r] = e on each).
-    #    ready_before_gemm: the buffer's copy on the main stream before the GEMM: beside it, it
-    #    waited for SMs until the GEMM's last wave (cuBLAS's persistent kernels hold them all),
-    #    and every peer's pull, hence its GEMM of my rows, waited with it (rank 0's timeline on
-    #    2 H100s: benchmarks/results/all_gather_h100x2_ready_before_gemm.md)
+    # 1. my buffer of this parity, then READY. ready_before_gemm: on the main stream, as beside
+    #    cuBLAS's persistent kernels (every SM) a local copy waits for the GEMM's last wave, and
+    #    every peer's pull (hence its GEMM of my rows) with it
     buffer = main if plan.ready_before_gemm else local
     for p in peers:
         wait_geq(ctx, plan, buffer, ctx.DONE + p, e - 2)
@@ -222,37 +171,15 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     g0 = gathered.data_ptr()
     flags0 = ctx.chunk_flags.data_ptr()
 
-    if plan.transfer == SM:
-        # 2'. a few SMs pull every chunk (templates/transfer.py); the GEMM leaves them free and
-        #     waits on the chunks' arrival counters
-        driver.record(ctx.ev_start, main)
-        driver.stream_wait(ctx.side.cuda_stream, ctx.ev_start)
-        launch(*pull, stream=ctx.side.cuda_stream, **pull_meta)
-        # I have read every peer's buffer of this parity (DONE[r] = e on each)
-        ctx.signal(ctx.side.cuda_stream, e,
-                   [ctx.peer_flag_addr(p, ctx.DONE + r) for p in peers])
-        driver.record(ctx.ev_end, ctx.side.cuda_stream)
-        try:
-            if failure is not None:
-                raise failure
-            gemms(load_only=False)
-        except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
-            return gemm_failed(ctx, main, exc)
-        return _all_gather_done(ctx, plan, main, a_shard, gathered, outs)
-
-    # 2. copy streams: the peers' shards pulled in ring order (the k-th on stream k % S), each
-    #    followed by its chunk flag (Triton GEMM) or event (cuBLAS); my own rows on the local
-    #    copies' stream: a local copy runs on SMs, not on the copy engine (benchmarks/
-    #    bench_copy.py), so on a copy stream, beside the GEMM, it held back every pull queued
-    #    behind it
+    # 2. the pulls in ring order, the k-th on copy stream k % S; my rows on the local stream:
+    #    a local copy runs on SMs (benchmarks/bench_copy.py), so on a copy stream beside the
+    #    GEMM it would hold back every pull queued behind it
     sides = [s.cuda_stream for s in ctx.sides(plan.copy_streams)]
     for sh in sides:
         driver.stream_wait(sh, ctx.ev_start)
     if plan.ready_before_gemm:
-        # every peer's READY waited for on the main stream before the GEMM (a barrier, as in
-        # PyTorch's async TP), the pulls after it through an event: waited for on the copy
-        # streams, the pulls started up to ~0.1 ms after this rank's READY had gone out.
-        # barrier_beside: on the local copies' stream, which is no copy stream either
+        # the barrier (as in PyTorch's async TP), the pulls after it through an event: waited
+        # for on the copy streams, the pulls would start well after my READY has gone out
         barrier = local if plan.barrier_beside else main
         for p in peers:
             wait_geq(ctx, plan, barrier, ctx.READY + p, e)
@@ -301,8 +228,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                     a_rows = gathered[lo:hi]
                 for i, (w, b, out) in enumerate(zip(weights, biases, outs)):
                     matmul_into(a_rows, w, b, out[lo:hi], scaled=scaled[i] if scaled else None)
-        if local != main:  # my rows of the gathered A
-            driver.stream_wait(main, ctx.ev_chunks[r])
+        driver.stream_wait(main, ctx.ev_chunks[r])  # my rows of the gathered A
     return _all_gather_done(ctx, plan, main, a_shard, gathered, outs, scaled is not None)
 
 
@@ -313,8 +239,7 @@ COPY_TWICE_PROGRAMS_PER_SM = 2
 
 def copy_twice_args(ctx: OpContext, a2d, gathered, off: int, programs: int) -> Optional[tuple]:
     """launch's arguments for my shard -> my symmetric buffer (at byte `off`) and my rows of the
-    gathered A, read once, on `programs` programs; None where the shard is not whole aligned
-    4-byte words (two memcpys then)."""
+    gathered A; None where the shard is not whole aligned 4-byte words (two memcpys then)."""
     nbytes = a2d.numel() * a2d.element_size()
     if nbytes % 4 or a2d.data_ptr() % 4 or off % 4:
         return None

@@ -1,20 +1,17 @@
 """Per-op contexts: the buffers, flags, streams and events of one fused op on one process group.
 
-A context is created once per (op, group, symmetric-memory backend, size class) at the first call
-that needs it (a collective step: every rank makes the same calls in the same order), and reused:
-no allocation or host synchronisation on the hot path. Each call takes the next *epoch*
-(1, 2, 3, ...); flags hold epochs and only grow, so nothing is reset between calls.
+A context is made at the first call that needs it, per (op, group, symmetric-memory backend, size
+class), a collective step (every rank makes the same calls in the same order), and reused: no
+allocation or host synchronisation on the hot path. Each call takes the next epoch (1, 2, ...).
 
-Symmetric flag words (int32, one symmetric allocation per context), written by peers:
-  READY + r : rank r's data for epoch e is in place       (AG: r's shard is in r's buffer;
-                                                            RS: r pushed its partial into mine)
-  DONE + r  : rank r has finished with my buffer for epoch e (AG: r pulled my shard;
-                                                            RS: r has reduced, its slots are free)
-A flag is set on a peer as on this GPU, by a stream write (cuStreamWriteValue32) of the epoch to
-the peer's mapped word: ordered after the stream's earlier work, copies included, and fenced so
-that the data is visible before the flag. It costs the stream 3 us between two kernels, where the
-4-byte copy-engine copy of a local word used before cost 12 us (benchmarks/bench_flags.py, 2x
-H200, both backends).
+Symmetric flag words (int32), written by peers:
+  READY + r : rank r's data for epoch e is in place (AG: its shard in its buffer; RS: its partial
+              in my slot)
+  DONE + r  : rank r is done with my buffer for epoch e (AG: it pulled my shard; RS: it has
+              reduced, its slots are free)
+A flag is set, on a peer as here, by a stream write of the epoch (driver.write): ordered after the
+stream's earlier work, copies included, and fenced so that the data is visible before the flag;
+streams wait for one with runtime/launch.wait_geq.
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ MAX_STREAMS = 4
 
 
 def build_outside_graph_pools(device: torch.device, build: Callable[[], T]) -> T:
-    """build() (which allocates state that outlives the call: contexts, flags, epochs), run where
-    Inductor's CUDA-graph trees do not route allocations into their pool. They do so while they
-    warm up and record a graph, for the current thread since torch 2.8 (the current stream
-    before), and then refuse a pool holding tensors that no output tracks ("tensors in the
-    cudagraph pool not tracked as outputs", seen on 8x H200 with torch 2.11). So: a helper thread,
-    on a stream of its own, while this thread waits (collectives inside build() run there too)."""
+    """build() (state that outlives the call: contexts, flags, epochs) on a helper thread with a
+    stream of its own, while this thread waits: Inductor's CUDA-graph trees route the current
+    thread's (torch < 2.8: stream's) allocations into their pool while they warm up and record,
+    then refuse tensors there that no output tracks ("not tracked as outputs")."""
     result: list = []
 
     def work():
@@ -88,8 +83,7 @@ class OpContext:
         self.chunk_flags = torch.zeros(w, dtype=torch.int32, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
-        # AG with cuBLAS: my shard's local copies beside the GEMM of my rows (the peers wait
-        # for the first of them, hence the priority)
+        # AG: my shard's local copies beside cuBLAS (the peers wait for them: high priority)
         self.local = torch.cuda.Stream(device=self.device, priority=-1)
         self.ev_start, self.ev_end = driver.event(), driver.event()
         self.ev_buffer = driver.event()  # AG: my shard is in my symmetric buffer
@@ -97,8 +91,6 @@ class OpContext:
         self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
         self.ev_chunks = [driver.event() for _ in range(w)]
         self.epoch = 0
-        self.announced = 0  # announcements(): chunks announced so far, over every call
-        self._counters: dict[int, list] = {}
         group_barrier(self.backend.group)  # every rank's flags are zero before anyone signals
 
     @property
@@ -113,36 +105,14 @@ class OpContext:
         return self._sides[:count]
 
     def chunk_events(self, count: int) -> list:
-        """At least `count` events of ev_chunks (one per rank from the start; a plan that cuts
-        its GEMM into more row chunks than ranks adds the rest, once)."""
+        """At least `count` events of ev_chunks (one per rank; more for a plan of more chunks)."""
         while len(self.ev_chunks) < count:
             self.ev_chunks.append(driver.event())
         return self.ev_chunks
 
-    def counters(self, nprog: int):
-        """(arrival counters of the SM-pull plan with nprog programs, the value that means
-        "arrived" for this call): each call adds nprog to every chunk's counter."""
-        entry = self._counters.get(nprog)
-        if entry is None:
-            counters = build_outside_graph_pools(self.device, lambda: torch.zeros(
-                self.world, dtype=torch.int32, device=self.device))
-            entry = self._counters[nprog] = [counters, 0]
-        entry[1] += 1
-        return entry[0], entry[1] * nprog
-
     def next_epoch(self) -> int:
         self.epoch += 1
         return self.epoch
-
-    def announcements(self, count: int) -> int:
-        """The flag value before this call's `count` announcements (a READY word that grows by
-        one per chunk announced, c = 1..count: base + c), then counted. Not epoch x count: calls
-        that cut different numbers of chunks share the context, and a value written by a call of
-        more chunks would satisfy a later call's waits before its data is there. Every rank makes
-        the same calls, so every rank counts alike."""
-        base = self.announced
-        self.announced += count
-        return base
 
     def flag_addr(self, idx: int) -> int:
         """Address of my own flag word idx (what my streams wait on)."""
@@ -165,9 +135,8 @@ _by_request: dict[tuple, OpContext] = {}
 
 def get_context(op: str, group_name: str, symm_mem_backend: str, data_bytes: int,
                 flag_words: int = 0, create: bool = True) -> Optional[OpContext]:
-    """The op's context for this size class on the plan's symmetric-memory backend ("auto",
-    "nvshmem" or "torch"); with create=False (e.g. during CUDA-graph capture, where the
-    collective setup cannot run) None if it does not exist yet."""
+    """The op's context for this size class on the plan's symmetric-memory backend; with
+    create=False (CUDA-graph capture: no collective setup there) None if it does not exist."""
     cls = size_class(data_bytes)
     fast_key = (op, group_name, symm_mem_backend, cls)
     ctx = _by_request.get(fast_key)
@@ -206,8 +175,7 @@ def clear_contexts() -> None:
 
 @dataclasses.dataclass
 class DeviceEpoch:
-    """The device words of a context whose epochs live on the device (the all-reduce and the
-    reduce-scatter pull): local, not symmetric."""
+    """The device words of a context whose epochs live on the device (the all-reduce; local)."""
 
     epoch: torch.Tensor  # [last finished epoch, current epoch]
     arrive: torch.Tensor  # arrival counters: [kernel, chunk 0, chunk 1, ...]

@@ -1,8 +1,6 @@
-"""Decode attention (templates/decode_attention.py) on the host: which inputs it takes, how many
-runs of keys each (batch, head) is split into, the two launches.
-
-The split: enough programs to keep every SM reading (PROGRAMS_PER_SM per SM over batch x heads),
-each run of keys a whole number of BLOCK_L tiles.
+"""Decode attention (templates/decode_attention.py) on the host: which inputs it takes, the split
+of each (batch, head)'s keys into runs (enough programs to keep every SM reading, PROGRAMS_PER_SM
+per SM; whole BLOCK_L tiles a run), the two launches.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def keys_per_split(batch_heads: int, keys: int, programs: int) -> int:
-    """Keys in each run: about `programs` programs over `batch_heads` (batch x heads), whole
-    tiles, at most MAX_SPLITS runs."""
+    """Keys a run: about `programs` programs over batch x heads, whole tiles, at most
+    MAX_SPLITS runs."""
     tiles = max(1, cdiv(keys, BLOCK_L))
     splits = min(tiles, MAX_SPLITS, max(1, cdiv(programs, batch_heads)))
     return cdiv(tiles, splits) * BLOCK_L

@@ -1,14 +1,9 @@
-"""The decode GEMM (templates/gemv.py) on the host: which shapes it takes, its launch config.
+"""The decode GEMM (templates/gemv.py) on the host: its launch configs and launches.
 
-Launch configs from benchmarks/bench_gemv.py on 1x H200 (benchmarks/results/gemv_h200x1.md):
-with one row, blocks of 8 weight rows x 1024 of K on 8 warps were the fastest or within 2% of it
-at every Llama-3-8B site at TP 1 and 2 (0.78-0.85x cuBLAS's time at TP 2 but lm_head's 0.97x);
-with 4 or 16 rows no config beat cuBLAS by much (0.85-1.07x), and the graph rewrite
-(lowering/decode_gemm.py) takes one-row products only. On 1x H100 with longer K slices and 16
-warps in the sweep (gemv_h100x1_tp2.md): at narrow outputs (N 512, 2048: k/v and q at TP 2) 8
-weight rows leave SMs without a program, and 4 rows x 2048 of K on 16 warps (N 512: 0.0044 ms
-against 0.0057) or 8 x 2048 on 16 (N 2048: 0.0078 against 0.0087) were the fastest; elsewhere 8 x
-1024 on 8 stayed within 1% of the best.
+One row: blocks of 8 weight rows x 1024 of K on 8 warps. Narrow outputs (N <= 2048: a
+tensor-parallel layer's q, k, v) would leave SMs without a program: longer K slices on 16 warps,
+and 4 weight rows a block from N <= 1024. With 2-16 rows the template gains little over cuBLAS,
+so the graph rewrite (lowering/decode_gemm.py) takes one-row products only.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ stats = {"decode_mm": 0, "decode_mm_group": 0}  # calls served by the template (
 
 
 def config_for(rows: int, n: int) -> GemvConfig:
-    """The launch config for `rows` rows of `n` output columns (measured, see above)."""
+    """The launch config for `rows` rows of `n` output columns."""
     if rows > 1:
         return ROWS
     return ONE_ROW_NARROWER if n <= 1024 else ONE_ROW_NARROW if n <= 2048 else ONE_ROW
@@ -56,8 +51,7 @@ def config_fits(config: GemvConfig, rows: int) -> bool:
 
 def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b (into out, if given) through the decode GEMM (the caller checked
-    scheduler.decode_gemm.gemv_applies)."""
+    """a @ b (into out, if given); the caller checked scheduler.decode_gemm.gemv_applies."""
     M, K = a.shape
     N = b.shape[1]
     config = config or config_for(M, N)
@@ -78,8 +72,7 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
 
 def decode_mm_group(a: torch.Tensor, bs: list[torch.Tensor],
                     config: Optional[GemvConfig] = None) -> list[torch.Tensor]:
-    """[a @ b for b in bs] (2 or 3 of them) in one launch of the decode GEMM (the caller checked
-    gemv_applies for each b)."""
+    """[a @ b for b in bs] (2 or 3 of them) in one launch; the caller checked gemv_applies."""
     assert 2 <= len(bs) <= MAX_GROUP, f"{len(bs)} products"
     M, K = a.shape
     widths = [b.shape[1] for b in bs]

@@ -1,20 +1,13 @@
 """Launching a @triton.jit kernel at the host cost of its compiled launcher.
 
-`kernel[grid](*args, **meta)` spends most of its host time before the launch: binding the
-arguments, computing the specialization key, looking the compiled kernel up, checking globals
-(on the 1x H200 machine about 40% of a fused all-reduce's host time). The fused ops launch the
-same kernels with arguments of the same kinds call after call, so `launch` does that lookup once
-per *argument class*, then calls the compiled kernel's own launcher (`CompiledKernel[grid]`, the
-runner Triton itself uses) directly.
-
-The class of an argument is everything Triton specializes a kernel on, or more: a tensor's dtype
-and whether its address is 16-byte aligned; an int's value class (1, divisible by 16, 32 or 64
-bit); a bool or None by value; a tensor descriptor's dtype, block shape, alignment and padding (not
-its shape and strides, which Triton's launcher reads at each launch).
-A class finer than Triton's costs at most a few extra lookups; one coarser could launch a kernel
-specialized for other inputs, so anything not recognised is classed by its value. Under the
-Triton interpreter, or where a Triton release returns no compiled kernel, every call takes the
-ordinary path.
+`kernel[grid](*args, **meta)` spends most of its host time before the launch (binding arguments,
+computing the specialization key, looking the kernel up, checking globals). The fused ops launch
+the same kernels with arguments of the same kinds call after call, so `launch` looks up once per
+*argument class*, then calls the compiled kernel's own launcher (`CompiledKernel[grid]`). A class
+holds everything Triton specializes on, or more (`arg_class`): a finer class costs a few extra
+lookups, a coarser one could launch a kernel specialized for other inputs, so anything not
+recognised is classed by its value. Under the interpreter, or where a Triton release returns no
+compiled kernel, every call takes the ordinary path.
 """
 
 from __future__ import annotations
@@ -35,8 +28,8 @@ _I32_MIN, _I32_MAX, _I64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-# (kernel, grid, meta items, device, argument classes) -> (runner, values of the params after
-# the positional ones) or None (this kernel always takes the ordinary path)
+# (kernel, grid, meta, device, argument classes) -> (runner, the values of the params after
+# args) or None (the ordinary path)
 _runners: dict = {}
 _MAX_RUNNERS = 4096
 
@@ -54,18 +47,16 @@ def arg_class(a: Any):
     if t is float:
         return float
     if isinstance(a, TensorDescriptor):
-        # Triton keys a descriptor on its dtype and block shape ("tensordesc<bf16[128, 64]>",
-        # specialize.cc); its launcher builds the TMA descriptor from the shape and strides at
-        # every launch. So one runner serves every row count (the MoE GEMMs' rows change call
-        # after call); alignment and padding are kept, finer than Triton's key.
+        # Triton keys a descriptor on its dtype and block shape (specialize.cc) and builds the TMA
+        # descriptor from shape and strides at each launch: one runner serves every row count
+        # (the MoE GEMMs'); alignment and padding are kept, finer than Triton's key
         base = a.base
         return (TensorDescriptor, base.dtype, base.data_ptr() & 15 == 0, tuple(a.block_shape),
                 getattr(a, "padding", None))
     return t, a  # anything else (an int or float subclass included): by its value
 
 
-# Host-side integer helpers for grids: triton.cdiv and triton.next_power_of_2 are constexpr
-# functions whose wrapper costs microseconds a call from Python (measured on 1x H200, Triton 3.6).
+# grid helpers: triton.cdiv and triton.next_power_of_2's constexpr wrappers cost microseconds
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -108,27 +99,20 @@ def _ordinary_launch(kernel, grid, args, stream, meta):
 
 
 def stream_of(handle: int) -> torch.cuda.Stream:
-    """torch's stream object for a CUstream handle. Handle 0 (the default stream, which
-    `current_stream` returns for it) needs the default stream's own object: torch reads
-    ExternalStream(0)'s null pointer as "none given" and hands out a new stream of its pool
-    (THCPStream_pynew), so the first launch of each argument class, which takes this path, ran
-    unordered with the caller's stream: the MoE combine's bounded arrival waits passed while the
-    copy after them had already read (2x H100, benchmarks/results/logs/gpu_checks_s43.log)."""
+    """torch's stream object for a CUstream handle. Handle 0 (the default stream) needs the
+    default stream's own object: torch reads ExternalStream(0)'s null pointer as "none given"
+    and hands out a new stream of its pool (THCPStream_pynew), which would run the launch
+    unordered with the caller's stream."""
     if handle == 0:
         return torch.cuda.default_stream()
     return torch.cuda.ExternalStream(handle)
 
 
 def preload(kernel, grid: tuple, *args, **meta) -> None:
-    """Compile `kernel` for this class of arguments and load its module, without launching it,
-    so that its launch (by `launch`, with these arguments) loads nothing. Where a kernel will be
-    queued behind one of ours that spins on a peer (the all-gather's SM pull), it must be loaded
-    first: CUDA's lazy loading may synchronise the context to load a module, and a host that
-    waits for its spinning kernel while the peers wait for it never returns (NVIDIA's lazy
-    loading guide, "concurrent execution"; on 4 H100 a rank hung in cuModuleLoadData there,
-    benchmarks/results/logs/ag_in_turn_h100x4_s30.log). That was not the whole 4-rank hang:
-    with this, every rank hung waiting on its streams instead (ag_in_turn_h100x4_s38.log). A
-    no-op under the interpreter."""
+    """Compile and load `kernel` for this class of arguments without launching it. A kernel
+    queued while one of ours may spin on a peer must be loaded first: CUDA's lazy loading may
+    synchronise the context to load a module, and a host waiting for its spinning kernel while
+    the peers wait for it never returns (NVIDIA's lazy loading guide, "concurrent execution")."""
     if _current_device is None or not hasattr(kernel, "warmup"):
         return
     key = (kernel, grid, tuple(meta.items()), _current_device(), tuple(map(arg_class, args)))
@@ -143,14 +127,13 @@ def preload(kernel, grid: tuple, *args, **meta) -> None:
 
 
 def _remember(key, entry) -> None:
-    if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over, Triton keeps its
-        _runners.clear()               # compiled kernels
+    if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over
+        _runners.clear()
     _runners[key] = entry
 
 
 def _first_launch(kernel, grid, args, stream, meta):
-    """Launch through Triton, and return what later calls of this class launch with
-    (_runner_entry)."""
+    """Launch through Triton; return what later calls of this class launch with."""
     return _runner_entry(kernel, grid, args, meta,
                          _ordinary_launch(kernel, grid, args, stream, meta))
 

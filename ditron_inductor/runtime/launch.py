@@ -1,8 +1,7 @@
 """What the fused implementations share: declining an input, flag waits on a stream, errors of
-bounded waits, and the GEMM launchers (the persistent Triton tile programs, cuBLAS).
-
-Each fused implementation returns None (the op runs its reference path) for inputs it does not
-serve; `decline` says why at debug level.
+bounded waits, and the GEMM launchers (the persistent Triton tile programs, cuBLAS). A fused
+implementation returns None (the op runs its reference path) for an input it does not serve;
+`decline` logs why at debug level.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver
 from .context import OpContext, wait_limit
 from .gemv import decode_mm
-from .kernel_launch import cdiv, current_stream, launch, preload
+from .kernel_launch import cdiv, current_stream, launch
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -41,9 +40,6 @@ def decline(msg: str):
     return None
 
 
-# ---------------------------------------------------------------------------- stream-side flags
-
-
 def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int) -> None:
     """The stream (a CUstream handle) waits until my symmetric flag word idx >= value."""
     if value <= 0:
@@ -56,9 +52,9 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
+
 def check_errors(ctx: OpContext, plan: FusedPlan, what: str, flag_name=None) -> None:
-    """In debug mode, raise if a bounded wait of the last call gave up, naming its flag
-    (`flag_name(code)`; by default the flag word and epoch)."""
+    """In debug mode, raise if a bounded wait of the last call gave up, naming its flag."""
     if not plan.debug_waits or torch.cuda.is_current_stream_capturing():
         return
     torch.cuda.synchronize()
@@ -80,16 +76,13 @@ WAIT_NAMES = {flags.ERR_READY: "READY (a chunk of a peer's GEMM)",
 
 
 def gemm_failed(ctx: OpContext, main: int, exc: Exception):
-    """The GEMM could not be launched (every rank fails alike: same config, same compiler). The
-    transfers already queued complete (the peers signalled), the main stream joins them so the
-    protocol's invariants hold, and the op takes its reference path."""
+    """The GEMM could not be launched (alike on every rank: same config, same compiler). The
+    transfers already queued complete and the main stream joins them, so the protocol's
+    invariants hold; the op takes its reference path."""
     driver.stream_wait(main, ctx.ev_end)
     log.warning("ditron: fused GEMM failed (%s: %s); running the reference path",
                 type(exc).__name__, str(exc)[:300])
     return None
-
-
-# ---------------------------------------------------------------------------- GEMM launchers
 
 
 @functools.lru_cache(None)
@@ -119,12 +112,10 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool
 
 
 def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
-                first_row=0, epoch=0, num_progs=None, proxy_fence=False, limit=0,
-                load_only=False):
-    """out = a @ b (+ bias) with the persistent tile program; with flags, tiles wait on them
-    (limit > 0: each wait gives up after that long, context.wait_limit, in debug mode).
-    load_only: compile and load the kernel this call would launch, launch nothing
-    (kernel_launch.preload)."""
+                first_row=0, epoch=0, num_progs=None, limit=0):
+    """out = a @ b (+ bias) with the persistent tile program, through TMA where the tile and the
+    operands allow it, else through pointers; with flags, tiles wait on them (limit > 0: each
+    wait gives up after that long, context.wait_limit, in debug mode)."""
     from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
@@ -151,13 +142,13 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
         b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
                   else TensorDescriptor.from_tensor(b, [bk, bn]))
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-        (preload if load_only else launch)(
+        launch(
             ag_gemm_tma_kernel, (progs,), a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
             rows_per_chunk, first_row, epoch, limit,
             HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=group_m, NUM_PROGS=progs, PROXY_FENCE=proxy_fence, **options)
+            GROUP_M=group_m, NUM_PROGS=progs, **options)
     else:
-        (preload if load_only else launch)(
+        launch(
             ag_gemm_kernel, (progs,), a, b, out, bias_arg, flags, err, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             rows_per_chunk, first_row, epoch, limit,
@@ -168,10 +159,9 @@ def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_p
 
 def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
                 first_row: int = 0, decode: bool = False):
-    """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given, or
-    (float8 operands, a `scaled.Scaled`) torch._scaled_mm, or (a `MatmulSum`) the sum of the
-    terms' products, a being A's rows from first_row on; decode (a plan's gemm="gemv"): the
-    decode GEMM template where it takes a and b."""
+    """out = a @ b (+ bias): cuBLAS, or the Triton tile program where a tile is given; `scaled`
+    (float8: a scaled.Scaled; a sum of products: a MatmulSum; a being A's rows from first_row
+    on) computes it instead; decode (gemm="gemv"): the decode GEMM template where it applies."""
     if scaled is not None:
         return scaled.matmul_into(a, b, bias, out, first_row)
     if tile is not None:
@@ -185,13 +175,10 @@ def matmul_into(a, b, bias, out, tile: Optional[GemmTile] = None, scaled=None,
 
 @dataclasses.dataclass(frozen=True)
 class MatmulSum:
-    """The GEMM of a sum of matmul products over the same rows (the op's terms: the input
-    gradient of layers that share their input). Where a plan multiplies the first term's rows
-    into `out` (matmul_into, which takes it as it takes a scaled GEMM), each further term's rows,
-    sliced alike, are multiplied and accumulated into `out` by cuBLAS (beta = 1). The operands
-    concatenated along K had cost a TP 2 training step 1.4 ms of kernels (Inductor wrote each
-    concatenated left operand by a kernel of its own), the GEMMs per term cost it 0.9 ms
-    (benchmarks/results/sum_terms_flag_writes_h200x2.md)."""
+    """The GEMM of a sum of matmul products over the same rows (the input gradient of layers that
+    share their input): after the first term's product into `out`, each further term's rows,
+    sliced alike, are accumulated into it by cuBLAS (beta = 1). Concatenating the operands along
+    K instead would cost a kernel of Inductor's per left operand, more than a GEMM per term."""
 
     others: tuple  # (a, b) of each further term
     out_dtype: torch.dtype
@@ -225,13 +212,10 @@ def tile_launch(tile: GemmTile) -> dict:
                 num_warps=tile.warps, num_stages=tile.stages)
 
 
-def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, slices=1,
-                parity_elems=0):
+def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile):
     """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
     raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
-    answer; tile: tile_launch's. GEMM + reduce-scatter: `slices` (the world size) equal
-    slices of rows, each chunk holding row-blocks of every slice, and the partial written
-    parity_elems further on in calls of odd epoch."""
+    answer; tile: tile_launch's."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = partial.shape
@@ -243,8 +227,7 @@ def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile, sli
     launch(
         gemm_ready_kernel, (progs,), a_desc, b_desc, partial, partial if bias is None else bias,
         ctx.flags.words, dev.arrive[1:], dev.epoch, m, n, a.shape[1],
-        row_blocks // slices, parity_elems, HAS_BIAS=bias is not None, B_TRANS=b_trans,
-        GROUP_M=group_m, NUM_PROGS=progs, SLICES=slices, PARITY=parity_elems > 0, **tile)
+        HAS_BIAS=bias is not None, B_TRANS=b_trans, GROUP_M=group_m, NUM_PROGS=progs, **tile)
 
 
 def gemm_beside(ctx, dev, queue_gemm, side_kernel):
@@ -254,10 +237,9 @@ def gemm_beside(ctx, dev, queue_gemm, side_kernel):
     driver.record(ctx.ev_start, main)  # the inputs (residual, weight) and the last call are done
     driver.stream_wait(side, ctx.ev_start)
     queue_gemm()
-    # Launched after the GEMM is queued, though it starts with it: a host call that synchronises
-    # the device while the chunks are being queued (cuBLAS or the caching allocator reaching
-    # cudaMalloc) would otherwise wait for this spinning kernel, which waits for chunks not yet
-    # queued (seen on 8x H200: REDUCED waits that never finished).
+    # queued after the GEMM: a host call that synchronises the device while the chunks are
+    # queued (cuBLAS, or the caching allocator reaching cudaMalloc) would otherwise wait for
+    # this spinning kernel, which waits for chunks not yet queued, and never return
     side_kernel(side)
     driver.record(ctx.ev_end, side)
     driver.stream_wait(main, ctx.ev_end)

@@ -2,27 +2,16 @@
 (templates/grouped_gemm.py) that reads its rows through the dispatch's index and writes them
 through the combine's.
 
-At world size 1 the all-to-all is the identity over ranks (every row stays), so
-  dispatch  rows = x[row_index] (x itself when None), outs_i = grouped_mm(rows, W_i): with the
-            rows through TMA (plan.tma_a, the default) one index_select gathers them into the
-            op's rows output and every weight's GEMM reads that; else the first weight's kernel
-            gathers x's rows through row_index and stores them from its n-tile-0 programs, and
-            each further weight reads those rows;
+At world size 1 the all-to-all is the identity over ranks, so
+  dispatch  rows = x[row_index] (x when None), outs_i = grouped_mm(rows, W_i). With plan.tma_a
+            (the default) one index_select gathers the rows output and every GEMM reads it
+            through TMA; else the first weight's kernel gathers x's rows and stores them.
   combine   y = grouped_mm(left, W), row j of y to row row_index[j] of zeros [sum(splits), N]
-            (summed where several land, accumulate: atomic adds into an fp32 buffer, cast once),
-            or y itself when row_index is None.
-On more ranks the dispatch is moe_dispatch.py (passed on 2x H100): the rows pushed straight into
-the receivers' expert-major buffers, the GEMM's tiles waiting on their arrival counters; the
-combine is moe_combine.py (passed on 2x H200 and 2x H100): the GEMM stores its rows in the
-order they are sent and a put kernel sends each where the all-to-all would land it (or, without
-staged_push, the GEMM's epilogue pushes them), counted there. The scheduler plans neither op
-fused (cost_model.moe_not_fused: the dispatch measured slower than NCCL + torch._grouped_mm on
-2x H100, the combine faster at one token count only; a plan is named explicitly). A sum of
-several grouped GEMMs (the combine of a backward that sums gate's and up's) declines on any
-world size.
-
-Each decline is logged at debug level (`decline`), and the first call a plan serves says so:
-TORCH_LOGS=ditron shows which path ran and why.
+            (accumulate: fp32 atomic adds where several land, cast once), or y itself.
+On more ranks: moe_dispatch.py and moe_combine.py. The scheduler plans neither op fused on its
+own (no model step gained); they run where a plan names them. A sum of several grouped GEMMs
+(a backward summing gate's and up's) declines on any world size. Declines log at debug level,
+as does the first call a plan serves (TORCH_LOGS=ditron).
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ from .launch import DTYPES, decline, num_sms
 
 log = logging.getLogger(LOGGER_NAME)
 
-# calls served by the fused path (tests and the benchmark check that it, not the fallback, ran)
+# calls the fused path served (tests and the benchmark check that it ran, not the fallback)
 stats = {"all_to_all_grouped_mm": 0, "grouped_mm_all_to_all": 0}
 _served_logged: set = set()
 
@@ -62,13 +51,12 @@ def _programs(plan: GroupedMmPlan, device: torch.device) -> int:
 def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_index=None,
                  rows_out=None, c_index=None, scale=None, accumulate: bool = False,
                  wait=None, push=None) -> None:
-    """c (+)= the grouped GEMM of `rows` GEMM rows (row i: a[a_index[i]] or a[i]) by weight
-    [E, K, N] per offsets, row i of the product to c[c_index[i]] or c[i] (times scale[i]);
-    rows_out: the rows read, stored there. wait: (tile counters, expect, err word, limit):
-    each tile first waits until counters[tile] >= expect[tile] (the multi-rank dispatch).
-    push: (dst_rank, receive buffers, arrival counters): row i to row c_index[i] of rank
-    dst_rank[i]'s receive buffer instead of c, counted in its counter (the multi-rank combine;
-    the tables hold each rank's addresses)."""
+    """c (+)= the grouped GEMM of `rows` rows (row i: a[a_index[i]] or a[i]) by weight [E, K, N]
+    per offsets, product row i (times scale[i]) to c[c_index[i]] or c[i]; rows_out: the rows
+    read, stored there. wait (the multi-rank dispatch): (tile counters, expect, err word,
+    limit), each tile first waits for counters[tile] >= expect[tile]. push (the multi-rank
+    combine): (dst_rank, receive buffer table, counter table), row i to row c_index[i] of rank
+    dst_rank[i]'s buffer instead of c, counted there."""
     experts, k, n = weight.shape
     if rows == 0 or n == 0:
         return
@@ -107,9 +95,8 @@ def _tensor_descriptor():
 
 
 def rows_descriptor(a, plan: GroupedMmPlan):
-    """A TMA descriptor over the GEMM's rows a [R, K] (blocks of block_m x block_k), or None
-    where their layout does not allow one (TMA: 16-byte aligned base and rows, unit column
-    stride): the kernel then reads them through pointers."""
+    """A TMA descriptor over a [R, K] (block_m x block_k), or None where TMA cannot take its
+    layout (16-byte aligned base and rows, unit column stride): the kernel uses pointers."""
     descriptor = _tensor_descriptor()
     r = a.shape[0]
     if (descriptor is None or a.stride(1) != 1 or a.data_ptr() % 16
@@ -119,10 +106,10 @@ def rows_descriptor(a, plan: GroupedMmPlan):
 
 
 def weight_descriptor(weight, plan: GroupedMmPlan):
-    """(a TMA descriptor over the weight's 2-d view, its B_DESC kind) where its layout allows:
-    [E, K, N] row-major as [E * K, N] when K is a multiple of block_k (a K block never reaches
-    into the next expert), or a transposed [E, N, K] (nn.Linear's) as [E * N, K]; TMA needs
-    16-byte aligned rows and base. Else (weight, 0): pointers."""
+    """(a TMA descriptor over the weight's 2-d view, its B_DESC kind): [E, K, N] row-major as
+    [E * K, N] when block_k divides K (no K block reaches into the next expert), a transposed
+    [E, N, K] (nn.Linear's) as [E * N, K]; TMA needs 16-byte aligned rows and base. Else
+    (weight, 0): pointers."""
     from ..templates.grouped_gemm import B_ROWS_K, B_ROWS_N
 
     TensorDescriptor = _tensor_descriptor()

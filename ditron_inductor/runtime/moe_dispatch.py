@@ -1,53 +1,34 @@
 """all_to_all_grouped_mm on more than one rank, fused: each rank pushes x's rows straight into
-the receivers' expert-major receive buffers, and each receiver's grouped GEMM starts a tile as
-soon as that tile's rows have landed. CPU-tested below the context (moe_routes, the kernels
-under the interpreter: tests/test_moe_routes.py, tests/test_moe_interpreter.py) and on 2x H100
-(tests/gpu/test_moe_gpu.py -k multi_rank: 36 calls fused and checked, the rows read through TMA
-and through pointers, 2026-11-26, the routes computed by torch ops then) and, with the routes
-in the kernels of templates/moe_routes.py, on 2 and 4 of 4x H100 (48 calls each, 2026-11-27);
-0.99-1.20x NCCL all-to-all + torch._grouped_mm's time (benchmarks/results/
-moe_ep_h100x4_routes.md; 1.08-1.23x with the routes in torch ops): the push (3.) precedes
-the GEMM and a tile's rows come from anywhere in the senders' x, so the exchange does not overlap
-the GEMM (plan.put_sms, below, runs them side by side).
+the receivers' expert-major receive buffers, and each receiver's grouped GEMM starts a tile once
+its rows have landed. The push precedes the GEMM (a tile's rows come from anywhere in the
+senders' x), so the exchange does not overlap the GEMM.
 
-One call, epoch e, on rank r (everything on the caller's stream, in this order):
-  1. publish   r's routes (moe_routes.publish) into its symmetric table and this call's rows
-               per tile onto expect (counters only grow), then signal READY + r = e to every
-               peer (a copy-engine copy of the epoch, after the table's writes);
-  2. read      for each rank q that r sends rows to: wait until READY + q >= e;
-  3. push      put_rows_kernel: each x row's destination rank, expert-major row and tile read
-               from its receiver's table, the row put into that rank's buffer, one added to the
-               row's tile counter there (release, after the rows);
-  4. GEMM      the first weight's grouped GEMM reads the receive buffer, each tile after its
-               counter reached expect[tile], copying the rows into the op's rows output; the
-               other weights read that.
-Every rank signals (1) before it waits (2), so no rank waits on one that waits on it. With
-plan.put_sms, 3 runs on a side stream that joins the caller's after the waits of 2, beside the
-first GEMM, which leaves that many SMs free (its tiles spin until their rows land: the put must
-find SMs to run on), and the caller's stream waits for the put before the op returns. Correct on
-2 and 4 of 4x H100, and slower: 1.17-1.66x NCCL + torch._grouped_mm's time where the default
-took 0.99-1.20x (bench_moe_ep.py's plan "put16", moe_ep_h100x4_routes.md); off by default.
+One call, epoch e, on rank r, all on the caller's stream:
+  1. publish   r's routes (moe_routes.publish) into its symmetric table, this call's rows per
+               tile onto expect, then READY + r = e on every peer (after the table's writes);
+  2. read      wait until READY + q >= e for each rank q that r sends rows to;
+  3. push      put_rows_kernel: each row to the expert-major row its receiver's table names,
+               then one added to that tile's counter there (release, after the rows);
+  4. GEMM      the first weight's GEMM reads the receive buffer, each tile once its counter
+               reached expect[tile], and stores the rows output; the other weights read that.
+Every rank signals (1) before it waits (2): no rank waits on one that waits on it.
 
-Why the symmetric buffers can be reused call after call without a reset or a barrier:
-  - r's table and receive buffer of call e + 1 are written only after r's call-e GEMM: r's table
-    by r itself (stream order), the receive buffer by senders that first saw READY + r >= e + 1,
-    which r signals after that GEMM (stream order, step 1 of call e + 1);
-  - the call-e GEMM finished means every row of call e landed (each tile waited for its rows),
-    hence every sender that sent r a row has finished reading r's call-e table (a sender reads
-    the table before it pushes, and reads it only if it sends r a row);
-  - counters only grow and each call expects its own increments on top of the last, so a
-    counter is never stale. They are int32: 2^31 rows through one tile index, about 16 million
-    calls of full 128-row tiles, before they wrap (not handled).
-Assumptions not checked on the host (each would need a synchronisation or a collective):
-  - x has the same row count on every rank: the buffers' size class (every rank allocates the
-    same symmetric memory) is derived from world * x's rows, which bounds what a rank receives;
-  - row_index is a permutation of the received rows (moe_routes: a repeated entry leaves a tile
-    short, its wait never ends; a bounded wait, plan.wait_timeout_s, reports it);
-  - offsets[-1] = the received rows (as every MoE layer's offsets): the rows past the last
-    offset belong to no tile that waits, so they could be copied to the rows output before they
-    land.
-What differs between ranks (row counts, a received count past the capacity) cannot decline (the
-ranks would part ways: one in the reference's all-to-all, the others waiting on it): it raises.
+The buffers are reused with no reset and no barrier:
+  - r's table and buffer of call e + 1 are written after r's call-e GEMM: the table by r in
+    stream order, the buffer by senders that saw READY + r >= e + 1, signalled after it;
+  - that GEMM waited for every row of call e, so every sender of a row to r had read r's call-e
+    table (it reads before it pushes, and only if it sends r a row);
+  - counters only grow and each call expects its increments on top of the last, so none is
+    stale (int32: they wrap after 2^31 rows through one tile index, not handled).
+Not checked on the host (each would need a synchronisation or a collective):
+  - x has as many rows on every rank: the size class (the same on every rank) comes from
+    world * x's rows, which bound what a rank receives;
+  - row_index is a permutation of the received rows (a repeated entry leaves a tile short: its
+    wait never ends; a bounded wait, plan.wait_timeout_s, reports it);
+  - offsets[-1] = the received rows: rows past it belong to no tile that waits, so they could be
+    copied to the rows output before they land.
+What differs between ranks cannot decline (the ranks would part ways, one in the reference's
+all-to-all, the others waiting on it): it raises.
 """
 
 from __future__ import annotations
@@ -58,10 +39,10 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
-from . import driver, moe_routes
+from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
 from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, decline, num_sms, wait_geq
+from .launch import check_errors, decline, wait_geq
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
@@ -73,8 +54,8 @@ def _aligned(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The context's symmetric bytes: [tile counters | route table | receive buffer] (the
-    combine's too: no counter there, a table of the starts only, rows of N)."""
+    """The context's symmetric bytes: [tile counters | route table | receive buffer]; the
+    combine's has no counters, the starts alone as its table, rows of N."""
 
     world: int
     capacity: int  # received rows
@@ -127,8 +108,8 @@ def _state(ctx: OpContext, layout: Layout) -> DispatchState:
     state = _states.get(ctx)
     if state is None:
         def build():
-            # symmetric memory comes uninitialised; no peer counts before my first READY
-            # signal, which the caller's stream sends after this (built and synchronised here)
+            # symmetric memory comes uninitialised; no peer counts before my first READY,
+            # which the caller's stream sends after this synchronised build
             ctx.data.view(-1, torch.int32, [layout.tiles], 0).zero_()
             return new_state(ctx, layout)
 
@@ -137,9 +118,8 @@ def _state(ctx: OpContext, layout: Layout) -> DispatchState:
 
 
 def problem(plan: GroupedMmPlan, x, row_index, weights) -> str:
-    """Why the multi-rank dispatch declines ("" if it serves): rank-invariant properties only
-    (graph, dtypes, widths, experts; x's rows, as many on every rank), so every rank declines
-    alike."""
+    """Why the multi-rank dispatch declines ("" if it serves), from rank-invariant properties
+    only (x's rows are as many on every rank), so that every rank declines alike."""
     if x.shape[0] < plan.min_rows:
         return f"{x.shape[0]} rows to send, fewer than the plan's {plan.min_rows}"
     if x.device.type != "cuda":
@@ -186,25 +166,14 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
         if n and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
-    if plan.put_sms:  # the put on a side stream, beside the first GEMM
-        side = ctx.side.cuda_stream
-        x = x.contiguous()  # on the caller's stream, before the side stream joins it
-        driver.record(ctx.ev_start, main)  # after the READY waits
-        driver.stream_wait(side, ctx.ev_start)
-        push(ctx, layout, state, x, stream=side)
-        driver.record(ctx.ev_end, side)
-        outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm,
-                          first_progs=max(1, num_sms(x.device) - plan.put_sms))
-        driver.stream_wait(main, ctx.ev_end)  # x read, every row of mine sent
-    else:
-        push(ctx, layout, state, x)
-        outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
+    push(ctx, layout, state, x)
+    outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
     check_errors(ctx, plan, OP, lambda code: "a tile's arrival counter (its rows never landed)")
     return outputs
 
 
-# The steps of a call on one rank, apart from the signals between them (what the interpreter
-# test runs on emulated ranks: tests/test_moe_interpreter.py).
+# A call's steps on one rank, without the signals (the interpreter tests run them on emulated
+# ranks)
 
 
 def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input_split_sizes,
@@ -215,21 +184,16 @@ def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input
                        state.expect)
 
 
-def push(ctx, layout: Layout, state: DispatchState, x, stream=None) -> None:
-    """2 and 3 (after the receivers' signals): my rows, each read its route from its
-    receiver's table, put and counted there (on `stream`, a CUstream handle, or the current)."""
+def push(ctx, layout: Layout, state: DispatchState, x) -> None:
+    """3. (after the receivers' READY) My rows, each to its route, counted there."""
     moe_routes.put_rows(x.contiguous(), state.table_table, state.recv_table, state.count_table,
-                        ctx.rank, layout.world, layout.capacity, expert_major=True,
-                        stream=stream)
+                        ctx.rank, layout.world, layout.capacity, expert_major=True)
 
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
-            weights, offsets, grouped_gemm, first_progs: int = 0) -> list:
-    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows
-    landed (state.expect, which publish raised), and stores the rows it read as the op's rows
-    output; the others read that. first_progs: the first GEMM's programs (0: the plan's), fewer
-    than the SMs where the put runs beside it: its tiles spin until their rows land, so the put
-    must find SMs they leave free."""
+            weights, offsets, grouped_gemm) -> list:
+    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows landed
+    (state.expect), and stores the rows as the op's rows output; the others read that."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
@@ -237,8 +201,7 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
             for w in weights]
     for i, (w, out) in enumerate(zip(weights, outs)):
         if i == 0:
-            first = dataclasses.replace(plan, progs=first_progs) if first_progs else plan
-            grouped_gemm(first, recv, w, offsets, out, rows=received, rows_out=rows_out,
+            grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
                          wait=(counters, state.expect, ctx.err, wait_limit(plan)))
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)

@@ -1,15 +1,11 @@
 """The GEMM of a fused plan on float8 operands (the scaled ops, FP8 tensor parallelism).
 
-A fused plan whose GEMM is cuBLAS runs the same protocol for the scaled ops: where it calls
-`launch.matmul_into(a_rows, b, bias, out)` for bf16, it passes a `Scaled`, and the GEMM becomes
-torch._scaled_mm(a_rows, b, scale_a, scale_b, ...) into the same output rows, in the output
-dtype (bf16/fp16: what the partials, sums and signals of the protocol hold). A rowwise scale_a
-([M, 1], one per row of A) is sliced with A's rows; scale_b is whole. The Triton GEMMs take no
-float8: a plan that names one declines (`plan_declines` of each runtime), before any protocol
-step, alike on every rank.
-
-A sum of _scaled_mm products (`ScaledSum`: the input gradient of layers that share their input)
-runs each term's _scaled_mm into the same rows, one after the other.
+A cuBLAS plan of all_gather_scaled_mm or scaled_mm_reduce_scatter runs its bf16 op's protocol,
+passing a `Scaled` to `launch.matmul_into`: the GEMM becomes torch._scaled_mm into the same output
+rows, in the output dtype (bf16/fp16, what the protocol's partials and sums hold). A rowwise
+scale_a ([M, 1]) is sliced with A's rows; scale_b is whole. The Triton GEMMs take no float8: a
+plan naming one declines before any protocol step, alike on every rank. `ScaledSum` (the input
+gradient of layers sharing their input) runs each term's _scaled_mm into the same rows in turn.
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ from .launch import DTYPES
 
 @dataclasses.dataclass(frozen=True)
 class Scaled:
-    """What makes a GEMM a torch._scaled_mm: A's scale (one, or one per row), B's (one, or one
-    per column), the output dtype, use_fast_accum."""
+    """A GEMM as torch._scaled_mm: A's scale (one, or per row), B's (one, or per column), the
+    output dtype, use_fast_accum."""
 
     scale_a: torch.Tensor
     scale_b: torch.Tensor
@@ -57,8 +53,8 @@ class Scaled:
     @classmethod
     def checked(cls, a, weights, scale_a, scales_b, biases, out_dtype,
                 use_fast_accum) -> tuple[list["Scaled"], Optional[str]]:
-        """A fused plan's GEMM of A [rows, K] by each weight: ([Scaled per weight], None), or
-        ([], why) where _scaled_mm would reject one (`declines`)."""
+        """([Scaled per weight], None) for A [rows, K] by each weight, or ([], why) where
+        _scaled_mm would reject one."""
         gemms = [cls.of(scale_a, s, out_dtype, a.dtype, use_fast_accum) for s in scales_b]
         why = next(filter(None, (g.declines(a, w, bias)
                                  for g, w, bias in zip(gemms, weights, biases))), None)
@@ -89,10 +85,9 @@ class Scaled:
 
 @dataclasses.dataclass(frozen=True)
 class ScaledSum:
-    """The GEMM of a sum of _scaled_mm products over the same rows (the scaled reduce-scatter's
-    terms, each with its own scales): a plan slices the first term's operands as it slices A and
-    B; the other terms' rows are sliced alike, each product added in the output dtype, as the
-    graph's adds did."""
+    """A sum of _scaled_mm products over the same rows, each term with its own scales: a plan
+    slices the first term as it slices A and B, the others' rows alike, each product added in
+    the output dtype as the graph's adds did."""
 
     first: Scaled
     others: tuple  # (a, b, Scaled) of each further term

@@ -1,19 +1,12 @@
 """Symmetric memory per process group, on two backends.
 
-A `SymmBuffer` is one allocation of the same size on every rank of a group, with tensor views of
-every peer's copy (what the copy engine reads or writes) and a device table of the peers' base
-addresses (what a Triton kernel indexes). Two backends make them:
-
-- "torch": PyTorch symmetric memory (`torch.distributed._symmetric_memory`), no extra install;
-  works for any process group.
-- "nvshmem": nvshmem4py (`nvshmem.core`), initialised once per process over the default group by
-  broadcasting a unique id with torch.distributed. NVSHMEM allocations are collective over *all*
-  processes, so this backend serves only groups that span the whole world.
-
-`choose_backend_name(group, choice)` picks one for the plan's symm_mem_backend ("auto" |
-"nvshmem" | "torch": the option DITRON_SYMM_MEM_BACKEND, read at compile time); "auto" takes
-nvshmem where it imports and the group is the world, else torch. The choice depends only on the
-group and the installed packages, the same on every rank.
+A `SymmBuffer` is one allocation of the same size on every rank of a group, with views of every
+peer's copy (what the copy engine reads or writes) and a device table of the peers' base
+addresses (what a Triton kernel indexes). "torch": PyTorch symmetric memory, for any group.
+"nvshmem": nvshmem4py, initialised once per process over the default group; its allocations are
+collective over *all* processes, so it serves only groups spanning the world. "auto" (the plan's
+symm_mem_backend, DITRON_SYMM_MEM_BACKEND) takes nvshmem where it imports and the group is the
+world, else torch: a choice of the group and the installed packages, the same on every rank.
 """
 
 from __future__ import annotations
@@ -98,7 +91,8 @@ class TorchSymmBackend:
         self._handles = []
 
     def alloc(self, nbytes: int) -> SymmBuffer:
-        t = self._symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        t = self._symm.empty(nbytes, dtype=torch.uint8,
+                             device=torch.device("cuda", torch.cuda.current_device()))
         handle = self._symm.rendezvous(t, self.group_name)
         peers = [t if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8)
                  for r in range(self.world)]

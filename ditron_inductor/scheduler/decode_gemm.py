@@ -1,11 +1,8 @@
 """Which matmuls take the decode GEMM template (templates/gemv.py) instead of cuBLAS.
 
 A decode step at batch 1 multiplies one row by each weight: the product reads the weight once
-and is bound by memory bandwidth. At the Llama-3-8B TP 2 sites on an H200 (4.8 TB/s) cuBLAS moved
-0.6-3.0 TB/s of weights but at lm_head (4.2), the template 0.75-3.7: with the launch config taken
-(runtime/gemv.py) 0.78-0.85x cuBLAS's time there but lm_head's (0.97x), 0.78-1.00x at TP 1
-(`benchmarks/bench_gemv.py`, `benchmarks/results/gemv_h200x1.md`). With 4 or 16 rows it
-was 0.85-1.07x, not a clear win: only one-row products are taken, where the option
+and is bound by memory bandwidth, where the template measured faster than cuBLAS (with 4 or 16
+rows it was not a clear win). Only one-row products are taken, where the option
 `ditron.decode_gemm` is on:
 - a plain `aten.mm` of one row (lowering/decode_gemm.py rewrites it into ditron.decode_mm);
 - the GEMM of a fused all-reduce of one row (its plan's gemm=GEMV, `with_decode_gemm`).
@@ -19,7 +16,6 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import config
 from .plan import CUBLAS, GEMV, AllReducePlan, FusedPlan
 from .task import MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, Task
 
@@ -50,10 +46,10 @@ def mm_not_rewritten(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     return gemv_applies(a, b)
 
 
-def with_decode_gemm(plan: FusedPlan, task: Task) -> FusedPlan:
+def with_decode_gemm(plan: FusedPlan, task: Task, decode_gemm: bool = True) -> FusedPlan:
     """The all-reduce plan of a one-row task with its GEMM in the template (its runtime checks
     the operands' layout and takes cuBLAS where the template does not apply)."""
-    if (config.decode_gemm and isinstance(plan, AllReducePlan) and plan.gemm == CUBLAS
+    if (decode_gemm and isinstance(plan, AllReducePlan) and plan.gemm == CUBLAS
             and not plan.overlap and task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM)
             and task.dtype in DTYPES and statically_known_true(task.m == DECODE_ROWS)):
         return dataclasses.replace(plan, gemm=GEMV)

@@ -21,17 +21,13 @@ from typing import Any, ClassVar, Union
 REFERENCE = "reference"  # decomposed collective + matmul: runs anywhere, the ground truth
 FUSED = "fused"  # a fused kernel, CUDA only
 
-COPY_ENGINE, SM = "copy_engine", "sm"  # what moves the data: the copy engine or Triton programs
+COPY_ENGINE = "copy_engine"  # the all-reduce plan whose partials the copy engine moves
 TRITON, CUBLAS, TORCH = "triton", "cublas", "torch"
 GEMV = "gemv"  # the decode GEMM template (templates/gemv.py), for one-row products
 COPY_ENGINE_CHUNKS = 4  # the copy-engine all-reduce's row chunks (the last one's copy is exposed)
 # its sum + norm kernel holds whole rows: up to this many columns (the runtime declines more)
 COPY_ENGINE_MAX_N = 16384
-# the copy-engine all-reduce in two shots: each rank's slice of the rows reduced by its owner,
-# then gathered (runtime/all_reduce._copy_engine_two_shot)
-COPY_ENGINE_TWO_SHOT = "copy_engine_two_shot"
-ALL_REDUCE_ALGOS = ("push", "push_scatter", "push_all", "lamport", "lamport_all", COPY_ENGINE,
-                    COPY_ENGINE_TWO_SHOT)
+ALL_REDUCE_ALGOS = ("push", "push_all", "lamport", "lamport_all", COPY_ENGINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,34 +90,24 @@ class FusedPlan:
 
 @dataclasses.dataclass(frozen=True)
 class AllGatherPlan(FusedPlan):
-    """gemm="triton": one persistent Triton GEMM whose tiles wait on per-chunk flags;
-    gemm="cublas": cuBLAS on groups of chunks in arrival order (`groups` chunks each, own chunk
-    first), each group after its last chunk landed; with local_copies_beside, my shard's two
-    local copies (into my symmetric buffer for the peers, into my rows of the gathered A) run on
-    a stream of their own beside the GEMM of my rows, which reads the input itself; else both
-    run before it, on the main stream, as one kernel that reads the input once and writes both
-    (at world size 1 they then add those passes over the input to the GEMM). ready_before_gemm:
-    the copy the peers pull from runs on the main stream before the GEMM, which then waits for
-    every peer's READY (a barrier), the pulls starting after it; with barrier_beside (and the
-    local copies beside) the local copies' stream waits for the barrier instead, and the GEMM of
-    my rows starts without it. The peers' chunks are pulled
-    by the copy engine on `copy_streams` streams, or (transfer="sm", Triton GEMM only) by a
-    Triton kernel on `comm_sms` SMs with `pull_warps`-warp programs moving `pull_block` words a
-    step."""
+    """The peers' chunks pulled by the copy engine on `copy_streams` streams into the gathered A,
+    and the GEMM over them: gemm="triton", one persistent Triton GEMM whose tiles wait on
+    per-chunk flags; gemm="cublas", cuBLAS on groups of chunks in arrival order (`groups` chunks
+    each, own chunk first), each group after its last chunk landed. My shard's two local copies
+    (into my symmetric buffer, into my rows of the gathered A) run beside cuBLAS's GEMM of my
+    rows on a stream of their own. ready_before_gemm: the copy the peers pull from runs before
+    the GEMM, which then waits for every peer's READY (a barrier) and the pulls start after it;
+    with barrier_beside the local copies' stream waits for the barrier instead, and the GEMM of
+    my rows starts without it."""
 
     kind: ClassVar[str] = "all_gather"
 
     gemm: str = TRITON
     tile: GemmTile = GemmTile()
     groups: tuple[int, ...] = ()  # () until resolved for a world size: default_groups
-    local_copies_beside: bool = True
     ready_before_gemm: bool = False
     barrier_beside: bool = False
     copy_streams: int = 1
-    transfer: str = COPY_ENGINE
-    comm_sms: int = 16
-    pull_block: int = 8192
-    pull_warps: int = 8
 
     def for_world(self, world: int) -> "AllGatherPlan":
         return dataclasses.replace(self, groups=self.groups or default_groups(world))
@@ -129,59 +115,32 @@ class AllGatherPlan(FusedPlan):
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterPlan(FusedPlan):
-    """transfer="copy_engine": the GEMM per destination chunk (rank+1 first; gemm="cublas" or a
-    Triton launch of `tile`), each chunk pushed by the copy engine as soon as it is computed, the
-    received partials summed by torch (reduce="torch") or a Triton kernel (reduce="triton");
-    with accumulate=True (cuBLAS) the other way round: each rank computes its partials for the
-    peers into its symmetric buffer in `chunks` row chunks each, every peer pulls its rows of
-    them by the copy engine into its output (on 3+ ranks into slots that torch sums there) and
-    cuBLAS adds its own product onto them (beta = 1): no reduction after the last GEMM.
-    transfer="sm": one persistent Triton GEMM (`tile`) on the SMs but `comm_sms`, which pull and
-    sum my rows of every rank's partial beside it, chunk by chunk (`chunks`), with
-    `pull_warps`-warp programs loading `pull_block` elements per rank a step."""
+    """cuBLAS per destination chunk (rank+1 first), each chunk pushed by the copy engine as soon
+    as it is computed; the received partials summed by torch (reduce="torch") or a Triton kernel
+    (reduce="triton"). A sum of matmul products accumulates each further term into the same
+    rows (runtime/launch.MatmulSum)."""
 
     kind: ClassVar[str] = "reduce_scatter"
 
-    gemm: str = CUBLAS
     reduce: str = TORCH
-    tile: GemmTile = GemmTile()
-    transfer: str = COPY_ENGINE
-    comm_sms: int = 16
-    chunks: int = 8
-    pull_block: int = 0  # 0 until resolved for a world size
-    pull_warps: int = 32
-    accumulate: bool = False
-
-    @property
-    def takes_terms(self) -> bool:
-        """Whether it serves a sum of matmul products: the copy-engine plan with cuBLAS, which
-        accumulates each further term into the rows (runtime/launch.MatmulSum); the Triton GEMMs
-        take one term."""
-        return self.gemm == CUBLAS and self.transfer != SM
 
     def for_world(self, world: int) -> "ReduceScatterPlan":
-        # 32-warp programs with W blocks of 16384 in flight (bytes in flight per SM set the speed
-        # over NVLink); 8192 from 8 ranks on, where 16384 spills registers (ptxas, sm_90a)
-        return dataclasses.replace(
-            self, pull_block=self.pull_block or (16384 if world <= 4 else 8192))
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
 class AllReducePlan(FusedPlan):
     """cuBLAS writes the partial into symmetric memory, then one kernel, `algo`: push (each rank
-    sums its blocks over the ranks and stores the sums on every rank), push_scatter (push with
-    the partials stored to their owners), push_all (every rank stores its whole partial on every
-    rank, one wait, a local sum), lamport / lamport_all (push_scatter / push_all with the data
-    carrying its own arrival), copy_engine (cuBLAS in `chunks` row chunks on every SM, each
-    chunk's partial copied by the copy engine to every peer beside the next chunk's GEMM, then
-    one kernel sums the W partials, adds the residual and normalises), copy_engine_two_shot
-    (cuBLAS per slice of the rows, each slice's partial copied to its owner beside the next
-    slice's GEMM; the owner sums its slice, the copy engine gathers the sums, one kernel
-    normalises; `chunks` unused). overlap=True (push only): push's reduction on `progs`
+    sums its blocks over the ranks and stores the sums on every rank), push_all (every rank
+    stores its whole partial on every rank, one wait, a local sum), lamport (each rank stores
+    its partial's blocks into their owners' slots, each owner sums its blocks and stores the
+    sums on every rank, the data carrying its own arrival: no flags), lamport_all (push_all so),
+    copy_engine (cuBLAS in `chunks` row chunks on every SM, each chunk's partial copied by the
+    copy engine to every peer beside the next chunk's GEMM, then one kernel sums the W partials,
+    adds the residual and normalises). overlap=True (push only): push's reduction on `progs`
     programs beside the GEMM in `chunks` row chunks: gemm="triton", a persistent Triton GEMM
-    (`tile`) on the other SMs, else cuBLAS (told to leave the push's SMs free with
-    `carveout`). block, warps and progs of the push kernels: 0 = chosen by the size of the call
-    (runtime push_grid)."""
+    (`tile`) on the other SMs, else cuBLAS row chunks. block, warps and progs of the push
+    kernels: 0 = chosen by the size of the call (runtime push_grid)."""
 
     kind: ClassVar[str] = "all_reduce"
 
@@ -193,7 +152,6 @@ class AllReducePlan(FusedPlan):
     progs: int = 0
     block: int = 0
     warps: int = 0
-    carveout: bool = False
 
     def __post_init__(self):
         if self.algo not in ALL_REDUCE_ALGOS:
@@ -236,11 +194,6 @@ class GroupedMmPlan(FusedPlan):
     # the combine on several ranks: the products stored here in the order they are sent, then
     # pushed by the dispatch's put kernel (else each tile pushes its rows from its epilogue)
     staged_push: bool = False
-    # the dispatch on several ranks: its put kernel on a side stream beside the first GEMM,
-    # which then runs on all SMs but this many (0: the put, then the GEMM, on the caller's
-    # stream; the GEMM's tiles wait for their rows either way). Measured slower (1.17-1.66x
-    # NCCL + grouped GEMM where 0 took 0.99-1.20x, moe_ep_h100x4_routes.md): off
-    put_sms: int = 0
     # on several ranks: fewer rows than this (the dispatch's sent, the combine's received back:
     # each a rank's tokens x top-k) run the reference, NCCL all-to-all + grouped GEMM, where the
     # fused op measured slower. Every rank decides alike where every rank has as many tokens,
@@ -253,13 +206,11 @@ def family(plan: FusedPlan) -> str:
     engine and what moves the data, beside what the tile parameters change."""
     if isinstance(plan, AllReducePlan):
         return plan.algo + (f"+overlap:{plan.gemm}" if plan.overlap else "")
-    if isinstance(plan, ReduceScatterPlan) and plan.transfer == SM:
-        return "pull"
-    if isinstance(plan, ReduceScatterPlan) and plan.accumulate:
-        return "cublas/accumulate"
+    if isinstance(plan, ReduceScatterPlan):
+        return CUBLAS
     if isinstance(plan, GroupedMmPlan):
         return "grouped_mm"
-    return plan.gemm + ("/sm" if getattr(plan, "transfer", COPY_ENGINE) == SM else "")
+    return plan.gemm
 
 
 Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan, GroupedMmPlan]
@@ -285,7 +236,6 @@ _TILE_KEYS = {
                                    "tma")},
     AllReducePlan: {"gemm_block_n": "block_n", "gemm_stages": "stages", "gemm_warps": "warps"},
 }
-_TILE_KEYS[ReduceScatterPlan] = _TILE_KEYS[AllGatherPlan]
 
 
 def from_params(cls, params: dict[str, Any], **fields) -> FusedPlan:

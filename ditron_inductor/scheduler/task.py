@@ -1,10 +1,9 @@
 """Task level: what one fused operation does, as every rank sees it.
 
-A `Task` is pure data derived from shapes, dtypes and the process group, never from timing, so
-every rank that compiles the same graph builds the same Task and makes the same decision. The
-matcher builds one per candidate at compile time; the ops build the same one from their inputs at
-run time, on the fused path (the builders at the end of this module serve both). Everything
-downstream (scheduler, plans, kernels, logs) reads shapes from here.
+A `Task` is pure data from shapes, dtypes and the process group, never from timing, so every rank
+that compiles the same graph builds the same Task and makes the same decision. The matcher builds
+one per candidate at compile time, the ops the same one from their inputs on the fused path (the
+builders below serve both); the scheduler, plans, kernels and logs read shapes from it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Task
     ALL_GATHER_MATMUL,
-    ALL_GATHER_PATTERNS,
     ALL_GATHER_SCALED_MM,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
@@ -27,7 +25,6 @@ from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Ta
     MOE_PATTERNS,
     REDUCE_SCATTER_PATTERNS,
     SCALED_MM_ALL_REDUCE,
-    SCALED_MM_PATTERNS,
     SCALED_MM_REDUCE_SCATTER,
 )
 
@@ -36,40 +33,21 @@ SymOrInt = Union[int, torch.SymInt]
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One collective + matmul.
+    """One collective + matmul: [m, k] @ [k, n] for each n in ns, m the rows gathered from all
+    ranks (all-gather) or the local matmul's (reduce-scatter, all-reduce); dim the gather/scatter
+    dim of the N-d activation, dim_size its full length. rank_chunks_contiguous: each rank's chunk
+    is one block of consecutive rows of [m, k], the layout the fused kernels take.
 
-    m, k, ns: the matmul is [m, k] @ [k, n] for each n in ns. For all-gather, m counts the rows
-    gathered from all ranks; for reduce-scatter and all-reduce, the rows of the local matmul
-    before the collective. dim is the gather/scatter dim of the N-d activation and dim_size its
-    full length. rank_chunks_contiguous: each rank's chunk is one block of consecutive rows of
-    the [m, k] matrix (dim 0, or every dim before dim has size 1), the layout the fused kernels
-    take; a gather/scatter on dim 1 of [B > 1, S, H] interleaves the ranks' rows instead.
+    For the cost model: rows_reordered, the graph permutes rank-major rows around the op; terms,
+    the products over the same rows that the op sums (k counts every term's; each accumulated
+    into the same rows, but the RMSNorm op concatenates them along K); copy_elems, what the
+    rewrite's reorders and concatenations copy outside any kernel the graph runs anyway.
 
-    What the graph does around the op, for the cost model:
-    rows_reordered: the op runs on rank-major rows (gather/scatter on dim 0) and the graph puts
-    the rows back in the order of `dim` around it (a permute, so the chunks are contiguous).
-    terms: how many matmul products over the same rows the op sums (the input gradient of
-    layers that share their input, reduce-scattered or all-reduced); 1 for one matmul; k counts
-    every term's. The op takes each term's operands as they are and accumulates the products into
-    the same rows (the fused plans' cuBLAS with beta = 1); only the RMSNorm op concatenates the
-    operands along K into one matmul.
-    copy_elems: elements that the rewrite's reorders and concatenations copy and that Inductor
-    cannot fold into a kernel the graph runs anyway.
-
-    The MoE ops (expert parallelism, an all-to-all beside the experts' grouped GEMM): m counts
-    the rows the local experts compute, received by the dispatch or sent back by the combine,
-    which the routing decides (an unbacked SymInt under torch.compile, a per-rank constant
-    after a graph break: no decision may depend on it); k, ns the GEMM's, per expert; terms the
-    grouped GEMMs the combine sums. experts: the grouped GEMM's groups, this rank's experts.
-    tokens: the (token, expert) rows this rank routes, T x top-k, which the dispatch sends and
-    the combine receives back. rows_permuted: the experts read (write) the exchanged rows
-    through an index, expert-major, rather than in the all-to-all's rank-major order.
-
-    The scaled (FP8) ops: dtype is the operands' float8 dtype (what an all-gather moves: one
-    byte an element), out_dtype the product's; scales is how they are scaled (`scale_kind`):
-    "tensorwise" (one scale per operand), "rowwise" (one per row of A, one per column of B),
-    else the scales' shapes; for the all-gather, a rowwise scale of A is gathered with A.
-    fast_accum: _scaled_mm's use_fast_accum.
+    MoE ops: m counts the rows the local experts compute, which the routing decides (an unbacked
+    SymInt, or a per-rank constant after a graph break: no decision may depend on it); k, ns per
+    expert; experts, this rank's; tokens, the (token, expert) rows it routes; rows_permuted, the
+    experts read (write) the exchanged rows through an index. Scaled ops: dtype the float8
+    operands' (what an all-gather moves), out_dtype the product's, scales `scale_kind`'s.
     """
 
     op: str
@@ -97,19 +75,16 @@ class Task:
     scales: str = ""
     fast_accum: bool = False
 
-    # The cross-rank schedule, which the kernels compute with templates/schedule.py's helpers
-    # (the interpreter tests compare the two).
+    # The cross-rank schedule; the interpreter tests compare templates/schedule.py's with it.
 
     def ring_order(self, rank: int) -> list[int]:
-        """The AG and RS: chunk c of the rows belongs to rank c, and each rank takes the chunks
-        from its own on, in ring order (rank, rank+1, ...), so that at every step the ranks work
-        on distinct chunks and no peer is read by all at once."""
+        """The AG and RS: chunk c belongs to rank c, and each rank takes the chunks from its own
+        on (rank, rank+1, ...), so that at every step the ranks work on distinct chunks."""
         return [(rank + i) % self.world_size for i in range(self.world_size)]
 
     def block_owner(self, block: int) -> int:
-        """The AR: the flattened partial is cut into blocks (of the plan's size) and block g is
-        reduced by rank g % W, so that every W consecutive blocks, and so every row chunk of the
-        GEMM, hold work for every rank."""
+        """The AR: block g of the flattened partial is reduced by rank g % W, so that every row
+        chunk of the GEMM holds work for every rank."""
         return block % self.world_size
 
     @property
@@ -118,8 +93,7 @@ class Task:
 
     @property
     def sums_terms(self) -> bool:
-        """Whether the op takes a sum's terms apart and accumulates their products (all but the
-        RMSNorm op, which takes them concatenated along K as one matmul)."""
+        """Whether the op accumulates a sum's products (the RMSNorm op concatenates along K)."""
         return self.terms > 1 and self.op != MATMUL_ALL_REDUCE_RMSNORM
 
     @property
@@ -174,8 +148,7 @@ def chunks_contiguous(shape, dim: int) -> bool:
     return dim == 0 or statically_known_true(numel(shape[:dim]) == 1)
 
 
-# ----------------------------------------------------------------- Tasks from an op's arguments
-# The same functions serve the matcher (fake tensors, at compile time) and the ops (the fused path).
+# ------------------------------------- Tasks from an op's arguments (the matcher's and the ops')
 
 
 def all_gather_matmul_task(a_shard, weights, biases, gather_dim: int, group_name: str,
@@ -195,8 +168,8 @@ def all_gather_matmul_task(a_shard, weights, biases, gather_dim: int, group_name
 
 def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: str,
                            group_name: str, world_size: int, has_residual: bool = False) -> Task:
-    """The Task of a matmul followed by a reduce-scatter (along `dim` of `out_shape`) or an
-    all-reduce (+ residual + RMSNorm); out_shape empty: the 2-d product."""
+    """A matmul, then a reduce-scatter (along `dim` of `out_shape`, empty: the 2-d product) or
+    an all-reduce (+ residual + RMSNorm)."""
     shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
     return Task(
         op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],
@@ -208,8 +181,7 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
 
 
 def with_terms(task: Task, a) -> Task:
-    """The task of a sum of products whose left operands are `a` (one per term), built from the
-    first term's: K counts every term's."""
+    """The first term's task for a sum of products of left operands `a`: K counts every term's."""
     if len(a) == 1:
         return task
     return dataclasses.replace(task, k=sum((t.shape[1] for t in a), 0), terms=len(a))
@@ -243,8 +215,7 @@ def _scaled(task: Task, op: str, scale_a, scale_b, out_dtype, use_fast_accum: bo
 def all_gather_scaled_mm_task(a_shard, scale_a, weights, scales_b, biases, out_dtype,
                               use_fast_accum: bool, gather_dim: int, group_name: str,
                               world_size: int) -> Task:
-    """all_gather_matmul's Task for fp8 operands; a rowwise scale_a is the shard's ([rows, 1]),
-    its kind read as the gathered one's."""
+    """all_gather_matmul's Task for fp8; a rowwise scale_a is the shard's ([rows, 1])."""
     task = all_gather_matmul_task(a_shard, weights, biases, gather_dim, group_name, world_size)
     return _scaled(task, ALL_GATHER_SCALED_MM, scale_a, scales_b[0], out_dtype, use_fast_accum)
 
@@ -262,9 +233,7 @@ def scaled_mm_collective_task(op: str, a, b, scale_a, scale_b, bias, out_dtype,
 def scaled_mm_reduce_scatter_task(a, b, scale_a, scale_b, bias, out_dtype,
                                   use_fast_accum: bool, out_shape, dim: int, reduce_op: str,
                                   group_name: str, world_size: int) -> Task:
-    """The scaled reduce-scatter's Task from its terms (lists a, b, scale_a, scale_b: the sum of
-    their _scaled_mm products is scattered), K counting every term's, the scales read as the
-    first term's (the matcher fuses terms of one scaling only)."""
+    """From the op's lists of terms, scales the first term's (the matcher fuses one kind only)."""
     return with_terms(scaled_mm_collective_task(
         SCALED_MM_REDUCE_SCATTER, a[0], b[0], scale_a[0], scale_b[0], bias, out_dtype,
         use_fast_accum, out_shape, dim, reduce_op, group_name, world_size), a)

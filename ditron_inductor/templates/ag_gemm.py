@@ -1,21 +1,16 @@
 """All-gather + GEMM: a persistent GEMM whose tiles wait for the chunk of A they read.
 
-The gathered A [M, K] is filled chunk by chunk (chunk c = rows [c * rows_per_chunk,
-(c + 1) * rows_per_chunk) came from rank c) while the kernel runs; `flag_ptr[c] >= epoch` says
-chunk c has landed. The grid is persistent (one program per SM that the plan gives the GEMM); each
-program walks tiles `pid, pid + NUM_PROGS, ...` of a schedule that
+The gathered A [M, K] fills chunk by chunk while the kernel runs (chunk c, rows_per_chunk rows,
+came from rank c; `flag_ptr[c] >= epoch`: it has landed). Each of NUM_PROGS programs walks tiles
+pid, pid + NUM_PROGS, ... of a schedule that groups GROUP_M row-blocks for L2 reuse of B and
+rotates the row-blocks to start at this rank's own chunk (local already), then follow the ring
+order in which the others arrive. Before its K loop a tile waits for the chunks its rows span; a
+per-program bitmask of chunks seen polls each flag at most once after it is set. WAIT=False: a
+plain persistent GEMM.
 
-  - groups GROUP_M row-blocks together for L2 reuse of B (the usual grouped ordering), and
-  - rotates the row-blocks so that the schedule starts at this rank's own chunk (already local)
-    and then follows the ring order in which the other chunks arrive (rank + 1, rank + 2, ...).
-
-Before its K loop a tile waits for the (one or two) chunks its rows span; a per-program bitmask
-remembers chunks already seen, so each program polls each flag at most once after it is set.
-With WAIT=False the kernel is a plain persistent GEMM (used for the chunks of GEMM+reduce-scatter).
-
-Two tile programs share the schedule: `ag_gemm_kernel` loads through pointers (any strides, masks;
-what the interpreter tests), `ag_gemm_tma_kernel` through Hopper TMA tensor descriptors (host-built
-`TensorDescriptor`s; needs 16-byte aligned rows: K and N multiples of 8 for 2-byte types).
+`ag_gemm_kernel` loads through pointers (any strides; the fallback where TMA cannot take the
+operands), `ag_gemm_tma_kernel` through TMA descriptors (16-byte aligned rows). The copy engine
+or an earlier kernel writes A, so TMA's async-proxy reads need no proxy fence after the flag.
 """
 
 import triton
@@ -24,9 +19,8 @@ import triton.language as tl
 from .flags import wait_rows
 from .schedule import ring_member
 
-# (Ceil-divisions and zero fills are written out: triton.language's own @jit helpers (tl.cdiv,
-# tl.zeros) are not interpreted when triton was imported before TRITON_INTERPRET=1 was set, as
-# in a test session that imported Inductor first.)
+# Ceil-divisions and zero fills are written out: tl.cdiv and tl.zeros are not interpreted when
+# triton was imported before TRITON_INTERPRET=1 was set (a test session that imported Inductor).
 
 
 @triton.jit
@@ -42,8 +36,7 @@ def tile_coords(tile, num_pid_m, num_pid_n, first_m, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-# epoch/limit/first_row change between calls: never specialise on their values (epoch 1 would
-# otherwise compile a second kernel).
+# these change between calls: never specialise on them (epoch 1 would compile a second kernel)
 _DYNAMIC = ["rows_per_chunk", "first_row", "epoch", "limit"]
 
 
@@ -113,15 +106,10 @@ def ag_gemm_tma_kernel(
     rows_per_chunk, first_row, epoch, limit,
     HAS_BIAS: tl.constexpr, WAIT: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, PROXY_FENCE: tl.constexpr = False,
+    GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
-    """Same schedule; A [M, K], B [K, N] (or B^T [N, K] when B_TRANS) and C [M, N] through TMA
-    descriptors (out-of-range rows/columns read as zero and are not stored).
-
-    PROXY_FENCE: A was written by other SMs' ordinary stores (the SM-pull plan); TMA reads through
-    the async proxy, so after the acquire of the chunk counters a `fence.proxy.async.global`
-    orders those writes before this program's TMA loads (not needed when the copy engine wrote A).
-    """
+    """Same schedule; A [M, K], B [K, N] (B^T [N, K] when B_TRANS) and C [M, N] through TMA
+    descriptors (out-of-range rows/columns read as zero and are not stored)."""
     pid = tl.program_id(0)
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -136,9 +124,6 @@ def ag_gemm_tma_kernel(
         if WAIT:
             seen = wait_rows(flag_ptr, seen, row0, tl.minimum(row0 + BLOCK_M, M), rows_per_chunk,
                              epoch, limit, err_ptr)
-            if PROXY_FENCE:
-                tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
-                                          [row0], dtype=tl.int32, is_pure=False, pack=1)
         acc = tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS, BLOCK_M, BLOCK_N,
                                BLOCK_K)
         if HAS_BIAS:

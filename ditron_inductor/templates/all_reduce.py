@@ -1,11 +1,10 @@
-"""What the all-reduce kernels share beyond the flag protocol (flags.py): lamport's empty mark
-and the norm of one row (the kernels: all_reduce_push.py, all_reduce_lamport.py).
+"""What the all-reduce kernels (all_reduce_push.py, all_reduce_lamport.py) share beyond the flags
+(flags.py): lamport's empty mark and the norm.
 
-Every rank's partial product P_q = a_q @ b_q (+ bias) [M, N] lies in rank q's symmetric data
-buffer (written there by cuBLAS), reached through the peer-pointer table `data_table`. The result
-on every rank is h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) * weight. Roundings
-follow the reference op: the all-reduced sum is rounded to the dtype, then the residual is added
-and rounded again (h), and y follows `ops.rms_norm_reference` (weight_in_fp32 or not).
+Rank q's partial P_q = a_q @ b_q (+ bias) [M, N] lies in its symmetric buffer (peer pointers:
+`data_table`). Every rank computes h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) *
+weight, in the reference's roundings: the sum rounded to the dtype, then the residual added and
+rounded again; y as `ops.rms_norm_reference`.
 """
 
 import triton
@@ -29,9 +28,8 @@ def sendable(x):
 
 @triton.jit
 def call_start(epoch_ptr, M, N):
-    """What every all-reduce program starts from: its id, the number of programs, this call's
-    epoch (the epoch words: flags.py) and the partial's element count (int32: the runtime keeps
-    its buffers below 2**31 elements)."""
+    """(program id, programs, this call's epoch, the partial's elements: int32, as the runtime
+    keeps its buffers below 2**31 elements)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = tl.load(epoch_ptr + 1)
@@ -40,9 +38,8 @@ def call_start(epoch_ptr, M, N):
 
 @triton.jit
 def weighted(normed, w32, dtype: tl.constexpr, W_FP32: tl.constexpr):
-    """y = the normalised h (fp32, a row or rows) times the weight (fp32, a row: broadcast over
-    the rows) in `dtype`, in the roundings of ops.rms_norm_reference: once (weight_in_fp32), else
-    the normalised h first, then its product with the weight."""
+    """y = normed (fp32 rows) * w32 (fp32, one row) in `dtype`, rounded as
+    ops.rms_norm_reference: once (W_FP32), else normed first, then the product."""
     if W_FP32:
         y = (normed * w32).to(dtype)
     else:
@@ -53,9 +50,9 @@ def weighted(normed, w32, dtype: tl.constexpr, W_FP32: tl.constexpr):
 @triton.jit
 def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
              BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. h was written by
-    other programs: its loads skip this SM's L1 (.cg)."""
-    base = row * N  # int32: the runtime keeps its buffers below 2**31 elements
+    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. Other programs
+    wrote h: its loads skip this SM's L1 (.cg)."""
+    base = row * N
     rstd = tl.rsqrt(sum_sq / N + eps)
     tl.debug_barrier()  # h of this row may have been stored by this program's threads
     for n0 in range(0, N, BLOCK_N):

@@ -2,31 +2,23 @@
 no flags.
 
 Data that carries its own arrival: every receive word starts as the empty mark (-0.0, only the
-sign bit set) and a sender never sends -0.0 (it sends +0.0 instead, which sums the same), so a
-receiver polls the data itself until no mark is left. No flag, and no fence between the data
-and a flag: each step costs one NVLink one-way latency, where push (all_reduce_push.py) pays a
-flag barrier, a network read and a fence before each flag. A receiver marks the words empty
-again as soon as it has read them.
+sign bit set), a sender sends +0.0 in place of -0.0 (it sums the same), and a receiver polls the
+data until no mark is left, then marks the words empty again. Each step costs one NVLink one-way
+latency, where push (all_reduce_push.py) pays a flag barrier, a network read and a fence per flag.
 
-The symmetric buffer holds five regions of `stride` elements (fixed per context): the partial
-P_q = a_q @ b_q (+ bias) [M, N] (written by cuBLAS, read only locally), then the scatter slots
-of epoch parity 0 and 1, then the sums of parity 0 and 1. Blocks and owners as in push: block g
-is owned by rank g % W; program pid takes block rows pid, pid + P, ...
-1. SEND: my partial of block W*i + q goes into rank q's scatter slot for me (slot W*i + rank of
-   this call's parity).
-2. REDUCE: I poll my slots of block row i until every rank's part is there, mark them empty,
-   sum them in fp32, round, and store the sum into block W*i + rank of every rank's sums.
-3. COPY: I poll my sums of block row i until every owner's block is there, mark them empty and
-   write h (+ my residual). 4. NORMALISE as in push (a barrier over this GPU's programs).
-A region of parity p is written again two calls later: a peer can start call e + 2 only after
-my call e + 1 sent to it, which follows my call e, whose reads marked the region empty again.
-So nothing waits at the end of a call and nothing is reset. Every sum is computed once, by its
-owner: all ranks get the same bits. 16-bit dtypes only (the mark is one 16-bit word).
+lamport_kernel: five regions of `stride` elements (fixed per context): the partial (read only
+locally), the scatter slots of epoch parity 0 and 1, the sums of parity 0 and 1. Blocks, owners
+and each program's block rows as in push. SEND: my partial of block W*i + q into rank q's
+scatter slot W*i + rank. REDUCE: poll my slots of block row i until every rank's part is there,
+sum in fp32, round, store into block W*i + rank of every rank's sums. COPY: poll my sums of
+block row i until every owner's block is there, write h (+ my residual). NORMALISE as in push.
+A region of parity p is written again two calls later: a peer starts call e + 2 only after my
+call e + 1 sent to it, which follows my call e, whose reads marked the region empty. So nothing
+waits at the end of a call and nothing is reset. Each sum is computed once, by its owner: all
+ranks get the same bits. 16-bit dtypes only (the mark is one 16-bit word).
 
-lamport_all_kernel: the same empty mark on push_all's one-shot (every rank's partial into a slot
-on every rank, one wait, a local sum), for the smallest M.
-
-The interpreter runs one rank at a time: each phase separately for every rank, as for push.
+lamport_all_kernel: push_all's one-shot with the empty mark in place of STARTED flags.
+The interpreter tests run each phase separately for every rank, as for push.
 """
 
 import triton
@@ -55,7 +47,7 @@ def empty_like(x):
 @triton.jit
 def take_when_full(ptrs, mask, limit, err_ptr):
     """Poll *ptrs (where mask) until no word holds the empty mark, mark them empty again and
-    return what they held. Bounded when limit > 0 (debug): gives up and records K_ERR_SENT."""
+    return what they held. limit > 0 (debug): gives up, recording K_ERR_SENT."""
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
     since = wait_start(limit)
     n = since * 0
@@ -76,8 +68,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                    SEND: tl.constexpr = True, REDUCE: tl.constexpr = True,
                    COPY: tl.constexpr = True, NORMALISE: tl.constexpr = True,
                    ROW_BLOCK: tl.constexpr = 0):
-    # flag_table: unused (no flags cross GPUs here), kept so that every all-reduce kernel takes
-    # the same leading arguments
+    # flag_table is unused: every all-reduce kernel takes the same leading arguments
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
@@ -116,7 +107,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                 mask = (ranks[:, None] < WORLD) & (idx < numel)
                 sums_of_row = take_when_full(mine + sums + idx, mask, limit, err_ptr)
                 store_h(h_ptr, res_ptr, idx, mask, sums_of_row, HAS_RES)
-    # ROW_BLOCK: COPY normalised the rows itself, no NORMALISE phase (nor its barrier) follows
+    # ROW_BLOCK: COPY normalised the rows, no NORMALISE phase follows
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, COPY, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)
 
@@ -129,16 +120,11 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
                        WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
                        REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True,
                        ROW_BLOCK: tl.constexpr = 0):
-    """push_all's one-shot (all_reduce_push.py) with lamport's empty mark instead of STARTED
-    flags, for the smallest M. The buffer holds the partial, then 2 W slots of `stride`
-    elements: the W slots of epoch parity e % 2, one per sender.
-    1. SEND: program pid stores blocks pid, pid + P, ... of my partial (-0.0 sent as +0.0) into
-       my slot on every rank (mine included).
-    2. REDUCE: it polls its blocks of my W slots until no empty mark is left, marks them empty,
-       sums them in fp32 in rank order (every rank the same bits), adds my residual, writes h.
-    3. NORMALISE as in push. Slots of parity p are written again two calls later, by a rank
-    that has finished the call between, which needed my sends of that call, made after my
-    reads of these slots (as lamport_kernel's regions)."""
+    """push_all's one-shot with the empty mark in place of STARTED flags; the buffer as
+    push_all's. SEND as push_all's; REDUCE polls its blocks of my W slots until no mark is left,
+    sums them in fp32 in rank order (the same bits on every rank), adds my residual, writes h;
+    NORMALISE as push's. Slots of parity p are written again two calls later, by a rank that
+    finished the call between, which needed my sends of it, made after my reads of these slots."""
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)

@@ -1,72 +1,47 @@
 """GEMM + all-reduce (+ residual + RMSNorm): the push kernels, all-reduces with no end barrier.
 
-push_kernel (push, and push_scatter with SCATTER): a two-shot. The partials P_q = a_q @ b_q
-(+ bias) [M, N] lie flat in the first half of the ranks' symmetric data buffers (all_reduce.py
-has what the kernels share), cut into blocks of BLOCK elements. Block g is owned by rank g % W, so
-block row i (blocks W*i .. W*i + W - 1, contiguous) holds one block of every rank, and every row
-chunk of the GEMM holds blocks of every rank.
+push_kernel (push), a two-shot. The partials [M, N] lie flat in the ranks' symmetric buffers in
+blocks of BLOCK elements; block g is owned by rank g % W, so block row i (blocks W*i .. W*i +
+W - 1) and every row chunk of the GEMM hold blocks of every rank. P programs a rank, all
+resident (P <= MAX_PROGS, fewer than the SMs):
+1. SEND: program pid raises STARTED[pid][rank] on every rank (the GEMM before wrote my partial).
+2. REDUCE: it waits for STARTED[pid][q] of every q in my own flags: a barrier per program whose
+   polls are local (no NVLink round trip per poll, no word polled by two programs). For each of
+   my blocks g = W*i + rank, i = pid, pid + P, ...: the W partials summed in fp32, rounded to
+   the dtype (the reference's rounding) and pushed into block g of every other rank (stores need
+   no reply); my own block goes from registers to h (not CHUNKED). Then PUSHED[pid][rank] on
+   every rank.
+3. COPY: it waits for PUSHED[pid][q] of every q, then copies the other owners' sums in block rows
+   pid, pid + P, ... to h, adding my residual (each rank its own: h is the reference's).
+4. NORMALISE (NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL, then
+   normalises rows pid, pid + P, ... into y. Where a block holds whole rows (ROW_BLOCK = N, a
+   power of two dividing BLOCK), REDUCE and COPY normalise as they write: no second pass, no
+   barrier.
+The last program through advances the epoch. No end barrier: every rank's program p has read its
+block of my buffer and pushed into it before it raises PUSHED[p] on me, so after my kernel the
+next GEMM may overwrite my buffer, and no rank pushes the next call's sums before my next
+STARTED. Each sum is computed once, by its owner: all ranks get the same bits.
 
-One launch per rank, P programs, all resident at once (P <= MAX_PROGS, fewer than the SMs):
-1. SEND: program pid raises STARTED[pid][rank] on every rank (the GEMM before this kernel wrote
-   my partial). With SCATTER it first stores my partial of each block of its block rows into the
-   block's owner's slot for me (slot (W*i + rank) of the owner's second half, at `slots`).
-2. REDUCE: program pid waits for STARTED[pid][q] of every rank q in my own flags: a barrier per
-   program, whose waits poll local words (no NVLink round trip per poll, no word polled by more
-   than one program). Then, for each of my blocks g = W*i + rank, i = pid, pid + P, ...
-   sums the W partials in fp32 (read from the peers' buffers, or with SCATTER from my own
-   slots: no network read), rounds to the dtype (the all-reduce's own rounding, as in the
-   reference) and stores the sum into block g of every other rank's buffer: a push, whose
-   stores need no reply. My own block it finishes from registers: h = sum + my residual (and y,
-   below), with no round trip through my buffer (not CHUNKED: there the sums go into my buffer
-   too, for the COPY launch on every SM). Then it raises PUSHED[pid][rank] on every rank.
-3. COPY: program pid waits for PUSHED[pid][q] of every rank q: block rows pid, pid + P, ... of my
-   buffer then hold the other owners' sums; it copies them to h, adding my residual (each rank
-   its own residual: h is the reference's on every rank, whatever the residuals).
-4. NORMALISE (with NORM): every program raises LOCAL[pid] and waits for all my programs' LOCAL
-   (h is whole), then normalises rows pid, pid + P, ... of h into y. Where a block holds whole
-   rows (ROW_BLOCK = N, a power of two dividing BLOCK), REDUCE and COPY normalise each block's
-   rows as they write them instead: no second pass over h, no barrier. At world size 1 that is
-   4 passes of M x N after the GEMM (read the partial and the residual, write h and y), as
-   Inductor's residual + norm kernel makes (CHUNKED: 6); 1/W of the sums skip my buffer at
-   world size W.
-The last program through advances the epoch (the epoch words: all_reduce.py).
+Phases may run as separate launches of one call (the same BLOCK): push_progs is the REDUCE
+launch's program count, and a COPY launch has a multiple of it.
 
-Per rank 2 (W-1)/W of the partial crosses NVLink (push: once each way; push_scatter: twice
-outwards), and a call waits on the network twice (STARTED, PUSHED), with no end-of-call barrier:
-- my first half: every rank's program p has read my block of its own and pushed into my buffer
-  before it raises PUSHED[p] on me, so when my kernel ends the next call's GEMM may overwrite my
-  buffer; and no rank pushes the next call's sums before my next kernel raises STARTED;
-- my slots (SCATTER): a peer stores into them in its next call before any wait, but it has seen
-  my PUSHED of this call, raised after I read them; the slots sit at a fixed offset (half the
-  buffer), so the copy-out of a larger M in this call never shares words with them.
-Each sum is computed once, by its owner, and copied to every rank: all ranks get the same bits.
+CHUNKED (prefill): REDUCE runs on a few SMs on a side stream beside the GEMM (cuBLAS in row
+chunks raising READY[j] after chunk j, or templates/gemm_ready.py's persistent GEMM raising it
+once chunk j's last tile is stored). Before a block, a program waits for every chunk it has not
+yet seen through the one holding the block's last row (the persistent GEMM finishes chunks only
+about in order). No SEND; COPY and NORMALISE follow in a second launch on every SM.
 
-Phases may run as separate launches of one call (the same BLOCK): push_progs = the programs of
-the launch that ran REDUCE; a launch that runs COPY without it has a multiple of that many (its
-block rows pid, pid + P, ... were all pushed by program pid % push_progs of every rank).
+push_all_kernel (push_all, the smallest M), a one-shot with one network wait: after the partial,
+2 W slots of `stride` elements, W per epoch parity. SEND: program pid stores its blocks of my
+partial into my slot on every rank, then raises STARTED[pid][rank] on every rank. REDUCE: after
+STARTED[pid][q] of every q, it sums its blocks over my W slots (local reads), adds my residual,
+writes h. Each rank sends W - 1 partials (the two-shot 2 (W-1)/W of one): it wins only where
+latency rules. A parity's slots are written again two calls later, by a rank that raised
+STARTED in the call between, after finishing the call that read them; that holds only between
+calls of this kernel, hence its own context.
 
-CHUNKED (prefill): the GEMM runs beside this kernel, which runs on a few SMs on a side stream:
-cuBLAS in row chunks on the main stream, READY[j] raised after chunk j, or the persistent GEMM of
-templates/gemm_ready.py, which raises READY[j] when chunk j's last tile is stored. Before a
-block, a program waits for every chunk up to the one holding the block's last row that it has
-not yet seen (the persistent GEMM finishes chunks only about in order). No SEND; COPY and
-NORMALISE run in a second launch on the main stream once the GEMM is done, on every SM.
-
-push_all_kernel (push_all, the smallest M): a one-shot with one network wait. The buffer holds
-the partial, then 2 W slots of `stride` elements (fixed per context): the slots of epoch parity
-e % 2, one per sender.
-1. SEND: program pid stores blocks pid, pid + P, ... of my partial into my slot on every rank,
-   then raises STARTED[pid][rank] on every rank.
-2. REDUCE: it waits for STARTED[pid][q] of every rank, sums its blocks over my W slots (local
-   reads), adds my residual and writes h. 3. NORMALISE as above.
-W - 1 partials leave each rank, against the two-shot's 2 (W-1)/W of one, so it wins only where
-latency rules (M <= 8 on 8x H200). Slots of the same parity are written again two calls later:
-by then every rank has raised STARTED in the call between, which it does only after finishing
-the call that read them. A context of its own (runtime/all_reduce.py): that argument holds only
-between calls of this kernel.
-
-The phases are all on for GPUs. The interpreter runs one rank, and one program, at a time: it
-launches each phase separately for every rank (producers before consumers).
+The interpreter runs one rank and one program at a time, so its tests launch each phase
+separately for every rank, producers before consumers.
 """
 
 import triton
@@ -77,14 +52,14 @@ from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PRO
                     K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
 from .schedule import owned_block
 
-_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]  # `slots` is specialised
-# (on divisibility by 16, so that loads from the slots stay 16-byte vectors): one value per context
+# push_all's `slots` and `stride` stay specialised (divisible by 16: the slots' loads stay
+# 16-byte vectors); they take one value per context
+_DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]
 
 
 @triton.jit
 def normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for rows pid, pid + P, ... (h written by every program: .cg
-    loads, which skip this SM's L1)."""
+    """y = RMSNorm(h) * weight for rows pid, pid + P, ... (every program wrote h: .cg loads)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for row in range(pid, M, nprog):
@@ -107,8 +82,7 @@ def rows_written(flags_ptr, epoch):
 @triton.jit
 def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
                            W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Wait for every program's LOCAL (h is whole: a barrier over this GPU's programs), then
-    normalise rows pid, pid + P, ... of h into y."""
+    """Wait for every program's LOCAL (h is whole), then normalise_rows."""
     progs = tl.arange(0, K_MAX_PROGS)
     wait_all(flags_ptr + K_LOCAL + progs, progs < tl.num_programs(0), epoch, limit, err_ptr,
              K_ERR_LOCAL)
@@ -118,8 +92,8 @@ def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, lim
 
 @triton.jit
 def store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES: tl.constexpr):
-    """h = the all-reduced s (+ my residual, added in fp32 and rounded, as the reference); h's
-    values are returned."""
+    """h = the all-reduced s (+ my residual, added in fp32 and rounded, as the reference);
+    returns h's values."""
     if HAS_RES:
         res = tl.load(res_ptr + idx, mask=mask, other=0.0)
         s = (s.to(tl.float32) + res.to(tl.float32)).to(h_ptr.dtype.element_ty)
@@ -130,9 +104,8 @@ def store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES: tl.constexpr):
 @triton.jit
 def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
                   W_FP32: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
-    """h as store_h, and y = RMSNorm(h) * weight, for a block of whole rows of ROW (= N)
-    elements: the copy-out and the norm in one pass over the block, from registers (no second
-    read of h, no barrier over the programs). The roundings are norm_row's."""
+    """store_h and y = RMSNorm(h) * weight for a block of whole rows of ROW (= N) elements, in
+    one pass from registers; norm_row's roundings."""
     h = store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
     rows = tl.reshape(h.to(tl.float32), [BLOCK // ROW, ROW])
     rstd = tl.rsqrt(tl.sum(rows * rows, 1) / ROW + eps)
@@ -146,8 +119,7 @@ def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.c
 def finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
                  NORM: tl.constexpr, W_FP32: tl.constexpr, BLOCK: tl.constexpr,
                  ROW_BLOCK: tl.constexpr):
-    """A block of all-reduced sums s into h (+ residual), and where the block holds whole rows
-    (ROW_BLOCK) into y too."""
+    """Sums s into h (+ residual), and into y too where the block holds whole rows."""
     if NORM and ROW_BLOCK > 0:
         store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES, W_FP32, BLOCK,
                       ROW_BLOCK)
@@ -159,9 +131,8 @@ def finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.co
 def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, WROTE_H: tl.constexpr, NORM: tl.constexpr, NORMALISE: tl.constexpr,
                 W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What every all-reduce kernel does once this program's rows of h are written (WROTE_H:
-    the phase that wrote them ran): with NORM, raise LOCAL and (NORMALISE) normalise after the
-    barrier over this GPU's programs; the phase that ends the call advances the epoch."""
+    """Once this program's rows of h are written (WROTE_H: that phase ran): with NORM raise
+    LOCAL and (NORMALISE) normalise after the barrier; the call's last phase advances the epoch."""
     if WROTE_H and NORM:
         rows_written(flags_ptr, epoch)
     if NORM and NORMALISE:
@@ -173,19 +144,18 @@ def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_ptr,
-                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, push_progs, slots,
-                limit,
+                h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps, rank, rows_per_chunk, push_progs, limit,
                 HAS_RES: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
                 WORLD_P2: tl.constexpr, CHUNKED: tl.constexpr = False,
-                SCATTER: tl.constexpr = False, SEND: tl.constexpr = True,
+                SEND: tl.constexpr = True,
                 REDUCE: tl.constexpr = True, COPY: tl.constexpr = True,
                 NORMALISE: tl.constexpr = True, ROW_BLOCK: tl.constexpr = 0):
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
-    # REDUCE finishes my own blocks (`own`) where the launch runs COPY on the same programs:
-    # not beside the GEMM (CHUNKED), whose few programs would then carry all of a world-1 norm
+    # REDUCE finishes my own blocks from registers, except beside the GEMM (CHUNKED), whose few
+    # programs would then carry all of a world-1 norm: there the sums go into every buffer
     if CHUNKED:
-        own = -1  # no rank's blocks: the sums go into every buffer, COPY finishes them all
+        own = -1
     else:
         own = rank
     dtype = h_ptr.dtype.element_ty
@@ -196,14 +166,6 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
         tl.pointer_type(tl.int32))
     mine = peer_ptr(data_table, rank, dtype, True)
     if SEND and not CHUNKED:
-        if SCATTER:  # my partial of each block of my block rows, into its owner's slot for me
-            for i in range(pid, block_rows, nprog):
-                for q in tl.static_range(WORLD):
-                    idx = owned_block(i, q, WORLD) * BLOCK + offs
-                    part = tl.load(mine + idx, mask=idx < numel, other=0.0)
-                    tl.store(peer_ptr(data_table, q, dtype, True) + slots
-                             + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
-            tl.debug_barrier()  # every thread's stores, then the signal that releases them
         tl.atomic_xchg(peer_flags + K_STARTED + pid * WORLD + rank, epoch,
                        mask=ranks < WORLD, sem="release", scope="sys")
     if REDUCE:
@@ -222,12 +184,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                                             WORLD_P2)
             acc = tl.zeros([BLOCK], tl.float32)
             for q in tl.static_range(WORLD):
-                if SCATTER:  # rank q's partial of block g, pushed into my slot for q
-                    part = tl.load(mine + slots + (i * WORLD + q) * BLOCK + offs, mask=mask,
-                                   other=0.0, cache_modifier=".cg")
-                else:
-                    part = tl.load(peer_ptr(data_table, q, dtype, True) + idx, mask=mask,
-                                   other=0.0)
+                part = tl.load(peer_ptr(data_table, q, dtype, True) + idx, mask=mask, other=0.0)
                 acc += part.to(tl.float32)
             total = acc.to(dtype)
             for q in tl.static_range(WORLD):
@@ -250,8 +207,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                 s = tl.load(mine + idx, mask=mask, other=0.0, cache_modifier=".cg")
                 finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES, NORM,
                              W_FP32, BLOCK, ROW_BLOCK)
-    # ROW_BLOCK: REDUCE and COPY normalised their rows themselves, no NORMALISE phase (nor its
-    # barrier) follows
+    # ROW_BLOCK: REDUCE and COPY normalised their rows, no NORMALISE phase follows
     end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps, epoch, limit,
                 err_ptr, COPY, NORM and ROW_BLOCK == 0, NORMALISE, W_FP32, BLOCK_N)
 
@@ -259,9 +215,8 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
 @triton.jit
 def send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, MARKED: tl.constexpr,
                         BLOCK: tl.constexpr, WORLD: tl.constexpr):
-    """The one-shots' SEND (push_all, lamport_all): blocks pid, pid + P, ... of my partial into
-    my slot of this call's slots on every rank, mine included. MARKED: -0.0 (lamport's empty
-    mark) is sent as +0.0."""
+    """The one-shots' SEND: blocks pid, pid + P, ... of my partial into my slot of this call's
+    slots on every rank, mine included. MARKED (lamport_all): -0.0 sent as +0.0."""
     dtype = mine.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     for b in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):

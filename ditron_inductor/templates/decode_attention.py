@@ -1,13 +1,11 @@
 """Decode attention: out[b, h] = softmax(q[b, h] k[b, h]^T * scale + mask) v[b, h] for a few query
 rows (R <= 64) against a long key/value cache (L keys), split along the keys (flash decoding).
 
-A decode step's attention reads the whole cache and does little arithmetic: bound by memory
-bandwidth, it needs every SM reading. One program per (batch, key/value head) leaves most SMs
-idle at small batches (cuDNN's kernel over the packed rows: 4 programs at B 1 on TP 2), so each
-(batch, head) is split into `splits` runs of keys: `decode_attention_split_kernel` computes each
-run's softmax-weighted sum with its row maxima and sums (online softmax over BLOCK_L-key tiles,
-tl.dot on the rows padded to BLOCK_R), and `decode_attention_combine_kernel` merges the runs of
-each row. Rows whose keys are all masked get zeros.
+Bound by memory bandwidth, a decode step's attention needs every SM reading the cache, which one
+program per (batch, key/value head) does not give at small batches. So each (batch, head) is
+split into `splits` runs of keys: `decode_attention_split_kernel` computes each run's weighted
+sum, row maxima and sums (online softmax over BLOCK_L-key tiles, tl.dot on the rows padded to
+BLOCK_R); `decode_attention_combine_kernel` merges each row's runs. Fully masked rows get zeros.
 
 The rows are a grouped-query head's packed query heads (lowering/gqa_packing.py): q [B, KV, R, D]
 and k, v [B, KV, L, D], each with its last dimension contiguous; the mask (bool: True attends;

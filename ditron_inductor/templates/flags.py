@@ -1,27 +1,16 @@
 """The flag protocol of the fused kernels, on stock Triton: peer pointers, flags, waits.
 
-Flags are int32 words holding an *epoch*: the calls of one op context are numbered 1, 2, 3, ...
-and a producer writes the call's epoch into a flag; a consumer waits until the flag is >= the
-epoch it expects. Flags only grow, so nothing is reset between calls. Flags are raised with
-release and polled with acquire at system scope (the writer may be another GPU or the copy
-engine). The epoch is a host value (the all-gather and the copy-engine reduce-scatter, whose
-streams also wait with the driver) or lives on the device (the all-reduce and the reduce-scatter
-pull: epoch_ptr[0] = epoch of the last finished call, epoch_ptr[1] = that + 1, the current
-call's; every program reads e = epoch_ptr[1] at its start and the last program through advances
-it, `finish_call`), so that a captured CUDA graph replays with no host value baked in.
+Flags are int32 words holding an *epoch* (an op context's calls are 1, 2, 3, ...): a producer
+writes the call's epoch with release at system scope (the writer may be another GPU or the copy
+engine), a consumer polls with acquire until the flag is >= the epoch it expects. Flags only
+grow, so nothing is reset between calls. The all-reduce keeps its epoch on the device, so that a
+captured CUDA graph bakes in no host value: epoch_ptr[1] is the current call's, read by every
+program at its start and advanced by the last one (`finish_call`; epoch_ptr[0]: the last done).
 
-The waits: `wait_flag` (one flag), `wait_all` and `wait_peers` (several flags polled as one
-vector), `wait_rows` and `wait_chunks_through` (the chunks that a range of rows touches), and
-lamport's `take_when_full` (all_reduce_lamport.py: it polls the data itself for the empty mark).
-Waits are bounded when limit > 0 (debug, the plan's wait timeout): a wait that gives up writes
-its code into an error word that the host reads, instead of hanging (`polling` and
-`record_give_up` state that rule for every wait). The bound is time on a GPU, nanoseconds of its
-global timer (`wait_start`, `waited`), and polls under the interpreter, which has no inline
-assembly (runtime/context.wait_limit converts the plan's seconds to either). The world size is
-a compile-time constant (WORLD, and WORLD_P2 its next power of two): the loops over the ranks
-are unrolled, and a wait for all ranks polls their W flags with one vector of loads.
-
-Peer buffers are reached through a table of peer base addresses (one int64 per rank).
+Waits are bounded when limit > 0 (debug): one that gives up writes its code into an error word
+that the host reads, instead of hanging; the bound is ns of the global timer, polls under the
+interpreter (runtime/context.wait_limit converts). WORLD (WORLD_P2 its next power of two) is a
+compile-time constant: loops over the ranks unroll, and a wait for all ranks polls one vector.
 """
 
 import os
@@ -30,12 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-# flag word layout (per rank)
-# READY + j: chunk j of the GEMM is written (push beside the GEMM's row chunks, CHUNKED)
-READY, MAX_CHUNKS = 0, 64
-# STARTED + p * WORLD + q = program p of rank q has started (rank q's partial is complete, or
-# sent); PUSHED + p * WORLD + q = program p of rank q pushed its sums to me; LOCAL + p = my
+# flag words (per rank): READY + j: chunk j of the GEMM is written (the push beside it, CHUNKED);
+# STARTED + p * WORLD + q: program p of rank q has started (rank q's partial is complete, or
+# sent); PUSHED + p * WORLD + q: program p of rank q pushed its sums to me; LOCAL + p: my
 # program p has written its rows of h (a barrier over my programs, before the norm)
+READY, MAX_CHUNKS = 0, 64
 MAX_PROGS, MAX_WORLD = 128, 16
 STARTED = READY + MAX_CHUNKS
 PUSHED = STARTED + MAX_PROGS * MAX_WORLD
@@ -51,10 +39,8 @@ K_ERR_LOCAL, K_ERR_STARTED = tl.constexpr(ERR_LOCAL), tl.constexpr(ERR_STARTED)
 K_ERR_SENT = tl.constexpr(ERR_SENT)
 
 
-# Bounded waits count nanoseconds of the GPU's global timer: a bound in polls is no bound in time
-# (a poll of a peer's flag takes about a microsecond, of a local word less; the 4-rank MoE
-# dispatch test gave up at a nominal 20 s of polls on 4x H100 where 300 passed). Polls where
-# there is no PTX: the interpreter, ROCm.
+# a bound in polls is no bound in time (a peer's flag polls far slower than a local word, both
+# varying with the machine): nanoseconds, except where there is no PTX (the interpreter, ROCm)
 WAIT_IN_NS = (os.environ.get("TRITON_INTERPRET", "0") != "1"
               and getattr(torch.version, "hip", None) is None)
 K_WAIT_IN_NS = tl.constexpr(WAIT_IN_NS)
@@ -73,9 +59,8 @@ def load_acquire(ptr):
 
 @triton.jit
 def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """The base address of `peer`'s buffer as a typed pointer (the table holds int64 addresses).
-    ALIGNED: say that it is 16-byte aligned (symmetric buffers are), so that the compiler may
-    emit 16-byte loads and stores through it."""
+    """`peer`'s buffer base (the table's int64) as a typed pointer. ALIGNED: declare it 16-byte
+    aligned (symmetric buffers are), so that the compiler may emit 16-byte loads and stores."""
     ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
@@ -90,8 +75,7 @@ def global_ns():
 
 @triton.jit
 def wait_start(limit):
-    """Where a bounded wait's clock starts: the global timer (ns); 0 where waits count polls
-    or are unbounded (limit 0: the clock is never read)."""
+    """Where a bounded wait's clock starts: the global timer's ns, or 0 (polls, or unbounded)."""
     start = tl.full([], 0, tl.int64)
     if K_WAIT_IN_NS:
         if limit > 0:
@@ -101,8 +85,7 @@ def wait_start(limit):
 
 @triton.jit
 def waited(n, start, limit):
-    """How long a wait has waited after one more poll, in the units of `limit`: ns since
-    `start`, or polls; unbounded waits (limit 0) leave the clock alone."""
+    """How long a wait has waited after one more poll, in `limit`'s units (ns, or polls)."""
     if K_WAIT_IN_NS:
         if limit > 0:
             n = global_ns() - start
@@ -138,11 +121,9 @@ def gave_up_before(limit, err_ptr):
 
 @triton.jit
 def wait_flag(ptr, epoch, limit, err_ptr, code):
-    """Spin until *ptr >= epoch. With limit > 0, stop after `limit` (`waited`) and record `code`.
-
-    Unlike the vector waits it does not skip after another wait gave up (gave_up_before): each
-    of its waiters names its own flag in `code` (the chunk, the rank), and the check would add
-    a load of the error word to every wait of the all-gather's GEMM tiles and pull."""
+    """Spin until *ptr >= epoch; with limit > 0, stop after `limit` and record `code`. It does not
+    skip after another wait gave up (gave_up_before): its waiters name their own flag in `code`,
+    and the check would add a load of the error word to every wait of the all-gather's tiles."""
     v = load_acquire(ptr)
     since = wait_start(limit)
     n = since * 0
@@ -195,9 +176,8 @@ def wait_rows(flag_ptr, seen, row0, row_end, rows_per_chunk, epoch, limit, err_p
 def wait_chunks_through(flag_table, ready, last, N, rows_per_chunk, epoch, limit, err_ptr,
                         WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
     """Beside a GEMM that raises READY per chunk of rows_per_chunk rows: wait for READY on every
-    rank of each chunk up to the one holding element `last` (row last // N) not yet seen (chunks
-    [0, ready) were; the persistent GEMM finishes chunks only about in order). Returns the new
-    `ready`."""
+    rank of each chunk up to the one holding element `last` (row last // N) not seen yet (chunks
+    [0, ready) were; the GEMM finishes chunks only about in order). Returns the new `ready`."""
     need = (last // N) // rows_per_chunk
     for c in range(ready, need + 1):  # none when chunk `need` was seen
         wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY, WORLD, WORLD_P2)
@@ -214,23 +194,8 @@ def finish_call(arrive_ptr, epoch_ptr, epoch):
         tl.store(epoch_ptr + 1, epoch + 1)
 
 
-@triton.jit(do_not_specialize=["offset", "value", "skip"])
-def notify_peers_kernel(table_ptr, offset, value, skip, world):
-    """For each rank p != skip of the group: flags_p[offset] = value (release, system scope).
-    The table holds each rank's flag base address; skip = -1 notifies every rank."""
-    for p in range(world):
-        if p != skip:
-            base = peer_ptr(table_ptr, p, tl.int32)
-            tl.atomic_xchg(base + offset, value, sem="release", scope="sys")
-
-
 @triton.jit(do_not_specialize=["first", "count", "epoch", "limit"])
 def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
     """Wait until flag_ptr[first + i] >= epoch for i in [0, count) (a stream-side wait)."""
     for i in range(count):
         wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
-
-
-@triton.jit(do_not_specialize=["offset", "value"])
-def write_flag_kernel(flag_ptr, offset, value):
-    tl.atomic_xchg(flag_ptr + offset, value, sem="release", scope="sys")

@@ -1,29 +1,18 @@
 """GEMM + all-reduce with overlap: a persistent GEMM that raises READY per finished row chunk.
 
-C = A @ B (+ bias) is written into my symmetric buffer (the partial the all-reduce reads) by a
-persistent grid that leaves SMs to the push kernel running beside it (templates/
-all_reduce_push.py, CHUNKED; runtime/all_reduce.py launches both). Chunk c = row-blocks
-[c * GROUP_M, (c + 1) * GROUP_M). Tiles follow ag_gemm.tile_coords' grouped order with GROUP_M
-= one chunk, so all programs work on one or two chunks at a time and the chunks finish about in
-order (the push waits for every chunk up to the one it needs, so order is not required).
+C = A @ B (+ bias) goes into my symmetric buffer (the partial the all-reduce reads) on a grid
+that leaves SMs to the push kernel beside it (templates/all_reduce_push.py, CHUNKED). Chunk c =
+row-blocks [c * GROUP_M, (c + 1) * GROUP_M); ag_gemm.tile_coords' grouped order with GROUP_M =
+one chunk keeps every program on one or two chunks, so chunks finish about in order (the push
+waits for every chunk up to the one it needs: order is not required).
 
-After a tile's stores its program counts the tile in counts[c]; the program that counts the
-chunk's last tile resets the counter (no later tile of this call touches it; the next call's
-GEMM is queued after this call's push) and raises READY[c] = epoch in my flags with release at
-system scope: the peers' push programs poll it over NVLink, then read the chunk. The tiles'
-stores reach that release through the counter (acquire-release at system scope, after a barrier
-over the program's threads).
-
-GEMM + reduce-scatter (templates/reduce_scatter.py) uses the same GEMM with SLICES = W: rank q
-reduces rows [q * M/W, (q + 1) * M/W) (its slice), so chunk c holds row-blocks [c * G,
-(c + 1) * G) of every slice (G = GROUP_M / SLICES, `slice_blocks` row-blocks a slice): every
-rank can reduce its part of chunk c once c is ready everywhere. With PARITY the partial goes to
-the half of my buffer of the call's epoch parity (`parity_elems` apart), so the GEMM of the
-next call never writes where a peer may still read this call's partial.
-
-A and B come in through TMA descriptors (A [M, K], B [K, N] or, B_TRANS, B^T [N, K]); C is stored
-through pointers (row stride N: the partial is contiguous), whose stores are ordered by the
-barrier and the release above (a TMA store would complete asynchronously).
+After its stores a tile counts itself in counts[c] (acquire-release at system scope, after a
+barrier over the program's threads); the program that counts the chunk's last tile resets the
+counter (no later tile of this call touches it; the next call's GEMM is queued after this
+call's push) and raises READY[c] = epoch with release at system scope, for the peers' push
+programs polling it over NVLink. A and B come in through TMA descriptors (B^T [N, K] when
+B_TRANS); C is stored through pointers, whose stores the barrier and the release order (a TMA
+store would complete asynchronously).
 """
 
 import triton
@@ -33,28 +22,19 @@ from .ag_gemm import tile_coords, tma_tile_product
 from .flags import K_READY
 
 
-@triton.jit(do_not_specialize=["M", "slice_blocks", "parity_elems"])
+@triton.jit(do_not_specialize=["M"])
 def gemm_ready_kernel(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, counts_ptr, epoch_ptr,
-                      M, N, K, slice_blocks, parity_elems, HAS_BIAS: tl.constexpr,
-                      B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      SLICES: tl.constexpr = 1, PARITY: tl.constexpr = False):
+                      M, N, K, HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.load(epoch_ptr + 1)  # the current call's (advanced by the kernel beside it)
-    if PARITY:
-        c_ptr += (epoch % 2) * parity_elems
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     for tile in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, 0, GROUP_M)
-        row_block = pid_m  # pid_m counts in chunk order; the row-block it stands for:
-        if SLICES > 1:  # the (pid_m % GROUP_M)-th of chunk c's row-blocks, slice by slice
-            per_slice: tl.constexpr = GROUP_M // SLICES
-            within = pid_m % GROUP_M
-            row_block = ((within // per_slice) * slice_blocks + (pid_m // GROUP_M) * per_slice
-                         + within % per_slice)
-        row0 = row_block * BLOCK_M
+        row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         acc = tma_tile_product(a_desc, b_desc, row0, col0, k_tiles, B_TRANS, BLOCK_M, BLOCK_N,
                                BLOCK_K)

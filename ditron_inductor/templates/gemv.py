@@ -1,13 +1,12 @@
 """Decode GEMM: out[M, N] = a[M, K] @ b[K, N] for a few rows (M <= 16), b a linear layer's weight
 read as its transpose (b = W.t(), W [N, K] row-major, so b's K stride is 1).
 
-A decode step's matmuls move the weights once and do almost no arithmetic: they are bound by
-memory bandwidth. Each program owns BLOCK_N output columns, i.e. BLOCK_N rows of W, and walks K
-in BLOCK_K slices, so every load is a run of contiguous weight bytes; a row of `a` is reused
-across the program's BLOCK_N columns from L1/L2. With a single row (BLOCK_M == 1) the product is
-a multiply and a row sum on CUDA cores (tl.dot needs 16 rows); with more rows, tl.dot with the
-rows padded to BLOCK_M. `gemv_group_kernel` runs two or three products of the same rows in one
-launch (one kernel where a decode step had three: fewer launches and gaps between kernels).
+A decode step's matmuls are bound by memory bandwidth: they read the weights once and do little
+arithmetic. Each program owns BLOCK_N output columns (rows of W) and walks K in BLOCK_K slices,
+so every load is contiguous weight bytes; a's rows are reused across them from L1/L2. One row
+(BLOCK_M == 1): a multiply and a row sum on CUDA cores (tl.dot needs 16 rows); more rows: tl.dot
+on the rows padded to BLOCK_M. `gemv_group_kernel` runs two or three products of the same rows in
+one launch: fewer launches and gaps between kernels.
 """
 
 import triton

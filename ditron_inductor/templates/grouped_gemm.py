@@ -1,49 +1,28 @@
-"""Expert parallelism: the experts' grouped GEMM, reading its rows through the dispatch's index
-and writing them back through the combine's (on several ranks: into the peers' buffers; the
-routes and the push between ranks are templates/moe_routes.py).
+"""Expert parallelism's grouped GEMM (`grouped_gemm_kernel`): reads its rows through the
+dispatch's index and writes them through the combine's (on several ranks, into the peers').
 
-The grouped GEMM (`grouped_gemm_kernel`). Expert e owns GEMM rows [offsets[e-1], offsets[e])
-(offsets: int32 cumulative row counts, as torch._grouped_mm takes them; offsets[-1] = 0) and
-multiplies them by B[e] [K, N] (any strides: a transposed nn.Linear weight is a view). The tiles
-are (expert, m-tile, n-tile): expert e has ceil(rows_e / BLOCK_M) m-tiles (none for an expert
-without rows; its last one partial), numbered expert after expert (`expert_of_tile`, computed in
-every program from the offsets with one vector load and a cumsum, so no host sync and no
-per-call tile table). The grid is persistent over an upper bound of the m-tiles, ceil(M /
-BLOCK_M) + E (each expert adds at most one partial tile; the rows past the last offset, if
-any, one more), times the n-tiles; tiles past the call's own count do nothing. Within an
-expert the tiles go GROUP_M m-tiles at a time over the n-tiles (the usual grouped order), so
-programs that run together share rows and the expert's weight in L2.
+Expert e multiplies GEMM rows [offsets[e-1], offsets[e]) (int32 cumulative counts, as
+torch._grouped_mm takes them) by B[e] [K, N] (any strides). Its ceil(rows_e / BLOCK_M) m-tiles
+are numbered expert after expert (`expert_of_tile`, from the offsets in every program: no host
+sync, no tile table). The grid is persistent over ceil(M / BLOCK_M) + E m-tiles (each expert
+adds at most one partial tile, the rows past the last offset one more) times the n-tiles; tiles
+past the call's do nothing. Within an expert, GROUP_M m-tiles at a time go over the n-tiles, so
+programs running together share rows and the weight in L2.
 
-  prologue  GATHER: GEMM row i is row a_index[i] of A (the dispatch at world size 1: the
-            all-to-all is the identity over ranks, so the dispatch is a gather of x's rows by
-            expert); else row i of A. WRITE_ROWS: the n-tile-0 programs copy their rows into
-            rows_out (the op's first output, the rows the experts read) after their K loop.
-  WAIT      (world size > 1) tile (e, t) first waits until its arrival counter, which the
-            peers' dispatch (moe_routes.put_rows_kernel) raises, reaches expect[tile]: its rows have
-            all landed in this rank's receive buffer (A).
-  epilogue  SCALE: row i times scale[i] (the routing weight), in fp32. SCATTER: row i goes to
-            row c_index[i] of C (the combine: y's rows back to the sender's order); ACCUMULATE:
-            added there with an atomic add (C fp32: several GEMM rows (a token's top-k experts)
-            land on one row); else stored. PUSH (the combine on several ranks): row i goes to
-            row c_index[i] of rank dst_rank[i]'s receive buffer (`push_rows`), then one is
-            added per row to the destination's arrival counter for this sender; the rows past the
-            last offset are pushed as zeros (torch._grouped_mm leaves them undefined), so that
-            every row the receivers count on comes.
+  prologue  GATHER (the dispatch at world size 1): GEMM row i is A[a_index[i]], else A[i].
+            WRITE_ROWS: the n-tile-0 programs copy their rows into rows_out.
+  WAIT      (world size > 1) a tile first waits until its arrival counter, which the peers'
+            put_rows_kernel raises, reaches expect[tile]: its rows have landed in A.
+  epilogue  SCALE: row i times scale[i] (the routing weight), fp32. SCATTER (the combine): row
+            i to row c_index[i] of C; ACCUMULATE: an atomic add there (C fp32: a token's top-k
+            rows land on one row). PUSH (the combine on several ranks): row i to row c_index[i]
+            of rank dst_rank[i]'s receive buffer, counted there; the rows past the last offset
+            go as zeros, so that every row the receivers count comes.
 
-The dispatch's push (templates/moe_routes.py `put_rows_kernel`, world size > 1) puts each row
-of x at its expert-major row of its receiver's buffer and adds one to that tile's arrival
-counter there. Counters only grow: a call expects each tile's counter at its previous value
-plus the rows of the tile this call (expect[], the receiver's), so nothing is reset between
-calls.
-
-A is read through pointers (GATHER: the gathered rows are not one block of a tensor) or (A_DESC,
-rows in order) a Hopper TMA descriptor over A [rows, K] (a tile's block of BLOCK_M rows from its
-first; the rows past the expert's, the next expert's or the zeros past the end, are multiplied
-and not stored; after a WAIT, PROXY_FENCE orders the peers' stores before the TMA reads). B
-through pointers or (B_DESC) a Hopper TMA descriptor over the weights' 2-d view, [E * K, N] (K
-a multiple of BLOCK_K: a K block never reaches into the next expert) or [E * N, K]
-(nn.Linear's layout; the columns past N that reach into the next expert are not stored).
-(Ceil-divisions and zero fills are written out, as in ag_gemm.py, for the interpreter.)
+A and B are read through pointers or TMA descriptors (A_DESC: rows in order, a tile's block of
+BLOCK_M rows from its first, those past the expert's multiplied and not stored; after a WAIT,
+PROXY_FENCE orders the peers' stores before the TMA reads. B_DESC: runtime/moe.py
+weight_descriptor). Ceil-divisions and zero fills are written out for the interpreter.
 """
 
 import triton
@@ -51,20 +30,19 @@ import triton.language as tl
 
 from .flags import load_acquire, polling, record_give_up, wait_start, waited
 
-# B_DESC: the weight through a TMA descriptor over its 2-d view, [E * K, N] or (a transposed
-# nn.Linear weight) [E * N, K]; 0: through pointers
+# B_DESC: the weight's 2-d view under TMA, [E * K, N] or [E * N, K]; 0: pointers
 B_ROWS_K, B_ROWS_N = tl.constexpr(1), tl.constexpr(2)
-# error code (err word) of a tile whose rows never arrived (and the same for the kernels)
+# the err word's code for a tile whose rows never arrived
 ERR_ROWS = 8
 K_ERR_ROWS = tl.constexpr(ERR_ROWS)
 
 
 @triton.jit
 def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
-    """(expert, its first row, its row count, the tile's index within the expert) of the
-    m_tile-th m-tile, counting each expert's ceil(rows / BLOCK_M) tiles in turn. Past the last
-    expert's tiles: expert E, whose "rows" are the GEMM rows past offsets[E - 1] (none in an MoE
-    layer; torch._grouped_mm leaves their products undefined, the rows output still holds them)."""
+    """(expert, its first row, its row count, the tile's index within it) of the m_tile-th
+    m-tile. Past the last expert's tiles: expert E, the rows past offsets[E - 1] (none in an MoE
+    layer; their products are undefined, as torch._grouped_mm's, but the rows output holds
+    them)."""
     e = tl.arange(0, E_P2)
     valid = e < E
     ends = tl.load(offsets_ptr + e, mask=valid, other=0)
@@ -83,10 +61,8 @@ def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.co
 @triton.jit
 def copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
               BLOCK_K: tl.constexpr):
-    """rows_out[rows] = A[src] (WRITE_ROWS), in a loop of its own: stored from inside the GEMM's
-    pipelined K loop, the A tiles corrupted the product on H100 (Triton 3.6, 128x128 tiles, 3
-    stages: relative error 0.1-0.3; right with 1 stage), so the rows are read a second time
-    (from L2, just read by the loop)."""
+    """rows_out[rows] = A[src], in a loop of its own: stored from the pipelined K loop (more
+    than one stage), the A tiles corrupt the product; the second read comes from L2."""
     for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         cols = kk * BLOCK_K + tl.arange(0, BLOCK_K)
         m = row_ok[:, None] & (cols[None, :] < K)
@@ -97,13 +73,10 @@ def copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
 @triton.jit
 def push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, dst_row_ptr, recv_table, count_table,
               dtype: tl.constexpr):
-    """GEMM rows `rows` of the product (acc, at columns offs_n) to row dst_row[i] of rank
-    dst_rank[i]'s receive buffer ([capacity, N] rows; recv_table: each rank's base address),
-    then one added per row to its rank's arrival counter (count_table: each rank's counter
-    address; release, system scope). One atomic per row, as the dispatch's push counts: with
-    one scalar add per destination rank of the tile's row count (and one count for all
-    senders), rank 0's count stayed at 600 of 1200 on 2x H100 and 2x H200 (Triton 3.6); with
-    both changed, the GPU test passes (which of the two mattered was not isolated)."""
+    """Product rows `rows` (acc at columns offs_n) to row dst_row[i] of rank dst_rank[i]'s
+    receive buffer ([capacity, N]), then one added per row to that rank's arrival counter for
+    this sender (release, system scope): one atomic per row, into a count per sender (one add
+    of a tile's rows per rank into a count shared by all senders loses arrivals)."""
     rank = tl.load(dst_rank_ptr + rows, mask=row_ok, other=0)
     dst_row = tl.load(dst_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     base = tl.load(recv_table + rank, mask=row_ok, other=0).to(tl.pointer_type(dtype))
@@ -133,9 +106,8 @@ def grouped_gemm_kernel(
     for tile in range(pid, max_m_tiles * num_pid_n, NUM_PROGS):
         expert, start, count, t = expert_of_tile(offsets_ptr, tile // num_pid_n, M, E, BLOCK_M,
                                                  E_P2)
-        # the expert's tiles are [first * num_pid_n, (first + its m-tiles) * num_pid_n): within
-        # them, GROUP_M m-tiles at a time over every n-tile (the expert's weight read once per
-        # GROUP_M m-tiles from L2, not once per m-tile)
+        # within the expert's tiles, GROUP_M m-tiles at a time over every n-tile: its weight
+        # read from L2 once per GROUP_M m-tiles, not per m-tile
         first = tile // num_pid_n - t
         nth = tile - first * num_pid_n
         in_group = GROUP_M * num_pid_n

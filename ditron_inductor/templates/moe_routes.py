@@ -1,20 +1,15 @@
-"""Expert parallelism's routes and rows between ranks (the protocol: runtime/moe_routes.py): a
-receiver publishes where the rows it receives go (`publish_routes_kernel`), a sender reads its
-rows' destinations from the receivers' tables (`route_of_rows`) and puts its rows there
-(`put_rows_kernel`), or hands them to the grouped GEMM's epilogue (`routes_kernel`).
+"""Expert parallelism's routes between ranks (the protocol: runtime/moe_routes.py): a receiver
+publishes where its received rows go (`publish_routes_kernel`); a sender reads its rows'
+destinations from the receivers' tables (`route_of_rows`) and puts the rows there
+(`put_rows_kernel`) or hands the routes to the grouped GEMM's epilogue (`routes_kernel`).
 
-Each rank's route table (int32 words, symmetric memory; `table_table`: every rank's table
-address):
+Each rank's route table, int32 words in symmetric memory (`table_table`: every rank's address):
     [start[0..W) | send_end[0..W) | dst_row[0..capacity) | dst_tile[0..capacity)]
-start[p]: where sender p's rows start among the rows this rank receives (rank-major, as
-all_to_all_single lands them); send_end[q]: the end of the rows this rank sends to rank q among
-its own (cumulative input split sizes: rows [send_end[q - 1], send_end[q]) go to q), read only
-by this rank; dst_row[j], dst_tile[j] (the dispatch only): the expert-major row and GEMM tile of
-the j-th row this rank receives. One launch each, in place of the dozens of small torch ops that
-computed these on the caller's stream.
-
-Tiles are numbered as the grouped GEMM numbers them (grouped_gemm.expert_of_tile): expert after
-expert, ceil(rows_e / BLOCK_M) each, then the rows past offsets[-1] (none in an MoE layer).
+start[p]: where sender p's rows start among this rank's received rows (rank-major, as
+all_to_all_single lands them); send_end[q]: the end of this rank's rows to rank q among its own
+(cumulative input split sizes), read only by this rank; dst_row[j], dst_tile[j] (the dispatch
+only): the expert-major row and GEMM tile of the j-th received row. Tiles are numbered as
+grouped_gemm.expert_of_tile numbers them.
 """
 
 import triton
@@ -23,8 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
-    """The GEMM m-tile of expert-major rows j: the expert holding each (the ends at or before
-    it), that expert's first tile plus the row's tile within it."""
+    """The GEMM m-tile of expert-major rows j: its expert's first tile plus its tile within."""
     e = tl.arange(0, E_P2)
     valid = e < E
     ends = tl.load(offsets_ptr + e, mask=valid, other=0)
@@ -44,10 +38,10 @@ def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
 def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, received, capacity,
                           E, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
                           WORLD: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """The dispatch's receiver, rows [pid * BLOCK, (pid + 1) * BLOCK) of its expert-major rows:
-    row j is received row row_index[j] (j without an index), so dst_row[row_index[j]] = j and
-    dst_tile[row_index[j]] = j's tile; and one added to expect[tile] per row (the count the
-    tile's GEMM waits for: counters only grow, so each call adds its rows)."""
+    """The dispatch's receiver, expert-major rows j of this program: j is received row
+    row_index[j] (j without an index), so dst_row[row_index[j]] = j, dst_tile[row_index[j]] =
+    j's tile, and expect[tile] grows by one per row (counters only grow: each call adds its
+    rows)."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = j < received
     tile = tile_of_rows(j, offsets_ptr, E, BLOCK_M, E_P2)
@@ -63,13 +57,11 @@ def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, rec
 @triton.jit
 def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
                   WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """(dst_rank, dst_row, dst_tile) of this sender's rows r (in send order: rank-major, by its
-    send_end words): the receiver q of each, its position among q's received rows (q's
-    start[rank] + its index among the rows sent to q) and, EXPERT_MAJOR (the dispatch), the
-    expert-major row and tile q published for that position; else (the combine) the position
-    itself, tile 0. dst_rank -1: not sent (out of range, or a position q's table leaves
-    unclaimed: a row index that is no permutation). Only the tables of the ranks a row goes to
-    are read."""
+    """(dst_rank, dst_row, dst_tile) of this sender's rows r (send order): the receiver q (by my
+    send_end words), the position among q's received rows (q's start[rank] + the index among
+    my rows to q) and, EXPERT_MAJOR (the dispatch), the row and tile q published for it; else
+    (the combine) the position itself, tile 0. dst_rank -1: not sent (out of range, or a
+    position q's table leaves unclaimed). Only the tables of the ranks a row goes to are read."""
     w = tl.arange(0, WORLD_P2)
     my_table = tl.load(table_table + rank).to(tl.pointer_type(tl.int32))
     ends = tl.load(my_table + WORLD + w, mask=w < WORLD, other=0)
@@ -92,8 +84,8 @@ def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
 def routes_kernel(index_ptr, dst_rank_ptr, dst_row_ptr, dst_tile_ptr, table_table, rows, rank,
                   capacity, BLOCK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                   EXPERT_MAJOR: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """route_of_rows of send positions index[i] (i without an index) into dst_*[i], for the
-    rows [pid * BLOCK, (pid + 1) * BLOCK): the combine's GEMM rows for its epilogue's push."""
+    """route_of_rows of send positions index[i] (i without an index) into dst_*[i]: the routes
+    of the combine's epilogue push."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = i < rows
     if HAS_INDEX:
@@ -111,11 +103,9 @@ def routes_kernel(index_ptr, dst_rank_ptr, dst_row_ptr, dst_tile_ptr, table_tabl
 def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, capacity,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORLD: tl.constexpr,
                     WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """x's rows [pid * BLOCK_R, (pid + 1) * BLOCK_R) (in send order, row length K) each to its
-    route (route_of_rows) in its receiver's buffer (data_table: each rank's base address), then
-    one added per row to its receiver's counter of the row's tile (count_table: each rank's
-    counter base; release at system scope after a barrier over the program's threads, so that
-    the rows are visible before the counts)."""
+    """This program's rows of x (send order, K wide) each to its route in its receiver's
+    buffer (data_table: each rank's base), then one added per row to the receiver's counter of
+    its tile (count_table: each rank's counter base), released after every thread's rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_of, dst_row, tile = route_of_rows(r, r < rows, table_table, rank, capacity, WORLD,
                                            WORLD_P2, EXPERT_MAJOR)
@@ -130,8 +120,7 @@ def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, 
         v = tl.load(x_ptr + r[:, None].to(tl.int64) * K + cols[None, :], mask=m)
         tl.store(base[:, None] + dst_row[:, None] * K + cols[None, :], v, mask=m)
     tl.debug_barrier()  # every thread's rows, then the counts that release them
-    # one atomic per row, counted at its receiver (per receiver: the ranks' counter bases are
-    # a scalar load each)
+    # one atomic per row; a loop over receivers, so that each counter base is a scalar load
     for q in range(WORLD):
         counters = tl.load(count_table + q).to(tl.pointer_type(tl.int32))
         mine = ok & (rank_of == q)

@@ -1,10 +1,7 @@
-"""Reduction of GEMM+reduce-scatter: out = scale * sum over the W slots of the receive buffer
-(reduce_slots_kernel); and the copy-engine all-reduce's sum + residual + RMSNorm
+"""The sums of the received partials, slot s holding rank s's partial of my rows: the
+reduce-scatter's out = scale * the W slots' sum in fp32 (scale 1 for "sum", 1/W for "avg";
+reduce_slots_kernel), and the copy-engine all-reduce's sum + residual + RMSNorm
 (sum_slots_norm_kernel).
-
-Slot s of the receive buffer holds rank s's partial product of this rank's output chunk (pushed
-there by rank s's copy engine; slot `rank` written by this rank's own GEMM). The sum runs in fp32;
-scale is 1 for "sum" and 1/W for "avg".
 """
 
 import triton
@@ -31,12 +28,10 @@ def reduce_slots_kernel(src_ptr, out_ptr, n, slot_stride, world, scale, BLOCK: t
 def sum_slots_norm_kernel(slots_ptr, slot_stride, h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps,
                           WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
                           W_FP32: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The copy-engine all-reduce's end (runtime/all_reduce.py, algo "copy_engine"): slot q
-    holds rank q's partial [M, N]; ROWS whole rows a program (BLOCK_N >= N). h = the sum over
-    the slots in fp32, rounded to the dtype (the all-reduce's own rounding), + my residual
-    (added in fp32 and rounded again); with NORM, y = RMSNorm(h) * weight from h's rounded
-    values (all_reduce.weighted's roundings, ops.rms_norm_reference).
-    """
+    """The copy-engine all-reduce's end: ROWS whole rows a program (BLOCK_N >= N). h = the slots'
+    sum in fp32, rounded to the dtype (the all-reduce's own rounding), + my residual (added in
+    fp32, rounded again); NORM: y = RMSNorm(h) * weight from h's rounded values (the roundings
+    of all_reduce.weighted and ops.rms_norm_reference)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)

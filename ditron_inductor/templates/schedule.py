@@ -1,13 +1,10 @@
-"""The Task's cross-rank schedule (scheduler/task.py) as the kernels compute it.
+"""The Task's cross-rank schedule (scheduler/task.py) as the kernels compute it; the interpreter
+tests compare the two.
 
-- Ring order: rank r takes the ranks' chunks in the order r, r + 1, ... (mod W), so that at
-  every step the ranks work on distinct chunks (`Task.ring_order`). The all-gather's pull walks
-  the ranks so, and its GEMM walks its row-blocks so, from the first of its own chunk.
-- Block ownership: the all-reduce cuts the flattened partial into blocks of BLOCK elements and
-  block g is reduced by rank g % W (`Task.block_owner`): block row i, blocks W*i .. W*i + W - 1,
-  holds one block of every rank.
-
-The interpreter tests run these helpers and compare them with the Task's methods.
+- Ring order (`Task.ring_order`): rank r takes the chunks in the order r, r + 1, ... (mod W), so
+  that at every step the ranks work on distinct chunks.
+- Block ownership (`Task.block_owner`): the all-reduce's block g of BLOCK elements is reduced by
+  rank g % W, so block row i (blocks W*i .. W*i + W - 1) holds one block of every rank.
 """
 
 import triton

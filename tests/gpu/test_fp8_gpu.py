@@ -2,9 +2,9 @@
 memory, torch._scaled_mm per group of chunks) against its reference, on 1, 2 and 4 ranks, random
 data, tensorwise scales (rowwise and Triton plans decline: the reference serves them, which the
 test also checks), and the compiled path with DITRON_PLAN=fused; likewise
-scaled_mm_reduce_scatter's copy-engine plan (_scaled_mm per rank's rows) and scaled_mm_all_reduce's
-plans (_scaled_mm into the partial, then push / push_all / lamport / push beside cuBLAS row
-chunks), tensorwise and rowwise, their Triton plans declining.
+scaled_mm_reduce_scatter's copy-engine plan (_scaled_mm per rank's rows), tensorwise and rowwise.
+scaled_mm_all_reduce has no fused plan: compiled with DITRON_PLAN=fused, its site stays
+_scaled_mm + NCCL.
 
 Run on the GPU machine (needs sm_89+ for float8 _scaled_mm): pytest -m gpu tests/gpu/test_fp8_gpu.py
 """
@@ -90,16 +90,15 @@ def _scales(gen, m, n, rowwise):
 
 def _scatter_cases(group_name, world, gen):
     """scaled_mm_reduce_scatter: the copy-engine plan with cuBLAS (both reductions) serves,
-    tensorwise and rowwise (each rank's rows with their scales); the Triton plans decline."""
+    tensorwise and rowwise (each rank's rows with their scales)."""
     from ditron_inductor.ops import scaled_mm_reduce_scatter_reference
     from ditron_inductor.runtime.reduce_scatter import stats
 
     op = "scaled_mm_reduce_scatter"
     for m, k, n in ((64 * world, 256, 384), (128 * world, 1024, 4096), (16 * world, 512, 256)):
         for rowwise, terms in ((False, 1), (True, 1), (False, 2)):  # 2: a sum (ScaledSum)
-            for params, fused in ((dict(), True), (dict(gemm="cublas"), True),
-                                  (dict(gemm="triton"), False),
-                                  (dict(gemm="triton", transfer="sm"), False)):
+            for params, fused in ((dict(), True), (dict(reduce="torch"), True),
+                                  (dict(reduce="triton"), True)):
                 a = [_fp8(gen, m, k * (t + 1)) for t in range(terms)]  # the terms' K differ
                 b = [_fp8(gen, n, k * (t + 1)).t() for t in range(terms)]
                 s_a, s_b = zip(*(_scales(gen, m, n, rowwise) for _ in range(terms)))
@@ -116,43 +115,15 @@ def _scatter_cases(group_name, world, gen):
                 _check(tag, out, ref, tol=1e-2)
 
 
-def _all_reduce_cases(group_name, world, gen):
-    """scaled_mm_all_reduce: every algorithm after _scaled_mm, the push beside cuBLAS row chunks
-    (default and carve-out), tensorwise and rowwise; the persistent Triton GEMM declines."""
-    from ditron_inductor.ops import scaled_mm_all_reduce_reference
-    from ditron_inductor.runtime.all_reduce import stats
-
-    op = "scaled_mm_all_reduce"
-    plans = [(dict(), True), (dict(algo="push"), True), (dict(algo="push_scatter"), True),
-             (dict(algo="push_all"), True), (dict(algo="lamport"), True),
-             (dict(algo="lamport_all"), True),
-             (dict(algo="push", overlap=True, gemm="cublas"), True),
-             (dict(algo="push", overlap=True, gemm="cublas", carveout=True), True),
-             (dict(algo="push", overlap=True, gemm="triton"), False)]
-    for m, k, n in ((1, 512, 4096), (48, 1024, 2048), (2048, 1024, 4096)):
-        for rowwise in (False, True):
-            for params, fused in plans:
-                a, b = _fp8(gen, m, k), _fp8(gen, n, k).t()
-                s_a, s_b = _scales(gen, m, n, rowwise)
-                args = (a, b, s_a, s_b, None, BF16, False, [], "sum", group_name, world)
-                served = stats[op]
-                out = torch.ops.ditron.scaled_mm_all_reduce(
-                    *args, _plan(world, m, k, n, op, **params))
-                ref = scaled_mm_all_reduce_reference(*args)
-                tag = f"AR fp8 {m}x{k}x{n} rowwise={rowwise} plan={params}"
-                assert (stats[op] > served) == fused, f"{tag}: fused path"
-                assert out.dtype == BF16 and out.shape == (m, n), tag
-                _check(tag, out, ref, tol=1e-2)
-
-
 def _compiled_case(world, gen) -> str:
-    """torch.compile(backend="ditron") with DITRON_PLAN=fused on funcol fp8 code: the op's fused
-    plan runs (the scheduler chooses no unmeasured fp8 plan on its own)."""
+    """torch.compile(backend="ditron") with DITRON_PLAN=fused on funcol fp8 code: the gather's
+    and the scatter's fused plans run (the scheduler chooses no unmeasured fp8 plan on its own);
+    the all-reduce stays _scaled_mm + NCCL, its reason in the graph's report."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from ditron_inductor import config
-    from ditron_inductor.runtime import all_gather, all_reduce, reduce_scatter
+    from ditron_inductor.lowering import graph_pass
+    from ditron_inductor.runtime import all_gather, reduce_scatter
 
     g = dist.group.WORLD
 
@@ -172,15 +143,16 @@ def _compiled_case(world, gen) -> str:
     s_x, s_w, s_h, s_w2 = (torch.rand((), generator=gen, device="cuda") + 0.5 for _ in range(4))
     cases = [("AG", ag, (x, s_x, w, s_w), all_gather.stats, "all_gather_scaled_mm"),
              ("RS", rs, (h, s_h, w2, s_w2), reduce_scatter.stats, "scaled_mm_reduce_scatter"),
-             ("AR", ar, (h, s_h, w2, s_w2), all_reduce.stats, "scaled_mm_all_reduce")]
+             ("AR", ar, (h, s_h, w2, s_w2), None, "scaled_mm_all_reduce")]
     for name, fn, args, stats, op in cases:
-        config.force_plan = "fused"
-        try:
-            served = stats[op]
-            got = torch.compile(fn, backend="ditron", dynamic=False)(*args)
+        served = stats[op] if stats else 0
+        got = torch.compile(fn, backend="ditron", dynamic=False,
+                            options={"ditron.plan": "fused"})(*args)
+        if stats:
             assert stats[op] > served, f"the compiled {name} graph did not run the plan"
-        finally:
-            config.force_plan = ""
+        else:
+            (candidate,) = [c for r in graph_pass.reports for c in r.candidates if c.op == op]
+            assert not candidate.fused, f"the compiled {name} graph fused {op}"
         _check(f"compiled {name} fp8", got, fn(*args), tol=1e-2)
     return "ok"
 
@@ -194,7 +166,6 @@ def _worker(rank, world, port, result_dir):
         gen.manual_seed(4321 + rank)
         _cases(dist.group.WORLD.group_name, world, gen)
         _scatter_cases(dist.group.WORLD.group_name, world, gen)
-        _all_reduce_cases(dist.group.WORLD.group_name, world, gen)
         # world 1: the scheduler leaves a graph alone (nothing to communicate)
         status = f"ok compiled={_compiled_case(world, gen) if world > 1 else 'n/a'}"
         from ditron_inductor import runtime
@@ -207,7 +178,7 @@ def _worker(rank, world, port, result_dir):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_scaled_mm_ops_fused(world, tmp_path):
-    """The three fp8 ops' fused plans against their references (one spawn per world size)."""
+    """The fp8 ops' fused plans against their references (one spawn per world size)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     if torch.cuda.get_device_capability() < (8, 9):

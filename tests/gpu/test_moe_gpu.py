@@ -266,16 +266,14 @@ def _expert_weights(k, n, dev, transposed):
 
 
 def _dispatch_calls(group, world, rank, dev, gen) -> str:
-    """Consecutive multi-rank dispatch calls (gate and up) against the reference, the put
-    beside the first GEMM among them (plan.put_sms; passed on 2 and 4 of 4x H100)."""
+    """Consecutive multi-rank dispatch calls (gate and up) against the reference."""
     from ditron_inductor.ops import all_to_all_grouped_mm_reference
     from ditron_inductor.scheduler.task import ALL_TO_ALL_GROUPED_MM
 
     k, n, count = 512, 384, 0
     gate, up = _expert_weights(k, n, dev, True), _expert_weights(k, n, dev, False)
-    tiles = MULTI_RANK_TILES + (dict(put_sms=16),)  # and the put beside the first GEMM
     for tag, plan, dtype, (x, out_splits, in_splits, row_index, offsets) in _routed_calls(
-            group, world, rank, ALL_TO_ALL_GROUPED_MM, k, gen, tiles):
+            group, world, rank, ALL_TO_ALL_GROUPED_MM, k, gen):
         print(f"dispatch call {count}: {tag}, rows {x.shape[0]}, sends {in_splits}, "
               f"receives {out_splits}", flush=True)  # where a run that does not end stopped
         args = (x, out_splits, in_splits, row_index, [gate[dtype], up[dtype]], offsets,
@@ -362,13 +360,9 @@ def _wrong_rows(out, ref, received_splits) -> str:
 def _multi_rank_worker(rank, world, port, result_dir, calls):
     import torch.distributed as dist
 
-    from ditron_inductor import config
-
-    # the dispatch's and combine's waits bounded: a row that never lands raises
-    # (DITRON_TEST_WAIT_S=0: the stream waits a model's call takes). 60 s: with the bound in
-    # polls, 20 s nominal gave up once on the 4-rank dispatch on 4x H100 where 300 passed every
-    # call (templates/flags.WAIT_IN_NS)
-    config.wait_timeout_s = float(os.environ.get("DITRON_TEST_WAIT_S", "60"))
+    # the dispatch's and combine's waits bounded (the plans' bound, plan_for reads it): a row
+    # that never lands raises (DITRON_TEST_WAIT_S=0: unbounded, as a model's call waits)
+    os.environ["DITRON_WAIT_TIMEOUT_S"] = os.environ.get("DITRON_TEST_WAIT_S", "60")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     # a rank left alone in a collective (its peer failed) is aborted by NCCL's watchdog after

@@ -1,0 +1,240 @@
+"""The device plan of a task on CUDA: which fused plan, or none (the graph keeps NCCL + cuBLAS).
+
+AG/RS (launched eagerly): the fastest candidate measured at a near shape on the task's world size
+where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else the link model's fastest where it is
+predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M (policy), kept where the world-1 compute and the link
+model predict it MIN_GAIN faster. FP8 and MoE: where their measurements say (policy). Every
+"no" says why, for the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+from . import evidence, link_model, policy
+from .candidates import candidate_plan, candidates_for, predicted_labels
+from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
+from .plan import ReduceScatterPlan, family, from_params
+from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_REDUCE,
+                   MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, MOE_PATTERNS,
+                   SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
+
+KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
+_FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
+                   MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
+                   *MOE_PATTERNS)
+
+
+def has_fused_plan(op: str) -> bool:
+    """Whether some fused plan runs the op on CUDA (one the scheduler may not choose)."""
+    return op in _FUSED_PLAN_OPS
+
+
+class MeasuredDecision(NamedTuple):
+    """The choice at a shape measured on the task's world size: the fastest candidate there,
+    whether it beat NCCL + cuBLAS by MEASURED_MIN_GAIN (`label`, else None), both times with
+    the rewrite's extra costs."""
+
+    fastest: str
+    label: Optional[str]
+    fused_ms: float
+    unfused_ms: float
+    summary: str
+
+
+def measured_decision(task: Task) -> Optional[MeasuredDecision]:
+    """The decision from the measured candidates at the nearest measured shape of the task's op,
+    world size and dtype, or None where none is near. The rows were launched eagerly; under
+    CUDA graphs the same rows decide."""
+    m, k, n = task.m_hint, size_hint(task.k), task.n_total
+    row = evidence.nearest_measured(task.op, task.world_size, task.dtype, m, k, n)
+    fastest = row and row.fastest(candidates_for(task))
+    if not fastest:
+        return None
+    link = evidence.link(task.world_size)
+    # a row timed as the sum (its terms apart) holds the op's accumulation and the graph's add
+    timed = task if row.terms == 1 else dataclasses.replace(task, terms=1)
+    copy_ms, sum_ms = link_model.rewrite_costs(timed, link)
+    fused = row.ms[fastest] + copy_ms
+    unfused = row.ms[evidence.NCCL_CUBLAS] + sum_ms
+    rm, rk, rn = row.shape
+    summary = (f"measured on {task.world_size} ranks at {rm}x{rk}x{rn} ({row.source}): "
+               f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms")
+    label = fastest if unfused >= fused * policy.MEASURED_MIN_GAIN else None
+    return MeasuredDecision(fastest, label, fused, unfused, summary)
+
+
+def predicted(task: Task) -> dict[str, float]:
+    """The link model's ms per call of NCCL + cuBLAS ("nccl_cublas") and of each candidate it
+    may choose at the task's world size."""
+    link = evidence.link(task.world_size)
+    world = min(evidence.link_calibrations(), key=lambda w: (abs(w - task.world_size), -w))
+    labels = predicted_labels(task, world)
+    params = candidates_for(task)
+    out = {evidence.NCCL_CUBLAS: link_model.unfused_ms(task, link)}
+    out.update(link_model.predict(task, link, ((lb, params[lb].params) for lb in labels)))
+    return out
+
+
+def best_label(task: Task) -> str:
+    """The fastest candidate measured at the task's shape, else the one predicted fastest."""
+    measured = measured_decision(task)
+    if measured is not None:
+        return measured.fastest
+    preds = predicted(task)
+    del preds[evidence.NCCL_CUBLAS]
+    return min(preds, key=preds.get)
+
+
+def _world1_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
+    """The plan's compute measured at world size 1 beside the unfused compute, for the log."""
+    costs = evidence.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
+                                  size_hint(task.k), task.n_total)
+    if costs is None:
+        return ""
+    return (f"; compute measured at world size 1: fused {costs.fused_ms:.3f} vs unfused "
+            f"{costs.unfused_ms:.3f} ms")
+
+
+def _with_prediction(plan: FusedPlan, unfused: float, fused: float) -> FusedPlan:
+    return dataclasses.replace(plan, predicted_ms=(("nccl_cublas", unfused), ("fused", fused)))
+
+
+def all_gather_or_reduce_scatter_plan(task: Task,
+                                      cuda_graphs: bool) -> tuple[Optional[FusedPlan], str]:
+    if not task.rank_chunks_contiguous:
+        return None, (f"the fused kernels take each rank's chunk as one block of rows; "
+                      f"dim {task.dim} with a leading dim > 1 interleaves them")
+    if cuda_graphs:  # the runtime would run the op's reference inside the captured graph
+        return None, ("replayed from a CUDA graph: the fused all-gather and reduce-scatter "
+                      "count their epochs on the host and run eagerly only: NCCL + cuBLAS")
+    measured = measured_decision(task)
+    if measured is not None:
+        if measured.label is None:
+            return None, f"no measured gain: {measured.summary}"
+        plan = _with_prediction(candidate_plan(task, measured.label), measured.unfused_ms,
+                                measured.fused_ms)
+        return plan, f"fused plan {measured.label}: {measured.summary}"
+    preds = predicted(task)
+    base = preds.pop(evidence.NCCL_CUBLAS)
+    best = min(preds, key=preds.get)
+    plan = candidate_plan(task, best)
+    summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
+               f"{_world1_note(task, plan, cuda_graphs)}")
+    if preds[best] * policy.MIN_GAIN > base:
+        return None, f"no predicted gain: {summary}"
+    return _with_prediction(plan, base, preds[best]), f"fused plan {best}: {summary}"
+
+
+def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePlan], str]:
+    """The GEMM + all-reduce plan where a fused kernel measured a gain (policy's thresholds),
+    and then only where the world-1 compute and the link model predict it MIN_GAIN faster."""
+    m, world = task.m_hint, task.world_size
+    copy_engine_min_m = (policy.COPY_ENGINE_GRAPH_MIN_M if cuda_graphs
+                         else policy.COPY_ENGINE_EAGER_MIN_M)
+    if (world <= policy.COPY_ENGINE_MAX_WORLD and m >= copy_engine_min_m
+            and policy.copy_engine_serves(task)):
+        chunks = policy.copy_engine_chunks(m, task.n_total, cuda_graphs)
+        plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=chunks))
+        return _costed_all_reduce_plan(task, plan, cuda_graphs,
+                                       "copies beside the GEMM's row chunks")
+    overlap = (policy.FUSED_MAX_M < m <= policy.OVERLAP_MAX_M
+               and world <= policy.OVERLAP_MAX_WORLD)
+    if m > policy.FUSED_MAX_M and not overlap:
+        bound = policy.OVERLAP_MAX_M if world <= policy.OVERLAP_MAX_WORLD else policy.FUSED_MAX_M
+        return None, (f"M={m} > {bound}: no fused kernel measured a gain over NCCL at "
+                      f"this size on {world} ranks: {KEEP}")
+    if not cuda_graphs and not (overlap and m >= policy.OVERLAP_EAGER_MIN_M):
+        return None, ("launched eagerly the fused kernel costs more host time than it saves; "
+                      f"with CUDA graphs (mode='reduce-overhead') it is fused: {KEEP}")
+    return _costed_all_reduce_plan(task, fused_plan(task), cuda_graphs,
+                                   "beside the GEMM" if overlap else "")
+
+
+def _costed_all_reduce_plan(task: Task, plan: AllReducePlan, cuda_graphs: bool,
+                            where: str) -> tuple[Optional[AllReducePlan], str]:
+    """The plan where the costs predict it MIN_GAIN faster than NCCL + cuBLAS, or where no
+    world-1 measurement stands for the shape; else (None, why)."""
+    how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
+    world1 = evidence.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
+                                   size_hint(task.k), task.n_total)
+    if world1 is None:
+        note = f"no world-1 measurement near this shape ({evidence.world1_source()})"
+    else:
+        costs = link_model.all_reduce_costs(task, plan, evidence.link(task.world_size),
+                                            world1.fused_ms, world1.unfused_ms)
+        if costs.fused * policy.MIN_GAIN > costs.unfused:
+            return None, f"no predicted gain: {costs.describe()}: {KEEP}"
+        note = costs.describe()
+        plan = _with_prediction(plan, costs.unfused, costs.fused)
+    return plan, (f"fused plan {plan.algo}{' ' + where if where else ''} (M={task.m_hint}, "
+                  f"{how}; {note})")
+
+
+def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], str]:
+    """The FP8 ops' plan where it was measured to win (policy.fp8_chosen), else None and why."""
+    keep = ("the graph keeps the collective + _scaled_mm (DITRON_PLAN=reference runs the op's "
+            "reference)")
+    if task.op == SCALED_MM_ALL_REDUCE:
+        return None, f"no fused fp8 all-reduce kernel: {keep}"
+    fused = ("_scaled_mm per group of gathered chunks" if task.op == ALL_GATHER_SCALED_MM
+             else "_scaled_mm per rank's rows, each pushed by the copy engine")
+    where = (f"chosen on {policy.FP8_CHOSEN_WORLD} ranks from M {policy.FP8_CHOSEN_MIN_M}, "
+             "launched eagerly, where the float8 training step measured faster fused")
+    if policy.fp8_chosen(task, cuda_graphs):
+        plan = fused_plan(task)
+        return plan, f"fused plan {plan.label} ({fused}): {where}"
+    return None, (f"the fp8 plan ({policy.FP8_LABEL}: {fused}) is {where}: {keep}, "
+                  "DITRON_PLAN=fused that plan")
+
+
+def moe_not_fused(op: str) -> str:
+    """Why the graph keeps NCCL + grouped GEMM at an MoE op on several CUDA ranks."""
+    return (f"{op}: {policy.MOE_WHY} (ditron.plan=fused fuses it): NCCL all-to-all + "
+            "torch._grouped_mm")
+
+
+def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
+    """(plan, why); a None plan leaves the graph as it was. cuda_graphs: the compiled graph is
+    replayed as a CUDA graph."""
+    if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE):
+        return scaled_mm_plan(task, cuda_graphs)
+    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+        return all_reduce_plan(task, cuda_graphs)
+    if task.op in MOE_PATTERNS:
+        return None, moe_not_fused(task.op)
+    if task.op in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
+        return all_gather_or_reduce_scatter_plan(task, cuda_graphs)
+    # NCCL + cuBLAS, which Inductor can still schedule, rather than an opaque reference op
+    return None, f"no fused CUDA kernel for {task.op} yet"
+
+
+def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
+    """The fused plan for the task with the parameters a user or a test names: with none, or
+    none that names the kind (gemm for AG, algo for the all-reduce), the task's default (the
+    best candidate, or the all-reduce plan by M) with them on top; else those alone."""
+    params = dict(params or {})
+    if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER):
+        cls, default = ((AllGatherPlan, policy.FP8_AG_PARAMS) if task.op == ALL_GATHER_SCALED_MM
+                        else (ReduceScatterPlan, policy.FP8_RS_PARAMS))
+        named = "gemm" in params or "reduce" in params
+        merged = {**({} if named else default), **params}
+        return from_params(cls, merged, label="" if named else policy.FP8_LABEL).for_world(
+            task.world_size)
+    if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
+        merged = {**policy.grouped_mm_params(task), **params}
+        return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
+    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+        base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)
+                if task.sums_terms else policy.all_reduce_params(task))
+        merged = {**base, **params}
+        return from_params(AllReducePlan, merged, label=merged["algo"]).for_world(
+            task.world_size)
+    if task.op not in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
+        raise ValueError(f"no fused plan runs {task.op}")
+    cls = AllGatherPlan if task.op == ALL_GATHER_MATMUL else ReduceScatterPlan
+    named = ("gemm" if task.op == ALL_GATHER_MATMUL else "reduce") in params
+    label = "" if named else best_label(task)
+    base = {} if named else candidates_for(task)[label].params
+    return from_params(cls, {**base, **params}, label=label).for_world(task.world_size)
