@@ -111,7 +111,7 @@ def cases(world: int, group: str, dev):
             a_shard, [w_ag], [None], 0, group, world, REFERENCE_TEXT),
     }
     for label, params in (("cublas_each", dict(gemm="cublas", groups=[1] * 16)),
-                          ("tri_tma_128x256", dict(gemm="triton", tma=True, block_m=128,
+                          ("tri_tma_128x256", dict(gemm="triton", block_m=128,
                                                    block_n=256, block_k=64, group_m=8,
                                                    stages=3, warps=8))):
         text = plan_text("all_gather_matmul", world, rows, k, n, **params)

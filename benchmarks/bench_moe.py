@@ -5,17 +5,15 @@ DeepSeek-V3 (its routed experts as one rank of EP 8 holds them).
     torchrun --nproc-per-node 1 benchmarks/bench_moe.py --out benchmarks/results/moe_h100x1
     python benchmarks/bench_moe.py --device cpu --tiny --out /tmp/moe      # smoke run
 
-At world size 1 the all-to-alls are the identity over ranks, so what is left of the two ops is
-the experts' compute around them, which a fused kernel must not make slower (ARCHITECTURE.md:
-at most ~2% over the unfused path):
+At world size 1 the all-to-alls are the identity over ranks, leaving the experts' compute,
+which a fused kernel must not make slower (at most ~2% over the unfused path):
   gate+up  (all_to_all_grouped_mm) rows = x[row_index] (the received rows, expert-major), then
            rows @ W_gate and rows @ W_up per expert [E, hidden, inter];
   down     (grouped_mm_all_to_all) y = h @ W_down per expert [E, inter, hidden], row j of y
            added into row token[j] of zeros [tokens, hidden] (each token sums its top-k rows).
 Contenders, in the same run on the same inputs:
-  grouped_mm  x[row_index] / index_put_(accumulate) around torch._grouped_mm (what the ops'
-              reference composition computes beside its collectives, and what an EP layer runs
-              without ditron);
+  grouped_mm  x[row_index] / index_put_(accumulate) around torch._grouped_mm (the ops'
+              reference beside its collectives: what an EP layer runs without ditron);
   loop        the same around one cuBLAS mm per expert (the split sizes read on the host
               before the timed calls, as a layer that reads them back has them);
   fused:<tile> torch.ops.ditron.<op> with a GroupedMmPlan of that tile, decoded from the plan
@@ -30,8 +28,7 @@ cannot queue its calls within the spin (the per-expert loop over 128 experts) is
 events around host and device together and marked host-bound. Writes <out>.json ({meta, rows})
 and <out>.md.
 
-The program runs at world size 1 only; on several ranks, benchmarks/bench_moe_ep.py times the
-fused dispatch and combine against NCCL all-to-all + torch._grouped_mm.
+World size 1 only; benchmarks/bench_moe_ep.py times several ranks.
 """
 
 from __future__ import annotations
@@ -91,13 +88,11 @@ PLANS = {
                         tma_b=True),
     "128x256_tma_b": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_a=False,
                           tma_b=True),
-    # the scheduler's tile for the op and world size (policy.grouped_mm_params)
+    # GroupedMmPlan's defaults
     "default": {},
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
                         tma_a=True),
-    # the combine on several ranks: its rows stored in send order, then put (a 128 x 256 tile)
-    "staged": dict(block_n=256, staged_push=True),
     "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
                            tma_a=True),
 }

@@ -1,7 +1,7 @@
 """MoE expert parallelism on several ranks: the fused dispatch (ditron.all_to_all_grouped_mm:
 rows pushed into the experts' ranks, each GEMM tile starting when its rows landed) and combine
-(ditron.grouped_mm_all_to_all: the down GEMM's rows pushed back from its epilogue) beside what an
-EP layer runs without ditron, NCCL all-to-all + torch._grouped_mm, at the expert layers of
+(ditron.grouped_mm_all_to_all: the down GEMM's rows stored in send order, then put back) beside
+what an EP layer runs without ditron, NCCL all-to-all + torch._grouped_mm, at the expert layers of
 bench_moe.py (Mixtral-8x7B, Qwen3-30B-A3B, a DeepSeek-V3 slice: the experts per rank given
 there, so the model has world x as many), tokens per rank 128-16384.
 

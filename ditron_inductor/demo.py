@@ -57,20 +57,25 @@ def build_block():
 
 
 def rank_main(rank: int, world_size: int, device: str, port: int, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    """One rank: exit code 0 (PASS), 1 (FAIL, said on rank 0) or 3 (an error, its traceback)."""
+    faulthandler.enable(all_threads=True)  # a rank that aborts says where each thread was
     try:
-        ok = run_block(rank, world_size, device)
-    finally:
-        dist.destroy_process_group()
+        import torch
+        import torch.distributed as dist
+
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        try:
+            ok = run_block(rank, world_size, device)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(3)
     sys.exit(0 if ok else 1)
 
 
@@ -162,19 +167,9 @@ def run_block(rank: int, world_size: int, device: str) -> bool:
     return True
 
 
-def _rank_entry(rank, world_size, device, port, timeout_s):
-    faulthandler.enable(all_threads=True)  # a rank that aborts says where each thread was
-    try:
-        rank_main(rank, world_size, device, port, timeout_s)
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: BLE001
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(3)
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ditron_inductor.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ditron_inductor.demo",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cpu: gloo ranks; cuda: one NCCL rank per GPU; auto: cuda when at "
                              "least 2 GPUs are present, else cpu")
@@ -211,7 +206,7 @@ def main(argv=None) -> int:
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=args.timeout))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, device, store.port, args.timeout))
+    procs = [ctx.Process(target=rank_main, args=(r, world_size, device, store.port, args.timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()

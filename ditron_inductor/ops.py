@@ -44,7 +44,6 @@ from .scheduler.task import (
     grouped_mm_all_to_all_task,
     matmul_collective_task,
     matmul_terms_task,
-    total,
 )
 
 if torch.distributed.is_available():
@@ -165,6 +164,24 @@ def _define(schema: str, impl: Callable, fake: Callable, backward: Optional[Call
                                         setup_context=setup_context, lib=_lib)
 
 
+def _fused_op(op: str, signature: str, reference: Callable, fake: Callable,
+              check: Optional[Callable] = None, **autograd) -> Callable:
+    """Defines torch.ops.ditron.<op> (its arguments end in group_name, world_size, plan): `check`
+    the arguments, then `_dispatch` on the first tensor's device. Returns the implementation,
+    ops.<op>, which tests and benchmarks also call directly."""
+
+    def impl(*call):
+        *args, plan = call
+        if check is not None:
+            check(*args)
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        return _dispatch(op, plan, first.is_cuda, reference, *args)
+
+    impl.__name__ = impl.__qualname__ = op
+    _define(op + signature, impl, fake, **autograd)
+    return impl
+
+
 def _all_gather(x: Tensor, gather_dim: int, group_name: str, world_size: int) -> Tensor:
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world_size, group_name))
     if gather_dim != 0:
@@ -216,22 +233,16 @@ def all_gather_matmul_reference(a_shard, weights, biases, gather_dim, group_name
     return [gathered] + [_matmul(a, w, b) for w, b in zip(weights, biases)]
 
 
-def all_gather_matmul(a_shard: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]],
-                      gather_dim: int, group_name: str, world_size: int,
-                      plan: str) -> list[Tensor]:
-    """All-gather `a_shard` along `gather_dim`, then A (the gathered activation as [M, K]) @ each
-    weight [K, N_i] (+ bias): [gathered (N-d), A @ W_0, ...], on the wire once for all weights."""
-    return _dispatch(ALL_GATHER_MATMUL, plan, a_shard.is_cuda, all_gather_matmul_reference,
-                     a_shard, weights, biases, gather_dim, group_name, world_size)
-
-
 def _all_gather_matmul_fake(a_shard, weights, biases, gather_dim, group_name, world_size, plan):
     return _gathered_fakes(a_shard, weights, gather_dim, world_size, a_shard.dtype)
 
 
-_define("all_gather_matmul(Tensor a_shard, Tensor[] weights, Tensor?[] biases, SymInt gather_dim, "
-        "str group_name, SymInt world_size, str plan) -> Tensor[]",
-        all_gather_matmul, _all_gather_matmul_fake)
+# All-gather `a_shard` along `gather_dim`, then A (the gathered activation as [M, K]) @ each
+# weight [K, N_i] (+ bias): [gathered (N-d), A @ W_0, ...], on the wire once for all weights.
+all_gather_matmul = _fused_op(
+    ALL_GATHER_MATMUL, "(Tensor a_shard, Tensor[] weights, Tensor?[] biases, SymInt gather_dim, "
+    "str group_name, SymInt world_size, str plan) -> Tensor[]",
+    all_gather_matmul_reference, _all_gather_matmul_fake)
 
 
 # ------------------------------------------------------------------------ matmul -> reduce-scatter
@@ -251,23 +262,17 @@ def matmul_reduce_scatter_reference(a, b, bias, out_shape, scatter_dim, reduce_o
                            reduce_op, group_name, world_size)
 
 
-def matmul_reduce_scatter(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
-                          out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
-                          group_name: str, world_size: int, plan: str) -> Tensor:
-    """(a[0] @ b[0] + bias + a[1] @ b[1] + ...: q/k/v's input gradient) viewed as `out_shape`
-    (empty: the 2-d product), reduce-scattered along `scatter_dim` with `reduce_op`."""
-    return _dispatch(MATMUL_REDUCE_SCATTER, plan, a[0].is_cuda, matmul_reduce_scatter_reference,
-                     a, b, bias, out_shape, scatter_dim, reduce_op, group_name, world_size)
-
-
 def _matmul_reduce_scatter_fake(a, b, bias, out_shape, scatter_dim, reduce_op, group_name,
                                 world_size, plan):
     return _scattered_fake(a[0], b[0], out_shape, scatter_dim, world_size, a[0].dtype)
 
 
-_define("matmul_reduce_scatter(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
-        "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
-        matmul_reduce_scatter, _matmul_reduce_scatter_fake)
+# (a[0] @ b[0] + bias + a[1] @ b[1] + ...: q/k/v's input gradient) viewed as `out_shape` (empty:
+# the 2-d product), reduce-scattered along `scatter_dim` with `reduce_op`.
+matmul_reduce_scatter = _fused_op(
+    MATMUL_REDUCE_SCATTER, "(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
+    "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
+    matmul_reduce_scatter_reference, _matmul_reduce_scatter_fake)
 
 
 # ---------------------------------------------------------------------------- matmul -> all-reduce
@@ -278,21 +283,15 @@ def matmul_all_reduce_reference(a, b, bias, out_shape, reduce_op, group_name, wo
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-def matmul_all_reduce(a: list[Tensor], b: list[Tensor], bias: Optional[Tensor],
-                      out_shape: Sequence[int], reduce_op: str, group_name: str, world_size: int,
-                      plan: str) -> Tensor:
-    """matmul_reduce_scatter's sum of products, viewed as `out_shape`, all-reduced."""
-    return _dispatch(MATMUL_ALL_REDUCE, plan, a[0].is_cuda, matmul_all_reduce_reference, a, b,
-                     bias, out_shape, reduce_op, group_name, world_size)
-
-
 def _matmul_all_reduce_fake(a, b, bias, out_shape, reduce_op, group_name, world_size, plan):
     return a[0].new_empty(_full_shape(a[0], b[0], out_shape))
 
 
-_define("matmul_all_reduce(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
-        "str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
-        matmul_all_reduce, _matmul_all_reduce_fake)
+# matmul_reduce_scatter's sum of products, viewed as `out_shape`, all-reduced.
+matmul_all_reduce = _fused_op(
+    MATMUL_ALL_REDUCE, "(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
+    "str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
+    matmul_all_reduce_reference, _matmul_all_reduce_fake)
 
 
 # ------------------------------------------------- matmul -> all-reduce (+ residual) -> RMSNorm
@@ -316,28 +315,18 @@ def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_we
     return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
 
 
-def matmul_all_reduce_rmsnorm(a: Tensor, b: Tensor, bias: Optional[Tensor],
-                              out_shape: Sequence[int], residual: Optional[Tensor],
-                              norm_weight: Tensor, eps: float, weight_in_fp32: bool,
-                              reduce_op: str, group_name: str, world_size: int,
-                              plan: str) -> tuple[Tensor, Tensor]:
-    """The row-parallel layer of tensor-parallel inference: h = all_reduce(a @ b + bias) (viewed
-    as `out_shape`) + residual, y = RMSNorm(h). Returns (h, y), h the next residual."""
-    return _dispatch(MATMUL_ALL_REDUCE_RMSNORM, plan, a.is_cuda,
-                     matmul_all_reduce_rmsnorm_reference, a, b, bias, out_shape, residual,
-                     norm_weight, eps, weight_in_fp32, reduce_op, group_name, world_size)
-
-
-def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, residual, norm_weight, eps,
-                                    weight_in_fp32, reduce_op, group_name, world_size, plan):
+def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, *_):
     shape = _full_shape(a, b, out_shape)
     return a.new_empty(shape), a.new_empty(shape)
 
 
-_define("matmul_all_reduce_rmsnorm(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
-        "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
-        "str group_name, SymInt world_size, str plan) -> (Tensor, Tensor)",
-        matmul_all_reduce_rmsnorm, _matmul_all_reduce_rmsnorm_fake)
+# The row-parallel layer of tensor-parallel inference: h = all_reduce(a @ b + bias) (viewed as
+# `out_shape`) + residual, y = RMSNorm(h). Returns (h, y), h the next residual.
+matmul_all_reduce_rmsnorm = _fused_op(
+    MATMUL_ALL_REDUCE_RMSNORM, "(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
+    "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
+    "str group_name, SymInt world_size, str plan) -> (Tensor, Tensor)",
+    matmul_all_reduce_rmsnorm_reference, _matmul_all_reduce_rmsnorm_fake)
 
 
 # ------------------------------------------ expert parallelism: all-to-all <-> grouped GEMM
@@ -366,7 +355,7 @@ def _send_rows(y: Tensor, row_index: Optional[Tensor], accumulate: bool, output_
     """y's row i to row row_index[i] of the rows to send (zeros where none lands, summed where
     several do and `accumulate`), exchanged."""
     if row_index is not None:
-        rows = y.new_zeros([total(input_split_sizes), y.shape[1]])
+        rows = y.new_zeros([sum(input_split_sizes), y.shape[1]])
         y = rows.index_put_((row_index,), y, accumulate)
     return _exchange(y, output_split_sizes, input_split_sizes, group_name)
 
@@ -378,21 +367,8 @@ def all_to_all_grouped_mm_reference(x, output_split_sizes, input_split_sizes, ro
     return [rows] + [torch._grouped_mm(rows, w, offs=offsets) for w in weights]
 
 
-def all_to_all_grouped_mm(x: Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int], row_index: Optional[Tensor],
-                          weights: list[Tensor], offsets: Tensor, group_name: str,
-                          world_size: int, plan: str) -> list[Tensor]:
-    """The dispatch: all-to-all of x's rows [tokens, K], taken in the order of row_index (None:
-    arrival order), then [rows, rows @ W_0, ...] by grouped GEMMs. Where a row lands depends on the
-    splits and row_index alone, never on arrival order, so fused kernels compute the same rows."""
-    return _dispatch(ALL_TO_ALL_GROUPED_MM, plan, x.is_cuda, all_to_all_grouped_mm_reference,
-                     x, output_split_sizes, input_split_sizes, row_index, weights, offsets,
-                     group_name, world_size)
-
-
-def _all_to_all_grouped_mm_fake(x, output_split_sizes, input_split_sizes, row_index, weights,
-                                offsets, group_name, world_size, plan):
-    rows = row_index.shape[0] if row_index is not None else total(output_split_sizes)
+def _all_to_all_grouped_mm_fake(x, output_split_sizes, input_split_sizes, row_index, weights, *_):
+    rows = row_index.shape[0] if row_index is not None else sum(output_split_sizes)
     return [x.new_empty([rows, x.shape[1]])] + [x.new_empty([rows, w.shape[-1]])
                                                 for w in weights]
 
@@ -421,11 +397,14 @@ def _all_to_all_grouped_mm_backward(ctx, grads):
     return grad_x, None, None, None, grad_weights, None, None, None, None
 
 
-_define("all_to_all_grouped_mm(Tensor x, SymInt[] output_split_sizes, "
-        "SymInt[] input_split_sizes, Tensor? row_index, Tensor[] weights, Tensor offsets, "
-        "str group_name, SymInt world_size, str plan) -> Tensor[]",
-        all_to_all_grouped_mm, _all_to_all_grouped_mm_fake, _all_to_all_grouped_mm_backward,
-        _all_to_all_grouped_mm_setup)
+# The dispatch: all-to-all of x's rows [tokens, K], taken in the order of row_index (None:
+# arrival order), then [rows, rows @ W_0, ...] by grouped GEMMs. Where a row lands depends on the
+# splits and row_index alone, never on arrival order, so fused kernels compute the same rows.
+all_to_all_grouped_mm = _fused_op(
+    ALL_TO_ALL_GROUPED_MM, "(Tensor x, SymInt[] output_split_sizes, SymInt[] input_split_sizes, "
+    "Tensor? row_index, Tensor[] weights, Tensor offsets, str group_name, SymInt world_size, "
+    "str plan) -> Tensor[]", all_to_all_grouped_mm_reference, _all_to_all_grouped_mm_fake,
+    backward=_all_to_all_grouped_mm_backward, setup_context=_all_to_all_grouped_mm_setup)
 
 
 def grouped_mm_all_to_all_reference(lefts, weights, offsets, row_index, accumulate,
@@ -435,22 +414,9 @@ def grouped_mm_all_to_all_reference(lefts, weights, offsets, row_index, accumula
                       output_split_sizes, input_split_sizes, group_name)
 
 
-def grouped_mm_all_to_all(lefts: list[Tensor], weights: list[Tensor], offsets: Tensor,
-                          row_index: Optional[Tensor], accumulate: bool,
-                          output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
-                          group_name: str, world_size: int, plan: str) -> Tensor:
-    """The combine: y = sum_i lefts[i] @ weights[i] by grouped GEMMs (gate's and up's backward
-    sums two), put by `_send_rows` and all-to-all'd back: the received rows, rank-major (a fused
-    kernel writes each row to that place from the GEMM's epilogue)."""
-    return _dispatch(GROUPED_MM_ALL_TO_ALL, plan, lefts[0].is_cuda,
-                     grouped_mm_all_to_all_reference, lefts, weights, offsets, row_index,
-                     accumulate, output_split_sizes, input_split_sizes, group_name, world_size)
-
-
 def _grouped_mm_all_to_all_fake(lefts, weights, offsets, row_index, accumulate,
-                                output_split_sizes, input_split_sizes, group_name, world_size,
-                                plan):
-    return lefts[0].new_empty([total(output_split_sizes), weights[0].shape[-1]])
+                                output_split_sizes, *_):
+    return lefts[0].new_empty([sum(output_split_sizes), weights[0].shape[-1]])
 
 
 def _grouped_mm_all_to_all_setup(ctx, inputs, output):
@@ -473,11 +439,15 @@ def _grouped_mm_all_to_all_backward(ctx, grad):
     return grad_lefts, grad_weights, None, None, None, None, None, None, None, None
 
 
-_define("grouped_mm_all_to_all(Tensor[] lefts, Tensor[] weights, Tensor offsets, "
-        "Tensor? row_index, bool accumulate, SymInt[] output_split_sizes, "
-        "SymInt[] input_split_sizes, str group_name, SymInt world_size, str plan) -> Tensor",
-        grouped_mm_all_to_all, _grouped_mm_all_to_all_fake, _grouped_mm_all_to_all_backward,
-        _grouped_mm_all_to_all_setup)
+# The combine: y = sum_i lefts[i] @ weights[i] by grouped GEMMs (gate's and up's backward sums
+# two), put by `_send_rows` and all-to-all'd back: the received rows, rank-major (a fused kernel
+# writes each row to that place from the GEMM's epilogue).
+grouped_mm_all_to_all = _fused_op(
+    GROUPED_MM_ALL_TO_ALL, "(Tensor[] lefts, Tensor[] weights, Tensor offsets, Tensor? row_index, "
+    "bool accumulate, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, "
+    "SymInt world_size, str plan) -> Tensor", grouped_mm_all_to_all_reference,
+    _grouped_mm_all_to_all_fake, backward=_grouped_mm_all_to_all_backward,
+    setup_context=_grouped_mm_all_to_all_setup)
 
 
 # ------------------------------------------------------------------------ FP8: the scaled ops
@@ -535,7 +505,8 @@ def all_gather_scaled_mm_reference(a_shard, scale_a, weights, scales_b, biases, 
                          for w, s, b in zip(weights, scales_b, biases)]
 
 
-def _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gather_dim):
+def _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, out_dtype,
+                                use_fast_accum, gather_dim, *_):
     if not len(weights) == len(scales_b) == len(biases) or not weights:
         raise ValueError(f"ditron.all_gather_scaled_mm: {len(weights)} weights, "
                          f"{len(scales_b)} scales_b and {len(biases)} biases: one of each per "
@@ -548,27 +519,18 @@ def _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gat
         check_scaled_mm(a2d, w, scale_a, s, b, "all_gather_scaled_mm")
 
 
-def all_gather_scaled_mm(a_shard: Tensor, scale_a: Tensor, weights: list[Tensor],
-                         scales_b: list[Tensor], biases: list[Optional[Tensor]],
-                         out_dtype: Optional[torch.dtype], use_fast_accum: bool, gather_dim: int,
-                         group_name: str, world_size: int, plan: str) -> list[Tensor]:
-    """all_gather_matmul for float8 (one byte an element on the wire), each product a _scaled_mm;
-    scale_a: one element, or the shard's rows' [rows, 1] (gather_dim 0), gathered with them."""
-    _check_all_gather_scaled_mm(a_shard, scale_a, weights, scales_b, biases, gather_dim)
-    return _dispatch(ALL_GATHER_SCALED_MM, plan, a_shard.is_cuda,
-                     all_gather_scaled_mm_reference, a_shard, scale_a, weights, scales_b, biases,
-                     out_dtype, use_fast_accum, gather_dim, group_name, world_size)
-
-
 def _all_gather_scaled_mm_fake(a_shard, scale_a, weights, scales_b, biases, out_dtype,
                                use_fast_accum, gather_dim, group_name, world_size, plan):
     return _gathered_fakes(a_shard, weights, gather_dim, world_size, out_dtype or a_shard.dtype)
 
 
-_define("all_gather_scaled_mm(Tensor a_shard, Tensor scale_a, Tensor[] weights, "
-        "Tensor[] scales_b, Tensor?[] biases, ScalarType? out_dtype, bool use_fast_accum, "
-        "SymInt gather_dim, str group_name, SymInt world_size, str plan) -> Tensor[]",
-        all_gather_scaled_mm, _all_gather_scaled_mm_fake)
+# all_gather_matmul for float8 (one byte an element on the wire), each product a _scaled_mm;
+# scale_a: one element, or the shard's rows' [rows, 1] (gather_dim 0), gathered with them.
+all_gather_scaled_mm = _fused_op(
+    ALL_GATHER_SCALED_MM, "(Tensor a_shard, Tensor scale_a, Tensor[] weights, Tensor[] scales_b, "
+    "Tensor?[] biases, ScalarType? out_dtype, bool use_fast_accum, SymInt gather_dim, "
+    "str group_name, SymInt world_size, str plan) -> Tensor[]",
+    all_gather_scaled_mm_reference, _all_gather_scaled_mm_fake, _check_all_gather_scaled_mm)
 
 
 def scaled_mm_reduce_scatter_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
@@ -582,7 +544,7 @@ def scaled_mm_reduce_scatter_reference(a, b, scale_a, scale_b, bias, out_dtype, 
                            world_size)
 
 
-def _check_scaled_mm_terms(a, b, scale_a, scale_b, bias) -> None:
+def _check_scaled_mm_terms(a, b, scale_a, scale_b, bias, *_) -> None:
     what = "scaled_mm_reduce_scatter"
     if not len(a) == len(b) == len(scale_a) == len(scale_b) or not a:
         raise ValueError(f"ditron.{what}: {len(a)} a, {len(b)} b, {len(scale_a)} scale_a and "
@@ -595,19 +557,6 @@ def _check_scaled_mm_terms(a, b, scale_a, scale_b, bias) -> None:
                          f"({sorted(shapes)}): the sum needs one [M, N]")
 
 
-def scaled_mm_reduce_scatter(a: list[Tensor], b: list[Tensor], scale_a: list[Tensor],
-                             scale_b: list[Tensor], bias: Optional[Tensor],
-                             out_dtype: Optional[torch.dtype], use_fast_accum: bool,
-                             out_shape: Sequence[int], scatter_dim: int, reduce_op: str,
-                             group_name: str, world_size: int, plan: str) -> Tensor:
-    """matmul_reduce_scatter for float8, in out_dtype: each term a _scaled_mm with scales of its
-    own (so the terms cannot be concatenated along K)."""
-    _check_scaled_mm_terms(a, b, scale_a, scale_b, bias)
-    return _dispatch(SCALED_MM_REDUCE_SCATTER, plan, a[0].is_cuda,
-                     scaled_mm_reduce_scatter_reference, a, b, scale_a, scale_b, bias, out_dtype,
-                     use_fast_accum, out_shape, scatter_dim, reduce_op, group_name, world_size)
-
-
 def _scaled_mm_reduce_scatter_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                    out_shape, scatter_dim, reduce_op, group_name, world_size,
                                    plan):
@@ -615,10 +564,13 @@ def _scaled_mm_reduce_scatter_fake(a, b, scale_a, scale_b, bias, out_dtype, use_
                            out_dtype or a[0].dtype)
 
 
-_define("scaled_mm_reduce_scatter(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, "
-        "Tensor? bias, ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, "
-        "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
-        scaled_mm_reduce_scatter, _scaled_mm_reduce_scatter_fake)
+# matmul_reduce_scatter for float8, in out_dtype: each term a _scaled_mm with scales of its own
+# (so the terms cannot be concatenated along K).
+scaled_mm_reduce_scatter = _fused_op(
+    SCALED_MM_REDUCE_SCATTER, "(Tensor[] a, Tensor[] b, Tensor[] scale_a, Tensor[] scale_b, "
+    "Tensor? bias, ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, "
+    "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
+    scaled_mm_reduce_scatter_reference, _scaled_mm_reduce_scatter_fake, _check_scaled_mm_terms)
 
 
 def scaled_mm_all_reduce_reference(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
@@ -627,26 +579,19 @@ def scaled_mm_all_reduce_reference(a, b, scale_a, scale_b, bias, out_dtype, use_
     return c10d.wait_tensor(c10d.all_reduce(out, reduce_op, group_name))
 
 
-def scaled_mm_all_reduce(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
-                         bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
-                         use_fast_accum: bool, out_shape: Sequence[int], reduce_op: str,
-                         group_name: str, world_size: int, plan: str) -> Tensor:
-    """matmul_all_reduce for float8, one term. No fused plan serves it: it runs its reference."""
-    check_scaled_mm(a, b, scale_a, scale_b, bias, "scaled_mm_all_reduce")
-    return _dispatch(SCALED_MM_ALL_REDUCE, plan, a.is_cuda, scaled_mm_all_reduce_reference,
-                     a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out_shape,
-                     reduce_op, group_name, world_size)
-
-
 def _scaled_mm_all_reduce_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                out_shape, reduce_op, group_name, world_size, plan):
     return a.new_empty(_full_shape(a, b, out_shape), dtype=out_dtype or a.dtype)
 
 
-_define("scaled_mm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, "
-        "ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, str reduce_op, "
-        "str group_name, SymInt world_size, str plan) -> Tensor",
-        scaled_mm_all_reduce, _scaled_mm_all_reduce_fake)
+# matmul_all_reduce for float8, one term. No fused plan serves it: it runs its reference.
+scaled_mm_all_reduce = _fused_op(
+    SCALED_MM_ALL_REDUCE, "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, "
+    "ScalarType? out_dtype, bool use_fast_accum, SymInt[] out_shape, str reduce_op, "
+    "str group_name, SymInt world_size, str plan) -> Tensor",
+    scaled_mm_all_reduce_reference, _scaled_mm_all_reduce_fake,
+    lambda a, b, scale_a, scale_b, bias, *_: check_scaled_mm(a, b, scale_a, scale_b, bias,
+                                                             SCALED_MM_ALL_REDUCE))
 
 
 # ------------------------------------------------------------------- decode GEMM (no collective)

@@ -109,10 +109,8 @@ class StepGraph:
                         f"StepGraph: tensor argument {i} ({tuple(x.shape)}, strides {x.stride()}) "
                         "is not dense (elements that share memory, as in an expanded view, or "
                         "gaps, as in a strided slice): pass a dense tensor")
-                inputs[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                                device=x.device)
-                inputs[i].copy_(x)
-                inputs[i].requires_grad_(x.requires_grad)
+                copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                inputs[i] = copy.copy_(x).requires_grad_(x.requires_grad)
         static = [inputs.get(i, x) for i, x in enumerate(flat)]
         args, kwargs = tree_unflatten(static, spec)
         if self._pool is None:

@@ -1,11 +1,10 @@
 """transformers' expert parallelism in a form torch.compile captures whole, so that the ditron
 backend fuses its all-to-alls with the experts' grouped GEMMs.
 
-transformers' "all_to_all" `EPImplementation` does not compile: Dynamo breaks the graph at
-`if tokens.shape[0] == 0` (an unbacked SymInt) inside the experts' `_use_local_dtensor_params`
-context manager, where it cannot break, so the expert-parallel forward runs eagerly. `register()`
-adds "ditron": the same exchange as torchtitan's EP layer writes it (tests/moe_ep.py), with no
-data-dependent branch. Experts it does not serve run transformers' "all_to_all".
+transformers' "all_to_all" `EPImplementation` runs eagerly: Dynamo must break the graph at
+`if tokens.shape[0] == 0` (an unbacked SymInt), inside the experts' `_use_local_dtensor_params`
+context manager, where it cannot. `register()` adds "ditron": torchtitan's exchange
+(tests/moe_ep.py), with no data-dependent branch; experts it does not serve run "all_to_all".
 
     ditron_inductor.transformers_ep.register()
     model = AutoModelForCausalLM.from_pretrained(
@@ -30,8 +29,8 @@ NAME = "ditron"
 
 
 def expert_major_order(recv_counts: torch.Tensor, rows) -> torch.Tensor:
-    """The received rows' indices in expert-major order (stable: by source rank within an
-    expert), from the counts [source rank, local expert] of the `rows` received rank-major."""
+    """The indices of the `rows` received rank-major in expert-major order (by source rank
+    within an expert), from the counts [source rank, local expert]."""
     world, local = recv_counts.shape
     expert_of_row = torch.arange(local, device=recv_counts.device).repeat(world)
     expert_of_row = expert_of_row.repeat_interleave(recv_counts.reshape(-1), output_size=rows)
@@ -51,8 +50,7 @@ def unserved(experts, tp_size: int) -> str:
 
 def grouped_linear(experts, rows: torch.Tensor, weight: torch.Tensor,
                    offsets: torch.Tensor) -> torch.Tensor:
-    """rows @ each expert's weight, as the experts' module stores it ([E, out, in], or
-    [E, in, out] where is_transposed)."""
+    """rows @ each expert's weight, stored [E, out, in] (or [E, in, out], is_transposed)."""
     if not getattr(experts, "is_transposed", False):
         weight = weight.transpose(-2, -1)
     return torch._grouped_mm(rows.to(weight.dtype), weight, offs=offsets)
@@ -109,8 +107,8 @@ def implementation():
                                                          output_splits, group)
             pairs = torch.empty_like(returned).index_put((order,), returned)
             pairs = pairs.view(tokens, top_k, dim)
-            # as transformers weighs them: in the weights' dtype (the router's float32), the
-            # caller (its ep_forward) casts the sum back
+            # in the weights' dtype (the router's float32), as transformers weighs them; its
+            # ep_forward casts the sum back
             return (pairs * top_k_weights.unsqueeze(-1)).sum(1)
 
     return DitronAllToAllEP

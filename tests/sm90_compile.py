@@ -120,13 +120,11 @@ def variants():
                dict(WORLD=world, HAS_RES=res, NORM=norm, W_FP32=w_fp32, ROWS=rows,
                     BLOCK_N=block_n), 16)
     # the MoE grouped GEMM: the dispatch's (gather + rows output), plain, the combine's scatter,
-    # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters,
-    # the combine's push into the peers' buffers; and the dispatch's push
+    # its accumulation with the routing weight (fp32 C), the tiles waiting on arrival counters
     moe_args = dict(a_ptr="*bf16", a_desc="*bf16", a_index_ptr="*i64", b_ptr="*bf16",
                     offsets_ptr="*i32", c_ptr="*bf16", c_index_ptr="*i64", scale_ptr="*fp32",
                     rows_out_ptr="*bf16",
-                    count_ptr="*i32", expect_ptr="*i32", err_ptr="*i32", dst_rank_ptr="*i32",
-                    recv_table="*i64", count_table="*i64", M="i32", N="i32",
+                    count_ptr="*i32", expect_ptr="*i32", err_ptr="*i32", M="i32", N="i32",
                     K="i32", E="i32", stride_am="i32", stride_ak="i32", stride_be="i32",
                     stride_bk="i32", stride_bn="i32", stride_cm="i32", stride_cn="i32",
                     limit="i32")
@@ -138,22 +136,18 @@ def variants():
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, c_ptr="*fp32" if scale else "*bf16"),
                dict(moe_tiles, GATHER=gather, WRITE_ROWS=gather, SCATTER=scatter, SCALE=scale,
-                    ACCUMULATE=scale, WAIT=wait, PUSH=False), 8)
-    yield (grouped_gemm.grouped_gemm_kernel, moe_args,
-           dict(moe_tiles, GATHER=False, WRITE_ROWS=False, SCATTER=True, SCALE=False,
-                ACCUMULATE=False, WAIT=False, PUSH=True), 8)
+                    ACCUMULATE=scale, WAIT=wait), 8)
     for b_desc, block in ((1, "64,128"), (2, "128,64")):  # the weights through TMA
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, b_ptr=f"tensordesc<bf16[{block}]>"),
                dict(moe_tiles, GATHER=True, WRITE_ROWS=True, SCATTER=False, SCALE=False,
-                    ACCUMULATE=False, WAIT=False, PUSH=False) | dict(B_DESC=b_desc), 8)
+                    ACCUMULATE=False, WAIT=False) | dict(B_DESC=b_desc), 8)
     # the rows through TMA (tma_a): plain with TMA weights, the combine's accumulation, the
-    # tiles waiting on their counters (with the proxy fence), the combine's push
+    # tiles waiting on their counters (with the proxy fence)
     rows_desc = "tensordesc<bf16[128,64]>"
-    for gather_free in (dict(B_DESC=1, SCATTER=False, SCALE=False, WAIT=False, PUSH=False),
-                        dict(SCATTER=True, SCALE=True, WAIT=False, PUSH=False),
-                        dict(SCATTER=False, SCALE=False, WAIT=True, PUSH=False, PROXY_FENCE=True),
-                        dict(SCATTER=True, SCALE=False, WAIT=False, PUSH=True)):
+    for gather_free in (dict(B_DESC=1, SCATTER=False, SCALE=False, WAIT=False),
+                        dict(SCATTER=True, SCALE=True, WAIT=False),
+                        dict(SCATTER=False, SCALE=False, WAIT=True, PROXY_FENCE=True)):
         yield (grouped_gemm.grouped_gemm_kernel,
                dict(moe_args, a_desc=rows_desc, c_ptr="*fp32" if gather_free["SCALE"] else "*bf16",
                     b_ptr="tensordesc<bf16[64,128]>" if gather_free.get("B_DESC") else "*bf16"),
@@ -169,18 +163,14 @@ def variants():
 
 def moe_route_variants():
     """The MoE routes (templates/moe_routes.py): the dispatch's publish (with and without an
-    index), the routes for the combine's epilogue push, the put kernel of the dispatch and of
-    the combine, at 2 and 8 ranks (the 3-rank world of the interpreter tests as well)."""
+    index), the put kernel of the dispatch and of the combine, at 2 and 8 ranks (the 3-rank
+    world of the interpreter tests as well)."""
     table = dict(table_table="*i64", rank="i32", capacity="i32")
     for has_index in (True, False):
         yield (moe_routes.publish_routes_kernel,
                dict(table_ptr="*i32", row_index_ptr="*i64", offsets_ptr="*i32",
                     expect_ptr="*i32", received="i32", capacity="i32", E="i32"),
                dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index), 4)
-        yield (moe_routes.routes_kernel,
-               dict(index_ptr="*i64", dst_rank_ptr="*i32", dst_row_ptr="*i32",
-                    dst_tile_ptr="*i32", rows="i32", **table),
-               dict(BLOCK=128, WORLD=8, WORLD_P2=8, EXPERT_MAJOR=False, HAS_INDEX=has_index), 4)
     for world, expert_major in ((2, True), (8, True), (3, False), (8, False)):
         yield (moe_routes.put_rows_kernel,
                dict(x_ptr="*bf16", data_table="*i64", count_table="*i64", rows="i32", K="i32",

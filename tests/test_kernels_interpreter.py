@@ -173,6 +173,30 @@ def test_all_gather_matmul_missing_chunk_reports_flag():
     assert int(err) == 1 + 1  # code = chunk + 1
 
 
+@pytest.mark.parametrize("k, kernel", [(20, "ag_gemm_kernel"), (32, "ag_gemm_tma_kernel")])
+def test_triton_gemm_takes_pointers_where_tma_declines_the_operands(monkeypatch, k, kernel):
+    """runtime/launch.triton_gemm on an all-gather plan's tile: K not a multiple of 8 (rows TMA
+    cannot take) runs the pointer kernel, K = 32 the TMA one; both wait on the chunk flags."""
+    from ditron_inductor.runtime import launch
+    from ditron_inductor.scheduler.plan import AllGatherPlan, GemmTile
+
+    launched, real_launch = [], launch.launch
+    monkeypatch.setattr(launch, "launch", lambda kern, grid, *args, **meta: (
+        launched.append(kern), real_launch(kern, grid, *args, **meta)))
+    world, rows, n, epoch = 2, 16, 32, 3
+    torch.manual_seed(k)
+    gathered = torch.randn(world * rows, k, dtype=torch.float16)
+    w = torch.randn(k, n, dtype=torch.float16)
+    out = torch.full((world * rows, n), float("nan"), dtype=torch.float16)
+    err = torch.zeros(1, dtype=torch.int32)
+    plan = AllGatherPlan(tile=GemmTile(block_m=16, block_n=32, block_k=32, group_m=2))
+    launch.triton_gemm(gathered, w, None, out, plan.tile, err=err, rows_per_chunk=rows,
+                       flags=torch.full((world,), epoch, dtype=torch.int32), first_row=rows,
+                       epoch=epoch, num_progs=4, limit=LIMIT)
+    assert launched == [getattr(ag_gemm, kernel)] and int(err) == 0
+    assert rel_err(out, ref_mm(gathered, w)) < 1e-2
+
+
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 def test_matmul_reduce_scatter_protocol(reduce_op):
     """GEMM+RS on 4 emulated ranks: each rank computes its partials (torch's GEMM standing in for

@@ -1,16 +1,14 @@
 """The MoE kernels (templates/grouped_gemm.py) and their runtime (runtime/moe.py) on CPU under the
 Triton interpreter, against the ops' reference composition: odd routings (an expert with no
-rows, every row to one expert, row counts that are no multiple of the tile, top-1 and top-2),
-the combine's scatter with and without accumulation, the routing weight in the epilogue, and
-the dispatch's push into the peers' receive buffers on two emulated ranks, the GEMM's tiles
-waiting on their arrival counters, and the multi-rank runtimes' own steps (the dispatch,
-runtime/moe_dispatch.py, and the combine, runtime/moe_combine.py) on 2 and 3 emulated ranks
-over consecutive calls.
+rows, every row to one expert, row counts no multiple of the tile, top-1 and top-2), the
+combine's scatter with and without accumulation, the routing weight in the epilogue, the
+dispatch's push and its GEMM waiting on arrival counters, and the multi-rank runtimes' own steps
+(runtime/moe_dispatch.py, runtime/moe_combine.py) on 2 and 3 emulated ranks over consecutive
+calls.
 
 fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
-bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Every output starts as NaN, so a row the
-kernel never wrote fails; the experts' weights differ, so a row multiplied by the wrong expert's
-weight (a wrong offset) fails.
+bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Outputs start as NaN, so a row never
+written fails; the experts' weights differ, so a wrong offset fails.
 """
 
 import collections
@@ -84,9 +82,8 @@ CASES = [  # (tokens, experts, top_k, case)
 def test_dispatch_gathers_rows_by_expert(tokens, experts, top_k, case, plan):
     """all_to_all_grouped_mm at world size 1: rows = x[row_index], each weight's grouped GEMM
     (a plain [E, K, N] weight and a transposed one, K and N no multiples of the blocks); the
-    rows gathered in the first GEMM (pointers) or before the GEMMs, which then read them
-    through TMA (tma_a: the tiles' blocks of rows reach into the next expert's rows, and past
-    K into TMA's zero fill)."""
+    rows gathered in the first GEMM, or before the GEMMs, which read them through TMA (tma_a:
+    blocks of rows reach into the next expert's, and past K into TMA's zero fill)."""
     gen = torch.Generator().manual_seed(tokens)
     k, ns = 40, (48, 33)
     x = torch.randn(tokens, k, generator=gen).to(F16)
@@ -130,9 +127,8 @@ def test_dispatch_in_arrival_order_and_rows_past_the_last_offset():
 @pytest.mark.parametrize("tokens,experts,top_k,case", CASES[:3])
 def test_combine_scatters_rows_back(tokens, experts, top_k, case, accumulate):
     """grouped_mm_all_to_all at world size 1: y = grouped_mm(left, W), row j to row
-    row_index[j] of zeros (summed where a token's top-k rows land on it, accumulate), as the
-    reference's index_put. Without accumulate the index is the (permutation) order of the
-    pairs; with it, the token of each pair, so that top-2 sums two rows on one."""
+    row_index[j] of zeros, as the reference's index_put: the pairs' order (a permutation), or
+    with accumulate each pair's token, so that top-2 sums two rows on one."""
     gen = torch.Generator().manual_seed(tokens + 100)
     k, n = 36, 40  # K no multiple of BLOCK_K (the reference wants 16-byte fp32 rows)
     _, offsets, order, _ = routing(tokens, experts, top_k, case, gen)
@@ -152,8 +148,8 @@ def test_combine_scatters_rows_back(tokens, experts, top_k, case, accumulate):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_combine_reads_rows_through_a_tma_descriptor(accumulate):
     """tma_a: the combine's rows through a TMA descriptor (blocks of rows reaching into the next
-    expert's, an expert without rows, K no multiple of BLOCK_K), the same products as the
-    reference; rows whose stride is no multiple of 16 bytes take pointers instead."""
+    expert's, an expert without rows, K no multiple of BLOCK_K); rows whose stride is no
+    multiple of 16 bytes take pointers."""
     gen = torch.Generator().manual_seed(8)
     tokens, experts, top_k, k, n = 21, 4, 2, 40, 40
     _, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
@@ -184,9 +180,8 @@ def test_combine_without_index_and_a_sum_declined():
 
 
 def test_epilogue_applies_the_routing_weight_and_sums_a_tokens_experts():
-    """The kernel's combine epilogue with the routing weight: out[token] = sum over its top-k
-    of score * (row @ W_expert), the whole MoE output of world size 1 in one kernel after the
-    gather."""
+    """The combine epilogue with the routing weight: out[token] = sum over its top-k of
+    score * (row @ W_expert), world size 1's whole MoE output in one kernel after the gather."""
     gen = torch.Generator().manual_seed(4)
     tokens, experts, top_k, k, n = 23, 4, 2, 32, 24
     row_index, offsets, order, _ = routing(tokens, experts, top_k, "empty_expert", gen)
@@ -237,12 +232,12 @@ class Rank:
 
 
 def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
-    """World size 2, two calls: each rank pushes its rows into the peers' receive buffers, at
-    their expert-major positions (experts 0-1 on rank 0, 2-3 on rank 1: rank 0's expert 1 gets
-    no row) read from the receivers' route tables (built by hand here, not by moe_routes), counting
-    them per destination tile; each rank's GEMM waits on its tiles' counters
-    (expected: the previous call's count plus this call's rows) and reads the buffer. Then a
-    call with one tile's rows missing: its bounded wait reports ERR_ROWS instead of hanging."""
+    """World size 2, two calls: each rank puts its rows into the peers' receive buffers at the
+    expert-major positions of the receivers' route tables (built by hand here; experts 0-1 on
+    rank 0, 2-3 on rank 1, rank 0's expert 1 with no row), counted per destination tile; each
+    rank's GEMM waits on its tiles' counters (the previous call's count plus this call's rows)
+    and reads the buffer. Then a call with one tile's rows missing: its bounded wait reports
+    ERR_ROWS instead of hanging."""
     world, local_experts, k, n, bm = 2, 2, 32, 24, 16
     gen = torch.Generator().manual_seed(5)
     ws = [weights(local_experts, k, n, gen) for _ in range(world)]
@@ -304,21 +299,19 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
             out = torch.full((m, n), float("nan"), dtype=F16)
             grouped_gemm.grouped_gemm_kernel[(3,)](
                 rank.recv, out, out, ws[q], offsets, out, out, out, out, rank.counts, expect,
-                rank.err, out, out, out, m, n, k, local_experts, rank.recv.stride(0),
-                rank.recv.stride(1), *ws[q].stride(), out.stride(0), out.stride(1), LIMIT,
-                GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False,
-                WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
-                GROUP_M=2)
+                rank.err, m, n, k, local_experts, rank.recv.stride(0), rank.recv.stride(1),
+                *ws[q].stride(), out.stride(0), out.stride(1), LIMIT, GATHER=False,
+                WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False, WAIT=True,
+                BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
             assert int(rank.err) == 0
             received = torch.stack([xs[p][i] for p, i in rows]).float()
             assert torch.equal(rank.recv[:m].float(), received)
             ref = torch._grouped_mm(received, ws[q].float(), offs=offsets)
             assert rel_err(out, ref) < 2e-3, (call, q)
             previous[q] = expect
-    # a third call on rank 1 in which one tile's rows never came (its counter one short, its
-    # rows not there): that tile's wait gives up and says so, the tile is left unwritten, and
-    # every other tile, whose counter is complete, is computed (a tile waiting on another
-    # tile's counter fails here)
+    # a third call on rank 1 with one tile's rows missing (its counter one short): that tile's
+    # wait gives up and says so, leaving it unwritten; every other tile is computed (a tile
+    # waiting on another's counter fails here)
     q = 1
     rank = ranks[q]
     rows, tile_rows, offsets = layouts[q]
@@ -333,11 +326,11 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
     recv[first_row:first_row + tile_rows[missing]] = float("nan")
     out = torch.full((m, n), float("nan"), dtype=F16)
     grouped_gemm.grouped_gemm_kernel[(3,)](
-        recv, out, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, out, out,
-        out, m, n, k, local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(),
-        out.stride(0), out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False,
-        SCALE=False, ACCUMULATE=False, WAIT=True, PUSH=False, BLOCK_M=bm, BLOCK_N=16,
-        BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
+        recv, out, out, ws[q], offsets, out, out, out, out, counts, expect, rank.err, m, n, k,
+        local_experts, recv.stride(0), recv.stride(1), *ws[q].stride(), out.stride(0),
+        out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
+        ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
+        GROUP_M=2)
     assert int(rank.err) == grouped_gemm.ERR_ROWS
     skipped = torch.zeros(m, dtype=torch.bool)
     skipped[first_row:first_row + tile_rows[missing]] = True
@@ -347,10 +340,9 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
 
 
 def test_ops_take_the_fused_path_and_match_their_reference():
-    """Both ops through their dispatch as a CUDA call would take it (the plan text decoded, the
-    runtime's implementation looked up, the Task built) on a world-1 gloo group, against their
-    reference composition, which runs the all-to-all: the fused path keeps the ops' semantics,
-    the exchange included."""
+    """Both ops through their dispatch as a CUDA call takes it (the plan text decoded, the
+    implementation looked up, the Task built) on a world-1 gloo group, against their reference,
+    which runs the all-to-all."""
     import torch.distributed as dist
 
     from ditron_inductor import ops
@@ -391,8 +383,8 @@ def test_ops_take_the_fused_path_and_match_their_reference():
 @pytest.mark.parametrize("transposed", [False, True])
 def test_weights_through_tma_descriptors(transposed):
     """tma_b: the weights through a TMA descriptor over their 2-d view ([E * K, N], or [E * N,
-    K] for nn.Linear's layout, whose N tail reaches into the next expert's rows); an expert
-    with no rows between two with rows; the same products as through pointers."""
+    K] for nn.Linear's layout, whose N tail reaches into the next expert's rows), an expert
+    with no rows between two with rows."""
     gen = torch.Generator().manual_seed(7)
     tokens, experts, top_k, k, n = 21, 4, 2, 64, 40
     row_index, offsets, _, _ = routing(tokens, experts, top_k, "empty_expert", gen)
@@ -465,14 +457,11 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
                                                (3, True, 1)])
 def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
-    (moe_dispatch.publish, push, compute: the routes, put_rows_kernel, the grouped GEMM
-    waiting on its tiles' counters), the signals between them played by running every rank's
-    step before the next step: two consecutive calls on the same buffers and counters (the
-    second expecting on top of the first), then a call in which the last rank receives
-    nothing and one in which every row goes to rank 0. Each rank's outputs against the op's
-    reference (received[row_index], torch._grouped_mm per weight). tma_a: the waiting GEMM
-    reads the receive buffer through a TMA descriptor; progs: the plan's programs (1: one
-    program takes every tile in turn, waiting on each one's counter)."""
+    (moe_dispatch.publish, push, compute), the signals played by running every rank's step
+    before the next: two calls on the same buffers and counters (the second expecting on top of
+    the first), then one in which the last rank receives nothing and one in which every row
+    goes to rank 0, against the op's reference. tma_a: the waiting GEMM reads the receive
+    buffer through TMA; progs 1: one program takes every tile in turn, waiting on each."""
     from ditron_inductor.runtime import moe_dispatch
 
     gen = torch.Generator().manual_seed(10 + world)
@@ -518,9 +507,8 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
 
 
 def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
-    """What the multi-rank dispatch does not serve declines for reasons that hold on every rank
-    (here: CPU tensors, and the rows sent below the plan's minimum), never for the rows a rank
-    receives; the world-1 path is unchanged."""
+    """The multi-rank dispatch declines for reasons that hold on every rank (CPU tensors, the
+    rows sent below the plan's minimum), never for the rows a rank receives."""
     import logging
 
     gen = torch.Generator().manual_seed(12)
@@ -533,8 +521,7 @@ def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
             assert moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *args), PLAN,
                                                    *args) is None
         assert "all_to_all_grouped_mm on 2 ranks: x on cpu" in caplog.text
-    # fewer rows than the plan's minimum: the rows each rank sends (its tokens x top-k, as many
-    # on every rank), whatever each rank receives
+    # the rows each rank sends (as many on every rank) below the minimum, whatever it receives
     caplog.clear()
     for splits in ([3, 3], [6, 0]):
         args = (x, [2, 2], splits, torch.arange(4), [w], offsets, "0", 2)
@@ -554,27 +541,22 @@ def emulated_all_to_all(sent, send_splits):
                        for q in range(world)]) for p in range(world)]
 
 
-@pytest.mark.parametrize("world,fields", [
-    (2, {}), (3, {}), (2, {"tma_a": True}), (2, {"staged_push": True}),
-    (3, {"staged_push": True, "tma_a": True})],
-    ids=["2", "3", "2-tma_a", "2-staged", "3-staged-tma_a"])
-def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch):
+@pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (3, True)],
+                         ids=["2", "3", "3-tma_a"])
+def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch):
     """grouped_mm_all_to_all on 2 and 3 emulated ranks through the runtime's own steps
-    (moe_combine.publish, push, collect: the published starts, the grouped GEMM pushing each
-    row into its receiver's buffer and counting it there), the signals played by running every
-    rank's step before the next step. The combine of the dispatch's routings (each expert rank
-    sends its expert-major rows back through row_index): random and uneven, an expert of every
-    rank with no row, the last rank sending nothing back, every row from rank 0, every row to
-    rank 0; fp16 calls one after the other on the same buffers (the arrival count set back
-    between them), then fp32. Each rank's output against the op's reference, its all-to-all
-    emulated. tma_a: the pushing GEMM reads its rows through a TMA descriptor; staged_push: the
-    GEMM stores its rows locally in send order and the put kernel sends them."""
+    (moe_combine.publish, push, collect), the signals played by running every rank's step
+    before the next, back along the dispatch's routings (random and uneven, an expert of every
+    rank with no row, the last rank sending nothing back, every row from or to rank 0): fp16
+    calls on the same buffers (the arrival counts set back between them), then fp32, against
+    the op's reference with its all-to-all emulated. tma_a: the GEMM reads its rows through
+    TMA."""
     from ditron_inductor import ops
     from ditron_inductor.runtime import moe_combine
 
     gen = torch.Generator().manual_seed(20 + world)
     local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
-    plan = dataclasses.replace(PLAN, **fields)
+    plan = dataclasses.replace(PLAN, tma_a=tma_a)
     monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
     ranks = {}  # dtype -> (layout, contexts, states, weights)
     calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
@@ -613,7 +595,7 @@ def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch
             received = sum(back_splits[r])
             arrived = ctx.flags.view(-1, torch.int32, [world], 4 * moe_combine.arrived_word(world))
             # each sender's rows counted in its own word
-            assert arrived.tolist() == moe_combine.expected_counts(layout, plan, back_splits[r])
+            assert arrived.tolist() == back_splits[r]
             out = moe_combine.collect(ctx, layout, received)
             assert not arrived.any()
             assert out.shape == (received, n) and out.dtype == dtype
@@ -623,10 +605,9 @@ def test_multi_rank_combine_steps_match_the_reference(world, fields, monkeypatch
 
 
 def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplog):
-    """What the multi-rank combine does not serve declines, alike on every rank and before its
-    context (the symmetric memory and the signals) is touched: rows summed into one
-    (accumulate), a sum of grouped GEMMs, CPU tensors, fewer rows received back than the plan's
-    minimum."""
+    """The multi-rank combine declines alike on every rank, before its context (symmetric
+    memory, signals) is touched: accumulate, a sum of grouped GEMMs, CPU tensors, fewer rows
+    received back than the plan's minimum."""
     import logging
 
     from ditron_inductor.runtime import moe_combine
@@ -655,26 +636,3 @@ def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplo
         # counted by reason, once (what benchmarks/e2e_moe.py reports beside the fused calls)
         (why,) = launch.declined - declined
         assert reason in why and (launch.declined - declined)[why] == 1
-
-
-def test_combine_push_sends_rows_past_the_last_offset_as_zeros():
-    """The PUSH epilogue on one emulated rank (its own receive buffer through the table): the
-    products to their rows, and the rows past offsets[-1] (no expert's: undefined in
-    torch._grouped_mm) as zeros, every row counted once per n-tile, so that a receiver never
-    waits on a row no tile computes."""
-    gen = torch.Generator().manual_seed(14)
-    rows, k, n = 23, 24, 40
-    left = torch.randn(rows, k, generator=gen).to(F16)
-    w = weights(2, k, n, gen)
-    offsets = torch.tensor([7, 19], dtype=torch.int32)  # rows 19..22: past the last offset
-    recv = torch.full((rows, n), float("nan"), dtype=F16)
-    arrived = torch.zeros(1, dtype=torch.int32)
-    dst_row = torch.randperm(rows, generator=gen).to(torch.int32)
-    moe.grouped_gemm(PLAN, left, w, offsets, left, rows=rows, c_index=dst_row,
-                     push=(torch.zeros(rows, dtype=torch.int32),
-                           torch.tensor([recv.data_ptr()]), torch.tensor([arrived.data_ptr()])))
-    assert int(arrived) == rows * triton.cdiv(n, PLAN.block_n)
-    ref = torch._grouped_mm(left[:19].float(), w.float(), offs=offsets)
-    at = dst_row.to(torch.int64)
-    assert rel_err(recv[at[:19]], ref) < 2e-3
-    assert torch.equal(recv[at[19:]], torch.zeros(rows - 19, n, dtype=F16))

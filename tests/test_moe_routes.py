@@ -102,18 +102,8 @@ def test_routes_put_every_row_where_the_reference_has_it(world, case, seed):
     recv = [torch.full((capacity, 2), -1.0) for _ in range(world)]
     counts = [torch.zeros(tiles, dtype=torch.int32) for _ in range(world)]
     for p in range(world):
-        rows = xs[p].shape[0]
-        dst_rank, dst_row, dst_tile = moe_routes.routes(table_table, p, world, rows, capacity,
-                                                        None, expert_major=True)
-        assert (dst_rank >= 0).all()  # a permutation places every row
-        assert dst_rank.tolist() == sorted(dst_rank.tolist())  # x's rank-major order
-        assert dst_rank.tolist() == [q for q in range(world) for _ in range(splits[p][q])]
-        placed = {(int(q), int(row)) for q, row in zip(dst_rank, dst_row)}
-        assert len(placed) == rows, "two rows to one place"
         moe_routes.put_rows(xs[p], table_table, addresses(recv), addresses(counts), p, world,
                             capacity, expert_major=True)
-        for i in range(rows):  # the put kernel put each row where its route says
-            assert torch.equal(recv[int(dst_rank[i])][int(dst_row[i])], xs[p][i])
     for q, (received, row_index, offsets) in enumerate(layouts):
         ref = reference_received(world, xs, splits, q)
         if row_index is not None:
@@ -144,31 +134,35 @@ def test_tiles_as_the_kernel_numbers_them():
 
 def test_a_repeated_row_index_entry_leaves_a_row_unsent():
     """Not a permutation: received row 2 is claimed twice, row 1 by none: row 1 is not sent
-    (dst_rank -1) and its tile is one row short of what the receiver expects."""
+    and its tile is one row short of what the receiver expects."""
     table = torch.zeros(moe_routes.table_words(1, 4), dtype=torch.int32)
-    offsets = torch.tensor([4], dtype=torch.int32)
-    moe_routes.publish(table, [4], [4], torch.tensor([0, 2, 2, 3]), offsets, 2,
-                       torch.zeros(3, dtype=torch.int32))
-    dst_rank, _, _ = moe_routes.routes(addresses([table]), 0, 1, 4, 4, None, expert_major=True)
-    assert dst_rank.tolist() == [0, -1, 0, 0]
+    expect = torch.zeros(3, dtype=torch.int32)
+    moe_routes.publish(table, [4], [4], torch.tensor([0, 2, 2, 3]),
+                       torch.tensor([4], dtype=torch.int32), 4, expect)
+    x = torch.arange(4, dtype=torch.float32)[:, None]
+    recv, counts = torch.full((4, 1), -1.0), torch.zeros(3, dtype=torch.int32)
+    moe_routes.put_rows(x, addresses([table]), addresses([recv]), addresses([counts]), 0, 1, 4,
+                        expert_major=True)
+    assert not (recv == 1).any()
+    assert expect.tolist() == [4, 0, 0] and counts.tolist() == [3, 0, 0]
 
 
-def test_combine_routes_are_the_receivers_rank_major_positions():
-    """The combine's routes (no expert-major table): send position i of rank p goes to rank q
-    at q's start for p plus i's index among p's rows to q; through an index (the GEMM rows'
-    send positions, as the epilogue's push takes them) in the index's order."""
+def test_combine_puts_rows_at_the_receivers_rank_major_positions():
+    """The combine's routes (no expert-major table): rank p's row i to rank q goes to q's
+    start for p plus i's index among p's rows to q, counted in q's word for p."""
     world, sends = 3, [[2, 0, 3], [1, 4, 0], [0, 2, 2]]  # sends[p][q]: rows p sends q
     tables = [torch.zeros(moe_routes.split_words(world), dtype=torch.int32) for _ in sends]
     for q, table in enumerate(tables):
         moe_routes.publish_splits(table, [sends[p][q] for p in range(world)], sends[q])
-    table_table = addresses(tables)
-    dst_rank, dst_row, dst_tile = moe_routes.routes(table_table, 1, world, 5, 0, None,
-                                                    expert_major=False)
-    assert dst_rank.tolist() == [0, 1, 1, 1, 1]
-    assert dst_row.tolist() == [2, 0, 1, 2, 3]  # rank 0 receives p 0's 2 rows first
-    assert not dst_tile.any()
-    index = torch.tensor([3, 0, 2, 1])  # rank 2's positions 0-1 go to rank 1, 2-3 to itself
-    dst_rank, dst_row, _ = moe_routes.routes(table_table, 2, world, 4, 0, index,
-                                             expert_major=False)
-    assert dst_rank.tolist() == [2, 1, 2, 1]
-    assert dst_row.tolist() == [4, 4, 3, 5]  # after p 0's and 1's rows: 4 on rank 1, 3 on 2
+    received = [sum(sends[p][q] for p in range(world)) for q in range(world)]
+    recv = [torch.full((n, 1), -1.0) for n in received]
+    arrived = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]  # [q][p]
+    xs = [(100 * p + torch.arange(sum(sends[p]), dtype=torch.float32))[:, None]
+          for p in range(world)]
+    for p in range(world):
+        count_table = torch.tensor([a[p:].data_ptr() for a in arrived], dtype=torch.int64)
+        moe_routes.put_rows(xs[p], addresses(tables), addresses(recv), count_table, p, world, 0,
+                            expert_major=False)
+    for q in range(world):
+        assert torch.equal(recv[q], reference_received(world, xs, sends, q))
+        assert arrived[q].tolist() == [sends[p][q] for p in range(world)]

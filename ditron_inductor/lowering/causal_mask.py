@@ -125,6 +125,14 @@ def call_arg(node: Node, index: int, name: str) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
+def set_call_arg(node: Node, index: int, name: str, value: Any) -> None:
+    """Where the call passes the argument: positionally, else as a keyword."""
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
 def traced_value(node: Node) -> Any:
     """The node's traced value: dynamo's example_value, or val."""
     return node.meta.get("example_value", node.meta.get("val"))
@@ -215,18 +223,9 @@ def _evaluate(gm: GraphModule, above: list[Node]) -> torch.Tensor:
 
 
 def _replace(sdpa: Node, became: str) -> None:
-    args = list(sdpa.args)
-    kwargs = dict(sdpa.kwargs)
-    if len(args) > MASK_ARG:
-        args[MASK_ARG] = None
-    else:
-        kwargs["attn_mask"] = None
+    set_call_arg(sdpa, MASK_ARG, "attn_mask", None)
     if became == CAUSAL:
-        if len(args) > CAUSAL_ARG:
-            args[CAUSAL_ARG] = True
-        else:
-            kwargs["is_causal"] = True
-    sdpa.args, sdpa.kwargs = tuple(args), kwargs
+        set_call_arg(sdpa, CAUSAL_ARG, "is_causal", True)
 
 
 def _erase_unused(gm: GraphModule, mask: Node) -> None:

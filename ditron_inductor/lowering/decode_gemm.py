@@ -24,18 +24,13 @@ def rewrite_decode_mms(graph: Graph) -> list[str]:
     of the nodes replaced."""
     replaced = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.mm.default:
+        if not is_call(node, torch.ops.aten.mm.default):
             continue
-        a, b = node.args
-        if not (isinstance(a, Node) and isinstance(b, Node)):
-            continue
-        a_val, b_val = a.meta.get("val"), b.meta.get("val")
-        if not (isinstance(a_val, torch.Tensor) and isinstance(b_val, torch.Tensor)):
-            continue
-        if mm_not_rewritten(a_val, b_val) is not None:
+        values = [a.meta.get("val") if isinstance(a, Node) else None for a in node.args]
+        if not all(isinstance(v, torch.Tensor) for v in values) or mm_not_rewritten(*values):
             continue
         with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.ditron.decode_mm.default, (a, b))
+            new = graph.call_function(torch.ops.ditron.decode_mm.default, node.args)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

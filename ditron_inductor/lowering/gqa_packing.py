@@ -24,7 +24,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
-from .causal_mask import SDPA, call_arg, example_shape, traced_value
+from .causal_mask import SDPA, call_arg, example_shape, set_call_arg, traced_value
 
 QUERY, KEY, VALUE, MASK, DROPOUT, CAUSAL, SCALE, GQA = 0, 1, 2, 3, 4, 5, 6, 7
 # what a packed call became: the decode attention template's op (inference), or SDPA itself
@@ -185,14 +185,9 @@ def _pack(sdpa: Node, key: Node, value: Node, n: int) -> str:
         else:
             attention = sdpa
     if attention is sdpa:
-        args, kwargs = list(sdpa.args), dict(sdpa.kwargs)
         for index, name, new in ((QUERY, "query", packed_query), (KEY, "key", key),
                                  (VALUE, "value", value), (MASK, "attn_mask", packed_mask)):
-            if len(args) > index:
-                args[index] = new
-            elif name in kwargs or new is not None:
-                kwargs[name] = new
-        sdpa.args, sdpa.kwargs = tuple(args), kwargs
+            set_call_arg(sdpa, index, name, new)
     with graph.inserting_after(attention):
         unpacked = graph.call_method("reshape", (attention, batch, heads, rows, dim))
     sdpa.replace_all_uses_with(unpacked, delete_user_cb=lambda user: user is not unpacked)

@@ -13,7 +13,8 @@ from torch.fx.node import map_arg
 
 def insert_call(graph: Graph, target, args: tuple) -> Node:
     """A call of `target` right after the last of its inputs (or of the placeholders)."""
-    inputs = _flat_nodes(args)
+    inputs: list[Node] = []
+    map_arg(args, inputs.append)
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last = max(inputs + placeholders[-1:], key=order.__getitem__)
@@ -36,12 +37,6 @@ def insert_getitem(graph: Graph, op: Node, index: int) -> Node:
         node = graph.call_function(operator.getitem, (op, index))
     node.meta["val"] = op.meta["val"][index]
     return node
-
-
-def _flat_nodes(args) -> list[Node]:
-    found: list[Node] = []
-    map_arg(args, found.append)
-    return found
 
 
 def erase_unused(graph: Graph, nodes: Sequence[Node]) -> None:

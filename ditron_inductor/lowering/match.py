@@ -18,8 +18,9 @@ and the same with _scaled_mm (torchao's float8 tensor parallelism): float8 piece
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -36,41 +37,17 @@ from ..scheduler.task import (
     all_gather_scaled_mm_task,
     chunks_contiguous,
     matmul_collective_task,
-    numel,
     scale_kind,
     scaled_mm_collective_task,
-    scaled_mm_reduce_scatter_task,
 )
 from ..patterns import PATTERNS
 from .moe import find_moe_matches
-from .nodes import RESHAPES, fake, is_call, output_among_inputs
+from .nodes import RESHAPES, fake, is_call, matmul_arg, summands, weight_from_output
 from .norm import RmsNormTail, find_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def normalize_dim(dim: int, ndim: int) -> int:
-    return dim + ndim if dim < 0 else dim
-
-
-def other_users(node: Node, allowed: Sequence[Node]) -> list[Node]:
-    return [u for u in node.users if u not in allowed]
-
-
-# torch._scaled_mm's arguments in schema order, and the defaults of those that have one
-_SCALED_MM_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
-                   "use_fast_accum")
-_SCALED_MM_DEFAULTS = {"bias": None, "scale_result": None, "out_dtype": None,
-                       "use_fast_accum": False}
-
-
-def scaled_mm_arg(node: Node, name: str):
-    i = _SCALED_MM_ARGS.index(name)
-    if i < len(node.args):
-        return node.args[i]
-    return node.kwargs.get(name, _SCALED_MM_DEFAULTS.get(name))
 
 
 @dataclasses.dataclass
@@ -80,58 +57,24 @@ class MatmulUse:
 
     node: Node
 
+    a = property(lambda self: matmul_arg(self.node, "a"))
+    weight = property(lambda self: matmul_arg(self.node, "weight"))
+    bias = property(lambda self: matmul_arg(self.node, "bias"))
+    scale_a = property(lambda self: matmul_arg(self.node, "scale_a"))
+    scale_b = property(lambda self: matmul_arg(self.node, "scale_b"))
+    out_dtype = property(lambda self: matmul_arg(self.node, "out_dtype"))
+    use_fast_accum = property(lambda self: bool(matmul_arg(self.node, "use_fast_accum")))
+
     @property
     def scaled(self) -> bool:
         return self.node.target is aten._scaled_mm.default
-
-    @property
-    def _addmm(self) -> bool:
-        return self.node.target is aten.addmm.default
-
-    @property
-    def has_bias(self) -> bool:
-        return self.bias is not None
-
-    @property
-    def a(self) -> Node:
-        if self.scaled:
-            return scaled_mm_arg(self.node, "self")
-        return self.node.args[1 if self._addmm else 0]
-
-    @property
-    def weight(self) -> Node:
-        if self.scaled:
-            return scaled_mm_arg(self.node, "mat2")
-        return self.node.args[2 if self._addmm else 1]
-
-    @property
-    def bias(self) -> Optional[Node]:
-        if self.scaled:
-            return scaled_mm_arg(self.node, "bias")
-        return self.node.args[0] if self._addmm else None
-
-    @property
-    def scale_a(self) -> Node:
-        return scaled_mm_arg(self.node, "scale_a")
-
-    @property
-    def scale_b(self) -> Node:
-        return scaled_mm_arg(self.node, "scale_b")
-
-    @property
-    def out_dtype(self) -> Optional[torch.dtype]:
-        return scaled_mm_arg(self.node, "out_dtype")
-
-    @property
-    def use_fast_accum(self) -> bool:
-        return bool(scaled_mm_arg(self.node, "use_fast_accum"))
 
 
 def as_matmul(node: Node) -> Optional[MatmulUse]:
     if is_call(node, aten.mm.default):
         return MatmulUse(node)
     # scale_result scales a float8 output, which no op here produces
-    if is_call(node, aten._scaled_mm.default) and scaled_mm_arg(node, "scale_result") is None:
+    if is_call(node, aten._scaled_mm.default) and matmul_arg(node, "scale_result") is None:
         return MatmulUse(node)
     # the ops add a bias of shape [N] only
     if (is_call(node, aten.addmm.default) and not node.kwargs and len(node.args) == 3
@@ -157,7 +100,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
     slices = [u for u in src.users if is_call(u, aten.slice.Tensor)]
     if len(splits) == 1 and not slices:
         split = splits[0]
-        if normalize_dim(_split_dim(split), ndim) != chunk_dim or len(fake(split)) != world_size:
+        if _split_dim(split) % ndim != chunk_dim or len(fake(split)) != world_size:
             return None
         pieces = sorted(split.users,
                         key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
@@ -166,7 +109,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
             return None
         inner = [split] + pieces
     elif len(slices) == world_size and not splits:
-        if any(normalize_dim(u.args[1], ndim) != chunk_dim for u in slices):
+        if any(u.args[1] % ndim != chunk_dim for u in slices):
             return None
         pieces = inner = slices
     else:
@@ -189,7 +132,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
                 back[0].args[1] != fake(src).dtype):
             return None
         inner, cat = inner + [cat], back[0]
-    return ChunkCat(cat, normalize_dim(cat_dim, ndim), list(inner))
+    return ChunkCat(cat, cat_dim % ndim, list(inner))
 
 
 def _byte_views(pieces: list[Node]) -> Optional[list[Node]]:
@@ -223,11 +166,6 @@ def matrix_views(node: Node) -> tuple[list[Node], list[Node]]:
         chain += views
         frontier += views
     return matrices, chain
-
-
-def is_transpose_2d(node: Node) -> bool:
-    return (is_call(node, aten.t.default)
-            or (is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]))
 
 
 # ------------------------------------------------------------------------------ all-gather -> mm
@@ -272,11 +210,10 @@ class AllGatherMatmulMatch:
         else:
             task = all_gather_matmul_task(
                 fake(self.a_shard), [fake(m.weight) for m in self.matmuls], biases,
-                self.gather_dim, self.group_name, self.world_size,
-            )
+                self.gather_dim, self.group_name, self.world_size)
         if self.row_order is None:
             return task
-        copied = sum((numel(fake(m.node).shape) for m in self.matmuls
+        copied = sum((math.prod(fake(m.node).shape) for m in self.matmuls
                       if not folds_into_users(m.node)), 0)
         return dataclasses.replace(task, rank_chunks_contiguous=True, rows_reordered=True,
                                    copy_elems=copied)
@@ -308,11 +245,11 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
         match.problem = "no matmul takes the gathered activation as its left operand (" + "; ".join(
             f"{mm.name} {how}" for mm, how in others) + ")"
     if chunk_cat:
-        extra = other_users(wait, chunk_cat.inner)
+        extra = [u for u in wait.users if u not in chunk_cat.inner]
         if extra:
             match.problem = (f"the raw all-gather output {wait.name} is also used by "
                              f"{', '.join(u.name for u in extra)}")
-    match.problem = match.problem or _matmul_depends_on_another(matmuls)
+    match.problem = match.problem or weight_from_output(matmuls, lambda m: (m.weight, m.bias))
     if match.scaled:
         match.problem = match.problem or _scale_a_problem(match)
     if chunk_cat and _rows_interleave(fake(match.a_shard).shape, gather_dim):
@@ -340,7 +277,7 @@ def _scale_a_problem(match: AllGatherMatmulMatch) -> Optional[str]:
         return None
     wait = scale
     gather = wait.args[0] if is_call(wait, c10d.wait_tensor.default) else None
-    rows = numel(fake(match.a_shard).shape[:-1])
+    rows = math.prod(fake(match.a_shard).shape[:-1])
     if not (is_call(wait, c10d.wait_tensor.default)
             and is_call(gather, c10d.all_gather_into_tensor.default)
             and list(gather.args[1:3]) == [match.world_size, match.group_name]
@@ -390,22 +327,11 @@ def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
                     continue
                 found.append((u, "takes it as its right operand" if MatmulUse(u).a is not a
                               else "adds a bias that is not one value per column"))
-            elif is_transpose_2d(u):
+            elif is_call(u, aten.t.default) or (is_call(u, aten.permute.default)
+                                                and list(u.args[1]) == [1, 0]):
                 found += [(mm, "takes it transposed") for mm in u.users
                           if is_call(mm, aten.mm.default, aten.addmm.default)]
     return found
-
-
-def _matmul_depends_on_another(matmuls: list[MatmulUse]) -> Optional[str]:
-    """One op computes every matmul, so no weight may come from another's output (a cycle)."""
-    if len(matmuls) < 2:
-        return None
-    outputs = {m.node for m in matmuls}
-    for m in matmuls:
-        found = output_among_inputs(outputs, [n for n in (m.weight, m.bias) if n is not None])
-        if found is not None:
-            return f"the weight of {m.node.name} is computed from {found.name}"
-    return None
 
 
 # -------------------------------------------------------- mm -> reduce-scatter / all-reduce
@@ -447,27 +373,16 @@ class MatmulCollectiveMatch:
         mm = self.matmul
         shape = fake(self.reshape).shape if self.reshape is not None else []
         bias = None if mm.bias is None else fake(mm.bias)
-        if self.op == SCALED_MM_REDUCE_SCATTER:
-            task = scaled_mm_reduce_scatter_task(
-                *([fake(getattr(m, x)) for m in self.matmuls]
-                  for x in ("a", "weight", "scale_a", "scale_b")),
-                bias, mm.out_dtype, mm.use_fast_accum, shape, self.dim, self.reduce_op,
-                self.group_name, self.world_size)
-        elif mm.scaled:
+        if mm.scaled:  # the first term's: the matcher fuses a sum of one kind of scaling only
             task = scaled_mm_collective_task(
                 self.op, fake(mm.a), fake(mm.weight), fake(mm.scale_a), fake(mm.scale_b), bias,
                 mm.out_dtype, mm.use_fast_accum, shape, self.dim, self.reduce_op,
                 self.group_name, self.world_size)
-        elif self.norm:
-            task = matmul_collective_task(
-                MATMUL_ALL_REDUCE_RMSNORM, fake(mm.a), fake(mm.weight), bias, shape, 0,
-                self.reduce_op, self.group_name, self.world_size,
-                has_residual=self.norm.residual is not None)
         else:
             task = matmul_collective_task(
                 self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
                 self.group_name, self.world_size,
-            )
+                has_residual=self.norm is not None and self.norm.residual is not None)
         if len(self.matmuls) == 1 and self.row_order is None:
             return task
         return dataclasses.replace(
@@ -481,10 +396,10 @@ class MatmulCollectiveMatch:
         concatenated = len(self.matmuls) > 1 and self.norm is not None
         if not concatenated and self.row_order is None:
             return 0
-        copied = sum((numel(fake(m.a).shape) for m in self.matmuls
+        copied = sum((math.prod(fake(m.a).shape) for m in self.matmuls
                       if not folds_into_producer(m.a)), 0)
         if concatenated:
-            copied = copied + sum((numel(fake(m.weight).shape) for m in self.matmuls), 0)
+            copied = copied + sum((math.prod(fake(m.weight).shape) for m in self.matmuls), 0)
         return copied
 
     def replaced_nodes(self) -> list[Node]:
@@ -512,8 +427,7 @@ def find_matmul_collective(collective: Node,
         if chunk_cat is None:
             return None
         dim, node = _chunk_dim(node), _chunk_source(node)
-    chain = _reshapes_above(node)  # the collective's side first: it views them as chain[0]
-    node = unview(node)
+    chain, node = _unview(node)  # the collective's side first: it views them as chain[0]
     matmul = as_matmul(node) if isinstance(node, Node) else None
     if matmul is not None:
         matmuls, inner = [matmul], []
@@ -545,37 +459,24 @@ def find_matmul_collective(collective: Node,
     return match
 
 
-def _reshapes_above(node: object) -> list[Node]:
+def _unview(node: object) -> tuple[list[Node], object]:
+    """The chain of reshapes that ends at `node` (it first), and what the chain is of."""
     chain = []
     while is_call(node, *RESHAPES):
         chain.append(node)
         node = node.args[0]
-    return chain
-
-
-def unview(node: object) -> object:
-    """What a chain of reshapes is of."""
-    while is_call(node, *RESHAPES):
-        node = node.args[0]
-    return node
+    return chain, node
 
 
 def _sum_of_matmuls(total: object) -> Optional[tuple[list[MatmulUse], list[Node]]]:
     """The matmuls whose products (each maybe reshaped) `total` adds up, and the adds and
     reshapes between, outermost first; None unless every summand is a matmul product."""
-    adds, terms = [], []
-    stack = [total]
-    while stack:
-        node = stack.pop(0)
-        if is_call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
-            adds.append(node)
-            stack[:0] = list(node.args)
-        else:
-            terms.append(node)
-    matmuls = [mm for t in terms if (mm := as_matmul(unview(t))) is not None]
+    terms, adds = summands(total)
+    unviewed = [_unview(t) for t in terms]
+    matmuls = [mm for _, source in unviewed if (mm := as_matmul(source)) is not None]
     if len(terms) < 2 or len(matmuls) != len(terms):
         return None
-    return matmuls, adds + [v for t in terms for v in _reshapes_above(t)]
+    return matmuls, adds + [v for chain, _ in unviewed for v in chain]
 
 
 def _users_problem(match: MatmulCollectiveMatch) -> Optional[str]:
@@ -606,7 +507,7 @@ def _terms_problem(total: Node, matmuls: list[MatmulUse], op: str) -> Optional[s
     if matmuls[0].scaled and len({scale_kind(fake(m.scale_a), fake(m.scale_b))
                                   for m in matmuls}) > 1:  # the Task reads the first term's
         return f"{total.name} sums _scaled_mm products ({names}) scaled in different ways"
-    if any(m.has_bias for m in matmuls):
+    if any(m.bias is not None for m in matmuls):
         return f"{total.name} sums matmuls ({names}) of which one adds a bias"
     if len({tuple(fake(m.node).shape) for m in matmuls}) > 1 or any(
             fake(m.node).numel() != fake(total).numel() for m in matmuls):
@@ -622,12 +523,9 @@ def _chunk_source(cat: Node) -> Node:
 
 
 def _chunk_dim(cat: Node) -> int:
-    src = _chunk_source(cat)
     first = cat.args[0][0]
-    ndim = len(fake(src).shape)
-    if is_call(first, operator.getitem):
-        return normalize_dim(_split_dim(first.args[0]), ndim)
-    return normalize_dim(first.args[1], ndim)
+    dim = _split_dim(first.args[0]) if is_call(first, operator.getitem) else first.args[1]
+    return dim % len(fake(_chunk_source(cat)).shape)
 
 
 def _split_dim(split: Node) -> int:
@@ -663,14 +561,9 @@ def find_matches(graph: Graph, patterns=PATTERNS) -> list:
     found = []
     for node in graph.nodes:
         if is_call(node, c10d.all_gather_into_tensor.default):
-            match = find_all_gather_matmul(node)
+            found.append(find_all_gather_matmul(node))
         elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
-            match = find_matmul_collective(node, patterns)
+            found.append(find_matmul_collective(node, patterns))
         elif is_call(node, c10d.all_to_all_single.default):
             found += find_moe_matches(node)
-            continue
-        else:
-            continue
-        if match is not None:
-            found.append(match)
-    return found
+    return [match for match in found if match is not None]

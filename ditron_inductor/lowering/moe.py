@@ -25,14 +25,9 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
-from ..scheduler.task import (
-    Task,
-    all_to_all_grouped_mm_task,
-    grouped_mm_all_to_all_task,
-    total,
-)
+from ..scheduler.task import Task, all_to_all_grouped_mm_task, grouped_mm_all_to_all_task
 from .graph_edit import erase_unused, insert_call, insert_getitem
-from .nodes import fake, is_call, output_among_inputs
+from .nodes import fake, is_call, matmul_arg, summands, weight_from_output
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -58,17 +53,9 @@ class GroupedMm:
 
     node: Node
 
-    @property
-    def a(self) -> Node:
-        return self.node.args[0]
-
-    @property
-    def weight(self) -> Node:
-        return self.node.args[1]
-
-    @property
-    def offsets(self) -> Node:
-        return _arg(self.node, 2, "offs")
+    a = property(lambda self: self.node.args[0])
+    weight = property(lambda self: self.node.args[1])
+    offsets = property(lambda self: _arg(self.node, 2, "offs"))
 
 
 def as_grouped_mm(node: object) -> Optional[GroupedMm]:
@@ -90,25 +77,11 @@ class Exchange:
     wait: Node
     row_counts: list[Node]
 
-    @property
-    def x(self) -> Node:
-        return self.node.args[0]
-
-    @property
-    def output_split_sizes(self) -> list:
-        return list(self.node.args[1])
-
-    @property
-    def input_split_sizes(self) -> list:
-        return list(self.node.args[2])
-
-    @property
-    def group_name(self) -> str:
-        return self.node.args[3]
-
-    @property
-    def world_size(self) -> int:
-        return len(self.node.args[1])
+    x = property(lambda self: self.node.args[0])
+    output_split_sizes = property(lambda self: list(self.node.args[1]))
+    input_split_sizes = property(lambda self: list(self.node.args[2]))
+    group_name = property(lambda self: self.node.args[3])
+    world_size = property(lambda self: len(self.node.args[1]))
 
 
 def as_exchange(node: Node) -> Optional[Exchange]:
@@ -142,7 +115,7 @@ def _loop_matmuls(rows: Node) -> tuple[list[Node], int]:
             pieces += [p for p in u.users if is_call(p, operator.getitem)]
         elif is_call(u, aten.slice.Tensor) and _arg(u, 1, "dim", 0) == 0:
             pieces.append(u)
-    mms = [mm for p in pieces for mm in p.users if _is_matmul(mm) and _left(mm) is p]
+    mms = [mm for p in pieces for mm in p.users if _is_matmul(mm) and matmul_arg(mm, "a") is p]
     return mms, len(pieces)
 
 
@@ -151,31 +124,33 @@ def _is_matmul(node: Node) -> bool:
     return is_call(node, aten.mm.default, aten.addmm.default)
 
 
-def _left(mm: Node) -> Node:
-    return mm.args[1] if is_call(mm, aten.addmm.default) else mm.args[0]
-
-
-def _loop_problem(rows: Node, loop: list[Node], pieces: int) -> str:
-    return (f"the experts multiply {pieces} pieces of {rows.name} in a loop of matmuls "
-            f"({_names(loop)}): only torch._grouped_mm is matched")
-
-
 def _offsets_problem(grouped_mms: list[GroupedMm]) -> Optional[str]:
     if len({g.offsets for g in grouped_mms}) > 1:
         return f"the grouped GEMMs {_names(g.node for g in grouped_mms)} take different offsets"
     return None
 
 
-def _loop_task(task: Task, loop: list[Node], rows: Node) -> Task:
-    """The log's Task for experts that loop over matmuls: all the rows, the first matmul's N."""
-    return dataclasses.replace(task, m=fake(rows).shape[0], ns=(fake(loop[0]).shape[-1],))
+class _ExpertsMatch:
+    """What the dispatch's and the combine's matches share: `exchange`, `grouped_mms`, `loop`
+    (the experts' matmuls where they loop over them) and `rows`, and `_task()`."""
+
+    def task(self) -> Task:
+        task = self._task()
+        if not self.loop:
+            return task
+        # the log's Task for experts that loop over matmuls: all the rows, the first matmul's N
+        return dataclasses.replace(task, m=fake(self.rows).shape[0],
+                                   ns=(fake(self.loop[0]).shape[-1],))
+
+    def replaced_nodes(self) -> list[Node]:
+        return [g.node for g in self.grouped_mms] + self.loop + [self.exchange.node]
 
 
 # ---------------------------------------------------------------- dispatch: all-to-all -> GEMMs
 
 
 @dataclasses.dataclass
-class AllToAllGroupedMmMatch:
+class AllToAllGroupedMmMatch(_ExpertsMatch):
     exchange: Exchange
     gather: Optional[Node]  # index(received, [row_index]): the rows in the experts' order
     grouped_mms: list[GroupedMm]
@@ -192,16 +167,12 @@ class AllToAllGroupedMmMatch:
     def row_index(self) -> Optional[Node]:
         return None if self.gather is None else self.gather.args[1][0]
 
-    def task(self) -> Task:
+    def _task(self) -> Task:
         ex = self.exchange
-        task = all_to_all_grouped_mm_task(
+        return all_to_all_grouped_mm_task(
             fake(ex.x), _vals(ex.output_split_sizes), _vals(ex.input_split_sizes),
             None if self.gather is None else fake(self.row_index),
             [fake(g.weight) for g in self.grouped_mms], None, ex.group_name, ex.world_size)
-        return _loop_task(task, self.loop, self.rows) if self.loop else task
-
-    def replaced_nodes(self) -> list[Node]:
-        return [g.node for g in self.grouped_mms] + self.loop + [self.exchange.node]
 
 
 def find_all_to_all_grouped_mm(node: Node) -> Optional[AllToAllGroupedMmMatch]:
@@ -220,25 +191,16 @@ def find_all_to_all_grouped_mm(node: Node) -> Optional[AllToAllGroupedMmMatch]:
     match = AllToAllGroupedMmMatch(exchange, gather, grouped_mms, loop=loop)
     extra = [u for u in wait.users if u is not gather] if gather is not None else []
     match.problem = (
-        (_loop_problem(rows, loop, pieces) if loop else None)
+        (f"the experts multiply {pieces} pieces of {rows.name} in a loop of matmuls "
+         f"({_names(loop)}): only torch._grouped_mm is matched" if loop else None)
         or (f"the received rows {wait.name} are also used in arrival order by {_names(extra)}"
             if extra else None)
         or _offsets_problem(grouped_mms)
-        or _weight_from_output(grouped_mms))
+        or weight_from_output(grouped_mms, lambda g: (g.weight, g.offsets)))
     match.notes = [f"{mm.name} takes them transposed: it reads the rows the op returns"
                    for u in rows.users if is_call(u, aten.permute.default, aten.t.default)
                    for mm in u.users if is_call(mm, aten._grouped_mm.default, aten.mm.default)]
     return match
-
-
-def _weight_from_output(grouped_mms: list[GroupedMm]) -> Optional[str]:
-    """One op computes every grouped GEMM: no weight or offsets may come from another's output."""
-    outputs = {g.node for g in grouped_mms}
-    for g in grouped_mms:
-        found = output_among_inputs(outputs, [g.weight, g.offsets])
-        if found is not None:
-            return f"the weight of {g.node.name} is computed from {found.name}"
-    return None
 
 
 def rewrite_all_to_all_grouped_mm(graph: Graph, match: AllToAllGroupedMmMatch, plan: str) -> Node:
@@ -268,7 +230,7 @@ def _count_rows_from_splits(graph: Graph, exchange: Exchange) -> None:
 
 
 @dataclasses.dataclass
-class GroupedMmAllToAllMatch:
+class GroupedMmAllToAllMatch(_ExpertsMatch):
     exchange: Exchange
     grouped_mms: list[GroupedMm]  # the terms of the sum
     adds: list[Node]  # the sum's adds, outermost first
@@ -290,18 +252,14 @@ class GroupedMmAllToAllMatch:
     def accumulate(self) -> bool:
         return self.scatter is not None and bool(_arg(self.scatter, 3, "accumulate", False))
 
-    def task(self) -> Task:
+    def _task(self) -> Task:
         ex = self.exchange
-        lefts = [g.a for g in self.grouped_mms] or [_left(mm) for mm in self.loop[:1]]
-        task = grouped_mm_all_to_all_task(
+        lefts = [g.a for g in self.grouped_mms] or [matmul_arg(mm, "a") for mm in self.loop[:1]]
+        return grouped_mm_all_to_all_task(
             [fake(a) for a in lefts], [fake(g.weight) for g in self.grouped_mms], None,
             None if self.scatter is None else fake(self.row_index), self.accumulate,
             _vals(ex.output_split_sizes), _vals(ex.input_split_sizes), ex.group_name,
             ex.world_size)
-        return _loop_task(task, self.loop, self.rows) if self.loop else task
-
-    def replaced_nodes(self) -> list[Node]:
-        return [g.node for g in self.grouped_mms] + self.loop + [self.exchange.node]
 
 
 def find_grouped_mm_all_to_all(node: Node) -> Optional[GroupedMmAllToAllMatch]:
@@ -326,25 +284,11 @@ def find_grouped_mm_all_to_all(node: Node) -> Optional[GroupedMmAllToAllMatch]:
     return match
 
 
-def _summands(y: Node) -> tuple[list[Node], list[Node]]:
-    """What `y` adds up (itself where it is no add) and the adds, outermost first."""
-    adds, summands, stack = [], [], [y]
-    while stack:
-        n = stack.pop(0)
-        if is_call(n, aten.add.Tensor) and len(n.args) == 2 and not n.kwargs and all(
-                isinstance(a, Node) for a in n.args):
-            adds.append(n)
-            stack[:0] = list(n.args)
-        else:
-            summands.append(n)
-    return summands, adds
-
-
 def _sum_of_grouped_mms(y: Node) -> tuple[list[GroupedMm], list[Node]]:
     """The grouped GEMMs that `y` adds up, and the adds; none unless every summand is one."""
-    summands, adds = _summands(y)
-    terms = [g for s in summands if (g := as_grouped_mm(s)) is not None]
-    return (terms, adds) if len(terms) == len(summands) else ([], [])
+    parts, adds = summands(y)
+    terms = [g for s in parts if (g := as_grouped_mm(s)) is not None]
+    return (terms, adds) if len(terms) == len(parts) else ([], [])
 
 
 def _concatenated_matmuls(y: Node) -> list[Node]:
@@ -352,7 +296,7 @@ def _concatenated_matmuls(y: Node) -> list[Node]:
     gradients) `y` concatenates."""
     if not is_call(y, aten.cat.default):
         return []
-    mms = [s for piece in y.args[0] for s in _summands(piece)[0]]
+    mms = [s for piece in y.args[0] for s in summands(piece)[0]]
     return mms if all(_is_matmul(mm) for mm in mms) else []
 
 
@@ -372,7 +316,7 @@ def _scatter_problem(match: GroupedMmAllToAllMatch, y: Node) -> Optional[str]:
     if len(buffer.users) != 1:
         others = [u for u in buffer.users if u is not scatter]
         return f"the buffer {buffer.name} is also used by {_names(others)}"
-    rows, sent = fake(buffer).shape[0], total(_vals(match.exchange.input_split_sizes))
+    rows, sent = fake(buffer).shape[0], sum(_vals(match.exchange.input_split_sizes))
     if fake(buffer).dim() != 2 or not statically_known_true(rows == sent):
         return f"the buffer {buffer.name} holds {rows} rows, the all-to-all sends {sent}"
     if fake(buffer).dtype != fake(y).dtype:
@@ -419,6 +363,6 @@ def rewrite_grouped_mm_all_to_all(graph: Graph, match: GroupedMmAllToAllMatch, p
 
 
 def find_moe_matches(node: Node) -> list:
-    """The candidates at one all-to-all: the combine that feeds it, the dispatch it feeds."""
-    return [m for m in (find_grouped_mm_all_to_all(node), find_all_to_all_grouped_mm(node))
-            if m is not None]
+    """The candidates at one all-to-all (None where there is none): the combine that feeds it,
+    the dispatch it feeds."""
+    return [find_grouped_mm_all_to_all(node), find_all_to_all_grouped_mm(node)]

@@ -13,13 +13,13 @@ which `folds_into_*` tell apart for the cost model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ..scheduler.task import numel
 from .nodes import RESHAPES, VIEWS, is_call
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ class RowOrder:
     def of(piece_shape: Sequence, dim: int, world: int) -> Optional["RowOrder"]:
         """For one rank's piece (the all-gather's shard, the reduce-scatter's result) cut along
         `dim`; None when both P and Q are symbolic or the last dim is (no view can say them)."""
-        sizes = static_sizes([numel(piece_shape[:dim]), numel(piece_shape[dim:-1]),
+        sizes = static_sizes([math.prod(piece_shape[:dim]), math.prod(piece_shape[dim:-1]),
                               piece_shape[-1]])
         if sizes is None or sizes[-1] < 0:
             return None

@@ -5,11 +5,14 @@ path's CUDA driver calls (driver.py), what the ops share (launch.py), and a modu
 where chosen); nothing here imports `ops`.
 """
 
+import torch
+
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
 from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
 from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
 from .reduce_scatter import matmul_reduce_scatter_fused, scaled_mm_reduce_scatter_fused
+from .symm import close_all
 
 # op name -> fn(task, plan, *op_args) -> outputs, or None where the plan cannot serve the input
 # (scaled_mm_all_reduce has none: it runs its reference, _scaled_mm + NCCL)
@@ -27,11 +30,7 @@ FUSED_IMPLS = {
 
 def shutdown() -> None:
     """Drop every context (before destroying the process groups). NVSHMEM finalises at exit."""
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     clear_contexts()
-    from .symm import close_all
-
     close_all()

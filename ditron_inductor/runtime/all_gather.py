@@ -10,9 +10,8 @@ One call (epoch e, rank r of W; chunk c of the gathered A is rank c's shard):
                 on groups of chunks in arrival order, each after its chunks' events
 The local stream is the main one before the Triton GEMM, which reads my rows from the gathered A
 (both copies one kernel); beside cuBLAS, whose GEMM of my rows reads the input, a stream of its
-own. ready_before_gemm: the buffer's copy and READY on the main stream, then a barrier (wait
-READY[p] >= e for every peer) before the GEMM and the pulls; barrier_beside: the barrier on the
-local stream, so that the GEMM of my rows does not wait.
+own. ready_before_gemm and barrier_beside move the buffer's copy and a barrier (wait READY[p] >=
+e for every peer) before the GEMM (scheduler/plan.AllGatherPlan).
 
 FP8 (all_gather_scaled_mm): the cuBLAS plan on float8 bytes, each group's GEMM a _scaled_mm;
 tensorwise scales only (a rowwise scale_a would need its own gather). Flags are stream writes
@@ -32,16 +31,8 @@ from ..templates.transfer import copy_twice_kernel
 from . import driver
 from .context import OpContext, get_context, wait_limit
 from .kernel_launch import current_stream, launch, preload
-from .launch import (
-    DTYPES,
-    check_errors,
-    decline,
-    gemm_failed,
-    matmul_into,
-    num_sms,
-    triton_gemm,
-    wait_geq,
-)
+from .launch import (DTYPES, check_errors, decline, gemm_failed, matmul_into, num_sms, triton_gemm,
+                     wait_geq)
 from .scaled import Scaled
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
@@ -78,15 +69,11 @@ def chunk_runs(chunks: list[int]) -> list[tuple[int, int]]:
 
 def chunk_groups(order: list[int], sizes) -> list[list[int]]:
     """The arrival (ring) order, own chunk first, cut into groups of the given sizes."""
-    world = len(order)
     groups, i = [], 0
     for s in sizes:
-        if i >= world:
-            break
         groups.append(order[i:i + s])
         i += s
-    if i < world:
-        groups.append(order[i:])
+    groups.append(order[i:])  # the chunks the sizes leave over
     return [g for g in groups if g]
 
 
@@ -116,22 +103,17 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[1] or b.dtype != out_dtype
                               or b.stride(0) != 1):
             return decline("bias shape/dtype")
-    rows = a_shard.numel() // k
-    if rows == 0 or k == 0:
+    if a_shard.numel() == 0:
         return decline("empty input")
+    rows = a_shard.numel() // k
     shard_bytes = rows * k * a_shard.element_size()
-    half = max(shard_bytes, 1)
-    ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * half)
-    half = ctx.data.nbytes // 2
+    ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * shard_bytes)
     W, r = ctx.world, ctx.rank
     e = ctx.next_epoch()
-    parity = e % 2
     M = rows * W
 
     main = current_stream()
-    a2d = a_shard.reshape(rows, k)
-    if not a2d.is_contiguous():
-        a2d = a2d.contiguous()
+    a2d = a_shard.reshape(rows, k).contiguous()
     src = a2d.data_ptr()
     order = task.ring_order(r)
     peers = order[1:]
@@ -142,7 +124,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if local != main:
         driver.stream_wait(local, ctx.ev_start)
 
-    off = parity * half
+    off = e % 2 * (ctx.data.nbytes // 2)  # my buffer of this call's parity
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
     limit = wait_limit(plan)
 
@@ -229,7 +211,13 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
                 for i, (w, b, out) in enumerate(zip(weights, biases, outs)):
                     matmul_into(a_rows, w, b, out[lo:hi], scaled=scaled[i] if scaled else None)
         driver.stream_wait(main, ctx.ev_chunks[r])  # my rows of the gathered A
-    return _all_gather_done(ctx, plan, main, a_shard, gathered, outs, scaled is not None)
+    op = "all_gather_scaled_mm" if scaled else "all_gather_matmul"
+    driver.stream_wait(main, ctx.ev_end)  # join the transfer streams
+    check_errors(ctx, plan, op)
+    stats[op] += 1
+    shape = list(a_shard.shape)
+    shape[0] *= W
+    return [gathered.view(shape)] + outs
 
 
 # the local copies' kernel: a few programs per SM in a grid-stride loop (one grid for every size)
@@ -248,15 +236,3 @@ def copy_twice_args(ctx: OpContext, a2d, gathered, off: int, programs: int) -> O
     mine = gathered.view(-1).view(torch.int32)[ctx.rank * words:(ctx.rank + 1) * words]
     buffer = ctx.data.view(-1, torch.int32, (words,), off)
     return copy_twice_kernel, (programs,), src, buffer, mine, words
-
-
-def _all_gather_done(ctx: OpContext, plan: AllGatherPlan, main: int, a_shard, gathered,
-                     outs, scaled: bool = False) -> list:
-    """Join the transfer streams, surface kernel-side errors, and shape the op's outputs."""
-    op = "all_gather_scaled_mm" if scaled else "all_gather_matmul"
-    driver.stream_wait(main, ctx.ev_end)
-    check_errors(ctx, plan, op)
-    stats[op] += 1
-    shape = list(a_shard.shape)
-    shape[0] *= ctx.world
-    return [gathered.view(shape)] + outs

@@ -1,13 +1,8 @@
-"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory: cuBLAS writes a @ b (+
-bias) into my symmetric buffer, then one kernel, by the plan's algo (the protocols:
-templates/all_reduce_push.py, all_reduce_lamport.py):
-  push_all, lamport_all (smallest M): one-shots, every rank's partial into a slot on every rank;
-  lamport (small M): a two-shot with no flags, receivers polling the data for the empty mark;
-  push (the rest): a two-shot with flags; overlap=True runs it beside the GEMM (gemm="triton":
-      the persistent GEMM of templates/gemm_ready.py; else cuBLAS in row chunks);
-  copy_engine (prefill on few ranks): cuBLAS in row chunks, each copied into my slot on every
-      peer by the copy engine beside the next chunk's GEMM, then one sum + norm kernel.
-push has one context per (group, size class), shared by both ops; each other algo its own.
+"""Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory: the GEMM writes a @ b (+
+bias) into my symmetric buffer, then the plan's algo reduces it (scheduler/plan.AllReducePlan
+says what each does; the protocols: templates/all_reduce_push.py, all_reduce_lamport.py, and
+_copy_engine here). push has one context per (group, size class), shared by both ops; each other
+algo its own.
 
 Every kernel leaves the buffers free for the next call's GEMM when it ends, and the epochs are
 device words the kernels advance (copy_engine's 0/1 flags end each call as they began): nothing
@@ -27,48 +22,22 @@ from typing import Optional
 
 import torch
 
-from ..scheduler.plan import (
-    COPY_ENGINE,
-    COPY_ENGINE_MAX_N,
-    GEMV,
-    TRITON,
-    AllReducePlan,
-)
+from ..scheduler.plan import COPY_ENGINE, COPY_ENGINE_MAX_N, GEMV, TRITON, AllReducePlan
 from ..scheduler.task import Task
 from ..templates import flags
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from ..templates.reduce import sum_slots_norm_kernel
 from . import driver
-from .context import (
-    OpContext,
-    build_outside_graph_pools,
-    device_epoch,
-    get_context,
-    size_class,
-    wait_limit,
-)
-from .launch import (
-    DTYPES,
-    WAIT_NAMES,
-    MatmulSum,
-    check_errors,
-    decline,
-    gemm_beside,
-    matmul_into,
-    num_sms,
-    ready_gemm,
-    tile_launch,
-    tma_ok,
-    wait_geq,
-)
+from .context import (OpContext, build_outside_graph_pools, device_epoch, get_context, size_class,
+                      wait_limit)
+from .launch import (DTYPES, WAIT_NAMES, MatmulSum, check_errors, decline, gemm_beside, matmul_into,
+                     num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .symm import group_barrier
 
 stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
-
-
 _MAX_BLOCK = 16384  # push_grid's largest block
 
 
@@ -167,12 +136,10 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **flags.world_constants(ctx.world))
-    if algo == "push_all":
-        _push_all(ctx, plan, a, b, bias, partial, common, consts, float(eps), terms)
-    elif algo in ("lamport", "lamport_all"):
-        _lamport(ctx, plan, a, b, bias, partial, common, consts, float(eps), terms)
-    else:
+    if algo == "push":
         _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps), terms)
+    else:
+        _after_gemm(ctx, plan, a, b, bias, partial, common, consts, float(eps), terms)
     check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
@@ -251,10 +218,6 @@ def decode_grid(plan: AllReducePlan, world: int, m: int, n: int, sms: int, norm:
     return push_grid(world, m * n, sms, block, warps, plan.progs, norm=norm)
 
 
-def _region(ctx, partial, algo):
-    return region_elements(ctx.data.nbytes // partial.element_size(), algo, ctx.world)
-
-
 def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps,
           terms=None):
     """The GEMM, then push_kernel on the same stream; with overlap, its REDUCE beside the GEMM
@@ -288,33 +251,26 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
            CHUNKED=True, SEND=False, REDUCE=False, **meta)
 
 
-def _push_all(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, terms=None):
-    """The GEMM, then push_all_kernel."""
+def _after_gemm(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, terms=None):
+    """The whole GEMM, then push_all's or a lamport kernel; a lamport context's words hold the
+    empty mark before its first call."""
     m, n = partial.shape
-    progs, block, warps = decode_grid(plan, 1, m, n, num_sms(a.device), consts["NORM"])
-    stride = _region(ctx, partial, "push_all")
-    matmul_into(a, b, bias, partial, scaled=terms, decode=plan.gemm == GEMV)
-    launch(push_all_kernel, (progs,), *common, m, n, eps, ctx.rank, stride, stride,
-           wait_limit(plan), **_launch(consts, n, block, warps))
-
-
-def _lamport(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, terms=None):
-    """The GEMM, then a lamport kernel; the context's words hold the empty mark before its first
-    call."""
-    m, n = partial.shape
-    if ctx not in _marked_empty:
+    if plan.algo != "push_all" and ctx not in _marked_empty:
         build_outside_graph_pools(ctx.device, lambda: _mark_empty(ctx))
         _marked_empty.add(ctx)
-    one_shot = plan.algo == "lamport_all"
-    progs, block, warps = decode_grid(plan, 1 if one_shot else ctx.world, m, n,
+    two_shot = plan.algo == "lamport"
+    progs, block, warps = decode_grid(plan, ctx.world if two_shot else 1, m, n,
                                       num_sms(a.device), consts["NORM"])
-    stride = _region(ctx, partial, plan.algo)
+    stride = region_elements(ctx.data.nbytes // partial.element_size(), plan.algo, ctx.world)
     meta = _launch(consts, n, block, warps)
-    if not one_shot and not plan.block:  # rows a block only where the plan names the block
+    if two_shot and not plan.block:  # rows a block only where the plan names the block
         meta["ROW_BLOCK"] = 0
     matmul_into(a, b, bias, partial, scaled=terms, decode=plan.gemm == GEMV)
-    kernel = lamport_all_kernel if one_shot else lamport_kernel
-    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, stride, wait_limit(plan), **meta)
+    # push_all's slots begin one region in (after the partial), a region each
+    kernel, regions = {"push_all": (push_all_kernel, (stride, stride)),
+                       "lamport": (lamport_kernel, (stride,)),
+                       "lamport_all": (lamport_all_kernel, (stride,))}[plan.algo]
+    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, *regions, wait_limit(plan), **meta)
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
@@ -355,16 +311,10 @@ def copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
     """The layout of this shape on this context, made at its first call."""
     per_shape = _layouts.setdefault(ctx, {})
     key = (m, n, dtype, plan.chunks)
-    layout = per_shape.get(key)
-    if layout is None:
-        if len(per_shape) >= _MAX_LAYOUTS:
-            per_shape.clear()
-        layout = per_shape[key] = _copy_engine_layout(ctx, task, plan, dtype, m, n)
-    return layout
-
-
-def _copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
-                        n: int) -> CopyEngineLayout:
+    if key in per_shape:
+        return per_shape[key]
+    if len(per_shape) >= _MAX_LAYOUTS:
+        per_shape.clear()
     chunks, rows = _row_chunks(plan, m)
     r, world = ctx.rank, ctx.world
     slots = ctx.data.view(-1, dtype, (world, m, n))
@@ -374,7 +324,7 @@ def _copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
     sides = tuple(s.cuda_stream for s in ctx.sides(len(peers))) if peers else ()
     peers_of = [peers[i::len(sides)] for i in range(len(sides))]
     chunk_rows = tuple((j * rows, min((j + 1) * rows, m)) for j in range(chunks))
-    return CopyEngineLayout(
+    layout = per_shape[key] = CopyEngineLayout(
         slots=slots, chunk_rows=chunk_rows,
         my_chunks=tuple(mine[lo:hi] for lo, hi in chunk_rows), sides=sides,
         copies=tuple(tuple(tuple((ctx.data_addrs[p] + r * slot_bytes + lo * row_bytes,
@@ -384,12 +334,11 @@ def _copy_engine_layout(ctx, task: Task, plan: AllReducePlan, dtype, m: int,
         ready_to=tuple(tuple(ctx.peer_flag_addr(p, ctx.READY + r) for p in ps)
                        for ps in peers_of),
         done_to=tuple(ctx.peer_flag_addr(q, ctx.DONE + r) for q in peers))
+    return layout
 
 
 # copy-engine contexts whose DONE words an eager call has set (capture needs it done)
 _copy_engine_set_up: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
-
-
 # the copy-engine flags, READY from word 0 and DONE from word W (word q of each written by
 # rank q): their names where a bounded wait gives up
 COPY_ENGINE_FLAGS = ("READY (a peer's partial)", "DONE (a peer freeing my slot)")
@@ -411,33 +360,18 @@ def _copy_engine_context(task: Task, plan: AllReducePlan, nbytes: int):
     return ctx
 
 
-def _sum_norm(slots, slot_stride, h, y, residual, norm_weight, m, n, eps, weight_in_fp32,
-              world):
-    """sum_slots_norm_kernel, whole rows a program: h = the sum of the `world` slots (+
+def _sum_norm(slots, h, y, residual, norm_weight, eps, weight_in_fp32):
+    """sum_slots_norm_kernel, whole rows a program: h = the sum of the W slots [W, M, N] (+
     residual), y = RMSNorm(h) * weight with a norm weight."""
+    world, m, n = slots.shape
     block_n = next_power_of_2(n)
     row_tile = max(1, SUM_NORM_ELEMENTS // block_n)
-    launch(sum_slots_norm_kernel, (cdiv(m, row_tile),), slots, slot_stride, h,
+    launch(sum_slots_norm_kernel, (cdiv(m, row_tile),), slots, m * n, h,
            h if y is None else y, h if residual is None else residual,
            h if norm_weight is None else norm_weight, m, n, float(eps), WORLD=world,
            HAS_RES=residual is not None, NORM=norm_weight is not None,
            W_FP32=bool(weight_in_fp32), ROWS=row_tile, BLOCK_N=block_n,
            num_warps=max(4, min(16, row_tile * block_n // 512)))
-
-
-def _copy_engine_declines(m, n, elements):
-    """Why the copy-engine plan cannot serve [M, N] with buffers of `elements`, or None."""
-    if next_power_of_2(n) > COPY_ENGINE_MAX_N:
-        return f"the copy-engine all-reduce's sum holds whole rows: N={n} > {COPY_ENGINE_MAX_N}"
-    if elements >= 2 ** 31:
-        return "more than 2**31 elements in the buffers (32-bit offsets)"
-    return None
-
-
-def _copy_engine_flag(ctx, code: int) -> str:
-    """The flag word a bounded wait of the copy-engine plan gave up on (its code - 1)."""
-    group, q = divmod(code - 1, ctx.world)
-    return f"{COPY_ENGINE_FLAGS[group]} of rank {q}"
 
 
 def _take_flag(ctx, plan, stream: int, idx: int) -> None:
@@ -463,9 +397,11 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     sends W - 1 partials (NCCL's ring 2 (W-1)/W of one): as much at 2 ranks, more beyond."""
     m, n = a.shape[0], b.shape[1]
     world = task.world_size
-    why = _copy_engine_declines(m, n, world * m * n)
-    if why:
-        return decline(why)
+    if next_power_of_2(n) > COPY_ENGINE_MAX_N:
+        return decline(f"the copy-engine all-reduce's sum holds whole rows: N={n} > "
+                       f"{COPY_ENGINE_MAX_N}")
+    if world * m * n >= 2 ** 31:
+        return decline("more than 2**31 elements in the buffers (32-bit offsets)")
     ctx = _copy_engine_context(task, plan, world * m * n * dtype.itemsize)
     if ctx is None:
         return None
@@ -488,19 +424,19 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
             for dst, src, nbytes in copies:
                 driver.memcpy(dst, src, nbytes, side)
     for i, (side, ready_to) in enumerate(zip(layout.sides, layout.ready_to)):
-        for dst in ready_to:
-            driver.write(side, dst, 1)
+        ctx.signal(side, 1, ready_to)
         driver.record(ctx.ev_sides[i], side)
     for q in layout.peers:
         _take_flag(ctx, plan, main, ctx.READY + q)
     h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
-    _sum_norm(layout.slots, m * n, h, y, residual, norm_weight, m, n, eps, weight_in_fp32, world)
-    for dst in layout.done_to:  # my slots on the peers are free again; join the copies
-        driver.write(main, dst, 1)
+    _sum_norm(layout.slots, h, y, residual, norm_weight, eps, weight_in_fp32)
+    ctx.signal(main, 1, layout.done_to)  # my slots on the peers are free again; join the copies
     for i in range(len(layout.sides)):
         driver.stream_wait(main, ctx.ev_sides[i])
-    check_errors(ctx, plan, task.op, lambda code: _copy_engine_flag(ctx, code))
+    # a bounded wait's code: 1 + the flag word it gave up on
+    check_errors(ctx, plan, task.op, lambda code: (
+        f"{COPY_ENGINE_FLAGS[(code - 1) // world]} of rank {(code - 1) % world}"))
     return h, y
 
 

@@ -23,8 +23,9 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from ..templates.flags import MAX_CHUNKS
+from ..templates import flags
 from . import driver
+from .kernel_launch import next_power_of_2
 from .symm import backend_for, choose_backend_name, group_barrier
 
 T = TypeVar("T")
@@ -58,10 +59,7 @@ def build_outside_graph_pools(device: torch.device, build: Callable[[], T]) -> T
 
 
 def size_class(nbytes: int) -> int:
-    c = MIN_CLASS
-    while c < nbytes:
-        c <<= 1
-    return c
+    return max(MIN_CLASS, next_power_of_2(nbytes))
 
 
 class OpContext:
@@ -76,11 +74,10 @@ class OpContext:
         self.flags = self.backend.alloc(4 * max(2 * self.world, flag_words))
         self.flags.local.zero_()
         self.device = self.data.local.device
-        w = self.world
         self.data_addrs = [t.data_ptr() for t in self.data.peers]
         self.flag_bases = [t.data_ptr() for t in self.flags.peers]
         # chunk flags of the local gathered buffer (AG): written by copy streams, read by the GEMM
-        self.chunk_flags = torch.zeros(w, dtype=torch.int32, device=self.device)
+        self.chunk_flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
         # AG: my shard's local copies beside cuBLAS (the peers wait for them: high priority)
@@ -89,7 +86,7 @@ class OpContext:
         self.ev_buffer = driver.event()  # AG: my shard is in my symmetric buffer
         self.ev_ready = driver.event()  # AG: every peer's shard is in its buffer
         self.ev_sides = [driver.event() for _ in range(MAX_STREAMS)]
-        self.ev_chunks = [driver.event() for _ in range(w)]
+        self.ev_chunks = [driver.event() for _ in range(self.world)]
         self.epoch = 0
         group_barrier(self.backend.group)  # every rank's flags are zero before anyone signals
 
@@ -127,10 +124,8 @@ class OpContext:
             driver.write(stream, dst, epoch)
 
 
-_contexts: dict[tuple, OpContext] = {}
-
-
-_by_request: dict[tuple, OpContext] = {}
+_contexts: dict[tuple, OpContext] = {}  # by the backend that serves the request
+_by_request: dict[tuple, OpContext] = {}  # by the backend the plan names ("auto" included)
 
 
 def get_context(op: str, group_name: str, symm_mem_backend: str, data_bytes: int,
@@ -159,9 +154,7 @@ POLLS_PER_S = 1_000_000  # where waits count polls (templates/flags.WAIT_IN_NS):
 def wait_limit(plan) -> int:
     """The bound of the kernels' waits (0: unbounded) from the plan's timeout, in their units:
     nanoseconds on a GPU, polls under the interpreter (templates/flags.WAIT_IN_NS)."""
-    from ..templates.flags import WAIT_IN_NS
-
-    return int(plan.wait_timeout_s * (1e9 if WAIT_IN_NS else POLLS_PER_S))
+    return int(plan.wait_timeout_s * (1e9 if flags.WAIT_IN_NS else POLLS_PER_S))
 
 
 def clear_contexts() -> None:
@@ -191,6 +184,6 @@ def device_epoch(ctx: OpContext) -> DeviceEpoch:
     if state is None:
         state = _epochs[ctx] = build_outside_graph_pools(ctx.device, lambda: DeviceEpoch(
             epoch=torch.tensor([0, 1], dtype=torch.int32, device=ctx.device),
-            arrive=torch.zeros(1 + MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
+            arrive=torch.zeros(1 + flags.MAX_CHUNKS, dtype=torch.int32, device=ctx.device),
             side=torch.cuda.Stream(device=ctx.device, priority=-1)))
     return state

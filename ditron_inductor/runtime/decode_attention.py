@@ -70,16 +70,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         split_keys = keys_per_split(batch * heads, keys, programs)
     splits = max(1, cdiv(keys, split_keys))
     block_r = max(16, next_power_of_2(rows))
-    part = torch.empty((batch * heads * splits * block_r, dim), dtype=torch.float32,
-                       device=q.device)
-    run_max = torch.empty((batch * heads * splits * block_r,), dtype=torch.float32,
-                          device=q.device)
+    slots = batch * heads * splits * block_r  # each run's rows, padded to block_r
+    part = torch.empty((slots, dim), dtype=torch.float32, device=q.device)
+    run_max = torch.empty((slots,), dtype=torch.float32, device=q.device)
     run_sum = torch.empty_like(run_max)
     has_mask = mask is not None
-    if has_mask:
-        mask = mask.expand(batch, heads, rows, keys)  # SDPA's broadcast: stride 0 where it repeats
-    else:
-        mask = q  # a pointer the kernel does not read
+    # SDPA's broadcast: stride 0 where the mask repeats (no mask: q, a pointer the kernel skips)
+    mask = mask.expand(batch, heads, rows, keys) if has_mask else q
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch(decode_attention_split_kernel, (batch * heads, splits), q, k, v, mask, part, run_max,
            run_sum, heads, rows, keys, split_keys, float(scale), *q.stride()[:3],

@@ -13,7 +13,6 @@ fused ops would be bound by the host whatever the shape.
 - `memcpy`: cuMemcpyAsync (unified addressing): the copy engine for peer memory; a copy within
   one GPU runs on the SMs (benchmarks/bench_copy.py), so beside a cuBLAS GEMM, which holds every
   SM, it waits for the GEMM's last wave.
-- events: cuEventCreate (timing disabled), cuEventRecord, cuStreamWaitEvent.
 """
 
 from __future__ import annotations

@@ -58,9 +58,7 @@ def decode_mm(a: torch.Tensor, b: torch.Tensor, config: Optional[GemvConfig] = N
     assert config_fits(config, M), f"{config} with {M} rows"
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
+    if out.numel() == 0 or K == 0:
         return out.zero_()
     launch(gemv_kernel, (cdiv(N, config.block_n),), a, b, out, M, N, K,
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -82,8 +80,7 @@ def decode_mm_group(a: torch.Tensor, bs: list[torch.Tensor],
     if M == 0 or K == 0:
         return [out.zero_() for out in outs]
     programs = [cdiv(n, config.block_n) for n in widths]
-    third = len(bs) == 3
-    b2, out2, n2 = (bs[2], outs[2], widths[2]) if third else (bs[1], outs[1], 0)
+    b2, out2, n2 = (bs[2], outs[2], widths[2]) if len(bs) == 3 else (bs[1], outs[1], 0)
     launch(gemv_group_kernel, (sum(programs),), a, bs[0], bs[1], b2, outs[0], outs[1], out2, M,
            widths[0], widths[1], n2, K, programs[0], programs[1], a.stride(0), a.stride(1),
            bs[0].stride(0), bs[0].stride(1), bs[1].stride(0), bs[1].stride(1), b2.stride(0),

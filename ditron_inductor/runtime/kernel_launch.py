@@ -81,8 +81,9 @@ def launch(kernel, grid: tuple, *args, stream: Optional[int] = None, **meta) -> 
     device = _current_device()
     key = (kernel, grid, tuple(meta.items()), device, tuple(map(arg_class, args)))
     entry = _runners.get(key, False)
-    if entry is False:
-        _remember(key, _first_launch(kernel, grid, args, stream, meta))
+    if entry is False:  # launch through Triton; keep what later calls of this class launch with
+        compiled = _ordinary_launch(kernel, grid, args, stream, meta)
+        _remember(key, _runner_entry(kernel, grid, args, meta, compiled))
         return
     if entry is None:
         _ordinary_launch(kernel, grid, args, stream, meta)
@@ -130,12 +131,6 @@ def _remember(key, entry) -> None:
     if len(_runners) >= _MAX_RUNNERS:  # many shapes (dynamic M): start over
         _runners.clear()
     _runners[key] = entry
-
-
-def _first_launch(kernel, grid, args, stream, meta):
-    """Launch through Triton; return what later calls of this class launch with."""
-    return _runner_entry(kernel, grid, args, meta,
-                         _ordinary_launch(kernel, grid, args, stream, meta))
 
 
 def _runner_entry(kernel, grid, args, meta, compiled):

@@ -29,7 +29,6 @@ log = logging.getLogger(LOGGER_NAME)
 
 DTYPES = FUSED_DTYPES  # the scheduler decides on them (scheduler/precision.py)
 
-
 # each runtime decline's reason, counted (what the benchmarks report beside the fused calls)
 declined: collections.Counter = collections.Counter()
 
@@ -45,10 +44,8 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
     if value <= 0:
         return
     if plan.debug_waits:  # bounded: a kernel that gives up and names the flag
-        from ..templates.flags import wait_flags_kernel
-
-        launch(wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value,
-               wait_limit(plan), ctx.err, stream=stream)
+        launch(flags.wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value, wait_limit(plan),
+               ctx.err, stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
@@ -97,13 +94,9 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool
     except ImportError:
         return None
     k, n = b.shape
-    if k % 8 or n % 8 or a.stride(1) != 1 or out.stride(1) != 1:
+    if (k % 8 or n % 8 or a.stride(1) != 1 or out.stride(1) != 1 or a.stride(0) % 8
+            or out.stride(0) % 8 or any(t.data_ptr() % 16 for t in (a, b, out))):
         return None
-    if a.stride(0) % 8 or out.stride(0) % 8:
-        return None
-    for t in (a, b, out):
-        if t.data_ptr() % 16:
-            return None
     if b.stride(1) == 1 and b.stride(0) % 8 == 0:
         return False
     if b.stride(0) == 1 and b.stride(1) % 8 == 0:
@@ -111,49 +104,46 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Optional[bool
     return None
 
 
+def _descriptors(a, b, b_trans, block_m: int, block_n: int, block_k: int):
+    """TMA descriptors of A's [block_m, block_k] tiles and B's (of B^T [N, K] where b_trans)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b_desc = (TensorDescriptor.from_tensor(b.t(), [block_n, block_k]) if b_trans
+              else TensorDescriptor.from_tensor(b, [block_k, block_n]))
+    return TensorDescriptor.from_tensor(a, [block_m, block_k]), b_desc
+
+
 def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
                 first_row=0, epoch=0, num_progs=None, limit=0):
-    """out = a @ b (+ bias) with the persistent tile program, through TMA where the tile and the
-    operands allow it, else through pointers; with flags, tiles wait on them (limit > 0: each
-    wait gives up after that long, context.wait_limit, in debug mode)."""
+    """out = a @ b (+ bias) with the persistent tile program, through TMA where the operands
+    allow it, else through pointers; with flags, tiles wait on them (limit > 0: each wait gives
+    up after that long, context.wait_limit, in debug mode)."""
     from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
     n = b.shape[1]
-    bm, bn, bk, group_m = tile.block_m, tile.block_n, tile.block_k, tile.group_m
-    tiles = cdiv(m, bm) * cdiv(n, bn)
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     sms = num_progs or num_sms(a.device)
     if limit and flags is not None:
         sms = max(1, sms - 2)  # debug waits run as kernels on the side stream: leave them SMs
-    progs = max(1, min(sms, tiles))
-    wait = flags is not None
-    if flags is None:
-        flags = out  # unused
-    if err is None:
-        err = out
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else out
-    options = dict(num_warps=tile.warps, num_stages=tile.stages)
-    b_trans = tma_ok(a, b, out) if tile.tma else None
-    if b_trans is not None:
+    progs = max(1, min(sms, cdiv(m, bm) * cdiv(n, bn)))
+    # bias, flags, err: `out` stands in for those not given (the kernel does not read them)
+    unread = (out if bias is None else bias, out if flags is None else flags,
+              out if err is None else err)
+    meta = dict(HAS_BIAS=bias is not None, WAIT=flags is not None, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, GROUP_M=tile.group_m, NUM_PROGS=progs, num_warps=tile.warps,
+                num_stages=tile.stages)
+    b_trans = tma_ok(a, b, out)
+    if b_trans is None:
+        launch(ag_gemm_kernel, (progs,), a, b, out, *unread, m, n, k, a.stride(0), a.stride(1),
+               b.stride(0), b.stride(1), out.stride(0), out.stride(1), rows_per_chunk,
+               first_row, epoch, limit, **meta)
+    else:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-        b_desc = (TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_trans
-                  else TensorDescriptor.from_tensor(b, [bk, bn]))
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-        launch(
-            ag_gemm_tma_kernel, (progs,), a_desc, b_desc, c_desc, bias_arg, flags, err, m, n, k,
-            rows_per_chunk, first_row, epoch, limit,
-            HAS_BIAS=has_bias, WAIT=wait, B_TRANS=b_trans, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=group_m, NUM_PROGS=progs, **options)
-    else:
-        launch(
-            ag_gemm_kernel, (progs,), a, b, out, bias_arg, flags, err, m, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            rows_per_chunk, first_row, epoch, limit,
-            HAS_BIAS=has_bias, WAIT=wait, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=group_m, NUM_PROGS=progs, **options)
+        launch(ag_gemm_tma_kernel, (progs,), *_descriptors(a, b, b_trans, bm, bn, bk), c_desc,
+               *unread, m, n, k, rows_per_chunk, first_row, epoch, limit, B_TRANS=b_trans, **meta)
     return out
 
 
@@ -216,18 +206,13 @@ def ready_gemm(ctx, dev, a, b, bias, partial, b_trans, group_m, progs, tile):
     """The persistent GEMM (templates/gemm_ready.py) on `progs` programs of the main stream; it
     raises READY[j] itself when chunk j (group_m row-blocks) is stored. b_trans: tma_ok's
     answer; tile: tile_launch's."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     m, n = partial.shape
-    a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
-    b_desc = (TensorDescriptor.from_tensor(b.t(), [tile["BLOCK_N"], tile["BLOCK_K"]]) if b_trans
-              else TensorDescriptor.from_tensor(b, [tile["BLOCK_K"], tile["BLOCK_N"]]))
-    row_blocks = cdiv(m, tile["BLOCK_M"])
-    progs = max(1, min(progs, row_blocks * cdiv(n, tile["BLOCK_N"])))
-    launch(
-        gemm_ready_kernel, (progs,), a_desc, b_desc, partial, partial if bias is None else bias,
-        ctx.flags.words, dev.arrive[1:], dev.epoch, m, n, a.shape[1],
-        HAS_BIAS=bias is not None, B_TRANS=b_trans, GROUP_M=group_m, NUM_PROGS=progs, **tile)
+    progs = max(1, min(progs, cdiv(m, tile["BLOCK_M"]) * cdiv(n, tile["BLOCK_N"])))
+    launch(gemm_ready_kernel, (progs,),
+           *_descriptors(a, b, b_trans, tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]),
+           partial, partial if bias is None else bias, ctx.flags.words, dev.arrive[1:],
+           dev.epoch, m, n, a.shape[1], HAS_BIAS=bias is not None, B_TRANS=b_trans,
+           GROUP_M=group_m, NUM_PROGS=progs, **tile)
 
 
 def gemm_beside(ctx, dev, queue_gemm, side_kernel):

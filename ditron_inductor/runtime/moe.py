@@ -1,17 +1,16 @@
-"""The MoE ops' fused path: the experts' grouped GEMM as one Triton kernel
-(templates/grouped_gemm.py) that reads its rows through the dispatch's index and writes them
-through the combine's.
+"""The MoE ops' fused path: the experts' grouped GEMM (templates/grouped_gemm.py) reading its
+rows through the dispatch's index and writing them through the combine's.
 
-At world size 1 the all-to-all is the identity over ranks, so
+At world size 1 the all-to-all is the identity over ranks:
   dispatch  rows = x[row_index] (x when None), outs_i = grouped_mm(rows, W_i). With plan.tma_a
-            (the default) one index_select gathers the rows output and every GEMM reads it
-            through TMA; else the first weight's kernel gathers x's rows and stores them.
-  combine   y = grouped_mm(left, W), row j of y to row row_index[j] of zeros [sum(splits), N]
-            (accumulate: fp32 atomic adds where several land, cast once), or y itself.
+            one index_select gathers the rows and every GEMM reads them through TMA; else the
+            first weight's GEMM gathers and stores them.
+  combine   y = grouped_mm(left, W), row j to row row_index[j] of zeros [sum(splits), N]
+            (accumulate: fp32 atomic adds, cast once), or y itself.
 On more ranks: moe_dispatch.py and moe_combine.py. The scheduler plans neither op fused on its
 own (no model step gained); they run where a plan names them. A sum of several grouped GEMMs
-(a backward summing gate's and up's) declines on any world size. Declines log at debug level,
-as does the first call a plan serves (TORCH_LOGS=ditron).
+(a backward's gate + up) declines on any world size. Declines, and the first call a plan
+serves, log at debug level (TORCH_LOGS=ditron).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from .launch import DTYPES, decline, num_sms
 
 log = logging.getLogger(LOGGER_NAME)
 
-# calls the fused path served (tests and the benchmark check that it ran, not the fallback)
+# calls the fused path served: tests and benchmarks check that it ran, not the fallback
 stats = {"all_to_all_grouped_mm": 0, "grouped_mm_all_to_all": 0}
 _served_logged: set = set()
 
@@ -50,13 +49,11 @@ def _programs(plan: GroupedMmPlan, device: torch.device) -> int:
 
 def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_index=None,
                  rows_out=None, c_index=None, scale=None, accumulate: bool = False,
-                 wait=None, push=None) -> None:
+                 wait=None) -> None:
     """c (+)= the grouped GEMM of `rows` rows (row i: a[a_index[i]] or a[i]) by weight [E, K, N]
     per offsets, product row i (times scale[i]) to c[c_index[i]] or c[i]; rows_out: the rows
     read, stored there. wait (the multi-rank dispatch): (tile counters, expect, err word,
-    limit), each tile first waits for counters[tile] >= expect[tile]. push (the multi-rank
-    combine): (dst_rank, receive buffer table, counter table), row i to row c_index[i] of rank
-    dst_rank[i]'s buffer instead of c, counted there."""
+    limit), each tile first waits for counters[tile] >= expect[tile]."""
     experts, k, n = weight.shape
     if rows == 0 or n == 0:
         return
@@ -73,13 +70,12 @@ def grouped_gemm(plan: GroupedMmPlan, a, weight, offsets, c, *, rows: int, a_ind
            offsets, c,
            unused if c_index is None else c_index, unused if scale is None else scale,
            unused if rows_out is None else rows_out, *(wait[:3] if wait else (offsets,) * 3),
-           *(push if push else (offsets,) * 3),
            rows, n, k, experts,
            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
            c.stride(0), c.stride(1), wait[3] if wait else 0,
            GATHER=a_index is not None, WRITE_ROWS=rows_out is not None,
            SCATTER=c_index is not None, SCALE=scale is not None, ACCUMULATE=accumulate,
-           WAIT=wait is not None, PUSH=push is not None, BLOCK_M=bm, BLOCK_N=bn,
+           WAIT=wait is not None, BLOCK_M=bm, BLOCK_N=bn,
            BLOCK_K=plan.block_k, E_P2=next_power_of_2(experts), NUM_PROGS=progs,
            GROUP_M=plan.group_m, B_DESC=b_desc, A_DESC=a_desc is not None,
            PROXY_FENCE=a_desc is not None and wait is not None and a.device.type == "cuda",
@@ -95,8 +91,8 @@ def _tensor_descriptor():
 
 
 def rows_descriptor(a, plan: GroupedMmPlan):
-    """A TMA descriptor over a [R, K] (block_m x block_k), or None where TMA cannot take its
-    layout (16-byte aligned base and rows, unit column stride): the kernel uses pointers."""
+    """A TMA descriptor over a [R, K] (block_m x block_k), or None (pointers) where TMA cannot
+    take its layout: 16-byte aligned base and rows, unit column stride."""
     descriptor = _tensor_descriptor()
     r = a.shape[0]
     if (descriptor is None or a.stride(1) != 1 or a.data_ptr() % 16
@@ -107,9 +103,8 @@ def rows_descriptor(a, plan: GroupedMmPlan):
 
 def weight_descriptor(weight, plan: GroupedMmPlan):
     """(a TMA descriptor over the weight's 2-d view, its B_DESC kind): [E, K, N] row-major as
-    [E * K, N] when block_k divides K (no K block reaches into the next expert), a transposed
-    [E, N, K] (nn.Linear's) as [E * N, K]; TMA needs 16-byte aligned rows and base. Else
-    (weight, 0): pointers."""
+    [E * K, N] where block_k divides K (no K block reaches into the next expert), nn.Linear's
+    [E, N, K] as [E * N, K], 16-byte aligned; else (weight, 0): pointers."""
     from ..templates.grouped_gemm import B_ROWS_K, B_ROWS_N
 
     TensorDescriptor = _tensor_descriptor()
@@ -190,13 +185,13 @@ def all_to_all_grouped_mm_fused(task: Task, plan: GroupedMmPlan, x, output_split
         rows_out.zero_()
         return [rows_out] + [o.zero_() for o in outs]
     gathered = plan.tma_a
-    if gathered:  # the rows first, in order, so that every GEMM reads them through TMA
+    if gathered:  # in order first, so that every GEMM reads them through TMA
         if row_index is None:
             rows_out.copy_(x)
         else:
             torch.index_select(x, 0, row_index, out=rows_out)
     for i, (w, out) in enumerate(zip(weights, outs)):
-        if i == 0 and not gathered:  # gathers x's rows and stores them as it reads them
+        if i == 0 and not gathered:  # gathers x's rows, storing them as it reads
             grouped_gemm(plan, x, w, offsets, out, rows=rows, a_index=row_index,
                          rows_out=rows_out)
         else:
@@ -240,7 +235,7 @@ def grouped_mm_all_to_all_fused(task: Task, plan: GroupedMmPlan, lefts, weights,
         if left.shape[1] == 0:
             out.zero_()
         grouped_gemm(plan, left, weight, offsets, out, rows=rows)
-    elif accumulate:  # several rows may land on one: fp32 atomic adds, one cast
+    elif accumulate:  # several rows land on one: fp32 atomic adds, one cast
         acc = torch.zeros((sent, n), dtype=torch.float32, device=left.device)
         grouped_gemm(plan, left, weight, offsets, acc, rows=rows, c_index=row_index,
                      accumulate=True)

@@ -1,34 +1,30 @@
 """all_to_all_grouped_mm on more than one rank, fused: each rank pushes x's rows straight into
-the receivers' expert-major receive buffers, and each receiver's grouped GEMM starts a tile once
-its rows have landed. The push precedes the GEMM (a tile's rows come from anywhere in the
-senders' x), so the exchange does not overlap the GEMM.
+the receivers' expert-major receive buffers; each receiver's GEMM tile starts once its rows have
+landed. The exchange does not overlap the GEMM: a tile's rows come from anywhere in the senders'
+x.
 
-One call, epoch e, on rank r, all on the caller's stream:
-  1. publish   r's routes (moe_routes.publish) into its symmetric table, this call's rows per
-               tile onto expect, then READY + r = e on every peer (after the table's writes);
-  2. read      wait until READY + q >= e for each rank q that r sends rows to;
-  3. push      put_rows_kernel: each row to the expert-major row its receiver's table names,
-               then one added to that tile's counter there (release, after the rows);
-  4. GEMM      the first weight's GEMM reads the receive buffer, each tile once its counter
-               reached expect[tile], and stores the rows output; the other weights read that.
+One call, epoch e, on rank r, on the caller's stream:
+  1. publish  r's routes into its symmetric table and this call's rows per tile onto expect
+              (moe_routes.publish), then READY + r = e on every peer;
+  2. read     wait until READY + q >= e for each rank q that r sends rows to;
+  3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
+              that tile's counter there (release, after the rows);
+  4. GEMM     the first weight's GEMM runs each tile once its counter reached expect[tile],
+              reading the receive buffer and storing the rows output, which the others read.
 Every rank signals (1) before it waits (2): no rank waits on one that waits on it.
 
-The buffers are reused with no reset and no barrier:
-  - r's table and buffer of call e + 1 are written after r's call-e GEMM: the table by r in
-    stream order, the buffer by senders that saw READY + r >= e + 1, signalled after it;
-  - that GEMM waited for every row of call e, so every sender of a row to r had read r's call-e
-    table (it reads before it pushes, and only if it sends r a row);
-  - counters only grow and each call expects its increments on top of the last, so none is
-    stale (int32: they wrap after 2^31 rows through one tile index, not handled).
-Not checked on the host (each would need a synchronisation or a collective):
-  - x has as many rows on every rank: the size class (the same on every rank) comes from
-    world * x's rows, which bound what a rank receives;
-  - row_index is a permutation of the received rows (a repeated entry leaves a tile short: its
-    wait never ends; a bounded wait, plan.wait_timeout_s, reports it);
-  - offsets[-1] = the received rows: rows past it belong to no tile that waits, so they could be
-    copied to the rows output before they land.
-What differs between ranks cannot decline (the ranks would part ways, one in the reference's
-all-to-all, the others waiting on it): it raises.
+Reuse with no reset or barrier: r's table and buffer of call e + 1 are written after r's call-e
+GEMM (by r in stream order, by senders after READY + r >= e + 1), which waited for every row of
+call e, so every sender to r (which reads before it pushes) had read r's call-e table. Counters
+only grow, each call expecting its rows on top of the last's (int32: they wrap after 2^31 rows
+through one tile, not handled).
+Not checked on the host (each would need a synchronisation or a collective): x has as many rows
+on every rank (the size class, which must agree, comes from world * x's rows); row_index is a
+permutation (a repeated entry leaves a tile short, its wait endless: a bounded wait,
+plan.wait_timeout_s, reports it); offsets[-1] = the received rows (rows past it, in no waiting
+tile, could be copied to the rows output before they land). What differs between ranks raises
+rather than declines: a decline would leave one rank in the reference's all-to-all, the others
+waiting on it.
 """
 
 from __future__ import annotations
@@ -54,8 +50,8 @@ def _aligned(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The context's symmetric bytes: [tile counters | route table | receive buffer]; the
-    combine's has no counters, the starts alone as its table, rows of N."""
+    """The context's symmetric bytes: [tile counters | route table | receive buffer] (the
+    combine's: no counters, the starts as its table, rows of N)."""
 
     world: int
     capacity: int  # received rows
@@ -79,8 +75,6 @@ class Layout:
 
 @dataclasses.dataclass
 class DispatchState:
-    """Per context, local: the expected counts and the peers' addresses as kernels take them."""
-
     expect: torch.Tensor  # [tiles] int32: each tile's counter once this call's rows landed
     table_table: torch.Tensor  # [world] int64: each rank's route table
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
@@ -108,8 +102,7 @@ def _state(ctx: OpContext, layout: Layout) -> DispatchState:
     state = _states.get(ctx)
     if state is None:
         def build():
-            # symmetric memory comes uninitialised; no peer counts before my first READY,
-            # which the caller's stream sends after this synchronised build
+            # symmetric memory comes uninitialised: zeroed, synchronised, before my first READY
             ctx.data.view(-1, torch.int32, [layout.tiles], 0).zero_()
             return new_state(ctx, layout)
 
@@ -119,7 +112,7 @@ def _state(ctx: OpContext, layout: Layout) -> DispatchState:
 
 def problem(plan: GroupedMmPlan, x, row_index, weights) -> str:
     """Why the multi-rank dispatch declines ("" if it serves), from rank-invariant properties
-    only (x's rows are as many on every rank), so that every rank declines alike."""
+    only (every rank sends as many rows), so that every rank declines alike."""
     if x.shape[0] < plan.min_rows:
         return f"{x.shape[0]} rows to send, fewer than the plan's {plan.min_rows}"
     if x.device.type != "cuda":
@@ -172,8 +165,7 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     return outputs
 
 
-# A call's steps on one rank, without the signals (the interpreter tests run them on emulated
-# ranks)
+# A call's steps on one rank, signals apart (the interpreter tests run them on emulated ranks)
 
 
 def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input_split_sizes,
@@ -192,8 +184,8 @@ def push(ctx, layout: Layout, state: DispatchState, x) -> None:
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
             weights, offsets, grouped_gemm) -> list:
-    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows landed
-    (state.expect), and stores the rows as the op's rows output; the others read that."""
+    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows landed,
+    and stores the op's rows output; the others read that."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)

@@ -1,22 +1,15 @@
-"""Where each row of the multi-rank MoE dispatch goes (the routes of all_to_all_grouped_mm's put
-kernel) and the rows its waiting GEMM expects per tile.
+"""The multi-rank MoE exchange's routes (where the put kernel sends each row) and, for the
+dispatch, the rows each waiting GEMM tile expects.
 
-Sender p knows its input_split_sizes (x's rows [s_q, s_q + n_q) go to rank q). Receiver q knows
-its output_split_sizes (sender p's rows start at received position start_q[p] = sum of
-output_split_sizes[:p]), its row_index (its received rows' permutation into expert-major order)
-and its offsets (hence its GEMM tiles). A row's expert-major row, inverse(row_index)[start_q[p]
-+ i], and its tile depend on what only the receiver knows. So receiver q publishes its routes
-into a small symmetric int32 table (`publish`; layout: templates/moe_routes.py) and signals
-every sender; sender p's put kernel then reads its rows' routes from q's table and pushes each
-row straight to its expert-major row, adding one to that tile's counter on q. Each tile waits
-on its own rows and the GEMM reads the buffer without a gather; had the senders written in
-arrival order for the GEMM to gather through row_index, a sender could not tell which tile a
-row feeds, and every tile would wait for the whole exchange, for the same one signal.
-
-The combine's senders (runtime/moe_combine.py) lack only the starts: its table is the first
-2 * world words alone (`publish_splits`). Kernels write and read the tables, with one
-host-to-device copy of the split sizes: no host sync, and three launches a call where torch ops
-would take dozens of small kernels around the READY signal, leaving the GPU idle.
+A dispatched row's expert-major row and tile depend on what only its receiver q knows (its
+output_split_sizes, row_index and offsets), so q publishes its routes into a small symmetric
+int32 table (`publish`; layout: templates/moe_routes.py) and signals every sender, whose put
+kernel sends each row straight to its expert-major row and counts it on that tile's counter on
+q. Each tile then waits on its own rows and the GEMM reads the buffer without a gather; rows in
+arrival order would leave every tile waiting for the whole exchange. The combine's senders need
+only the table's first 2 * world words (`publish_splits`). One host-to-device copy of the split
+sizes and a few launches a call: no host sync, where torch ops would take dozens of small
+kernels around the READY signal.
 """
 
 from __future__ import annotations
@@ -27,9 +20,8 @@ import torch
 
 from .kernel_launch import cdiv, launch, next_power_of_2
 
-ROUTE_ROWS = 128  # rows per program of the routes kernel
-# the publish kernel's rows per program: each compares itself with every expert's end, so a
-# program holds rows x experts words
+# the publish kernel's rows per program: a program holds rows x experts words (each row compared
+# with every expert's end)
 PUBLISH_WORDS, PUBLISH_MAX_ROWS = 4096, 128
 PUT_ROWS, PUT_BLOCK_K = 16, 128  # put_rows_kernel: rows per program, columns a step
 
@@ -68,7 +60,7 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
             input_split_sizes: Sequence[int], row_index: Optional[torch.Tensor],
             offsets: torch.Tensor, block_m: int, expect: torch.Tensor) -> None:
     """This rank's dispatch routes into its table (`table_words` long); this call's rows per
-    GEMM tile added to `expect`, the counts the waiting tiles expect."""
+    GEMM tile added to `expect`, what the waiting tiles wait for."""
     from ..templates.moe_routes import publish_routes_kernel
 
     world = len(output_split_sizes)
@@ -86,28 +78,11 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
                HAS_INDEX=row_index is not None)
 
 
-def routes(table_table: torch.Tensor, rank: int, world: int, rows: int, capacity: int,
-           index: Optional[torch.Tensor], expert_major: bool):
-    """(dst_rank, dst_row, dst_tile), int32 [rows]: where the row at send position index[i] (i
-    without an index) goes, from the receivers' tables (route_of_rows)."""
-    from ..templates.moe_routes import routes_kernel
-
-    device = table_table.device
-    out = [torch.empty(rows, dtype=torch.int32, device=device) for _ in range(3)]
-    if rows:
-        launch(routes_kernel, (cdiv(rows, ROUTE_ROWS),), out[0] if index is None else index,
-               *out, table_table, rows, rank, capacity, BLOCK=ROUTE_ROWS, WORLD=world,
-               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major,
-               HAS_INDEX=index is not None)
-    return tuple(out)
-
-
 def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tensor,
              count_table: torch.Tensor, rank: int, world: int, capacity: int,
              expert_major: bool) -> None:
-    """put_rows_kernel: x's rows (contiguous, in send order) each to its route in its
-    receiver's buffer, one added to the receiver's counter of its tile (the combine's: one word
-    per sender)."""
+    """put_rows_kernel: x's rows (contiguous, send order) each to its route in its receiver's
+    buffer, counted on the receiver's counter of its tile (the combine's: its word for me)."""
     from ..templates.moe_routes import put_rows_kernel
 
     if x.shape[0]:

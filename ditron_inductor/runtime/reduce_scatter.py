@@ -23,6 +23,7 @@ import torch
 
 from ..scheduler.plan import TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
+from ..templates.reduce import reduce_slots_kernel
 from . import driver
 from .context import get_context
 from .kernel_launch import cdiv, current_stream, launch
@@ -81,8 +82,7 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
                               reduce_op, group_name, world_size, scaled)
         return None if out is None else out.view(lead + list(out.shape))
     dtype = scaled.out_dtype if scaled else a.dtype  # the partials', the sums' and the output's
-    M, K = a.shape
-    N = b.shape[1]
+    M, N = a.shape[0], b.shape[1]
     W = world_size
     shape = list(out_shape) if len(out_shape) else [M, N]
     if M % W or shape[0] % W or M * N == 0:
@@ -91,8 +91,7 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
     if torch.cuda.is_current_stream_capturing():
         return decline("CUDA graph capture (epochs are host values)")
     rows = M // W
-    esize = dtype.itemsize
-    chunk_bytes = rows * N * esize
+    chunk_bytes = rows * N * dtype.itemsize
     ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
     r = ctx.rank
     e = ctx.next_epoch()
@@ -119,8 +118,6 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
         if q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     if plan.reduce == TRITON:
-        from ..templates.reduce import reduce_slots_kernel
-
         out = torch.empty((rows, N), dtype=dtype, device=a.device)
         n = rows * N
         launch(reduce_slots_kernel, (cdiv(n, 4096),), mine, out, n, n, W,

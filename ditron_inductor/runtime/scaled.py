@@ -4,8 +4,7 @@ A cuBLAS plan of all_gather_scaled_mm or scaled_mm_reduce_scatter runs its bf16 
 passing a `Scaled` to `launch.matmul_into`: the GEMM becomes torch._scaled_mm into the same output
 rows, in the output dtype (bf16/fp16, what the protocol's partials and sums hold). A rowwise
 scale_a ([M, 1]) is sliced with A's rows; scale_b is whole. The Triton GEMMs take no float8: a
-plan naming one declines before any protocol step, alike on every rank. `ScaledSum` (the input
-gradient of layers sharing their input) runs each term's _scaled_mm into the same rows in turn.
+plan naming one declines before any protocol step, alike on every rank.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from .launch import DTYPES
 
 @dataclasses.dataclass(frozen=True)
 class Scaled:
-    """A GEMM as torch._scaled_mm: A's scale (one, or per row), B's (one, or per column), the
-    output dtype, use_fast_accum."""
+    """A GEMM as torch._scaled_mm (scales: one, or per row of A / per column of B)."""
 
     scale_a: torch.Tensor
     scale_b: torch.Tensor
@@ -85,9 +83,9 @@ class Scaled:
 
 @dataclasses.dataclass(frozen=True)
 class ScaledSum:
-    """A sum of _scaled_mm products over the same rows, each term with its own scales: a plan
-    slices the first term as it slices A and B, the others' rows alike, each product added in
-    the output dtype as the graph's adds did."""
+    """A sum of _scaled_mm products over the same rows (the input gradient of layers sharing
+    their input), each term with its own scales: a plan slices the first term as it slices A and
+    B, the others' rows alike, each product added in the output dtype as the graph's adds did."""
 
     first: Scaled
     others: tuple  # (a, b, Scaled) of each further term

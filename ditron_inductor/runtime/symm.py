@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import warnings
 
@@ -53,22 +54,17 @@ class SymmBuffer:
         self._views: dict = {}  # the fused ops take the same few views call after call
 
     def view(self, rank: int, dtype: torch.dtype, shape, byte_offset: int = 0) -> torch.Tensor:
+        """Rank `rank`'s copy (-1: mine) from byte_offset on as a `dtype` tensor of `shape`."""
         key = (rank, dtype, tuple(shape), byte_offset)
         found = self._views.get(key)
         if found is None:
             if len(self._views) >= 1024:  # many shapes (dynamic M): start over
                 self._views.clear()
-            found = self._views[key] = self._view(rank, dtype, shape, byte_offset)
+            nbytes = math.prod(shape) * dtype.itemsize
+            assert byte_offset + nbytes <= self.nbytes, "symmetric buffer too small"
+            src = self.local if rank < 0 else self.peers[rank]
+            found = self._views[key] = src[byte_offset:byte_offset + nbytes].view(dtype).view(shape)
         return found
-
-    def _view(self, rank: int, dtype: torch.dtype, shape, byte_offset: int) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * dtype.itemsize
-        assert byte_offset + nbytes <= self.nbytes, "symmetric buffer too small"
-        src = self.local if rank < 0 else self.peers[rank]
-        return src[byte_offset:byte_offset + nbytes].view(dtype).view(shape)
 
 
 class TorchSymmBackend:
@@ -170,14 +166,6 @@ class NvshmemSymmBackend:
         pass
 
 
-def nvshmem_importable() -> bool:
-    try:
-        import nvshmem.core  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import problem means: not available
-        return False
-    return True
-
-
 def choose_backend_name(group_name: str, choice: str) -> str:
     """The backend that serves the group for the option's value ("auto", "nvshmem", "torch")."""
     if choice == "torch":
@@ -189,7 +177,11 @@ def choose_backend_name(group_name: str, choice: str) -> str:
                      "nvshmem (NVSHMEM allocations are world-collective)", group_name)
             return "torch"
         return choice
-    if whole_world and nvshmem_importable():
+    if whole_world:
+        try:
+            import nvshmem.core  # noqa: F401
+        except Exception:  # noqa: BLE001 - any import problem means: not available
+            return "torch"
         return "nvshmem"
     return "torch"
 
@@ -200,14 +192,9 @@ _backends: dict[tuple[str, str], object] = {}
 def backend_for(group_name: str, name: str):
     key = (group_name, name)
     if key not in _backends:
-        if name == "nvshmem":
-            group = resolve_group(group_name)
-            if group.size() != dist.get_world_size():
-                raise RuntimeError("ditron: the nvshmem backend serves only groups spanning "
-                                   "the whole world (NVSHMEM allocations are world-collective)")
-            _backends[key] = NvshmemSymmBackend(group_name)
-        else:
-            _backends[key] = TorchSymmBackend(group_name)
+        # name: choose_backend_name's, nvshmem only for a group spanning the world
+        backend = NvshmemSymmBackend if name == "nvshmem" else TorchSymmBackend
+        _backends[key] = backend(group_name)
         log.info("symmetric memory for group %s: %s backend", group_name, name)
     return _backends[key]
 

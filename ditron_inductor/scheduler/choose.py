@@ -223,7 +223,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(cls, merged, label="" if named else policy.FP8_LABEL).for_world(
             task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
-        merged = {**policy.grouped_mm_params(task), **params}
+        merged = {**params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)

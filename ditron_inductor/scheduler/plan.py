@@ -32,7 +32,7 @@ ALL_REDUCE_ALGOS = ("push", "push_all", "lamport", "lamport_all", COPY_ENGINE)
 
 @dataclasses.dataclass(frozen=True)
 class GemmTile:
-    """The persistent Triton GEMM's tile program (TMA where the operands allow it)."""
+    """The persistent Triton GEMM's tile program (TMA where the operands take it, else pointers)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -40,7 +40,6 @@ class GemmTile:
     group_m: int = 8  # swizzle: row-blocks per group of consecutive tiles
     stages: int = 3
     warps: int = 8
-    tma: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +190,6 @@ class GroupedMmPlan(FusedPlan):
     # the rows through a TMA descriptor where they are in order (at world size 1 the dispatch
     # then gathers x's rows before its GEMMs instead of in the first one)
     tma_a: bool = True
-    # the combine on several ranks: the products stored here in the order they are sent, then
-    # pushed by the dispatch's put kernel (else each tile pushes its rows from its epilogue)
-    staged_push: bool = False
     # on several ranks: fewer rows than this (the dispatch's sent, the combine's received back:
     # each a rank's tokens x top-k) run the reference, NCCL all-to-all + grouped GEMM, where the
     # fused op measured slower. Every rank decides alike where every rank has as many tokens,
@@ -232,8 +228,7 @@ def default_groups(world: int) -> tuple[int, ...]:
 # Parameter names (as the candidate tables and the benchmarks write them) of the GEMM tile, by
 # family: the all-reduce's own block/warps are the push kernel's, its GEMM's are gemm_*.
 _TILE_KEYS = {
-    AllGatherPlan: {k: k for k in ("block_m", "block_n", "block_k", "group_m", "stages", "warps",
-                                   "tma")},
+    AllGatherPlan: {k: k for k in ("block_m", "block_n", "block_k", "group_m", "stages", "warps")},
     AllReducePlan: {"gemm_block_n": "block_n", "gemm_stages": "stages", "gemm_warps": "warps"},
 }
 
@@ -259,7 +254,7 @@ def from_params(cls, params: dict[str, Any], **fields) -> FusedPlan:
 def _text(value) -> str:
     if isinstance(value, GemmTile):
         return "x".join(str(v) for v in (value.block_m, value.block_n, value.block_k)) + (
-            f"/g{value.group_m}s{value.stages}w{value.warps}{'' if value.tma else '/no-tma'}")
+            f"/g{value.group_m}s{value.stages}w{value.warps}")
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value)
     return str(value)

@@ -8,7 +8,7 @@ dtype, world size and whether the graph is replayed from a CUDA graph.
 from __future__ import annotations
 
 from .plan import COPY_ENGINE_MAX_N
-from .task import GROUPED_MM_ALL_TO_ALL, Task, size_hint
+from .task import Task, size_hint
 
 # A fused plan must be predicted this much faster than NCCL + cuBLAS: the margin covers the link
 # model's error.
@@ -103,12 +103,3 @@ def fp8_chosen(task: Task, cuda_graphs: bool) -> bool:
 # them (the exchange is a small part of a step): the graph keeps NCCL all-to-all + the grouped
 # GEMM unless ditron.plan=fused.
 MOE_WHY = "no measured model step gained from it (see the docs' performance page)"
-
-
-def grouped_mm_params(task: Task) -> dict:
-    """The grouped GEMM's plan beyond GroupedMmPlan's defaults: the combine on several ranks
-    stores its rows in send order and puts them after its GEMM (staged_push), faster than a push
-    from the GEMM's epilogue."""
-    if task.op == GROUPED_MM_ALL_TO_ALL and task.world_size > 1:
-        return dict(staged_push=True)
-    return {}

@@ -9,6 +9,7 @@ builders below serve both); the scheduler, plans, kernels and logs read shapes f
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
@@ -135,17 +136,10 @@ def size_hint(x: SymOrInt) -> int:
     return int(x)
 
 
-def numel(shape) -> SymOrInt:
-    total = 1
-    for s in shape:
-        total = total * s
-    return total
-
-
 def chunks_contiguous(shape, dim: int) -> bool:
     """Whether cutting `shape` into equal pieces along `dim` leaves each piece one block of
     consecutive rows of the flattened [rows, last] matrix (a symbolic size counts as > 1)."""
-    return dim == 0 or statically_known_true(numel(shape[:dim]) == 1)
+    return dim == 0 or statically_known_true(math.prod(shape[:dim]) == 1)
 
 
 # ------------------------------------- Tasks from an op's arguments (the matcher's and the ops')
@@ -242,7 +236,7 @@ def scaled_mm_reduce_scatter_task(a, b, scale_a, scale_b, bias, out_dtype,
 def all_to_all_grouped_mm_task(x, output_split_sizes, input_split_sizes, row_index, weights,
                                offsets, group_name: str, world_size: int) -> Task:
     """The dispatch: x's rows exchanged, then (through row_index) each weight's grouped GEMM."""
-    rows = row_index.shape[0] if row_index is not None else total(output_split_sizes)
+    rows = row_index.shape[0] if row_index is not None else sum(output_split_sizes)
     return Task(
         op=ALL_TO_ALL_GROUPED_MM, group_name=group_name, world_size=world_size, m=rows,
         k=x.shape[1], ns=tuple(w.shape[-1] for w in weights), dtype=x.dtype,
@@ -257,21 +251,13 @@ def grouped_mm_all_to_all_task(lefts, weights, offsets, row_index, accumulate: b
     """The combine: the sum of the grouped GEMMs, (through row_index) exchanged back."""
     return Task(
         op=GROUPED_MM_ALL_TO_ALL, group_name=group_name, world_size=world_size,
-        m=lefts[0].shape[0], k=total(a.shape[1] for a in lefts),
+        m=lefts[0].shape[0], k=sum(a.shape[1] for a in lefts),
         ns=tuple(w.shape[-1] for w in weights[:1]), dtype=lefts[0].dtype,
         device_type=lefts[0].device.type, experts=_experts(weights),
-        tokens=total(output_split_sizes), rows_permuted=row_index is not None, terms=len(lefts),
+        tokens=sum(output_split_sizes), rows_permuted=row_index is not None, terms=len(lefts),
     )
 
 
 def _experts(weights) -> SymOrInt:
     """The grouped GEMM's groups (0: no grouped GEMM, a candidate the log names only)."""
     return weights[0].shape[0] if weights else 0
-
-
-def total(sizes) -> SymOrInt:
-    """The sum of sizes that may be symbolic (0 + s keeps a SymInt a SymInt)."""
-    result = 0
-    for s in sizes:
-        result = result + s
-    return result

@@ -1,5 +1,5 @@
 """What the all-reduce kernels (all_reduce_push.py, all_reduce_lamport.py) share beyond the flags
-(flags.py): lamport's empty mark and the norm.
+(flags.py): lamport's empty mark and the norm's rounding.
 
 Rank q's partial P_q = a_q @ b_q (+ bias) [M, N] lies in its symmetric buffer (peer pointers:
 `data_table`). Every rank computes h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) *
@@ -30,10 +30,7 @@ def sendable(x):
 def call_start(epoch_ptr, M, N):
     """(program id, programs, this call's epoch, the partial's elements: int32, as the runtime
     keeps its buffers below 2**31 elements)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    epoch = tl.load(epoch_ptr + 1)
-    return pid, nprog, epoch, M * N
+    return tl.program_id(0), tl.num_programs(0), tl.load(epoch_ptr + 1), M * N
 
 
 @triton.jit
@@ -45,21 +42,3 @@ def weighted(normed, w32, dtype: tl.constexpr, W_FP32: tl.constexpr):
     else:
         y = (normed.to(dtype).to(tl.float32) * w32).to(dtype)
     return y
-
-
-@triton.jit
-def norm_row(h_ptr, y_ptr, w_ptr, row, N, sum_sq, eps, W_FP32: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for one row of h whose sum of squares is sum_sq. Other programs
-    wrote h: its loads skip this SM's L1 (.cg)."""
-    base = row * N
-    rstd = tl.rsqrt(sum_sq / N + eps)
-    tl.debug_barrier()  # h of this row may have been stored by this program's threads
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        h = h.to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = weighted(h * rstd, w, y_ptr.dtype.element_ty, W_FP32)
-        tl.store(y_ptr + base + cols, y, mask=mask)

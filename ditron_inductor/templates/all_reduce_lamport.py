@@ -17,31 +17,24 @@ call e + 1 sent to it, which follows my call e, whose reads marked the region em
 waits at the end of a call and nothing is reset. Each sum is computed once, by its owner: all
 ranks get the same bits. 16-bit dtypes only (the mark is one 16-bit word).
 
-lamport_all_kernel: push_all's one-shot with the empty mark in place of STARTED flags.
+lamport_all_kernel: push_all's one-shot (its buffer, its SEND) with the empty mark in place of
+STARTED flags: REDUCE polls its blocks of my W slots until no mark is left and sums them in rank
+order (the same bits on every rank). Slots of parity p are written again two calls later, by a
+rank that finished the call between, which needed my sends of it, made after my reads of them.
 The interpreter tests run each phase separately for every rank, as for push.
 """
 
 import triton
 import triton.language as tl
 
-from .all_reduce import (  # noqa: F401 - EMPTY_BITS: the runtime marks buffers with it
-    EMPTY_BITS,
-    K_EMPTY_BITS,
-    call_start,
-    is_empty,
-    sendable,
-)
+# EMPTY_BITS: the runtime marks buffers with it
+from .all_reduce import EMPTY_BITS, K_EMPTY_BITS, call_start, is_empty, sendable  # noqa: F401
 from .all_reduce_push import end_of_call, finish_block, send_partial_to_all, store_h
 from .flags import (K_ERR_SENT, gave_up_before, peer_ptr, polling, record_give_up, wait_start,
                     waited)
 from .schedule import owned_block
 
 _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte aligned regions)
-
-
-@triton.jit
-def empty_like(x):
-    return tl.full(x.shape, K_EMPTY_BITS, tl.int16).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -56,7 +49,7 @@ def take_when_full(ptrs, mask, limit, err_ptr):
         x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         n = waited(n, since, limit)
     record_give_up(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, skip, err_ptr, K_ERR_SENT)
-    tl.store(ptrs, empty_like(x), mask=mask)
+    tl.store(ptrs, tl.full(x.shape, K_EMPTY_BITS, tl.int16).to(x.dtype, bitcast=True), mask=mask)
     return x
 
 
@@ -120,11 +113,7 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
                        WORLD_P2: tl.constexpr, SEND: tl.constexpr = True,
                        REDUCE: tl.constexpr = True, NORMALISE: tl.constexpr = True,
                        ROW_BLOCK: tl.constexpr = 0):
-    """push_all's one-shot with the empty mark in place of STARTED flags; the buffer as
-    push_all's. SEND as push_all's; REDUCE polls its blocks of my W slots until no mark is left,
-    sums them in fp32 in rank order (the same bits on every rank), adds my residual, writes h;
-    NORMALISE as push's. Slots of parity p are written again two calls later, by a rank that
-    finished the call between, which needed my sends of it, made after my reads of these slots."""
+    """The one-shot for the smallest M with no flags (see the module doc, lamport_all_kernel)."""
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     dtype = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)

@@ -47,7 +47,7 @@ separately for every rank, producers before consumers.
 import triton
 import triton.language as tl
 
-from .all_reduce import call_start, norm_row, sendable, weighted
+from .all_reduce import call_start, sendable, weighted
 from .flags import (K_ERR_LOCAL, K_ERR_PUSHED, K_ERR_STARTED, K_LOCAL, K_MAX_PROGS, K_PUSHED,
                     K_STARTED, finish_call, peer_ptr, wait_all, wait_chunks_through)
 from .schedule import owned_block
@@ -59,7 +59,8 @@ _DYNAMIC = ["M", "eps", "rank", "rows_per_chunk", "push_progs", "limit"]
 
 @triton.jit
 def normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y = RMSNorm(h) * weight for rows pid, pid + P, ... (every program wrote h: .cg loads)."""
+    """y = RMSNorm(h) * weight for rows pid, pid + P, ..., two passes over each row (every
+    program wrote h: its loads skip this SM's L1, .cg)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for row in range(pid, M, nprog):
@@ -69,25 +70,15 @@ def normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32: tl.constexpr, BLOCK_N
             h = tl.load(h_ptr + row * N + cols, mask=cols < N, other=0.0,
                         cache_modifier=".cg").to(tl.float32)
             ss += h * h
-        norm_row(h_ptr, y_ptr, w_ptr, row, N, tl.sum(ss, 0), eps, W_FP32, BLOCK_N)
-
-
-@triton.jit
-def rows_written(flags_ptr, epoch):
-    """Raise LOCAL[pid]: this program's share of h is written (after every thread's stores)."""
-    tl.debug_barrier()
-    tl.atomic_xchg(flags_ptr + K_LOCAL + tl.program_id(0), epoch, sem="release", scope="gpu")
-
-
-@triton.jit
-def normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
-                           W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Wait for every program's LOCAL (h is whole), then normalise_rows."""
-    progs = tl.arange(0, K_MAX_PROGS)
-    wait_all(flags_ptr + K_LOCAL + progs, progs < tl.num_programs(0), epoch, limit, err_ptr,
-             K_ERR_LOCAL)
-    tl.debug_barrier()
-    normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32, BLOCK_N)
+        rstd = tl.rsqrt(tl.sum(ss, 0) / N + eps)
+        tl.debug_barrier()  # h of this row may have been stored by this program's threads
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            h = tl.load(h_ptr + row * N + cols, mask=cols < N, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            y = weighted(h * rstd, w, y_ptr.dtype.element_ty, W_FP32)
+            tl.store(y_ptr + row * N + cols, y, mask=cols < N)
 
 
 @triton.jit
@@ -102,29 +93,19 @@ def store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
-                  W_FP32: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
-    """store_h and y = RMSNorm(h) * weight for a block of whole rows of ROW (= N) elements, in
-    one pass from registers; norm_row's roundings."""
-    h = store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
-    rows = tl.reshape(h.to(tl.float32), [BLOCK // ROW, ROW])
-    rstd = tl.rsqrt(tl.sum(rows * rows, 1) / ROW + eps)
-    w = tl.load(w_ptr + tl.arange(0, ROW)).to(tl.float32)
-    y = weighted(rows * rstd[:, None], w, y_ptr.dtype.element_ty, W_FP32)
-    tl.store(y_ptr + tl.reshape(idx, [BLOCK // ROW, ROW]), y,
-             mask=tl.reshape(mask, [BLOCK // ROW, ROW]))
-
-
-@triton.jit
 def finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES: tl.constexpr,
                  NORM: tl.constexpr, W_FP32: tl.constexpr, BLOCK: tl.constexpr,
                  ROW_BLOCK: tl.constexpr):
-    """Sums s into h (+ residual), and into y too where the block holds whole rows."""
+    """Sums s into h (+ residual); where the block holds whole rows of ROW_BLOCK (= N) elements,
+    y = RMSNorm(h) * weight too, in one pass from registers (normalise_rows' roundings)."""
+    h = store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
     if NORM and ROW_BLOCK > 0:
-        store_h_and_y(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, s, eps, HAS_RES, W_FP32, BLOCK,
-                      ROW_BLOCK)
-    else:
-        store_h(h_ptr, res_ptr, idx, mask, s, HAS_RES)
+        rows = tl.reshape(h.to(tl.float32), [BLOCK // ROW_BLOCK, ROW_BLOCK])
+        rstd = tl.rsqrt(tl.sum(rows * rows, 1) / ROW_BLOCK + eps)
+        w = tl.load(w_ptr + tl.arange(0, ROW_BLOCK)).to(tl.float32)
+        y = weighted(rows * rstd[:, None], w, y_ptr.dtype.element_ty, W_FP32)
+        tl.store(y_ptr + tl.reshape(idx, [BLOCK // ROW_BLOCK, ROW_BLOCK]), y,
+                 mask=tl.reshape(mask, [BLOCK // ROW_BLOCK, ROW_BLOCK]))
 
 
 @triton.jit
@@ -132,12 +113,17 @@ def end_of_call(h_ptr, y_ptr, w_ptr, flags_ptr, arrive_ptr, epoch_ptr, M, N, eps
                 err_ptr, WROTE_H: tl.constexpr, NORM: tl.constexpr, NORMALISE: tl.constexpr,
                 W_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
     """Once this program's rows of h are written (WROTE_H: that phase ran): with NORM raise
-    LOCAL and (NORMALISE) normalise after the barrier; the call's last phase advances the epoch."""
+    LOCAL[pid] and (NORMALISE) normalise once every program's LOCAL says h is whole; the call's
+    last phase advances the epoch."""
     if WROTE_H and NORM:
-        rows_written(flags_ptr, epoch)
+        tl.debug_barrier()  # every thread's stores, then the flag that releases them
+        tl.atomic_xchg(flags_ptr + K_LOCAL + tl.program_id(0), epoch, sem="release", scope="gpu")
     if NORM and NORMALISE:
-        normalise_when_written(h_ptr, y_ptr, w_ptr, flags_ptr, M, N, eps, epoch, limit, err_ptr,
-                               W_FP32, BLOCK_N)
+        progs = tl.arange(0, K_MAX_PROGS)
+        wait_all(flags_ptr + K_LOCAL + progs, progs < tl.num_programs(0), epoch, limit, err_ptr,
+                 K_ERR_LOCAL)
+        tl.debug_barrier()
+        normalise_rows(h_ptr, y_ptr, w_ptr, M, N, eps, W_FP32, BLOCK_N)
     if (NORM and NORMALISE) or (not NORM and WROTE_H):
         finish_call(arrive_ptr, epoch_ptr, epoch)
 
@@ -154,10 +140,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
     pid, nprog, epoch, numel = call_start(epoch_ptr, M, N)
     # REDUCE finishes my own blocks from registers, except beside the GEMM (CHUNKED), whose few
     # programs would then carry all of a world-1 norm: there the sums go into every buffer
-    if CHUNKED:
-        own = -1
-    else:
-        own = rank
+    own = -1 if CHUNKED else rank
     dtype = h_ptr.dtype.element_ty
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)

@@ -148,16 +148,6 @@ def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
 
 
 @triton.jit
-def wait_peers(flag_table, idx, epoch, limit, err_ptr, code, WORLD: tl.constexpr,
-               WORLD_P2: tl.constexpr):
-    """Wait until flag word idx of every rank (mine included) >= epoch."""
-    q = tl.arange(0, WORLD_P2)
-    mine = q < WORLD
-    ptrs = tl.load(flag_table + q, mask=mine, other=0).to(tl.pointer_type(tl.int32)) + idx
-    wait_all(ptrs, mine, epoch, limit, err_ptr, code)
-
-
-@triton.jit
 def wait_rows(flag_ptr, seen, row0, row_end, rows_per_chunk, epoch, limit, err_ptr):
     """Beside chunks that land in any order (the all-gather's, chunk c's flag at flag_ptr + c):
     wait for every chunk that rows [row0, row_end) touch and that the bitmask `seen` does not
@@ -175,12 +165,13 @@ def wait_rows(flag_ptr, seen, row0, row_end, rows_per_chunk, epoch, limit, err_p
 @triton.jit
 def wait_chunks_through(flag_table, ready, last, N, rows_per_chunk, epoch, limit, err_ptr,
                         WORLD: tl.constexpr, WORLD_P2: tl.constexpr):
-    """Beside a GEMM that raises READY per chunk of rows_per_chunk rows: wait for READY on every
-    rank of each chunk up to the one holding element `last` (row last // N) not seen yet (chunks
-    [0, ready) were; the GEMM finishes chunks only about in order). Returns the new `ready`."""
+    """Beside a GEMM raising READY per chunk of rows_per_chunk rows: wait for every rank's READY
+    of chunks `ready` (those before were seen) to that of element `last`; returns the new one."""
     need = (last // N) // rows_per_chunk
-    for c in range(ready, need + 1):  # none when chunk `need` was seen
-        wait_peers(flag_table, K_READY + c, epoch, limit, err_ptr, K_ERR_READY, WORLD, WORLD_P2)
+    q = tl.arange(0, WORLD_P2)
+    for c in range(ready, need + 1):  # none when chunk `need` was seen; every rank's, mine too
+        peers = tl.load(flag_table + q, mask=q < WORLD, other=0).to(tl.pointer_type(tl.int32))
+        wait_all(peers + K_READY + c, q < WORLD, epoch, limit, err_ptr, K_ERR_READY)
     return tl.maximum(ready, need + 1)
 
 

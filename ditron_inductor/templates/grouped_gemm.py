@@ -1,28 +1,25 @@
 """Expert parallelism's grouped GEMM (`grouped_gemm_kernel`): reads its rows through the
-dispatch's index and writes them through the combine's (on several ranks, into the peers').
+dispatch's index and writes them through the combine's.
 
 Expert e multiplies GEMM rows [offsets[e-1], offsets[e]) (int32 cumulative counts, as
-torch._grouped_mm takes them) by B[e] [K, N] (any strides). Its ceil(rows_e / BLOCK_M) m-tiles
-are numbered expert after expert (`expert_of_tile`, from the offsets in every program: no host
-sync, no tile table). The grid is persistent over ceil(M / BLOCK_M) + E m-tiles (each expert
-adds at most one partial tile, the rows past the last offset one more) times the n-tiles; tiles
-past the call's do nothing. Within an expert, GROUP_M m-tiles at a time go over the n-tiles, so
-programs running together share rows and the weight in L2.
+torch._grouped_mm takes them) by B[e] [K, N] (any strides). Every program numbers the m-tiles
+expert after expert from the offsets (`expert_of_tile`: no host sync, no tile table) over a
+persistent grid of ceil(M / BLOCK_M) + E m-tiles (a partial tile per expert, the rows past the
+last offset) times the n-tiles; GROUP_M m-tiles of an expert go over the n-tiles together,
+sharing rows and weight in L2.
 
   prologue  GATHER (the dispatch at world size 1): GEMM row i is A[a_index[i]], else A[i].
             WRITE_ROWS: the n-tile-0 programs copy their rows into rows_out.
-  WAIT      (world size > 1) a tile first waits until its arrival counter, which the peers'
-            put_rows_kernel raises, reaches expect[tile]: its rows have landed in A.
+  WAIT      a tile first waits until its arrival counter, raised by the peers' put_rows_kernel,
+            reaches expect[tile].
   epilogue  SCALE: row i times scale[i] (the routing weight), fp32. SCATTER (the combine): row
             i to row c_index[i] of C; ACCUMULATE: an atomic add there (C fp32: a token's top-k
-            rows land on one row). PUSH (the combine on several ranks): row i to row c_index[i]
-            of rank dst_rank[i]'s receive buffer, counted there; the rows past the last offset
-            go as zeros, so that every row the receivers count comes.
+            rows land on one row).
 
-A and B are read through pointers or TMA descriptors (A_DESC: rows in order, a tile's block of
-BLOCK_M rows from its first, those past the expert's multiplied and not stored; after a WAIT,
-PROXY_FENCE orders the peers' stores before the TMA reads. B_DESC: runtime/moe.py
-weight_descriptor). Ceil-divisions and zero fills are written out for the interpreter.
+A_DESC reads A through a TMA descriptor (rows in order: a tile's BLOCK_M rows from its first,
+those past the expert's multiplied and not stored), PROXY_FENCE ordering the peers' stores
+before it after a WAIT; B_DESC: runtime/moe.py weight_descriptor. Ceil-divisions and zero
+fills are written out for the interpreter.
 """
 
 import triton
@@ -40,9 +37,8 @@ K_ERR_ROWS = tl.constexpr(ERR_ROWS)
 @triton.jit
 def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
     """(expert, its first row, its row count, the tile's index within it) of the m_tile-th
-    m-tile. Past the last expert's tiles: expert E, the rows past offsets[E - 1] (none in an MoE
-    layer; their products are undefined, as torch._grouped_mm's, but the rows output holds
-    them)."""
+    m-tile; past the last expert's tiles, expert E over the rows past offsets[E - 1] (products
+    undefined, as torch._grouped_mm's; the rows output holds them)."""
     e = tl.arange(0, E_P2)
     valid = e < E
     ends = tl.load(offsets_ptr + e, mask=valid, other=0)
@@ -70,32 +66,15 @@ def copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
         tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v, mask=m)
 
 
-@triton.jit
-def push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, dst_row_ptr, recv_table, count_table,
-              dtype: tl.constexpr):
-    """Product rows `rows` (acc at columns offs_n) to row dst_row[i] of rank dst_rank[i]'s
-    receive buffer ([capacity, N]), then one added per row to that rank's arrival counter for
-    this sender (release, system scope): one atomic per row, into a count per sender (one add
-    of a tile's rows per rank into a count shared by all senders loses arrivals)."""
-    rank = tl.load(dst_rank_ptr + rows, mask=row_ok, other=0)
-    dst_row = tl.load(dst_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    base = tl.load(recv_table + rank, mask=row_ok, other=0).to(tl.pointer_type(dtype))
-    tl.store(base[:, None] + dst_row[:, None] * N + offs_n[None, :], acc.to(dtype),
-             mask=row_ok[:, None] & (offs_n[None, :] < N))
-    tl.debug_barrier()  # every thread's rows, then the counts that release them
-    counter = tl.load(count_table + rank, mask=row_ok, other=0).to(tl.pointer_type(tl.int32))
-    tl.atomic_add(counter, tl.where(row_ok, 1, 0), mask=row_ok, sem="release", scope="sys")
-
-
 @triton.jit(do_not_specialize=["M", "limit"])
 def grouped_gemm_kernel(
     a_ptr, a_desc, a_index_ptr, b_ptr, offsets_ptr, c_ptr, c_index_ptr, scale_ptr, rows_out_ptr,
-    count_ptr, expect_ptr, err_ptr, dst_rank_ptr, recv_table, count_table,
+    count_ptr, expect_ptr, err_ptr,
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     limit,
     GATHER: tl.constexpr, WRITE_ROWS: tl.constexpr, SCATTER: tl.constexpr,
-    SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr, PUSH: tl.constexpr,
+    SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WAIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     E_P2: tl.constexpr, NUM_PROGS: tl.constexpr, GROUP_M: tl.constexpr = 8,
     B_DESC: tl.constexpr = 0, A_DESC: tl.constexpr = False, PROXY_FENCE: tl.constexpr = False,
@@ -106,8 +85,7 @@ def grouped_gemm_kernel(
     for tile in range(pid, max_m_tiles * num_pid_n, NUM_PROGS):
         expert, start, count, t = expert_of_tile(offsets_ptr, tile // num_pid_n, M, E, BLOCK_M,
                                                  E_P2)
-        # within the expert's tiles, GROUP_M m-tiles at a time over every n-tile: its weight
-        # read from L2 once per GROUP_M m-tiles, not per m-tile
+        # the swizzle: GROUP_M of the expert's m-tiles at a time over every n-tile
         first = tile // num_pid_n - t
         nth = tile - first * num_pid_n
         in_group = GROUP_M * num_pid_n
@@ -116,9 +94,9 @@ def grouped_gemm_kernel(
         group_size = tl.maximum(group_size, 1)  # past the last expert: no tile, any size
         t = group_first + (nth % in_group) % group_size
         pid_n = (nth % in_group) // group_size
-        m_tile = first + t  # its index among all the call's m-tiles (its arrival counter)
+        m_tile = first + t  # among the call's m-tiles: its arrival counter
         ready = expert < E
-        if WAIT:  # every row of this tile has landed (the peers' pushes counted them)
+        if WAIT:  # until the peers' puts counted every row of this tile
             if ready:
                 want = tl.load(expect_ptr + m_tile)
                 v = load_acquire(count_ptr + m_tile)
@@ -150,7 +128,7 @@ def grouped_gemm_kernel(
             acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
             for kk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 k_left = K - kk * BLOCK_K
-                if A_DESC:  # rows past the tile's (the next expert's, or zeros) are not stored
+                if A_DESC:
                     a = a_desc.load([start + t * BLOCK_M, kk * BLOCK_K])
                 else:
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left),
@@ -174,34 +152,21 @@ def grouped_gemm_kernel(
             if SCALE:
                 s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
                 acc = acc * s[:, None].to(tl.float32)
-            if PUSH:
-                push_rows(acc, rows, row_ok, offs_n, N, dst_rank_ptr, c_index_ptr, recv_table,
-                          count_table, a_ptr.dtype.element_ty)
+            if SCATTER:
+                dst = tl.load(c_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
             else:
-                if SCATTER:
-                    dst = tl.load(c_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-                else:
-                    dst = rows.to(tl.int64)
-                c_ptrs = c_ptr + dst[:, None] * stride_cm + offs_n[None, :] * stride_cn
-                c_mask = row_ok[:, None] & (offs_n[None, :] < N)
-                if ACCUMULATE:
-                    tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
-                else:
-                    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-        elif (WRITE_ROWS | PUSH) & (expert == E):  # past the last expert: no product
+                dst = rows.to(tl.int64)
+            c_ptrs = c_ptr + dst[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            c_mask = row_ok[:, None] & (offs_n[None, :] < N)
+            if ACCUMULATE:
+                tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+            else:
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        elif WRITE_ROWS & (expert == E) & (pid_n == 0):  # past the last expert: the rows alone
             rows = start + t * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < M
-            if WRITE_ROWS:  # the rows output
-                if pid_n == 0:
-                    if GATHER:
-                        src = tl.load(a_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-                    else:
-                        src = rows.to(tl.int64)
-                    copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak,
-                              BLOCK_K)
-            if PUSH:
-                if pid_n < num_pid_n:  # the swizzle maps tiles past the call's onto n-tiles past N
-                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    push_rows(tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), rows, row_ok, offs_n,
-                              N, dst_rank_ptr, c_index_ptr, recv_table, count_table,
-                              a_ptr.dtype.element_ty)
+            if GATHER:
+                src = tl.load(a_index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            else:
+                src = rows.to(tl.int64)
+            copy_rows(a_ptr, src, rows_out_ptr, rows, row_ok, K, stride_am, stride_ak, BLOCK_K)

@@ -1,15 +1,14 @@
 """Expert parallelism's routes between ranks (the protocol: runtime/moe_routes.py): a receiver
 publishes where its received rows go (`publish_routes_kernel`); a sender reads its rows'
 destinations from the receivers' tables (`route_of_rows`) and puts the rows there
-(`put_rows_kernel`) or hands the routes to the grouped GEMM's epilogue (`routes_kernel`).
+(`put_rows_kernel`).
 
 Each rank's route table, int32 words in symmetric memory (`table_table`: every rank's address):
     [start[0..W) | send_end[0..W) | dst_row[0..capacity) | dst_tile[0..capacity)]
 start[p]: where sender p's rows start among this rank's received rows (rank-major, as
-all_to_all_single lands them); send_end[q]: the end of this rank's rows to rank q among its own
-(cumulative input split sizes), read only by this rank; dst_row[j], dst_tile[j] (the dispatch
-only): the expert-major row and GEMM tile of the j-th received row. Tiles are numbered as
-grouped_gemm.expert_of_tile numbers them.
+all_to_all_single lands them); send_end[q]: the end of this rank's rows to rank q (cumulative
+input split sizes), read by this rank alone; dst_row[j], dst_tile[j] (the dispatch only): the
+expert-major row and GEMM tile (numbered as grouped_gemm.expert_of_tile) of received row j.
 """
 
 import triton
@@ -38,10 +37,9 @@ def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
 def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, received, capacity,
                           E, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
                           WORLD: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """The dispatch's receiver, expert-major rows j of this program: j is received row
-    row_index[j] (j without an index), so dst_row[row_index[j]] = j, dst_tile[row_index[j]] =
-    j's tile, and expect[tile] grows by one per row (counters only grow: each call adds its
-    rows)."""
+    """The dispatch's receiver, expert-major rows j: j is received row row_index[j] (j without
+    an index), so dst_row[row_index[j]] = j, dst_tile[row_index[j]] = j's tile, and
+    expect[tile] grows by one per row (the counters only grow)."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = j < received
     tile = tile_of_rows(j, offsets_ptr, E, BLOCK_M, E_P2)
@@ -58,10 +56,9 @@ def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, rec
 def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
                   WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
     """(dst_rank, dst_row, dst_tile) of this sender's rows r (send order): the receiver q (by my
-    send_end words), the position among q's received rows (q's start[rank] + the index among
-    my rows to q) and, EXPERT_MAJOR (the dispatch), the row and tile q published for it; else
-    (the combine) the position itself, tile 0. dst_rank -1: not sent (out of range, or a
-    position q's table leaves unclaimed). Only the tables of the ranks a row goes to are read."""
+    send_end), the position p among q's received rows (q's start[rank] + r's index among my rows
+    to q) and the row and tile q published for p (EXPERT_MAJOR, the dispatch), else p, tile 0.
+    dst_rank -1: not sent (out of range, or p unclaimed). Only the receivers' tables are read."""
     w = tl.arange(0, WORLD_P2)
     my_table = tl.load(table_table + rank).to(tl.pointer_type(tl.int32))
     ends = tl.load(my_table + WORLD + w, mask=w < WORLD, other=0)
@@ -80,32 +77,13 @@ def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
     return tl.where(ok, q, -1), dst_row, dst_tile
 
 
-@triton.jit(do_not_specialize=["rows", "rank", "capacity"])
-def routes_kernel(index_ptr, dst_rank_ptr, dst_row_ptr, dst_tile_ptr, table_table, rows, rank,
-                  capacity, BLOCK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-                  EXPERT_MAJOR: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """route_of_rows of send positions index[i] (i without an index) into dst_*[i]: the routes
-    of the combine's epilogue push."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = i < rows
-    if HAS_INDEX:
-        r = tl.load(index_ptr + i, mask=in_range, other=0).to(tl.int32)
-    else:
-        r = i
-    dst_rank, dst_row, dst_tile = route_of_rows(r, in_range, table_table, rank, capacity, WORLD,
-                                                WORLD_P2, EXPERT_MAJOR)
-    tl.store(dst_rank_ptr + i, dst_rank, mask=in_range)
-    tl.store(dst_row_ptr + i, dst_row, mask=in_range)
-    tl.store(dst_tile_ptr + i, dst_tile, mask=in_range)
-
-
 @triton.jit(do_not_specialize=["rows", "K", "rank", "capacity"])
 def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, capacity,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORLD: tl.constexpr,
                     WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """This program's rows of x (send order, K wide) each to its route in its receiver's
-    buffer (data_table: each rank's base), then one added per row to the receiver's counter of
-    its tile (count_table: each rank's counter base), released after every thread's rows."""
+    """Rows of x (send order, K wide) each to its route in its receiver's buffer (data_table:
+    each rank's base), then one per row onto the receiver's counter of its tile (count_table:
+    each rank's counter base), released after every thread's rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_of, dst_row, tile = route_of_rows(r, r < rows, table_table, rank, capacity, WORLD,
                                            WORLD_P2, EXPERT_MAJOR)
@@ -120,7 +98,7 @@ def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, 
         v = tl.load(x_ptr + r[:, None].to(tl.int64) * K + cols[None, :], mask=m)
         tl.store(base[:, None] + dst_row[:, None] * K + cols[None, :], v, mask=m)
     tl.debug_barrier()  # every thread's rows, then the counts that release them
-    # one atomic per row; a loop over receivers, so that each counter base is a scalar load
+    # a loop over receivers, so that each counter base is a scalar load
     for q in range(WORLD):
         counters = tl.load(count_table + q).to(tl.pointer_type(tl.int32))
         mine = ok & (rank_of == q)

@@ -28,10 +28,8 @@ def reduce_slots_kernel(src_ptr, out_ptr, n, slot_stride, world, scale, BLOCK: t
 def sum_slots_norm_kernel(slots_ptr, slot_stride, h_ptr, y_ptr, res_ptr, w_ptr, M, N, eps,
                           WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
                           W_FP32: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The copy-engine all-reduce's end: ROWS whole rows a program (BLOCK_N >= N). h = the slots'
-    sum in fp32, rounded to the dtype (the all-reduce's own rounding), + my residual (added in
-    fp32, rounded again); NORM: y = RMSNorm(h) * weight from h's rounded values (the roundings
-    of all_reduce.weighted and ops.rms_norm_reference)."""
+    """The copy-engine all-reduce's end: ROWS whole rows a program (BLOCK_N >= N); h and y in
+    the reference's roundings (templates/all_reduce.py), y from h's rounded values."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)

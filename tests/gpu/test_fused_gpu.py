@@ -39,13 +39,12 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 
 
 AG_PLANS = [
-    dict(gemm="triton", tma=True),
-    dict(gemm="triton", tma=True, copy_streams=2),
+    dict(gemm="triton"),
+    dict(gemm="triton", copy_streams=2),
     dict(gemm="cublas", groups=[2, 1], copy_streams=2),
-    dict(gemm="triton", tma=False, block_m=64, block_n=128, block_k=64, stages=3, warps=4),
     dict(gemm="cublas", groups=[1, 2]),
     dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True),
-    dict(gemm="triton", tma=True, ready_before_gemm=True),
+    dict(gemm="triton", ready_before_gemm=True),
     dict(gemm="cublas", groups=[1, 1, 1], ready_before_gemm=True, barrier_beside=True),
     dict(),  # empty params: the defaults
 ]
@@ -324,8 +323,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
 # the reference (an NCCL all-gather) after every fused call, which keeps the ranks in step; in a
 # training step they run ahead of each other, and a protocol that lets a rank read a peer's
 # buffer of an earlier call gives the same numbers as the reference only when the inputs repeat.
-FREE_RUNNING_AG = {"triton_tma": dict(gemm="triton", tma=True),
-                   "triton_ptr": dict(gemm="triton", tma=False),
+FREE_RUNNING_AG = {"triton": dict(gemm="triton"),
                    "cublas": dict(gemm="cublas", groups=[1, 3]),
                    "cublas_ready": dict(gemm="cublas", groups=[1] * 16, ready_before_gemm=True,
                                         barrier_beside=True)}

@@ -233,11 +233,11 @@ LOCAL_EXPERTS, TOKENS = 4, 300
 MULTI_RANK_TILES = TILES[:2] + TILES[3:4]  # TMA (the default), pointers, a small tile
 
 
-def _routed_calls(group, world, rank, op, k, gen, tiles=MULTI_RANK_TILES):
+def _routed_calls(group, world, rank, op, k, gen):
     """(tag, plan, dtype, a dispatch's arguments: x [TOKENS, k], splits, row_index, offsets)
     for each dtype, tile and routing case, consecutive calls on the same buffers."""
     for dtype in (torch.bfloat16, torch.float16):
-        for tile in tiles:
+        for tile in MULTI_RANK_TILES:
             plan = _plan(op, **tile)
             for case in MULTI_RANK_CASES:
                 yield (f"world {world} rank {rank} {case} {dtype} {tile}", plan, dtype,
@@ -297,9 +297,8 @@ def _combine_calls(group, world, rank, dev, gen) -> str:
 
     k, n, count = 384, 512, 0  # down: hidden 384 -> model 512
     down = _expert_weights(k, n, dev, True)
-    tiles = MULTI_RANK_TILES + (dict(staged_push=True),)  # and the rows stored, then put
     for tag, plan, dtype, (_, out_splits, in_splits, row_index, offsets) in _routed_calls(
-            group, world, rank, GROUPED_MM_ALL_TO_ALL, k, gen, tiles):
+            group, world, rank, GROUPED_MM_ALL_TO_ALL, k, gen):
         print(f"combine call {count}: {tag}, rows {sum(out_splits)}, sends {out_splits}, "
               f"receives {in_splits}", flush=True)  # where a run that does not end stopped
         h = torch.randn(sum(out_splits), k, device=dev, dtype=dtype)
