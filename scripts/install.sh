@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 if "$PY" - <<'PY' 2>/dev/null; then
 import importlib.metadata as md, os, sys
-import ditron_inductor, expecttest, numpy, pytest, torch, torchao, triton  # noqa: F401
+import ditron_inductor, expecttest, numpy, pytest, torch, torchao, triton, xdist  # noqa: F401
 here = os.path.realpath(os.path.join(os.getcwd(), "ditron_inductor"))
 found = os.path.realpath(os.path.dirname(ditron_inductor.__file__))
 backends = {e.name for e in md.entry_points(group="torch_dynamo_backends")}
