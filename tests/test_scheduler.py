@@ -74,7 +74,7 @@ def test_cpu_tasks_get_the_reference_plan(group4):
     assert d.fuse and d.plan.impl == REFERENCE
 
 
-def test_cuda_plan_comes_from_the_cost_model(group4, monkeypatch):
+def test_cuda_plan_comes_from_choose_device_plan(group4, monkeypatch):
     plan = AllGatherPlan(label="tri", copy_streams=2)
     monkeypatch.setattr(decide_module, "choose_device_plan", lambda task, **kw: (plan, "predicted win"))
     d = decide(AG)
