@@ -21,9 +21,18 @@ def _numpy_too_new_for_the_interpreter():
     return (major, minor) >= (2, 3)
 
 
+# The slowest files first: scripts/test.sh's two workers take whole files in collection order,
+# so the short files left for the end let both workers finish together.
+SLOWEST_FIRST = ("test_llama_e2e.py", "test_kernels_compile.py", "test_e2e_gloo.py",
+                 "test_bench_e2e_moe.py", "test_transformers_ep.py", "test_all_reduce_interpreter.py",
+                 "test_moe_gloo.py", "test_fp8.py", "test_causal_mask.py", "test_decode_e2e.py")
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    order = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files stay whole
     if not _numpy_too_new_for_the_interpreter():
         return
     import numpy
