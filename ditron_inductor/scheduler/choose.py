@@ -69,8 +69,7 @@ def predicted(task: Task) -> dict[str, float]:
     """The link model's ms per call of NCCL + cuBLAS ("nccl_cublas") and of each candidate it
     may choose at the task's world size."""
     link = evidence.link(task.world_size)
-    world = min(evidence.link_calibrations(), key=lambda w: (abs(w - task.world_size), -w))
-    labels = predicted_labels(task, world)
+    labels = predicted_labels(task, evidence.calibrated_world(task.world_size))
     params = candidates_for(task)
     out = {evidence.NCCL_CUBLAS: link_model.unfused_ms(task, link)}
     out.update(link_model.predict(task, link, ((lb, params[lb].params) for lb in labels)))

@@ -54,10 +54,14 @@ def link_calibrations() -> dict[int, dict]:
     return calibrations
 
 
+def calibrated_world(world: int) -> int:
+    """The world size measured nearest to `world` (the larger on a tie)."""
+    return min(link_calibrations(), key=lambda w: (abs(w - world), -w))
+
+
 def link(world: int) -> dict:
-    """The link constants measured at the world size nearest to `world` (the larger on a tie)."""
-    calibrations = link_calibrations()
-    return calibrations[min(calibrations, key=lambda w: (abs(w - world), -w))]
+    """The link constants measured at calibrated_world(world)."""
+    return link_calibrations()[calibrated_world(world)]
 
 
 # ------------------------------------------------------------------- world-1 compute table
