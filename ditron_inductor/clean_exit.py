@@ -5,7 +5,9 @@ hold it); left to interpreter teardown, a C++ thread that then needs the GIL abo
 ("terminate called without an active exception"), or a teardown waits on a peer that has gone.
 So `release_at_exit` runs before the exit handlers registered earlier, while the interpreter is
 whole, and releases in dependency order: ditron's runtime (symmetric memory lives on the group),
-the compiled graphs, then the process groups the program did not destroy.
+the compiled graphs, then the process groups the program did not destroy. Where a fused
+kernel's wait gave up (runtime/faults.py), it releases nothing and ends the process with the
+fault's exit code instead: a peer is gone, and every release would wait on it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ def _release_graphs_before_destroy() -> None:
 def release_at_exit() -> None:
     import torch
 
+    faults = sys.modules.get("ditron_inductor.runtime.faults")
+    if faults is not None and faults.failed():  # a peer is gone: nothing here may wait on it
+        faults.end()
+        return
     for step in (_runtime_shutdown, torch._dynamo.reset, _destroy_process_groups, gc.collect):
         try:
             step()

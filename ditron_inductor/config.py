@@ -86,13 +86,17 @@ def _auto_bool(name: str, value: Any) -> Optional[bool]:
             f"{name}={value!r}: expected auto or a boolean (1/0, true/false)") from None
 
 
-def _seconds(name: str, value: Any) -> float:
+def _seconds(name: str, value: Any) -> Optional[float]:
+    """Seconds >= 0, or None for auto (the runtime takes the process group's timeout)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if not seconds >= 0 or seconds == float("inf"):
-        raise OptionError(f"{name}={value!r}: expected a number of seconds >= 0 (0: unbounded)")
+        raise OptionError(f"{name}={value!r}: expected auto or a number of seconds >= 0 "
+                          "(0: unbounded)")
     return seconds
 
 
@@ -126,8 +130,10 @@ TABLE = (
            _choice(SYMM_MEM_BACKENDS), "auto", "auto, nvshmem, torch",
            "symmetric memory: auto takes nvshmem4py where it imports and the group is the "
            "world, else PyTorch's"),
-    Option("wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "wait_timeout_s", _seconds, 0.0,
-           "seconds >= 0", "bound on each flag wait of the fused kernels (0: unbounded)"),
+    Option("wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "wait_timeout_s", _seconds, None,
+           "auto, seconds >= 0",
+           "bound on each flag wait of the fused kernels, after which every rank raises (auto: "
+           "the process group's timeout; 0: unbounded)"),
     Option("log_all_ranks", "DITRON_LOG_ALL_RANKS", "log_all_ranks", _bool, False, "0, 1",
            "INFO lines from every rank, not only rank 0's", changes_graphs=False),
     Option("causal_mask", "DITRON_CAUSAL_MASK", "causal_mask", _bool, True, "1, 0",

@@ -6,6 +6,7 @@ depending on the order they ran in. An explicit TRITON_INTERPRET is kept as it i
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -29,8 +30,6 @@ SLOWEST_FIRST = ("test_llama_e2e.py", "test_kernels_compile.py", "test_e2e_gloo.
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     order = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files stay whole
     if not _numpy_too_new_for_the_interpreter():
@@ -42,3 +41,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.endswith("_interpreter"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _ditron_records_reach_caplog(request):
+    """caplog's handler sits on the root logger, which the "ditron" logger does not propagate to
+    (log_names: one line per message under a framework's root handler); a test that asks for
+    caplog gets the handler on the "ditron" logger as well."""
+    if "caplog" not in request.fixturenames:
+        yield
+        return
+    import logging
+
+    from ditron_inductor.log_names import LOGGER_NAME
+
+    handler = request.getfixturevalue("caplog").handler
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _no_wait_report_outlives_its_test():
+    """A test whose kernel's wait gives up writes the process-wide report
+    (runtime/faults.py), which ends a real process; the next test starts without it."""
+    yield
+    faults = __import__("sys").modules.get("ditron_inductor.runtime.faults")
+    if faults is not None and faults._report is not None:
+        faults._report.zero_()

@@ -38,6 +38,7 @@ class HostContext:
         self.ev_sides = [0] * 4
         self.flags = SimpleNamespace(ptr_table=None, words=self.flag_words)
         self.err = None
+        self.timeout_s = 0.0  # unbounded: the emulated ranks run producers first
 
     def sides(self, count):
         return [self.side] * max(1, min(4, count))

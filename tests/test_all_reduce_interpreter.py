@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from ditron_inductor.runtime import faults  # noqa: E402
 from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.templates import flags  # noqa: E402
 from ditron_inductor.templates import all_reduce_lamport, all_reduce_push  # noqa: E402
@@ -45,7 +46,7 @@ class Ranks:
         self.flags = [torch.zeros(flags.FLAG_WORDS, dtype=torch.int32) for _ in range(world)]
         self.epoch = [torch.tensor([0, 1], dtype=torch.int32) for _ in range(world)]
         self.arrive = [torch.zeros(1 + flags.MAX_CHUNKS, dtype=torch.int32) for _ in range(world)]
-        self.err = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+        self.err = [faults.error_words("cpu")[1] for _ in range(world)]
         self.data_table, self.flag_table = table(self.data), table(self.flags)
 
     def write_partials(self, partials):
@@ -55,7 +56,7 @@ class Ranks:
     def check_call_finished(self, epoch):
         """No wait gave up, the epoch advanced and the arrival counters are reset."""
         for r in range(self.world):
-            assert int(self.err[r]) == 0, f"rank {r}: wait gave up (code {int(self.err[r])})"
+            assert int(self.err[r][0]) == 0, f"rank {r}: wait gave up (code {int(self.err[r][0])})"
             assert self.epoch[r].tolist() == [epoch, epoch + 1]
             assert int(self.arrive[r].abs().sum()) == 0  # arrival counters reset
 
@@ -350,7 +351,7 @@ def test_chunk_never_ready_is_reported_not_a_hang():
                                       1, 1, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, CHUNKED=True,
                                       **flags.world_constants(world))
-    assert int(ranks.err[0]) == flags.ERR_READY
+    assert int(ranks.err[0][0]) == flags.ERR_READY
 
 
 def test_push_missing_peer_is_reported_not_a_hang():
@@ -363,7 +364,7 @@ def test_push_missing_peer_is_reported_not_a_hang():
                                       m, 1, LIMIT, HAS_RES=False, NORM=False,
                                       W_FP32=False, BLOCK=16, BLOCK_N=16, REDUCE=True, COPY=False,
                                       **flags.world_constants(world))
-    assert int(ranks.err[0]) == flags.ERR_STARTED
+    assert int(ranks.err[0][0]) == flags.ERR_STARTED
     assert started(ranks, 1, 1)[0].tolist() == [1, 0]  # rank 0 raised its own on rank 1
 
 
@@ -398,7 +399,7 @@ def test_lamport_missing_peer_is_reported_not_a_hang(algo):
         all_reduce_lamport.lamport_kernel[(1,)](*args, COPY=False, **consts)  # rank 1 never sends
     else:
         all_reduce_lamport.lamport_all_kernel[(1,)](*args, **consts)
-    assert int(ranks.err[0]) == flags.ERR_SENT
+    assert int(ranks.err[0][0]) == flags.ERR_SENT
 
 
 def test_plans_and_declines():
@@ -558,7 +559,7 @@ def test_push_beside_the_gemm_leaves_every_block_to_the_copy_launch(monkeypatch,
                         lambda ctx, dev, queue_gemm, side_kernel: side_kernel("side"))
     monkeypatch.setattr(runtime, "matmul_into", lambda *args, **kw: None)
     monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
-    ctx = SimpleNamespace(world=2, rank=1, data=torch.zeros(1 << 16))
+    ctx = SimpleNamespace(world=2, rank=1, data=torch.zeros(1 << 16), timeout_s=600.0)
     a, b, partial = torch.zeros(64, 8), torch.zeros(8, 16), torch.zeros(64, 16)
     consts = dict(NORM=True, HAS_RES=True, W_FP32=False)
     for overlap in (True, False):

@@ -35,3 +35,20 @@ def test_release_without_cuda_leaves_the_compiled_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     clean_exit.release_cuda_graphs()
     assert resets == [1]
+
+
+def test_after_a_wait_gave_up_the_exit_releases_nothing_and_ends_non_zero(monkeypatch):
+    from ditron_inductor.runtime import faults
+
+    ended, released = [], []
+    monkeypatch.setattr(faults, "end", lambda: ended.append(faults.EXIT_CODE))
+    monkeypatch.setattr(clean_exit, "_runtime_shutdown", lambda: released.append(1))
+    faults.report()[0] = 1  # a kernel's give_up writes the code word last
+    clean_exit.release_at_exit()
+    assert ended == [faults.EXIT_CODE] and released == []
+    faults.report().zero_()
+    ended.clear()
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    monkeypatch.setattr(clean_exit, "_destroy_process_groups", lambda: None)
+    clean_exit.release_at_exit()  # no fault: the releases run
+    assert ended == [] and released == [1]

@@ -16,6 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from ditron_inductor.runtime import faults  # noqa: E402
 from ditron_inductor.templates import ag_gemm, flags, reduce, schedule, transfer  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
@@ -30,7 +31,7 @@ LIMIT = 50  # polls before a wait gives up (the interpreter runs producers first
 class Rank:
     def __init__(self, world):
         self.flags = torch.zeros(2 * world, dtype=torch.int32)  # READY[w], DONE[w]
-        self.err = torch.zeros(1, dtype=torch.int32)
+        self.err = faults.error_words("cpu")[1]
 
 
 def run_ag_gemm(gathered, w, bias, flags, err, rows, rank, epoch, tma, progs=3, limit=LIMIT):
@@ -105,11 +106,11 @@ def test_all_gather_matmul_protocol(dtype, tma):
                 gathered[p * rows:(p + 1) * rows] = symm[p]
                 chunk_flags[p] = epoch
             signal(r, world + r, epoch)
-            assert int(ranks[r].err) == 0
+            assert int(ranks[r].err[0]) == 0
             for weight, b in ((w, None), (w_t, bias)):
                 out = run_ag_gemm(gathered, weight, b, chunk_flags, ranks[r].err, rows, r,
                                   epoch, tma)
-                assert int(ranks[r].err) == 0
+                assert int(ranks[r].err[0]) == 0
                 assert not torch.isnan(out).any()
                 assert rel_err(out, ref_mm(ref_a, weight, b)) < 1e-2
         for r in range(world):  # every peer reported DONE for this epoch
@@ -168,9 +169,9 @@ def test_all_gather_matmul_missing_chunk_reports_flag():
     gathered = torch.randn(world * rows, k, dtype=torch.float16)
     w = torch.randn(k, n, dtype=torch.float16)
     flags = torch.tensor([5, 4], dtype=torch.int32)  # chunk 1 is one epoch behind
-    err = torch.zeros(1, dtype=torch.int32)
+    err = faults.error_words("cpu")[1]
     run_ag_gemm(gathered, w, None, flags, err, rows, 0, 5, tma=False, progs=1)
-    assert int(err) == 1 + 1  # code = chunk + 1
+    assert int(err[0]) == 1 + 1  # code = chunk + 1
 
 
 @pytest.mark.parametrize("k, kernel", [(20, "ag_gemm_kernel"), (32, "ag_gemm_tma_kernel")])
@@ -188,12 +189,12 @@ def test_triton_gemm_takes_pointers_where_tma_declines_the_operands(monkeypatch,
     gathered = torch.randn(world * rows, k, dtype=torch.float16)
     w = torch.randn(k, n, dtype=torch.float16)
     out = torch.full((world * rows, n), float("nan"), dtype=torch.float16)
-    err = torch.zeros(1, dtype=torch.int32)
+    err = faults.error_words("cpu")[1]
     plan = AllGatherPlan(tile=GemmTile(block_m=16, block_n=32, block_k=32, group_m=2))
     launch.triton_gemm(gathered, w, None, out, plan.tile, err=err, rows_per_chunk=rows,
                        flags=torch.full((world,), epoch, dtype=torch.int32), first_row=rows,
                        epoch=epoch, num_progs=4, limit=LIMIT)
-    assert launched == [getattr(ag_gemm, kernel)] and int(err) == 0
+    assert launched == [getattr(ag_gemm, kernel)] and int(err[0]) == 0
     assert rel_err(out, ref_mm(gathered, w)) < 1e-2
 
 
@@ -221,7 +222,7 @@ def test_matmul_reduce_scatter_protocol(reduce_op):
             ranks[p].flags[r] = epoch  # READY[r] on p
     for r in range(world):
         flags.wait_flags_kernel[(1,)](ranks[r].flags, 0, world, epoch, LIMIT, ranks[r].err)
-        assert int(ranks[r].err) == 0
+        assert int(ranks[r].err[0]) == 0
         out = torch.empty(rows, n, dtype=dtype)
         reduce.reduce_slots_kernel[(3,)](recv[r], out, rows * n, rows * n, world,
                                          0.25 if reduce_op == "avg" else 1.0, BLOCK=256)
@@ -241,12 +242,12 @@ def test_reduce_slots_bf16():
 
 def test_wait_gives_up_and_names_the_flag():
     words = torch.tensor([3, 3, 2], dtype=torch.int32)
-    err = torch.zeros(1, dtype=torch.int32)
+    err = faults.error_words("cpu")[1]
     flags.wait_flags_kernel[(1,)](words, 0, 3, 3, LIMIT, err)
-    assert int(err) == 3  # flag 2 (+1)
-    err.zero_()
+    assert int(err[0]) == 3  # flag 2 (+1)
+    err = faults.error_words("cpu")[1]
     flags.wait_flags_kernel[(1,)](words, 0, 2, 3, LIMIT, err)
-    assert int(err) == 0
+    assert int(err[0]) == 0
 
 
 def task_of(op, world):

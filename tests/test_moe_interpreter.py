@@ -23,6 +23,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from ditron_inductor.runtime import faults  # noqa: E402
 from ditron_inductor.ops import task_of  # noqa: E402
 from ditron_inductor.runtime import launch, moe  # noqa: E402
 from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
@@ -228,7 +229,7 @@ class Rank:
     def __init__(self, rows, k, tiles):
         self.recv = torch.full((rows, k), float("nan"), dtype=F16)
         self.counts = torch.zeros(tiles, dtype=torch.int32)
-        self.err = torch.zeros(1, dtype=torch.int32)
+        self.err = faults.error_words("cpu")[1]
 
 
 def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
@@ -303,7 +304,7 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
                 *ws[q].stride(), out.stride(0), out.stride(1), LIMIT, GATHER=False,
                 WRITE_ROWS=False, SCATTER=False, SCALE=False, ACCUMULATE=False, WAIT=True,
                 BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3, GROUP_M=2)
-            assert int(rank.err) == 0
+            assert int(rank.err[0]) == 0
             received = torch.stack([xs[p][i] for p, i in rows]).float()
             assert torch.equal(rank.recv[:m].float(), received)
             ref = torch._grouped_mm(received, ws[q].float(), offs=offsets)
@@ -331,7 +332,7 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
         out.stride(1), LIMIT, GATHER=False, WRITE_ROWS=False, SCATTER=False, SCALE=False,
         ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
         GROUP_M=2)
-    assert int(rank.err) == grouped_gemm.ERR_ROWS
+    assert int(rank.err[0]) == grouped_gemm.ERR_ROWS
     skipped = torch.zeros(m, dtype=torch.bool)
     skipped[first_row:first_row + tile_rows[missing]] = True
     assert out[skipped].isnan().all()
@@ -420,7 +421,7 @@ class EmulatedContext:
     def __init__(self, copies, rank, flag_copies=None):
         self.data, self.rank = EmulatedSymm(copies, rank), rank
         self.flags = EmulatedSymm(flag_copies, rank) if flag_copies else None
-        self.err = torch.zeros(1, dtype=torch.int32)
+        self.err = faults.error_words("cpu")[1]
 
 
 def ep_routing(world, local_experts, tokens, k, case, gen):
@@ -492,7 +493,7 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
             rows, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
                                                ws[r], offsets, moe.grouped_gemm)
-            assert int(ctx.err) == 0, (call, r)
+            assert int(ctx.err[0]) == 0, (call, r)
             counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
             assert torch.equal(counters, states[r].expect), (call, r)
             assert torch.equal(rows, ref_rows), (call, r)

@@ -33,6 +33,7 @@ GOOD = [
     ("ditron.symm_mem_backend", "DITRON_SYMM_MEM_BACKEND", "nvshmem", "symm_mem_backend",
      "nvshmem"),
     ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "2.5", "wait_timeout_s", 2.5),
+    ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "auto", "wait_timeout_s", None),
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "1", "log_all_ranks", True),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "off", "causal_mask", False),
     ("ditron.decode_gemm", "DITRON_DECODE_GEMM", "false", "decode_gemm", False),
@@ -55,9 +56,9 @@ BAD = [
     ("ditron.symm_mem_backend", "DITRON_SYMM_MEM_BACKEND", "xyz",
      "allowed values are auto, nvshmem, torch"),
     ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "abc",
-     "expected a number of seconds >= 0 (0: unbounded)"),
+     "expected auto or a number of seconds >= 0 (0: unbounded)"),
     ("ditron.wait_timeout_s", "DITRON_WAIT_TIMEOUT_S", "-1",
-     "expected a number of seconds >= 0 (0: unbounded)"),
+     "expected auto or a number of seconds >= 0 (0: unbounded)"),
     ("ditron.log_all_ranks", "DITRON_LOG_ALL_RANKS", "2", "expected a boolean (1/0, true/false)"),
     ("ditron.causal_mask", "DITRON_CAUSAL_MASK", "sometimes",
      "expected a boolean (1/0, true/false)"),
@@ -150,8 +151,8 @@ def test_bad_variable_fails_the_first_compile_with_its_name():
         import torch
         torch.compile(lambda x: x + 1, backend="ditron")(torch.ones(2))
     """, {"DITRON_WAIT_TIMEOUT_S": "abc"})
-    message = ("ditron_inductor.config.OptionError: DITRON_WAIT_TIMEOUT_S='abc': expected a "
-               "number of seconds >= 0 (0: unbounded)")
+    message = ("ditron_inductor.config.OptionError: DITRON_WAIT_TIMEOUT_S='abc': expected auto "
+               "or a number of seconds >= 0 (0: unbounded)")
     assert message in lines[:12], "\n".join(lines)
 
 

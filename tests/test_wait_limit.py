@@ -1,28 +1,182 @@
-"""The bound of the fused kernels' waits (ditron.wait_timeout_s): nanoseconds of the GPU's global
-timer where the kernels are compiled, polls under the interpreter (no inline assembly there),
-converted from the plan's seconds by runtime/context.wait_limit; the timed wait compiles for
-sm_90 in tests/sm90_compile.py (wait_flags_kernel with an int32 and an int64 bound)."""
+"""Every flag wait of the fused kernels is bounded by default (ditron.wait_timeout_s=auto: the
+process group's timeout): nanoseconds of the GPU's global timer where the kernels are compiled,
+polls under the interpreter (no inline assembly there), converted from the plan's seconds by
+runtime/context.wait_limit; the timed wait compiles for sm_90 in tests/sm90_compile.py
+(wait_flags_kernel with an int32 and an int64 bound).
+
+Faults, injected on two CPU ranks whose flag words are shared memory that both processes map,
+the bounded stream wait (launch.wait_geq's kernel, under the interpreter) and launch.check_errors
+as the fused calls run them: a peer that never enters the op, one that raises before it, one later
+than the bound. Each ends, on every rank, in WaitTimeout naming the op, the flag, the peer and the
+epochs; a rank whose host is then blocked is ended by the watcher thread with its exit code."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
-from ditron_inductor.runtime import context
+import pytest
+import torch
+
+from ditron_inductor.runtime import context, faults
 from ditron_inductor.scheduler.plan import AllGatherPlan
 from ditron_inductor.templates import flags
 from tests import REPO_ROOT
+from tests.distributed import run_ranks
+
+BOUND_S = 0.0005  # 500 polls under the interpreter: well under a second
 
 
-def test_the_bound_is_polls_under_the_interpreter_and_ns_where_compiled(monkeypatch):
-    plan = AllGatherPlan(wait_timeout_s=2.5)
+def test_the_bound_is_the_group_timeout_by_default_polls_interpreted_ns_compiled(monkeypatch):
+    ctx = SimpleNamespace(timeout_s=600.0)
+    assert AllGatherPlan().wait_timeout_s is None  # auto
     assert flags.WAIT_IN_NS is (os.environ.get("TRITON_INTERPRET", "0") != "1")
     monkeypatch.setattr(flags, "WAIT_IN_NS", False)
-    assert context.wait_limit(plan) == 2_500_000  # polls of about a microsecond
+    assert context.wait_limit(AllGatherPlan(wait_timeout_s=2.5), ctx) == 2_500_000  # ~1 us polls
+    assert context.wait_limit(AllGatherPlan(), ctx) == 600_000_000
     monkeypatch.setattr(flags, "WAIT_IN_NS", True)
-    assert context.wait_limit(plan) == 2_500_000_000  # past int32: the kernels take an int64
-    assert context.wait_limit(AllGatherPlan(wait_timeout_s=0.0)) == 0  # unbounded
+    assert context.wait_limit(AllGatherPlan(), ctx) == 600_000_000_000  # an int64 in the kernels
+    assert context.wait_limit(AllGatherPlan(wait_timeout_s=0.0), ctx) == 0  # unbounded
+
+
+def test_the_default_bound_is_the_process_groups_timeout():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=77))
+    try:
+        assert faults.group_timeout_s(dist.group.WORLD) == 77.0
+    finally:
+        dist.destroy_process_group()
+    assert faults.group_timeout_s(object()) == faults.DEFAULT_TIMEOUT_S  # no backend to ask
+
+
+def _rank_context(rank, world, flag_dir, name):
+    """An OpContext as launch.wait_geq and check_errors read it: READY and DONE words of every
+    rank in shared memory (files both processes map), error words that report to the process."""
+    words = [torch.from_file(os.path.join(flag_dir, f"{name}.{q}"), shared=True, size=2 * world,
+                             dtype=torch.int32) for q in range(world)]
+    fault_id, err = faults.error_words("cpu")
+    bases = [w.data_ptr() for w in words]
+    return SimpleNamespace(rank=rank, world=world, READY=0, DONE=world, epoch=0, timeout_s=600.0,
+                           fault_id=fault_id, err=err, flags=SimpleNamespace(words=words[rank]),
+                           flag_bases=bases, flag_addr=lambda idx: bases[rank] + 4 * idx,
+                           mapped=words)
+
+
+def _call(ctx, plan):
+    """One call of a two-rank protocol step: READY[me] = epoch on the peer (a stream write,
+    driver.write), the bounded stream wait for the peer's, then the call's error check."""
+    import ctypes
+
+    from ditron_inductor.runtime import launch
+
+    e = ctx.epoch = ctx.epoch + 1
+    peer = 1 - ctx.rank
+    ctypes.c_int32.from_address(ctx.flag_bases[peer] + 4 * (ctx.READY + ctx.rank)).value = e
+    launch.wait_geq(ctx, plan, 0, ctx.READY + peer, e)
+    launch.check_errors(ctx, plan, "all_gather_matmul")
+
+
+def _interpreted_launches():
+    from ditron_inductor.runtime import launch
+
+    launch.launch = lambda kernel, grid, *args, stream=None, **meta: kernel[grid](*args, **meta)
+
+
+CASES = ("absent", "raises", "late")
+
+
+def fault_ranks(rank, world, flag_dir):
+    """Each case on both ranks (rank 1 the faulty one): the outcome and seconds on each."""
+    import torch.distributed as dist
+
+    _interpreted_launches()
+    plan = AllGatherPlan(wait_timeout_s=BOUND_S)
+    outcomes = {}
+    for case in CASES:
+        dist.barrier()
+        ctx = _rank_context(rank, world, flag_dir, case)
+        marker = os.path.join(flag_dir, f"{case}.gave_up")
+        start = time.monotonic()
+        try:
+            if rank == 1 and case == "raises":
+                raise ValueError("a bug before the op")
+            if rank == 1 and case == "late":  # enters after rank 0 gave up
+                while not os.path.exists(marker) and time.monotonic() < start + 60:
+                    time.sleep(0.01)
+            if rank == 0 or case == "late":
+                for _ in range(2):
+                    _call(ctx, plan)
+            outcome = "no error"
+        except faults.WaitTimeout as e:
+            outcome = str(e)
+        except ValueError as e:
+            outcome = f"raised {e}"
+        outcomes[case] = (outcome, time.monotonic() - start)
+        if rank == 0:
+            open(marker, "w").close()
+        faults.report().zero_()  # a real process ends here; the next case starts clean
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def fault_outcomes(tmp_path_factory):
+    flag_dir = tmp_path_factory.mktemp("flags")
+    for case in CASES:
+        for q in range(2):
+            (flag_dir / f"{case}.{q}").write_bytes(bytes(4 * 2 * 2))
+    return run_ranks("tests.test_wait_limit:fault_ranks", 2, args=(str(flag_dir),),
+                     timeout_s=120)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
+    text, seconds = fault_outcomes[0][case]
+    assert text.startswith("ditron: all_gather_matmul on rank 0 of 2: a wait on READY of rank 1"), text
+    assert f"gave up after {BOUND_S} s (it saw epoch 0, expected 1)" in text
+    assert "that peer never signalled" in text and "the process ends" in text
+    assert seconds < 20  # the bound (polls) plus the interpreter's slack
+    faulty = fault_outcomes[1][case][0]
+    if case == "raises":
+        assert faulty == "raised a bug before the op"
+    elif case == "late":  # its first call found rank 0's signal; its next one waited for good
+        assert faulty.startswith("ditron: all_gather_matmul on rank 1 of 2: a wait on READY of "
+                                 "rank 0"), faulty
+        assert "(it saw epoch 1, expected 2)" in faulty
+
+
+WATCHED = f"""
+import time
+from tests.test_wait_limit import _interpreted_launches, _rank_context, BOUND_S
+from ditron_inductor.runtime import faults, launch
+from ditron_inductor.scheduler.plan import AllGatherPlan
+_interpreted_launches()
+ctx = _rank_context(0, 2, {{flag_dir!r}}, "watched")
+plan = AllGatherPlan(wait_timeout_s=BOUND_S)
+faults.watch(grace_s=0.2)
+faults.note(ctx, "matmul_reduce_scatter", BOUND_S, lambda code, peer: "DONE of rank 1")
+launch.wait_geq(ctx, plan, 0, ctx.DONE + 1, 1)  # rank 1 never signals
+time.sleep(120)  # the host blocked elsewhere (a synchronisation, NCCL, the exit)
+print("not ended")
+"""
+
+
+def test_the_watcher_ends_a_blocked_process_with_the_error(tmp_path):
+    for q in range(2):
+        (tmp_path / f"watched.{q}").write_bytes(bytes(16))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHED.format(flag_dir=str(tmp_path))],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == faults.EXIT_CODE, proc.stderr[-3000:]
+    assert "ditron: matmul_reduce_scatter on rank 0 of 2: a wait on DONE of rank 1 gave up" in (
+        proc.stderr)
+    assert "not ended" not in proc.stdout
+    assert time.monotonic() - start < 60
 
 
 def test_compiled_kernels_wait_in_ns_unless_interpreted():

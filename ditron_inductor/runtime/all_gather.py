@@ -126,7 +126,7 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
 
     off = e % 2 * (ctx.data.nbytes // 2)  # my buffer of this call's parity
     gathered = torch.empty((M, k), dtype=a_shard.dtype, device=a_shard.device)
-    limit = wait_limit(plan)
+    limit = wait_limit(plan, ctx)
 
     # before the Triton GEMM, one kernel makes both local copies, loaded before anything is
     # queued (kernel_launch.preload says why); beside cuBLAS it is no faster than two memcpys
@@ -194,7 +194,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         try:
             for w, b, out in zip(weights, biases, outs):
                 triton_gemm(gathered, w, b, out, plan.tile, flags=ctx.chunk_flags, err=ctx.err,
-                            rows_per_chunk=rows, first_row=r * rows, epoch=e, limit=limit)
+                            rows_per_chunk=rows, first_row=r * rows, epoch=e, limit=limit,
+                            waits_beside=bool(peers))
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile
             return gemm_failed(ctx, main, exc)
     else:

@@ -24,7 +24,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from ..templates import flags
-from . import driver
+from . import driver, faults
 from .kernel_launch import next_power_of_2
 from .symm import backend_for, choose_backend_name, group_barrier
 
@@ -78,7 +78,9 @@ class OpContext:
         self.flag_bases = [t.data_ptr() for t in self.flags.peers]
         # chunk flags of the local gathered buffer (AG): written by copy streams, read by the GEMM
         self.chunk_flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
-        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # bounded waits: the group's timeout (the default bound) and the error words
+        self.timeout_s = faults.group_timeout_s(self.backend.group)
+        self.fault_id, self.err = faults.error_words(self.device)
         self._sides = [torch.cuda.Stream(device=self.device, priority=-1)]
         # AG: my shard's local copies beside cuBLAS (the peers wait for them: high priority)
         self.local = torch.cuda.Stream(device=self.device, priority=-1)
@@ -89,6 +91,7 @@ class OpContext:
         self.ev_chunks = [driver.event() for _ in range(self.world)]
         self.epoch = 0
         group_barrier(self.backend.group)  # every rank's flags are zero before anyone signals
+        faults.watch()
 
     @property
     def side(self) -> torch.cuda.Stream:
@@ -151,10 +154,16 @@ def get_context(op: str, group_name: str, symm_mem_backend: str, data_bytes: int
 POLLS_PER_S = 1_000_000  # where waits count polls (templates/flags.WAIT_IN_NS): about 1 us each
 
 
-def wait_limit(plan) -> int:
-    """The bound of the kernels' waits (0: unbounded) from the plan's timeout, in their units:
-    nanoseconds on a GPU, polls under the interpreter (templates/flags.WAIT_IN_NS)."""
-    return int(plan.wait_timeout_s * (1e9 if flags.WAIT_IN_NS else POLLS_PER_S))
+def wait_seconds(plan, ctx) -> float:
+    """The bound of each wait in seconds (0: unbounded): the plan's ditron.wait_timeout_s, or
+    where it is auto (None) the context's process-group timeout (runtime/faults.py says why)."""
+    return ctx.timeout_s if plan.wait_timeout_s is None else plan.wait_timeout_s
+
+
+def wait_limit(plan, ctx) -> int:
+    """wait_seconds in the kernels' units: nanoseconds on a GPU, polls under the interpreter
+    (templates/flags.WAIT_IN_NS)."""
+    return int(wait_seconds(plan, ctx) * (1e9 if flags.WAIT_IN_NS else POLLS_PER_S))
 
 
 def clear_contexts() -> None:

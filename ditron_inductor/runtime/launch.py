@@ -20,8 +20,8 @@ from ..scheduler.plan import FusedPlan, GemmTile
 from ..scheduler.precision import FUSED_DTYPES
 from ..templates import flags
 from ..templates.gemm_ready import gemm_ready_kernel
-from . import driver
-from .context import OpContext, wait_limit
+from . import driver, faults
+from .context import OpContext, wait_limit, wait_seconds
 from .gemv import decode_mm
 from .kernel_launch import cdiv, current_stream, launch
 
@@ -40,29 +40,37 @@ def decline(msg: str):
 
 
 def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int) -> None:
-    """The stream (a CUstream handle) waits until my symmetric flag word idx >= value."""
+    """The stream (a CUstream handle) waits until my symmetric flag word idx >= value: where
+    waits are bounded, a one-program kernel that gives up and reports the flag (a stream wait
+    of the driver takes no bound), else the driver's stream wait."""
     if value <= 0:
         return
-    if plan.debug_waits:  # bounded: a kernel that gives up and names the flag
-        launch(flags.wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value, wait_limit(plan),
-               ctx.err, stream=stream)
+    limit = wait_limit(plan, ctx)
+    if limit:
+        launch(flags.wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value, limit, ctx.err,
+               stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
 
+def context_flag(ctx: OpContext, code: int, peer: int = -1) -> str:
+    """The name of my flag word code - 1 (READY + q or DONE + q, runtime/context.py)."""
+    idx = code - 1
+    if 0 <= idx < ctx.world:
+        return f"READY of rank {idx} (its data for this call in place)"
+    if ctx.world <= idx < 2 * ctx.world:
+        return f"DONE of rank {idx - ctx.world} (done with my buffer of the last call)"
+    return f"flag word {idx}"
+
+
 def check_errors(ctx: OpContext, plan: FusedPlan, what: str, flag_name=None) -> None:
-    """In debug mode, raise if a bounded wait of the last call gave up, naming its flag."""
-    if not plan.debug_waits or torch.cuda.is_current_stream_capturing():
-        return
-    torch.cuda.synchronize()
-    code = int(ctx.err.item())
-    if code:
-        ctx.err.zero_()
-        flag = flag_name(code) if flag_name else f"flag {code - 1} (epoch {ctx.epoch})"
-        raise RuntimeError(
-            f"ditron: {what} on rank {ctx.rank}: a wait on {flag} gave up after "
-            f"{plan.wait_timeout_s} s; a peer never signalled it (ranks running different "
-            "programs?)")
+    """After a call's protocol is queued: what names its waits (faults.note), and the error of a
+    wait of this process that gave up, read from host memory without synchronising: it surfaces
+    at the next fused call (and from the watcher thread: runtime/faults.py)."""
+    seconds = wait_seconds(plan, ctx)
+    if seconds:
+        faults.note(ctx, what, seconds, flag_name or functools.partial(context_flag, ctx))
+        faults.raise_if_failed()
 
 
 WAIT_NAMES = {flags.ERR_READY: "READY (a chunk of a peer's GEMM)",
@@ -70,6 +78,15 @@ WAIT_NAMES = {flags.ERR_READY: "READY (a chunk of a peer's GEMM)",
                flags.ERR_LOCAL: "LOCAL (this GPU's programs, before the norm)",
                flags.ERR_STARTED: "STARTED (a peer's partial)",
                flags.ERR_SENT: "lamport data (a peer's partial or sums)"}
+
+
+def kernel_flag(code: int, peer: int = -1) -> str:
+    """The name of a wait of the all-reduce kernels (templates/flags.py's codes); peer: the lane
+    a vector wait found late (a rank; a program of mine for LOCAL)."""
+    name = WAIT_NAMES.get(code, f"flag code {code}")
+    if peer < 0:
+        return name
+    return f"{name} of {'my program' if code == flags.ERR_LOCAL else 'rank'} {peer}"
 
 
 def gemm_failed(ctx: OpContext, main: int, exc: Exception):
@@ -114,18 +131,19 @@ def _descriptors(a, b, b_trans, block_m: int, block_n: int, block_k: int):
 
 
 def triton_gemm(a, b, bias, out, tile: GemmTile, *, flags=None, err=None, rows_per_chunk=1,
-                first_row=0, epoch=0, num_progs=None, limit=0):
+                first_row=0, epoch=0, num_progs=None, limit=0, waits_beside=False):
     """out = a @ b (+ bias) with the persistent tile program, through TMA where the operands
     allow it, else through pointers; with flags, tiles wait on them (limit > 0: each wait gives
-    up after that long, context.wait_limit, in debug mode)."""
+    up after that long, context.wait_limit); waits_beside: bounded stream waits (kernels) run
+    beside it."""
     from ..templates.ag_gemm import ag_gemm_kernel, ag_gemm_tma_kernel
 
     m, k = a.shape
     n = b.shape[1]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     sms = num_progs or num_sms(a.device)
-    if limit and flags is not None:
-        sms = max(1, sms - 2)  # debug waits run as kernels on the side stream: leave them SMs
+    if limit and waits_beside:
+        sms = max(1, sms - 2)  # bounded stream waits run as kernels beside it: leave them SMs
     progs = max(1, min(sms, cdiv(m, bm) * cdiv(n, bn)))
     # bias, flags, err: `out` stands in for those not given (the kernel does not read them)
     unread = (out if bias is None else bias, out if flags is None else flags,

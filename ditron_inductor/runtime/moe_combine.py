@@ -131,12 +131,10 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     expected = list(output_split_sizes)
     for p, count in enumerate(expected):
         wait_geq(ctx, plan, main, arrived_word(world_size, p), count)
-    before_reset = flag_words(ctx, layout).clone() if plan.debug_waits else None  # reported
     out = collect(ctx, layout, received)
-    check_errors(ctx, plan, OP, lambda code: (
-        f"{wait_name(code - 1, world_size)}; flag words {before_reset.tolist()} (READY and "
-        f"DONE of ranks 0..{world_size - 1}, then ARRIVED from each: expected {expected}); "
-        f"rows this rank sent to each rank {list(input_split_sizes)}"))
+    check_errors(ctx, plan, OP, lambda code, peer: (
+        f"{wait_name(code - 1, world_size)} (rows expected from each rank {expected}, sent to "
+        f"each {list(input_split_sizes)})"))
     return out
 
 

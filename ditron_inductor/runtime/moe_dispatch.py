@@ -35,10 +35,11 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
+from ..templates.grouped_gemm import ERR_ROWS
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
 from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, decline, wait_geq
+from .launch import check_errors, context_flag, decline, wait_geq
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
@@ -161,7 +162,9 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     push(ctx, layout, state, x)
     outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
-    check_errors(ctx, plan, OP, lambda code: "a tile's arrival counter (its rows never landed)")
+    check_errors(ctx, plan, OP, lambda code, peer: (
+        "a tile's arrival counter (its rows never landed)" if code == ERR_ROWS
+        else context_flag(ctx, code)))
     return outputs
 
 
@@ -194,7 +197,7 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
     for i, (w, out) in enumerate(zip(weights, outs)):
         if i == 0:
             grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
-                         wait=(counters, state.expect, ctx.err, wait_limit(plan)))
+                         wait=(counters, state.expect, ctx.err, wait_limit(plan, ctx)))
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
     return [rows_out] + outs

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Optional, Union
 
 REFERENCE = "reference"  # decomposed collective + matmul: runs anywhere, the ground truth
 FUSED = "fused"  # a fused kernel, CUDA only
@@ -64,13 +64,10 @@ class FusedPlan:
 
     label: str = ""
     symm_mem_backend: str = "auto"  # "auto" | "nvshmem" | "torch"
-    wait_timeout_s: float = 0.0  # bound of each flag wait (0: unbounded)
+    # bound of each flag wait in s (0: unbounded; None: the process group's timeout, read by
+    # the runtime: runtime/context.wait_seconds)
+    wait_timeout_s: Optional[float] = None
     predicted_ms: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
-
-    @property
-    def debug_waits(self) -> bool:
-        """Waits are bounded kernels that name a flag that never arrives."""
-        return self.wait_timeout_s > 0
 
     def encode(self) -> str:
         return _encode(self)

@@ -40,7 +40,7 @@ _DYNAMIC = ["M", "eps", "rank", "limit"]  # `stride` is specialised (16-byte ali
 @triton.jit
 def take_when_full(ptrs, mask, limit, err_ptr):
     """Poll *ptrs (where mask) until no word holds the empty mark, mark them empty again and
-    return what they held. limit > 0 (debug): gives up, recording K_ERR_SENT."""
+    return what they held. limit > 0: gives up, reporting K_ERR_SENT."""
     x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
     since = wait_start(limit)
     n = since * 0
@@ -48,7 +48,8 @@ def take_when_full(ptrs, mask, limit, err_ptr):
     while polling(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, n, limit, skip):
         x = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         n = waited(n, since, limit)
-    record_give_up(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, skip, err_ptr, K_ERR_SENT)
+    record_give_up(tl.max(tl.where(mask & is_empty(x), 1, 0)) > 0, skip, err_ptr, K_ERR_SENT,
+                   -1, -1, -1)  # the data is its own flag: no epoch
     tl.store(ptrs, tl.full(x.shape, K_EMPTY_BITS, tl.int16).to(x.dtype, bitcast=True), mask=mask)
     return x
 

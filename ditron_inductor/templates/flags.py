@@ -7,9 +7,12 @@ grow, so nothing is reset between calls. The all-reduce keeps its epoch on the d
 captured CUDA graph bakes in no host value: epoch_ptr[1] is the current call's, read by every
 program at its start and advanced by the last one (`finish_call`; epoch_ptr[0]: the last done).
 
-Waits are bounded when limit > 0 (debug): one that gives up writes its code into an error word
-that the host reads, instead of hanging; the bound is ns of the global timer, polls under the
-interpreter (runtime/context.wait_limit converts). WORLD (WORLD_P2 its next power of two) is a
+Waits are bounded when limit > 0 (the default: runtime/context.wait_limit): the first wait of a
+context that gives up claims its error word (ERR_CODE) and writes a report (code, epoch seen and
+expected, the late peer, the context's id) into a host-mapped record whose address the error
+word holds (ERR_REPORT), which the host reads without synchronising (runtime/faults.py); later
+waits of the context see the claimed word and do not wait. The bound is ns of the global timer,
+polls under the interpreter. WORLD (WORLD_P2 its next power of two) is a
 compile-time constant: loops over the ranks unroll, and a wait for all ranks polls one vector.
 """
 
@@ -31,6 +34,10 @@ LOCAL = PUSHED + MAX_PROGS * MAX_WORLD
 FLAG_WORDS = LOCAL + MAX_PROGS
 # error codes (err word): which wait gave up (2 and 3 are unused)
 ERR_READY, ERR_PUSHED, ERR_LOCAL, ERR_STARTED, ERR_SENT = 1, 4, 5, 6, 7
+# a context's error words (int32): the code of the first wait that gave up, the context's id, and
+# (int64, words 2-3) the address of the host-mapped report; the report's words
+ERR_CODE, ERR_CONTEXT, ERR_WORDS = 0, 1, 4
+REPORT_CODE, REPORT_SEEN, REPORT_EXPECTED, REPORT_PEER, REPORT_CONTEXT, REPORT_WORDS = range(6)
 # the same numbers for the kernels (Triton reads only constexpr globals)
 K_READY, K_STARTED, K_PUSHED = tl.constexpr(READY), tl.constexpr(STARTED), tl.constexpr(PUSHED)
 K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
@@ -102,20 +109,33 @@ def polling(pending, n, limit, skip):
 
 
 @triton.jit
-def record_give_up(pending, skip, err_ptr, code):
-    """After the poll loop: a wait that stopped with something pending records its code."""
+def give_up(err_ptr, code, seen, expected, peer):
+    """The first wait of the context to give up claims its error word and writes the report (the
+    code last: the host reads the report once the code is there); a later one leaves it."""
+    if tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu") == 0:
+        report = tl.load(err_ptr.to(tl.pointer_type(tl.int64)) + 1).to(tl.pointer_type(tl.int32))
+        tl.store(report + 1, seen)
+        tl.store(report + 2, expected)
+        tl.store(report + 3, peer)
+        tl.store(report + 4, tl.load(err_ptr + 1))
+        tl.store(report, code)
+
+
+@triton.jit
+def record_give_up(pending, skip, err_ptr, code, seen, expected, peer):
+    """After the poll loop: a wait that stopped with something pending reports (give_up)."""
     if pending & (skip == 0):
-        tl.atomic_max(err_ptr, code)
+        give_up(err_ptr, code, seen, expected, peer)
 
 
 @triton.jit
 def gave_up_before(limit, err_ptr):
-    """1 if waits are bounded (limit > 0, debug) and a wait of this call already gave up: later
+    """1 if waits are bounded (limit > 0) and a wait of this context already gave up: later
     waits then do not wait nor record their own code, so a lost peer costs one timeout (not one
     per chunk and program) and the error names the first flag that never came."""
     gave_up = 0
-    if limit > 0:
-        gave_up = tl.where(tl.atomic_add(err_ptr, 0, sem="relaxed", scope="gpu") != 0, 1, 0)
+    if limit > 0:  # a plain load, which overlaps the wait's first poll (an atomic would not)
+        gave_up = tl.where(tl.load(err_ptr, volatile=True) != 0, 1, 0)
     return gave_up
 
 
@@ -130,7 +150,7 @@ def wait_flag(ptr, epoch, limit, err_ptr, code):
     while polling(v < epoch, n, limit, 0):
         v = load_acquire(ptr)
         n = waited(n, since, limit)
-    record_give_up(v < epoch, 0, err_ptr, code)
+    record_give_up(v < epoch, 0, err_ptr, code, v, epoch, -1)
 
 
 @triton.jit
@@ -144,7 +164,8 @@ def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
     while polling(tl.min(v, 0) < epoch, n, limit, skip):
         v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
         n = waited(n, since, limit)
-    record_give_up(tl.min(v, 0) < epoch, skip, err_ptr, code)
+    if (tl.min(v, 0) < epoch) & (skip == 0):  # the report names the lane (peer) that is late
+        give_up(err_ptr, code, tl.min(v, 0), epoch, tl.argmin(v, 0))
 
 
 @triton.jit

@@ -105,7 +105,7 @@ def grouped_gemm_kernel(
                 while polling(v < want, n, limit, 0):
                     v = load_acquire(count_ptr + m_tile)
                     n = waited(n, since, limit)
-                record_give_up(v < want, 0, err_ptr, K_ERR_ROWS)
+                record_give_up(v < want, 0, err_ptr, K_ERR_ROWS, v, want, -1)
                 ready = v >= want  # a bounded wait that gave up: the tile is left unwritten
                 if PROXY_FENCE:  # the peers' ordinary stores, then A_DESC's async-proxy reads
                     tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;",

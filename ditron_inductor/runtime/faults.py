@@ -1,0 +1,147 @@
+"""A wait that gave up: its report, read on the host without synchronising, and the error.
+
+Every flag wait of the fused kernels is bounded by default (ditron.wait_timeout_s=auto): by the
+timeout of the op's process group, which is what the user set for how late a peer may be (NCCL's
+watchdog aborts a collective after it; 10 minutes by default for NCCL, 30 for gloo), so a peer
+that a checkpoint, a first-launch compile or autotuning holds back is waited for as NCCL would
+wait for it, and no longer. 0 is unbounded.
+
+A wait that gives up (templates/flags.give_up) claims its context's error words and writes one
+process-wide report into host-mapped (pinned) memory: the wait's code, the epoch it saw and the
+one it expected, the late peer where the wait knows it, the context's id. A kernel stores into it
+directly, also one replayed from a CUDA graph. Two readers, neither synchronising the device:
+
+- every fused call, first (`raise_if_failed`, a load of host memory): it raises `WaitTimeout`,
+  naming the op, the rank, the flag, the peer and the epochs;
+- a watcher thread (`watch`), every WATCH_S: where the program does not reach another fused call
+  (its host blocked in a synchronisation, an NCCL collective, the exit), it logs the same message
+  and, GRACE_S later if the process is still there, ends it with EXIT_CODE, as NCCL's watchdog
+  ends a process at its timeout: after a wait gave up the call's outputs and the protocol's
+  epochs are not valid, and the peer that did not come will not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import sys
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from ..log_names import LOGGER_NAME
+from ..templates import flags
+
+log = logging.getLogger(LOGGER_NAME)
+
+DEFAULT_TIMEOUT_S = 600.0  # a group whose timeout cannot be read: NCCL's default
+WATCH_S = 0.1
+GRACE_S = 5.0
+EXIT_CODE = 86
+
+# the process-wide report (REPORT_WORDS int32, host-mapped), made with the first context
+_report: Optional[torch.Tensor] = None
+# per context id: what names its waits (op, rank, world, bound, flag namer), set at each call
+_sites: dict[int, tuple] = {}
+_next_id = [1]
+_watcher: Optional[threading.Thread] = None
+
+
+class WaitTimeout(RuntimeError):
+    """A bounded flag wait of a fused kernel gave up: a peer never signalled."""
+
+
+def group_timeout_s(group) -> float:
+    """The process group's timeout in seconds (its backend's option), else DEFAULT_TIMEOUT_S."""
+    for device_type in ("cuda", "cpu"):
+        try:
+            timeout = group._get_backend(torch.device(device_type)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend, or one without options
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    return DEFAULT_TIMEOUT_S
+
+
+def report() -> torch.Tensor:
+    """The process-wide report; pinned where CUDA is (a kernel's stores reach it directly)."""
+    global _report
+    if _report is None:
+        _report = torch.zeros(flags.REPORT_WORDS, dtype=torch.int32,
+                              pin_memory=torch.cuda.is_available())
+    return _report
+
+
+def error_words(device) -> tuple[int, torch.Tensor]:
+    """A new context's id and error words: no code, the id, the report's address."""
+    cid = _next_id[0]
+    _next_id[0] += 1
+    words = torch.zeros(flags.ERR_WORDS, dtype=torch.int32)
+    words[flags.ERR_CONTEXT] = cid
+    words.view(torch.int64)[1] = report().data_ptr()
+    return cid, words.to(device)
+
+
+def note(ctx, op: str, bound_s: float, flag_name: Optional[Callable] = None) -> None:
+    """What names the waits of ctx's calls (the last call's op): flag_name(code, peer) -> text."""
+    _sites[ctx.fault_id] = (op, ctx.rank, ctx.world, bound_s, flag_name)
+
+
+def failed() -> bool:
+    """Whether a wait of this process gave up (a load of host memory)."""
+    return _report is not None and ctypes.c_int32.from_address(_report.data_ptr()).value != 0
+
+
+def message() -> str:
+    words = [ctypes.c_int32.from_address(_report.data_ptr() + 4 * i).value
+             for i in range(flags.REPORT_WORDS)]
+    code, seen, expected, peer = (words[flags.REPORT_CODE], words[flags.REPORT_SEEN],
+                                  words[flags.REPORT_EXPECTED], words[flags.REPORT_PEER])
+    op, rank, world, bound_s, flag_name = _sites.get(
+        words[flags.REPORT_CONTEXT], ("a fused op", "?", "?", "?", None))
+    flag = flag_name(code, peer) if flag_name else f"flag {code - 1}"
+    epochs = (f"it saw epoch {seen}, expected {expected}" if expected >= 0
+              else "its data never arrived")
+    return (f"ditron: {op} on rank {rank} of {world}: a wait on {flag} gave up after "
+            f"{bound_s} s ({epochs}): that peer never signalled. It crashed, raised or took "
+            "another branch before the op, is later than the bound, or runs another program, "
+            "plan, shape or option on the same group. This call's outputs are not valid; the "
+            "process ends (ditron.wait_timeout_s sets the bound; the process group's timeout "
+            "by default).")
+
+
+def raise_if_failed() -> None:
+    """At a fused call: raise WaitTimeout where a wait of this process gave up."""
+    if failed():
+        raise WaitTimeout(message())
+
+
+def watch(grace_s: float = GRACE_S) -> None:
+    """Start the watcher thread once per process (module docstring)."""
+    global _watcher
+    if _watcher is None:
+        _watcher = threading.Thread(target=_watch, args=(grace_s,), name="ditron-waits",
+                                    daemon=True)
+        _watcher.start()
+
+
+def _watch(grace_s: float) -> None:
+    stop = threading.Event()
+    while not failed():
+        stop.wait(WATCH_S)
+    text = message()
+    log.error("%s", text)
+    print(text, file=sys.stderr, flush=True)
+    stop.wait(grace_s)
+    end()
+
+
+def end() -> None:
+    """End the process with EXIT_CODE, running no exit handler: they would synchronise with
+    kernels whose protocol is broken and destroy process groups whose peer is gone."""
+    print(f"ditron: ending the process (exit code {EXIT_CODE}) after a wait gave up",
+          file=sys.stderr, flush=True)
+    os._exit(EXIT_CODE)
