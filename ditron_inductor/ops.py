@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .log_names import LOGGER_NAME
+from .rms_norm import reciprocal_rms, rms_norm_reference
 from .scheduler.decode_gemm import gemv_applies
 from .scheduler.plan import FUSED, decode
 from .scheduler.precision import FLOAT8
@@ -121,15 +122,16 @@ _TASK_BUILDERS: dict[str, Callable] = {
 }
 
 
-def _dispatch(op: str, plan_text: str, on_cuda: bool, reference: Callable, *args):
+def _dispatch(op: str, plan_text: str, on_cuda: bool, reference: Callable, *args, **options):
     """The fused implementation of `op` where the plan asks for it and serves the call, else the
-    reference. args end in (group_name, world_size), as every op's arguments do."""
+    reference. args end in (group_name, world_size), as every op's arguments do; `options`: the
+    op's keyword-only arguments, which its Task does not depend on."""
     check_group(args[-2], args[-1])
     plan = decode(plan_text)
     if plan.impl == FUSED and on_cuda:
         fused = _fused_impls.get(op) or _load_fused_impl(op)
         task = task_of(op, *args)
-        out = fused(task, plan, *args) if fused is not None else None
+        out = fused(task, plan, *args, **options) if fused is not None else None
         if out is not None:
             return out
         key = (op, plan_text)
@@ -137,7 +139,7 @@ def _dispatch(op: str, plan_text: str, on_cuda: bool, reference: Callable, *args
             _fallbacks_logged.add(key)
             log.debug("%s: plan %s could not serve this call; ran the reference path",
                       task.describe(), plan.describe())
-    return reference(*args)
+    return reference(*args, **options)
 
 
 def _load_fused_impl(op: str) -> Optional[Callable]:
@@ -170,12 +172,12 @@ def _fused_op(op: str, signature: str, reference: Callable, fake: Callable,
     the arguments, then `_dispatch` on the first tensor's device. Returns the implementation,
     ops.<op>, which tests and benchmarks also call directly."""
 
-    def impl(*call):
+    def impl(*call, **options):
         *args, plan = call
         if check is not None:
             check(*args)
         first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        return _dispatch(op, plan, first.is_cuda, reference, *args)
+        return _dispatch(op, plan, first.is_cuda, reference, *args, **options)
 
     impl.__name__ = impl.__qualname__ = op
     _define(op + signature, impl, fake, **autograd)
@@ -297,35 +299,30 @@ matmul_all_reduce = _fused_op(
 # ------------------------------------------------- matmul -> all-reduce (+ residual) -> RMSNorm
 
 
-def rms_norm_reference(h: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool) -> Tensor:
-    """RMSNorm over the last dim in float32, rounded to h's dtype before the weight (Hugging
-    Face) or, weight_in_fp32, after it (F.rms_norm)."""
-    h32 = h.float()
-    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight_in_fp32:
-        return (normed * weight).to(h.dtype)
-    return normed.to(h.dtype) * weight
-
-
 def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_weight, eps,
-                                        weight_in_fp32, reduce_op, group_name, world_size):
+                                        weight_in_fp32, reduce_op, group_name, world_size, *,
+                                        with_rstd=False):
     summed = matmul_all_reduce_reference([a], [b], bias, out_shape, reduce_op, group_name,
                                          world_size)
     h = summed if residual is None else summed + residual
-    return h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32)
+    rstd = reciprocal_rms(h, eps)
+    return [h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32, rstd)] + (
+        [rstd] if with_rstd else [])
 
 
-def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, *_):
+def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, *_, with_rstd=False):
     shape = _full_shape(a, b, out_shape)
-    return a.new_empty(shape), a.new_empty(shape)
+    rstd = [a.new_empty(shape[:-1] + [1], dtype=torch.float32)] if with_rstd else []
+    return [a.new_empty(shape), a.new_empty(shape)] + rstd
 
 
-# The row-parallel layer of tensor-parallel inference: h = all_reduce(a @ b + bias) (viewed as
-# `out_shape`) + residual, y = RMSNorm(h). Returns (h, y), h the next residual.
+# The row-parallel layer of tensor-parallel models: h = all_reduce(a @ b + bias) (viewed as
+# `out_shape`) + residual, y = RMSNorm(h). Returns [h, y], h the next residual, and with_rstd
+# (training: the norm's backward saves it) h's reciprocal RMS, float32 [..., 1].
 matmul_all_reduce_rmsnorm = _fused_op(
     MATMUL_ALL_REDUCE_RMSNORM, "(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
     "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
-    "str group_name, SymInt world_size, str plan) -> (Tensor, Tensor)",
+    "str group_name, SymInt world_size, str plan, *, bool with_rstd=False) -> Tensor[]",
     matmul_all_reduce_rmsnorm_reference, _matmul_all_reduce_rmsnorm_fake)
 
 

@@ -19,6 +19,7 @@ from tests.fx_helpers import (
     reduce_scatter,
     trace,
 )
+from tests.test_logs import captured
 
 
 def rewrite(gm, options=config.Options()):
@@ -356,6 +357,31 @@ return getitem_1
         self.assertIn("matmul_all_reduce_rmsnorm", report.candidates[0].task)
         self.assertIn("1e-06, True", graph_text(gm))  # in float32 the two roundings coincide
 
+    def test_training_norm_returns_the_reciprocal_rms_backward_saves(self):
+        def layer(g, x, w, residual, norm_w):  # a training forward: rstd is saved for backward
+            h = all_reduce(F.linear(x, w), "sum", g) + residual
+            h32 = h.float()
+            rstd = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+            normed = h32 * rstd
+            return h, normed.to(h.dtype) * norm_w, rstd, normed
+
+        gm, report = self.trace_layer(layer)
+        self.assertIn("matmul_all_reduce_rmsnorm M=6 K=8 N=16 bfloat16", report.candidates[0].task)
+        # normed, also saved, is computed from the op's h and reciprocal RMS
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(arg1_1, [1, 0])
+view = view(arg0_1, [6, 8])
+matmul_all_reduce_rmsnorm_default = matmul_all_reduce_rmsnorm(view, permute, None, [2, 3, 16], arg2_1, arg3_1, 1e-06, False, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_2 = getitem(matmul_all_reduce_rmsnorm_default, 2)
+getitem_1 = getitem(matmul_all_reduce_rmsnorm_default, 1)
+getitem = getitem(matmul_all_reduce_rmsnorm_default, 0)
+convert_element_type = prims.convert_element_type.default(view, torch.float32)
+convert_element_type_1 = prims.convert_element_type.default(permute, torch.float32)
+convert_element_type_2 = prims.convert_element_type.default(getitem, torch.float32)
+mul = mul.Tensor(convert_element_type_2, getitem_2)
+return [getitem, getitem_1, getitem_2, mul]
+""")
+
     def test_norm_intermediate_used_elsewhere_keeps_only_the_all_reduce(self):
         def layer(g, x, w, residual, norm_w):
             h = all_reduce(F.linear(x, w), "sum", g) + residual
@@ -363,9 +389,13 @@ return getitem_1
             variance = h32.pow(2).mean(-1, keepdim=True)
             return (h32 * torch.rsqrt(variance + 1e-6)).to(h.dtype) * norm_w, variance
 
-        gm, report = self.trace_layer(layer)
+        with captured() as lines:
+            gm, report = self.trace_layer(layer)
         self.assertIn("matmul_all_reduce M=6", report.candidates[0].task)
         self.assertIn("rsqrt", graph_text(gm))
+        self.assertTrue(lines[1].endswith(": the residual add and RMSNorm after it stay with "
+                                          "Inductor: the norm's mean of squares (mean) is used "
+                                          "elsewhere"), lines)
 
 
 class ConsecutiveMatchesTest(TestCase):

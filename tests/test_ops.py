@@ -48,8 +48,6 @@ def test_fused_impl_that_cannot_serve_falls_back_to_reference(monkeypatch, caplo
                         lambda task, plan, x, group, world: seen.append(plan) or None)
     monkeypatch.setattr(ops, "_fallbacks_logged", set())
     task_builder(monkeypatch)
-    # Under TORCH_LOGS torch stops this logger from propagating to the root, where caplog listens.
-    monkeypatch.setattr(ops.log, "propagate", True)
     with fake_group(2), caplog.at_level(logging.DEBUG, logger="ditron"):
         for _ in range(2):
             out = ops._dispatch(ops.MATMUL_ALL_REDUCE, FUSED_PLAN, True,
@@ -111,3 +109,33 @@ def test_tasks_are_built_once_per_shape():
                          [b, torch.randn(5, 3)], None, [], 0, "sum", "0", 2)
     assert (summed.k, summed.terms, summed.copy_elems) == (13, 2, 0)
     assert "2 matmul products summed" in summed.describe()
+
+
+def test_the_norm_op_returns_the_reciprocal_rms_when_asked():
+    a, b, residual, weight = (torch.randn(2, 3, 4).to(torch.bfloat16).view(6, 4),
+                              torch.randn(4, 8).to(torch.bfloat16),
+                              torch.randn(2, 3, 8).to(torch.bfloat16),
+                              torch.randn(8).to(torch.bfloat16))
+    args = (a, b, None, [2, 3, 8], residual, weight, 1e-6, False, "sum", "0", 1,
+            REFERENCE_PLAN.encode())
+    with fake_group(1):
+        h, y = torch.ops.ditron.matmul_all_reduce_rmsnorm(*args)
+        h3, y3, rstd = torch.ops.ditron.matmul_all_reduce_rmsnorm(*args, with_rstd=True)
+    assert torch.equal(h3, h) and torch.equal(y3, y)
+    h32 = h.float()  # as the unfused graph computes what backward saves
+    assert rstd.dtype == torch.float32 and rstd.shape == (2, 3, 1)
+    assert torch.equal(rstd, torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(y, (h32 * rstd).to(torch.bfloat16) * weight)
+
+
+def test_the_fused_norm_computes_the_reciprocal_rms_of_the_kernels_sum(monkeypatch):
+    from ditron_inductor.runtime import all_reduce
+
+    h, y = torch.randn(6, 8), torch.randn(6, 8)
+    monkeypatch.setattr(all_reduce, "all_reduce_fused", lambda *args: (h, y))
+    out = all_reduce.matmul_all_reduce_rmsnorm_fused(None, None, *[None] * 6, 1e-5, False,
+                                                     "sum", "0", 2, with_rstd=True)
+    assert out[:2] == [h, y] and torch.equal(out[2], ops.reciprocal_rms(h, 1e-5))
+    monkeypatch.setattr(all_reduce, "all_reduce_fused", lambda *args: None)  # declined
+    assert all_reduce.matmul_all_reduce_rmsnorm_fused(None, None, *[None] * 6, 1e-5, False,
+                                                      "sum", "0", 2, with_rstd=True) is None

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 
-def insert_call(graph: Graph, target, args: tuple) -> Node:
+def insert_call(graph: Graph, target, args: tuple, kwargs: Optional[dict] = None) -> Node:
     """A call of `target` right after the last of its inputs (or of the placeholders)."""
     inputs: list[Node] = []
-    map_arg(args, inputs.append)
+    map_arg((args, kwargs or {}), inputs.append)
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last = max(inputs + placeholders[-1:], key=order.__getitem__)
     with graph.inserting_after(last):
-        node = graph.call_function(target, args)
+        node = graph.call_function(target, args, kwargs)
     refresh_value(node)
     return node
 

@@ -1,8 +1,9 @@
 """The ditron post-grad pass: find candidates, let the scheduler decide, rewrite, and say so.
 
 TORCH_LOGS=ditron prints, per compiled graph, a summary line and each candidate with the model
-layer it comes from and whether it was fused (and why not); TORCH_LOGS=+ditron adds the graph
-before and after the pass and the chosen plans.
+layer it comes from and whether it was fused (and why not), and each collective beside a matmul
+that no candidate holds, with why; TORCH_LOGS=+ditron adds the collectives far from any matmul,
+the graph before and after the pass and the chosen plans.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .. import config
 from ..log_names import LOGGER_NAME, all_ranks_logging
 from ..scheduler.decide import Decision, decide, reject
 from .decode_gemm import group_decode_mms, rewrite_decode_mms
-from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_matches
+from .left import Unmatched, collectives, describe, is_collective
+from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_candidates
 from .moe import (
     AllToAllGroupedMmMatch,
     GroupedMmAllToAllMatch,
@@ -53,22 +55,50 @@ class CandidateReport:
     op: str = ""  # Task.op
 
 
+# Why a collective is left, by kind: its candidate was not fused (the candidate's line says why),
+# it is beside a matmul but no candidate holds it, or no matmul is near it.
+IN_CANDIDATE, BESIDE_MATMUL, APART = "candidate", "beside", "apart"
+_LEFT_KINDS = {IN_CANDIDATE: "in candidates not fused",
+               BESIDE_MATMUL: "beside a matmul with no candidate",
+               APART: "with no matmul beside it"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeftCollective:
+    """A collective the pass leaves in the graph, and why."""
+
+    collective: str  # left.describe()
+    reason: str
+    kind: str  # IN_CANDIDATE, BESIDE_MATMUL or APART
+    layer: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphReport:
     graph: str  # compile id and forward/backward
     candidates: tuple[CandidateReport, ...]
     from_cache: bool = False  # served by Inductor's caches: the pass did not run this time
+    collectives: int = 0  # the functional collectives in the graph before the pass
+    left: tuple[LeftCollective, ...] = ()  # those still there after it
 
     def summary(self) -> str:
         if self.from_cache:
             return ("served from Inductor's cache, compiled earlier by the ditron pass with the "
                     "same options (the decisions were logged then)")
         if not self.candidates:
-            return "no collective + matmul candidates"
-        fused = [c for c in self.candidates if c.fused]
-        left = [c for c in self.candidates if not c.fused]
-        return (f"{len(self.candidates)} candidate(s): {len(fused)} fused{_by_op(fused)}, "
-                f"{len(left)} left{_by_op(left)}")
+            text = "no collective + matmul candidates"
+        else:
+            fused = [c for c in self.candidates if c.fused]
+            left = [c for c in self.candidates if not c.fused]
+            text = (f"{len(self.candidates)} candidate(s): {len(fused)} fused{_by_op(fused)}, "
+                    f"{len(left)} left{_by_op(left)}")
+        if not self.collectives:
+            return text
+        kinds = collections.Counter(c.kind for c in self.left)
+        parts = ", ".join(f"{kinds[k]} {words}" for k, words in _LEFT_KINDS.items() if kinds[k])
+        return (f"{text}; {self.collectives} collective(s): "
+                f"{self.collectives - len(self.left)} fused, {len(self.left)} left"
+                + (f" ({parts})" if parts else ""))
 
 
 def _by_op(candidates: list[CandidateReport]) -> str:
@@ -166,9 +196,11 @@ def source_layers(match) -> tuple[str, ...]:
 
 def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphReport:
     name = graph_name(graph)
-    matches = find_matches(graph, options.patterns)
+    matches, unmatched = find_candidates(graph, options.patterns)
+    total = len(collectives(graph))
     if not matches:
-        report = GraphReport(name, ())
+        report = GraphReport(name, (), collectives=total,
+                             left=_left_collectives(name, graph, {}, unmatched))
         reports.append(report)
         log.info("graph %s: %s", name, report.summary())
         return report
@@ -179,8 +211,12 @@ def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphR
     tasks = [match.task() for match in matches]
     rewritten: set = set()
     candidates = []
+    left_in: dict = {}  # collective -> the reason its candidate was not fused
     for match, task in zip(matches, tasks):
         decision = _decide(match, task, rewritten, options)
+        if not decision.fuse:
+            for node in _collectives_of(match):
+                left_in.setdefault(node, decision.reason)
         layers = source_layers(match)
         where = f"{', '.join(layers)}: " if layers else ""
         if decision.fuse:
@@ -201,10 +237,44 @@ def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphR
         stable_topological_sort(graph)
         graph.lint()
         log.debug("graph %s after the ditron pass:\n%s", name, graph)
-    report = GraphReport(name, tuple(candidates))
+    report = GraphReport(name, tuple(candidates), collectives=total,
+                         left=_left_collectives(name, graph, left_in, unmatched))
     reports.append(report)
     log.info("graph %s: %s", name, report.summary())
     return report
+
+
+def _collectives_of(match) -> list:
+    """The collectives a match's op would replace."""
+    if isinstance(match, AllGatherMatmulMatch):
+        return [match.gather] + [n for n in match.scale_gather if is_collective(n)]
+    if isinstance(match, MatmulCollectiveMatch):
+        return [match.collective]
+    return [match.exchange.node]
+
+
+def _left_collectives(name: str, graph: Graph, left_in: dict,
+                      unmatched: list[Unmatched]) -> tuple[LeftCollective, ...]:
+    """The collectives still in the graph after the pass, each with why; logs a line for each
+    one that no candidate holds (a left candidate's line has said why already)."""
+    why_unmatched = {u.collective: u for u in unmatched}
+    left = []
+    for node in collectives(graph):
+        layer = source_layer(node)
+        where = f"{layer}: " if layer else ""
+        if node in left_in:
+            left.append(LeftCollective(describe(node), left_in[node], IN_CANDIDATE, layer))
+            continue
+        found = why_unmatched.get(node)
+        reason = found.reason if found is not None else (
+            "its candidate was fused, but the graph still uses its result elsewhere")
+        kind = BESIDE_MATMUL if found is None or found.beside_matmul else APART
+        left.append(LeftCollective(describe(node), reason, kind, layer))
+        # A collective with no matmul near it (an embedding's all-reduce, a loss's) is no site a
+        # ditron op could take: INFO counts it in the summary, TORCH_LOGS=+ditron names it.
+        log.log(logging.INFO if kind == BESIDE_MATMUL else logging.DEBUG,
+                "graph %s: %s%s not fused: %s", name, where, describe(node), reason)
+    return tuple(left)
 
 
 def _rewrite_decode_mms(graph: Graph, grouped: bool) -> None:

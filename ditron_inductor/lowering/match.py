@@ -12,7 +12,8 @@ match carries the problem, so that the log names it. Shapes handled (post-grad A
   all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
 and the same with _scaled_mm (torchao's float8 tensor parallelism): float8 pieces moved as bytes
-(view(uint8) -> cat -> view(float8)), a rowwise scale_a gathered like the rows.
+(view(uint8) -> cat -> view(float8)), a rowwise scale_a gathered like the rows. A collective a
+finder declines comes back as an `Unmatched` with why (lowering/left.py).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ from ..scheduler.task import (
     scaled_mm_collective_task,
 )
 from ..patterns import PATTERNS
-from .moe import find_moe_matches
+from .left import Unmatched, declined, is_collective, no_matmul_served, op_name
+from .moe import as_exchange, find_moe_matches
 from .nodes import RESHAPES, fake, is_call, matmul_arg, summands, weight_from_output
 from .norm import RmsNormTail, find_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+
+_NOT_ONE_WAIT = "its result is not waited on by one wait_tensor alone"
 
 
 @dataclasses.dataclass
@@ -222,11 +226,11 @@ class AllGatherMatmulMatch:
         return [m.node for m in self.matmuls]
 
 
-def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
+def find_all_gather_matmul(gather: Node) -> AllGatherMatmulMatch | Unmatched:
     _, world_size, group_name = gather.args[:3]
     waits = list(gather.users)
     if len(waits) != 1 or not is_call(waits[0], c10d.wait_tensor.default):
-        return None
+        return declined(gather, _NOT_ONE_WAIT)
     wait = waits[0]
     chunk_cat = match_chunk_cat(wait, 0, world_size)
     gathered = chunk_cat.cat if chunk_cat else wait
@@ -237,7 +241,7 @@ def find_all_gather_matmul(gather: Node) -> Optional[AllGatherMatmulMatch]:
     ]
     others = _matmuls_not_served(matrices)
     if not matmuls and not others:
-        return None
+        return no_matmul_served(gather, gathered, upstream=True, downstream=True)
     match = AllGatherMatmulMatch(gather, wait, chunk_cat, gathered, matmuls, gather_dim,
                                  group_name, world_size, views)
     match.notes = [f"{mm.name} {how}: it reads the gathered activation" for mm, how in others]
@@ -407,7 +411,7 @@ class MatmulCollectiveMatch:
 
 
 def find_matmul_collective(collective: Node,
-                           patterns=PATTERNS) -> Optional[MatmulCollectiveMatch]:
+                           patterns=PATTERNS) -> Optional[MatmulCollectiveMatch | Unmatched]:
     if is_call(collective, c10d.reduce_scatter_tensor.default):
         op = MATMUL_REDUCE_SCATTER
         inp, reduce_op, world_size, group_name = collective.args[:4]
@@ -419,13 +423,15 @@ def find_matmul_collective(collective: Node,
         return None
     waits = list(collective.users)
     if len(waits) != 1 or not is_call(waits[0], c10d.wait_tensor.default):
-        return None
+        return declined(collective, _NOT_ONE_WAIT)
 
     chunk_cat, dim, node = None, 0, inp
     if op == MATMUL_REDUCE_SCATTER and is_call(node, aten.cat.default):
         chunk_cat = _chunk_cat_into(node, world_size)
         if chunk_cat is None:
-            return None
+            return declined(collective, f"shape not supported: {node.name} concatenates pieces "
+                            f"that are not {world_size} chunks of one dim in rank order",
+                            waits[0])
         dim, node = _chunk_dim(node), _chunk_source(node)
     chain, node = _unview(node)  # the collective's side first: it views them as chain[0]
     matmul = as_matmul(node) if isinstance(node, Node) else None
@@ -434,7 +440,7 @@ def find_matmul_collective(collective: Node,
     else:
         summed = _sum_of_matmuls(node)
         if summed is None:
-            return None
+            return _no_product(collective, node)
         matmuls, inner = summed
     reshape = (chain or [n for n in inner if is_call(n, *RESHAPES)][:1] or [None])[0]
     match = MatmulCollectiveMatch(op, collective, waits[0], matmuls, reshape, chunk_cat, dim,
@@ -453,10 +459,33 @@ def find_matmul_collective(collective: Node,
     if matmuls[0].scaled:
         match.op = SCALED_MM_REDUCE_SCATTER if op == MATMUL_REDUCE_SCATTER else SCALED_MM_ALL_REDUCE
     elif op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in patterns:
-        match.norm = find_rmsnorm_tail(match.wait)
-        if match.norm is not None:
-            match.op = MATMUL_ALL_REDUCE_RMSNORM
+        norm = find_rmsnorm_tail(match.wait)
+        if norm is not None and norm.problem:
+            match.notes.append(f"the residual add and RMSNorm after it stay with Inductor: "
+                               f"{norm.problem}")
+        elif norm is not None:
+            match.norm, match.op = norm, MATMUL_ALL_REDUCE_RMSNORM
     return match
+
+
+def _no_product(collective: Node, node: object) -> Unmatched:
+    """Why what `collective` reduces is no matmul product (nor a sum of them) the ops take."""
+    if is_call(node, aten.addmm.default):
+        why = ("scales its product or its bias (alpha, beta)" if node.kwargs or len(node.args) > 3
+               else "adds a bias that is not one value per column")
+        return declined(collective, f"shape not supported: {node.name} {why}")
+    if is_call(node, aten._scaled_mm.default):
+        return declined(collective, f"shape not supported: {node.name} scales its result "
+                        "(scale_result)")
+    terms, _ = summands(node)
+    products = [t for t in terms if as_matmul(_unview(t)[1]) is not None]
+    if len(terms) > 1 and products:
+        others = [t.name if isinstance(t, Node) else str(t) for t in terms
+                  if as_matmul(_unview(t)[1]) is None]
+        return declined(collective, f"{node.name} sums matmul products and terms that are none "
+                        f"({', '.join(others)})")
+    return no_matmul_served(collective, next(iter(collective.users)), upstream=True,
+                            downstream=True)
 
 
 def _unview(node: object) -> tuple[list[Node], object]:
@@ -558,12 +587,30 @@ def group_size(group_name: str) -> int:
 def find_matches(graph: Graph, patterns=PATTERNS) -> list:
     """All candidates in graph order, `problem` set where one cannot be rewritten; an all-reduce
     takes the RMSNorm after it where that pattern is among `patterns`."""
-    found = []
+    return find_candidates(graph, patterns)[0]
+
+
+def find_candidates(graph: Graph, patterns=PATTERNS) -> tuple[list, list[Unmatched]]:
+    """find_matches' candidates, and every other collective of the graph with why it is none."""
+    found: list = []
     for node in graph.nodes:
         if is_call(node, c10d.all_gather_into_tensor.default):
             found.append(find_all_gather_matmul(node))
         elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
             found.append(find_matmul_collective(node, patterns))
         elif is_call(node, c10d.all_to_all_single.default):
-            found += find_moe_matches(node)
-    return [match for match in found if match is not None]
+            found += [m for m in find_moe_matches(node) if m is not None] or [_exchange_left(node)]
+        elif is_collective(node):
+            found.append(no_matmul_served(node, node, upstream=True, downstream=True,
+                                          why=f"no finder takes {op_name(node)}"))
+    matches = [m for m in found if m is not None and not isinstance(m, Unmatched)]
+    return matches, [m for m in found if isinstance(m, Unmatched)]
+
+
+def _exchange_left(node: Node) -> Unmatched:
+    """An all-to-all that neither feeds nor follows the experts' grouped GEMMs."""
+    exchange = as_exchange(node)
+    if exchange is None:
+        return declined(node, "its result is not waited on by one wait_tensor alone (and row "
+                        "counts)")
+    return no_matmul_served(node, exchange.wait, upstream=True, downstream=True)

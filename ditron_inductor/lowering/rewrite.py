@@ -104,12 +104,15 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         target = (ditron.scaled_mm_all_reduce if mm.scaled else ditron.matmul_all_reduce).default
         extra = (match.out_shape,)
     args = (*operands, *extra, match.reduce_op, match.group_name, match.world_size, plan)
-    op = insert_call(graph, target, args)
+    with_rstd = norm is not None and norm.with_rstd
+    op = insert_call(graph, target, args, {"with_rstd": True} if with_rstd else None)
     tail: list[Node] = []  # the replaced nodes after the collective, users first
     if norm is not None:
-        h, y = (insert_getitem(graph, op, i) for i in range(2))
-        norm.h.replace_all_uses_with(h)
-        norm.out.replace_all_uses_with(y)
+        outputs = [insert_getitem(graph, op, i) for i in range(3 if with_rstd else 2)]
+        norm.h.replace_all_uses_with(outputs[0])
+        norm.out.replace_all_uses_with(outputs[1])
+        if with_rstd:  # what else uses the norm's nodes (backward) reads the op's
+            norm.rsqrt.replace_all_uses_with(outputs[2])
         tail = [norm.out] + norm.inner[::-1] + [norm.h]
     elif order is not None:  # this rank's rows, rank-major: the piece's own order
         match.wait.replace_all_uses_with(

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..rms_norm import reciprocal_rms
 from ..scheduler.plan import COPY_ENGINE, COPY_ENGINE_MAX_N, GEMV, TRITON, AllReducePlan
 from ..scheduler.task import Task
 from ..templates import flags
@@ -31,8 +32,8 @@ from ..templates.reduce import sum_slots_norm_kernel
 from . import driver
 from .context import (OpContext, build_outside_graph_pools, device_epoch, get_context, size_class,
                       wait_limit)
-from .launch import (DTYPES, WAIT_NAMES, MatmulSum, check_errors, decline, gemm_beside, matmul_into,
-                     num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
+from .launch import (DTYPES, MatmulSum, check_errors, decline, gemm_beside, kernel_flag,
+                     matmul_into, num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
 from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .symm import group_barrier
 
@@ -140,7 +141,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
         _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps), terms)
     else:
         _after_gemm(ctx, plan, a, b, bias, partial, common, consts, float(eps), terms)
-    check_errors(ctx, plan, task.op, lambda code: WAIT_NAMES.get(code, code))
+    check_errors(ctx, plan, task.op, kernel_flag)
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
 
@@ -224,7 +225,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
     on the side stream on `progs` programs, its COPY and NORMALISE after it on every SM."""
     m, n = partial.shape
     sms = num_sms(a.device)
-    limit = wait_limit(plan)
+    limit = wait_limit(plan, ctx)
     progs, block, warps = push_grid(ctx.world, m * n, sms, plan.block, plan.warps, plan.progs,
                                     norm=consts["NORM"])
     meta = _launch(consts, n, block, warps)
@@ -270,7 +271,7 @@ def _after_gemm(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, e
     kernel, regions = {"push_all": (push_all_kernel, (stride, stride)),
                        "lamport": (lamport_kernel, (stride,)),
                        "lamport_all": (lamport_all_kernel, (stride,))}[plan.algo]
-    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, *regions, wait_limit(plan), **meta)
+    launch(kernel, (progs,), *common, m, n, eps, ctx.rank, *regions, wait_limit(plan, ctx), **meta)
 
 
 _marked_empty: "weakref.WeakSet[OpContext]" = weakref.WeakSet()
@@ -435,7 +436,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
     for i in range(len(layout.sides)):
         driver.stream_wait(main, ctx.ev_sides[i])
     # a bounded wait's code: 1 + the flag word it gave up on
-    check_errors(ctx, plan, task.op, lambda code: (
+    check_errors(ctx, plan, task.op, lambda code, peer: (
         f"{COPY_ENGINE_FLAGS[(code - 1) // world]} of rank {(code - 1) % world}"))
     return h, y
 
@@ -457,6 +458,11 @@ def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_sha
 
 def matmul_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape,
                                     residual, norm_weight, eps, weight_in_fp32, reduce_op,
-                                    group_name, world_size):
-    return all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
-                            weight_in_fp32, reduce_op)
+                                    group_name, world_size, *, with_rstd=False):
+    """[h, y], and with_rstd h's reciprocal RMS: the kernels normalise each row with it but do
+    not store it, so it is computed again from h (one more read of h, training graphs only)."""
+    out = all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
+                           weight_in_fp32, reduce_op)
+    if out is None:
+        return None
+    return [*out, reciprocal_rms(out[0], eps)] if with_rstd else list(out)

@@ -4,7 +4,7 @@
 Rank q's partial P_q = a_q @ b_q (+ bias) [M, N] lies in its symmetric buffer (peer pointers:
 `data_table`). Every rank computes h = sum_q P_q (+ residual) and, with NORM, y = RMSNorm(h) *
 weight, in the reference's roundings: the sum rounded to the dtype, then the residual added and
-rounded again; y as `ops.rms_norm_reference`.
+rounded again; y as `rms_norm.rms_norm_reference`.
 """
 
 import triton
@@ -36,7 +36,7 @@ def call_start(epoch_ptr, M, N):
 @triton.jit
 def weighted(normed, w32, dtype: tl.constexpr, W_FP32: tl.constexpr):
     """y = normed (fp32 rows) * w32 (fp32, one row) in `dtype`, rounded as
-    ops.rms_norm_reference: once (W_FP32), else normed first, then the product."""
+    rms_norm.rms_norm_reference: once (W_FP32), else normed first, then the product."""
     if W_FP32:
         y = (normed * w32).to(dtype)
     else:
