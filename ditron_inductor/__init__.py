@@ -1,6 +1,20 @@
 """ditron-inductor: a torch.compile backend that fuses tensor-parallel communication into matmuls.
 
-Use it as `torch.compile(model, backend="ditron")`; no import of this package is needed.
+Use it as `torch.compile(model, backend="ditron")`; no import of this package is needed. A
+framework that compiles with `backend="inductor"` takes ditron as Inductor passes instead:
+`post_grad_pass`, `pre_grad_pass`, `inductor_config`, `install`, `installed`
+(`ditron_inductor.inductor_pass`).
 """
 
 __version__ = "0.1.0"
+
+_PASS_API = ("post_grad_pass", "pre_grad_pass", "inductor_config", "install", "installed")
+
+
+def __getattr__(name: str):
+    # imported on first use: `import ditron_inductor` stays free of torch's import
+    if name in _PASS_API:
+        from . import inductor_pass
+
+        return getattr(inductor_pass, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -290,7 +290,50 @@ def dtensor_ranks(rank: int, world_size: int) -> dict:
         })
         return _compare_module(model, _randn(B, S // world_size, D, seed=300 + rank))  # Shard(1)
 
-    return _run_checks({"mlp": mlp, "attention": attention})
+    def attention_inductor_pass():
+        # backend="inductor" under ditron_inductor.installed() against backend="ditron": the same
+        # candidates with the same decisions and reasons, the same numbers bit for bit
+        import contextlib
+
+        import ditron_inductor
+        from ditron_inductor.lowering import graph_pass
+
+        x = _randn(B, S // world_size, D, seed=300 + rank)
+        runs = {}
+        for backend in ("ditron", "inductor"):
+            torch._dynamo.reset()  # the "attention" check compiled the same code
+            torch.manual_seed(0)
+            model = parallelize_module(Attention(D, 8), mesh, {
+                "norm": SequenceParallel(),
+                "q": ColwiseParallel(input_layouts=Shard(1)),
+                "k": ColwiseParallel(input_layouts=Shard(1)),
+                "v": ColwiseParallel(input_layouts=Shard(1)),
+                "o": RowwiseParallel(output_layouts=Shard(1)),
+            })
+            start = len(graph_pass.reports)
+            with ditron_inductor.installed() if backend == "inductor" else contextlib.nullcontext():
+                xi = x.detach().clone().requires_grad_()
+                out = torch.compile(model, backend=backend)(xi)
+                out.backward(_upstream(out))
+            grads = [xi.grad] + [p.grad.full_tensor() for p in model.parameters()]
+            runs[backend] = (out.detach(), grads, _reports_since(start))
+        (out_d, grads_d, reports_d), (out_i, grads_i, reports_i) = runs["ditron"], runs["inductor"]
+        errors = []
+        if [c for _, c in reports_i] != [c for _, c in reports_d]:
+            errors.append(f"candidates differ:\n{_describe(reports_i)}\nagainst backend='ditron':"
+                          f"\n{_describe(reports_d)}")
+        if _fused_ops(reports_i) != DTENSOR_EXPECTED["attention"]:
+            errors.append(f"fused ops {_fused_ops(reports_i)}:\n{_describe(reports_i)}")
+        if not torch.equal(out_i, out_d):
+            errors.append("the output differs from backend='ditron''s")
+        errors += [f"gradient {i} differs from backend='ditron''s"
+                   for i, (gi, gd) in enumerate(zip(grads_i, grads_d)) if not torch.equal(gi, gd)]
+        return errors
+
+    checks = {"mlp": mlp, "attention": attention}
+    if world_size == 2:
+        checks["attention_inductor_pass"] = attention_inductor_pass
+    return _run_checks(checks)
 
 
 DTENSOR_EXPECTED = {
@@ -454,6 +497,11 @@ def test_functional_collectives(world_size, check):
 @pytest.mark.parametrize("check", sorted(DTENSOR_EXPECTED))
 def test_dtensor_tensor_parallel(world_size, check):
     _assert_check(_results("dtensor_ranks", world_size, check), DTENSOR_EXPECTED[check])
+
+
+@pytest.mark.slow
+def test_inductor_backend_with_ditron_passes_matches_the_ditron_backend():
+    _assert_check(_results("dtensor_ranks", 2, "attention_inductor_pass"), None)
 
 
 @pytest.mark.slow

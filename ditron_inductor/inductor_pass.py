@@ -1,0 +1,187 @@
+"""ditron as Inductor passes, for frameworks that compile with `backend="inductor"` and take graph
+passes through Inductor's config rather than a backend name.
+
+    import ditron_inductor
+
+    # vLLM: its PostGradPassManager runs the pass after its own (vLLM asserts its own
+    # InductorPass type, hence the wrapper; the uuid keys vLLM's and Inductor's caches)
+    from vllm.compilation.inductor_pass import CallableInductorPass
+    ditron = ditron_inductor.post_grad_pass()
+    CompilationConfig(inductor_compile_config={
+        "post_grad_custom_post_pass": CallableInductorPass(ditron, ditron.uuid())})
+
+    # anything that compiles with backend="inductor" (torchtitan's FlexAttention models):
+    ditron_inductor.install()                       # for every later compile of the process
+    with ditron_inductor.installed(): ...           # for the compiles started inside
+    torch.compile(m, options=ditron_inductor.inductor_config())   # for one compile
+
+What `backend="ditron"` does, and which part each pass does:
+
+- `post_grad_pass()`, Inductor's `post_grad_custom_post_pass`: every collective + matmul
+  fusion, forward and backward, and the decode GEMM template (`ditron.decode_gemm`): the same
+  `DitronPass` the backend installs, with the same decisions and log lines.
+- `pre_grad_pass()`, Inductor's `pre_grad_custom_pass`, which runs on Dynamo's graph before
+  AOTAutograd: the causal-mask rewrite (`ditron.causal_mask`) and grouped-query packing
+  (`ditron.gqa_packing`), which need that graph (the backend runs them on it before compile_fx).
+  The post-grad pass alone does neither: a framework that lets no pass see Dynamo's graph (vLLM
+  keeps `pre_grad_custom_pass` for itself) gets the fusions and the decode GEMM only.
+- `install`, `installed` and `inductor_config` set both, and turn Inductor's FX graph cache and
+  AOTAutograd's cache off while the ditron log is at INFO (as the backend does, so that every
+  run logs its decisions); what they do not do is report a graph served from those caches (the
+  backend's "served from Inductor's cache" line): with the log off, a cached graph is compiled
+  as the pass compiled it, silently.
+
+Options are the backend's: `options={"ditron.plan": "fused", ...}` (only `ditron.*` keys) over
+the `DITRON_*` environment variables, read when the pass is made; a bad one is an `OptionError`
+there. With `ditron.enabled=0` the passes do nothing. Each call also installs the exit handler
+that releases ditron's symmetric memory and CUDA graphs before the process groups
+(`clean_exit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import clean_exit, config
+from . import ops  # noqa: F401 - registers torch.ops.ditron.*
+from .log_names import LOGGER_NAME
+from .lowering.graph_pass import DitronPass, _source_files
+
+log = logging.getLogger(LOGGER_NAME)
+
+
+def _options(options: Optional[Mapping[str, Any]]) -> config.Options:
+    """`ditron.*` keys over the environment's defaults; any other key is an OptionError (an
+    Inductor option belongs in Inductor's config, beside the pass)."""
+    ours, others = config.split_options(options, config.defaults())
+    if others:
+        raise config.OptionError(
+            f"not a ditron option: {', '.join(map(repr, others))}; the passes take only "
+            f"ditron.* keys (set Inductor's options in Inductor's config)")
+    return ours
+
+
+class _Off(CustomGraphPass):
+    """The pass under `ditron.enabled=0`: Inductor compiles the graph as it is."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> Any:
+        return "ditron off"
+
+
+class DitronPreGradPass(CustomGraphPass):
+    """Inductor's `pre_grad_custom_pass`: the backend's rewrites of Dynamo's graph (the causal
+    mask, grouped-query packing), each as its option says, with the backend's log lines; runs a
+    pass that was configured there first."""
+
+    def __init__(self, options: config.Options,
+                 user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None):
+        self.options = options
+        self.user_pass = user_pass
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from .backend import _pack_grouped_queries, _rewrite_causal_masks
+
+        if self.user_pass is not None:
+            self.user_pass(graph)
+        gm = graph.owning_module
+        if self.options.causal_mask:
+            _rewrite_causal_masks(gm)
+        if self.options.gqa_packing:
+            _pack_grouped_queries(gm)
+
+    def uuid(self) -> Any:
+        user = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
+        return (get_hash_for_files(_source_files()).hex(), self.options.cache_key(), user)
+
+
+def _without_ditron(user_pass):
+    """The pass a config held before ditron's was set there: installing twice runs ditron once."""
+    while isinstance(user_pass, (DitronPass, DitronPreGradPass)):
+        user_pass = user_pass.user_pass
+    return None if isinstance(user_pass, _Off) else user_pass
+
+
+def post_grad_pass(options: Optional[Mapping[str, Any]] = None,
+                   user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None) -> CustomGraphPass:
+    """The post-grad pass of `backend="ditron"` (a `CustomGraphPass` with its `uuid()`), for
+    Inductor's `post_grad_custom_post_pass`: the collective + matmul fusions and the decode GEMM
+    template. `user_pass`, a pass that was already there, runs first. See the module docstring
+    for what it does not do."""
+    opts = _options(options)
+    clean_exit.install()
+    user_pass = _without_ditron(user_pass)
+    if not opts.enabled:
+        log.info("ditron is off (ditron.enabled / DITRON_ENABLED): Inductor compiles the graph "
+                 "as it is")
+        return user_pass if user_pass is not None else _Off()
+    return DitronPass(opts, user_pass)
+
+
+def pre_grad_pass(options: Optional[Mapping[str, Any]] = None,
+                  user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None) -> CustomGraphPass:
+    """The rewrites `backend="ditron"` makes to Dynamo's graph before AOTAutograd (the causal
+    mask, grouped-query packing), for Inductor's `pre_grad_custom_pass`; `user_pass` runs
+    first."""
+    opts = _options(options)
+    clean_exit.install()
+    user_pass = _without_ditron(user_pass)
+    if not opts.enabled:
+        return user_pass if user_pass is not None else _Off()
+    return DitronPreGradPass(opts, user_pass)
+
+
+def inductor_config(options: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """Inductor config entries that make Inductor compile as `backend="ditron"` does: both
+    passes (each after the pass the global config holds there, if any), and the FX graph cache
+    off while the ditron log is at INFO. For `torch.compile(options=...)` or
+    `torch._inductor.config.patch`."""
+    from torch._inductor import config as inductor_config_module
+
+    patches: dict[str, Any] = {
+        "pre_grad_custom_pass": pre_grad_pass(
+            options, inductor_config_module.pre_grad_custom_pass),
+        "post_grad_custom_post_pass": post_grad_pass(
+            options, inductor_config_module.post_grad_custom_post_pass),
+    }
+    if log.isEnabledFor(logging.INFO):
+        patches["fx_graph_cache"] = False  # a cached graph skips the pass and so its log
+    return patches
+
+
+@contextlib.contextmanager
+def installed(options: Optional[Mapping[str, Any]] = None) -> Iterator[dict[str, Any]]:
+    """Compiles started inside compile as with `backend="ditron"` (`inductor_config`)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config_module
+
+    patches = inductor_config(options)
+    no_autograd_cache = (functorch_config.patch(enable_autograd_cache=False)
+                         if patches.get("fx_graph_cache") is False else contextlib.nullcontext())
+    with inductor_config_module.patch(patches), no_autograd_cache:
+        yield patches
+
+
+def install(options: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """Every later compile of the process with `backend="inductor"` compiles as with
+    `backend="ditron"` (`inductor_config`, set in torch._inductor.config); returns the entries
+    it set. For a framework whose compile call cannot be given a backend or options (torchtitan
+    accepts only "inductor" and "aot_eager" on FlexAttention models)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config_module
+
+    patches = inductor_config(options)
+    for key, value in patches.items():
+        setattr(inductor_config_module, key, value)
+    if patches.get("fx_graph_cache") is False:
+        functorch_config.enable_autograd_cache = False
+    log.info("ditron's passes are installed in Inductor's config: every compile with "
+             "backend='inductor' runs them")
+    return patches
