@@ -1,21 +1,31 @@
 """torchtitan's trainer with ditron's passes installed in Inductor's config: the recipe for
-torchtitan's FlexAttention models, which torchtitan compiles only with backend "inductor" or
-"aot_eager" (so `--compile.backend ditron` is refused there).
+torchtitan's FlexAttention models compiled with backend "inductor" (torchtitan 0.3.0 compiles
+them only with "inductor" or "aot_eager", so `--compile.backend ditron` is refused there).
+
+torchtitan 0.2.x (runs on torch 2.11; FlexAttention is the `debugmodel_flex_attn` flavor):
+
+    TORCH_LOGS=ditron torchrun --nproc-per-node 1 -m benchmarks.torchtitan_flex \\
+        --model.name llama3 --model.flavor debugmodel_flex_attn --compile.enable \\
+        --training.steps 8 --model.hf_assets_path PATH/TO/torchtitan/tests/assets/tokenizer
+
+torchtitan 0.3.0 (needs a torch newer than 2.11; FlexAttention is Llama 3's default):
 
     TORCH_LOGS=ditron torchrun --nproc-per-node 1 -m benchmarks.torchtitan_flex \\
         --module llama3 --config llama3_debugmodel --compile.enable --training.steps 8 \\
         --hf_assets_path PATH/TO/torchtitan/tests/assets/tokenizer
 
 The arguments after the script's are torchtitan's (`torchtitan.train`); the script only calls
-`ditron_inductor.install()` first. Where this machine cannot reach a data set (no network) or
-lacks a package torchtitan imports but this run does not use, `--synthetic-data` stands in for
-them: `datasets.load_dataset` returns generated text (torchtitan's own tokenizer and dataloader
-still tokenize and pack it) and TensorBoard's writer, which the run leaves off, is a stub.
+`ditron_inductor.install()` first, then the trainer's `main` (0.2.x takes the `Trainer` class,
+0.3.0 nothing). Where this machine cannot reach a data set (no network) or lacks a package
+torchtitan imports but this run does not use, `--synthetic-data` stands in for them:
+`datasets.load_dataset` returns generated text (torchtitan's own tokenizer and dataloader still
+tokenize and pack it) and TensorBoard's writer, which the run leaves off, is a stub.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import random
 import sys
 import types
@@ -63,7 +73,10 @@ def main() -> None:
     ditron_inductor.install()
     from torchtitan import train
 
-    train.main()
+    if inspect.signature(train.main).parameters:  # 0.2.x: main(trainer_class)
+        train.main(train.Trainer)
+    else:  # 0.3.0
+        train.main()
 
 
 if __name__ == "__main__":
