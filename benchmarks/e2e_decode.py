@@ -388,6 +388,47 @@ def step_stats(device_ms: list[list[float]], host_ms: list[list[float]], batch: 
     }
 
 
+def bytes_per_step(model, batch: int, prompt: int, new_tokens: int) -> int:
+    """The bytes a decode step reads at the least, on this rank: every parameter but the
+    embedding table (of which it reads a row per sequence), and the KV cache up to the mean
+    position of the decode (K and V of each layer, this rank's heads, as the cache stores them)."""
+    embedding = model.get_input_embeddings().weight
+    weights = sum(_local(p).numel() * p.element_size() for p in model.parameters()
+                  if p is not embedding)
+    cfg = model.config
+    heads = cfg.num_key_value_heads // max(1, dist.get_world_size() if dist.is_initialized()
+                                           else 1)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    positions = prompt + new_tokens / 2
+    kv = 2 * cfg.num_hidden_layers * batch * heads * head_dim * positions * embedding.element_size()
+    return int(weights + kv)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@functools.lru_cache(maxsize=None)
+def read_bandwidth(device: str) -> float | None:
+    """Bytes per second this GPU reads from its memory (torch.sum of 2 GiB of bf16, the median
+    of 20 timed calls after 3); None off CUDA, where the bound is not reported."""
+    if device != "cuda":
+        return None
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.sum()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x
+    return (2 << 30) / statistics.median(times)
+
+
 def rank_max(values: list[list[float]], device: str) -> list[list[float]]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -525,6 +566,12 @@ def shape_rows(shape: tuple[int, int, int], models: dict, args, config, timer) -
             row.update(step_stats(*times[label], batch))
             row.update(bare_ms=bare["ms"][label], bare_host_ms=bare["host_ms"][label],
                        bare_spread=bare["spread"])
+            bandwidth = read_bandwidth(args.device)
+            if bandwidth:  # the weight-read bound of a step, and the bare step's share of it
+                read = bytes_per_step(models[row["contender"], row["params"]], batch, prompt,
+                                      new_tokens)
+                row.update(read_bytes=read, read_bandwidth=bandwidth,
+                           bound_ms=read / bandwidth * 1e3)
             if "device_profile" in bare:
                 row["device_profile"] = bare["device_profile"][label]
             if args.profile_host:
@@ -551,7 +598,8 @@ def check_tokens(rows: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     head = ["B", "prompt", "new", "params", "contender", "decode tokens/s", "step ms",
-            "step p99 ms", "host ms per step", "bare step ms", "bare step host ms",
+            "step p99 ms", "host ms per step", "bare step ms", "of the read bound",
+            "bare step host ms",
             "prefill ms", "vs Inductor", "tokens", "graphs (first call / later)", "ditron ops"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -574,11 +622,13 @@ def table(rows: list[dict]) -> str:
             tokens = f"differ from {r['reference']}: {r['first_difference']}"
         if r["calls_unlike_first"]:
             tokens += f"; {r['calls_unlike_first']} timed call(s) unlike the first"
+        bound = (f"{r['bound_ms'] / r['bare_ms']:.0%} ({r['bound_ms']:.3f} ms)"
+                 if "bound_ms" in r else "-")
         ops = ", ".join(f"{g['graph'].split()[-1]} {g['ditron_ops']}"
                         for g in r.get("ditron_graphs", [])) or "-"
         cells = shape + [f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.3f}",
                          f"{r['step_p99_ms']:.3f}", f"{r['step_host_ms']:.3f}",
-                         f"{r['bare_ms']:.3f}", f"{r['bare_host_ms']:.3f}",
+                         f"{r['bare_ms']:.3f}", bound, f"{r['bare_host_ms']:.3f}",
                          f"{r['prefill_ms']:.1f}", ratio, tokens,
                          f"{r['graphs_first_call']} / {r['graphs_later_calls']}", ops]
         lines.append("| " + " | ".join(cells) + " |")
@@ -644,6 +694,11 @@ def report(result: dict, argv: list[str]) -> None:
              else f"mode {MODE}")
           + (f" (`{STEP_GRAPH}`: no mode, the step in StepGraph's CUDA graph)"
              if STEP_GRAPH in args.contenders else "") + "\n")
+    bandwidth = next((r["read_bandwidth"] for r in rows if "read_bandwidth" in r), None)
+    if bandwidth:
+        print(f"Of the read bound: the bytes a step reads at the least (the weights but the "
+              f"embedding, the KV cache to the decode's mean position) at the measured read "
+              f"rate, {bandwidth / 1e12:.2f} TB/s, over the bare step's time.\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

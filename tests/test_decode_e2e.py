@@ -196,3 +196,19 @@ def test_graph_contenders_compile_without_a_mode():
     assert e2e_decode.parse_args(["--contenders", "inductor,ditron+graph"]).contenders
     with pytest.raises(SystemExit):  # eager has no compiled step to graph
         e2e_decode.parse_args(["--contenders", "eager+graph"])
+
+
+def test_the_read_bound_counts_the_weights_but_the_embedding_and_the_kv_cache():
+    from benchmarks import e2e_decode
+    from tests import llama_tp
+
+    config = llama_tp.llama_config()
+    model = llama_tp.build_llama(config)
+    table = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) \
+        - table.numel() * table.element_size()
+    head_dim = config.hidden_size // config.num_attention_heads
+    # B 2, prompt 8, 4 new tokens: K and V of every layer up to position 8 + 4 / 2
+    kv = 2 * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 10 * 4
+    assert e2e_decode.bytes_per_step(model, 2, 8, 4) == weights + kv
+    assert e2e_decode.read_bandwidth("cpu") is None  # no bound reported off CUDA
