@@ -25,8 +25,9 @@ def _numpy_too_new_for_the_interpreter():
 # The slowest files first: scripts/test.sh's two workers take whole files in collection order,
 # so the short files left for the end let both workers finish together.
 SLOWEST_FIRST = ("test_llama_e2e.py", "test_kernels_compile.py", "test_e2e_gloo.py",
-                 "test_bench_e2e_moe.py", "test_transformers_ep.py", "test_all_reduce_interpreter.py",
-                 "test_moe_gloo.py", "test_fp8.py", "test_causal_mask.py", "test_decode_e2e.py")
+                 "test_bench_e2e_moe.py", "test_transformers_ep.py", "test_transformers_tp.py",
+                 "test_all_reduce_interpreter.py", "test_moe_gloo.py", "test_fp8.py",
+                 "test_causal_mask.py", "test_decode_e2e.py")
 
 
 def pytest_collection_modifyitems(config, items):
