@@ -393,19 +393,14 @@ def bytes_per_step(model, batch: int, prompt: int, new_tokens: int) -> int:
     embedding table (of which it reads a row per sequence), and the KV cache up to the mean
     position of the decode (K and V of each layer, this rank's heads, as the cache stores them)."""
     embedding = model.get_input_embeddings().weight
-    weights = sum(_local(p).numel() * p.element_size() for p in model.parameters()
+    weights = sum(llama_tp.local(p).numel() * p.element_size() for p in model.parameters()
                   if p is not embedding)
     cfg = model.config
-    heads = cfg.num_key_value_heads // max(1, dist.get_world_size() if dist.is_initialized()
-                                           else 1)
+    heads = cfg.num_key_value_heads // (dist.get_world_size() if dist.is_initialized() else 1)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     positions = prompt + new_tokens / 2
     kv = 2 * cfg.num_hidden_layers * batch * heads * head_dim * positions * embedding.element_size()
     return int(weights + kv)
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,18 +410,10 @@ def read_bandwidth(device: str) -> float | None:
     if device != "cuda":
         return None
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del x
-    return (2 << 30) / statistics.median(times)
+    timer = e2e_llama.Timer(device)
+    timer(x.sum, 3)
+    ms = statistics.median(timer(x.sum, 1)[0] for _ in range(20))
+    return x.numel() * x.element_size() / (ms / 1e3)
 
 
 def rank_max(values: list[list[float]], device: str) -> list[list[float]]:

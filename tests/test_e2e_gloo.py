@@ -279,16 +279,19 @@ def dtensor_ranks(rank: int, world_size: int) -> dict:
             "up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()})
         return _compare_module(model, _randn(B, S, D, seed=5))  # replicated input
 
-    def attention():
+    def sequence_parallel_attention():
         torch.manual_seed(0)
-        model = parallelize_module(Attention(D, 8), mesh, {
+        return parallelize_module(Attention(D, 8), mesh, {
             "norm": SequenceParallel(),
             "q": ColwiseParallel(input_layouts=Shard(1)),
             "k": ColwiseParallel(input_layouts=Shard(1)),
             "v": ColwiseParallel(input_layouts=Shard(1)),
             "o": RowwiseParallel(output_layouts=Shard(1)),
         })
-        return _compare_module(model, _randn(B, S // world_size, D, seed=300 + rank))  # Shard(1)
+
+    def attention():
+        return _compare_module(sequence_parallel_attention(),
+                               _randn(B, S // world_size, D, seed=300 + rank))  # Shard(1)
 
     def attention_inductor_pass():
         # backend="inductor" under ditron_inductor.installed() against backend="ditron": the same
@@ -302,14 +305,7 @@ def dtensor_ranks(rank: int, world_size: int) -> dict:
         runs = {}
         for backend in ("ditron", "inductor"):
             torch._dynamo.reset()  # the "attention" check compiled the same code
-            torch.manual_seed(0)
-            model = parallelize_module(Attention(D, 8), mesh, {
-                "norm": SequenceParallel(),
-                "q": ColwiseParallel(input_layouts=Shard(1)),
-                "k": ColwiseParallel(input_layouts=Shard(1)),
-                "v": ColwiseParallel(input_layouts=Shard(1)),
-                "o": RowwiseParallel(output_layouts=Shard(1)),
-            })
+            model = sequence_parallel_attention()
             start = len(graph_pass.reports)
             with ditron_inductor.installed() if backend == "inductor" else contextlib.nullcontext():
                 xi = x.detach().clone().requires_grad_()

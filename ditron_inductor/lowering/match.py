@@ -611,6 +611,5 @@ def _exchange_left(node: Node) -> Unmatched:
     """An all-to-all that neither feeds nor follows the experts' grouped GEMMs."""
     exchange = as_exchange(node)
     if exchange is None:
-        return declined(node, "its result is not waited on by one wait_tensor alone (and row "
-                        "counts)")
+        return declined(node, f"{_NOT_ONE_WAIT} (and row counts)")
     return no_matmul_served(node, exchange.wait, upstream=True, downstream=True)
