@@ -489,10 +489,11 @@ def test_functional_collectives(world_size, check):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("check", sorted(DTENSOR_EXPECTED))
-def test_dtensor_tensor_parallel(world_size, check):
-    _assert_check(_results("dtensor_ranks", world_size, check), DTENSOR_EXPECTED[check])
+def test_dtensor_tensor_parallel(check):
+    # 2 ranks: the functional-collective checks above take the same patterns to 4 ranks, and a
+    # 4-rank launch of these modules costs more than a minute of the suite's 2 cores
+    _assert_check(_results("dtensor_ranks", 2, check), DTENSOR_EXPECTED[check])
 
 
 @pytest.mark.slow
