@@ -96,17 +96,10 @@ def run_block(rank: int, world_size: int, device: str) -> bool:
     torch.manual_seed(0)  # the same full weights and input on every rank
     mesh = DeviceMesh(device, list(range(world_size)))
     block = build_block().to(device)
-    parallelize_module(block, mesh, {
-        "attn_norm": SequenceParallel(),
-        "q": ColwiseParallel(input_layouts=Shard(1)),
-        "k": ColwiseParallel(input_layouts=Shard(1)),
-        "v": ColwiseParallel(input_layouts=Shard(1)),
-        "o": RowwiseParallel(output_layouts=Shard(1)),
-        "mlp_norm": SequenceParallel(),
-        "gate": ColwiseParallel(input_layouts=Shard(1)),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-    })
+    plan = {name: ColwiseParallel(input_layouts=Shard(1)) for name in ("q", "k", "v", "gate", "up")}
+    plan.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in ("o", "down")})
+    plan.update({name: SequenceParallel() for name in ("attn_norm", "mlp_norm")})
+    parallelize_module(block, mesh, plan)
     full_x = torch.randn(BATCH, SEQ, DIM, device=device)
     x = full_x.chunk(world_size, dim=1)[rank].contiguous()  # this rank's sequence shard
     grad_out = torch.randn(BATCH, SEQ, DIM, device=device).chunk(world_size, dim=1)[rank]

@@ -1,41 +1,11 @@
 """ditron as Inductor passes, for frameworks that compile with `backend="inductor"` and take graph
-passes through Inductor's config rather than a backend name.
+passes through Inductor's config rather than a backend name (docs/frameworks.md: each entry point,
+what it does not do, the vLLM and torchtitan recipes).
 
-    import ditron_inductor
-
-    # vLLM: its PostGradPassManager runs the pass after its own (vLLM asserts its own
-    # InductorPass type, hence the wrapper; the uuid keys vLLM's and Inductor's caches)
-    from vllm.compilation.inductor_pass import CallableInductorPass
-    ditron = ditron_inductor.post_grad_pass()
-    CompilationConfig(inductor_compile_config={
-        "post_grad_custom_post_pass": CallableInductorPass(ditron, ditron.uuid())})
-
-    # anything that compiles with backend="inductor" (torchtitan's FlexAttention models):
-    ditron_inductor.install()                       # for every later compile of the process
-    with ditron_inductor.installed(): ...           # for the compiles started inside
-    torch.compile(m, options=ditron_inductor.inductor_config())   # for one compile
-
-What `backend="ditron"` does, and which part each pass does:
-
-- `post_grad_pass()`, Inductor's `post_grad_custom_post_pass`: every collective + matmul
-  fusion, forward and backward, and the decode GEMM template (`ditron.decode_gemm`): the same
-  `DitronPass` the backend installs, with the same decisions and log lines.
-- `pre_grad_pass()`, Inductor's `pre_grad_custom_pass`, which runs on Dynamo's graph before
-  AOTAutograd: the causal-mask rewrite (`ditron.causal_mask`) and grouped-query packing
-  (`ditron.gqa_packing`), which need that graph (the backend runs them on it before compile_fx).
-  The post-grad pass alone does neither: a framework that lets no pass see Dynamo's graph (vLLM
-  keeps `pre_grad_custom_pass` for itself) gets the fusions and the decode GEMM only.
-- `install`, `installed` and `inductor_config` set both, and turn Inductor's FX graph cache and
-  AOTAutograd's cache off while the ditron log is at INFO (as the backend does, so that every
-  run logs its decisions); what they do not do is report a graph served from those caches (the
-  backend's "served from Inductor's cache" line): with the log off, a cached graph is compiled
-  as the pass compiled it, silently.
-
-Options are the backend's: `options={"ditron.plan": "fused", ...}` (only `ditron.*` keys) over
-the `DITRON_*` environment variables, read when the pass is made; a bad one is an `OptionError`
-there. With `ditron.enabled=0` the passes do nothing. Each call also installs the exit handler
-that releases ditron's symmetric memory and CUDA graphs before the process groups
-(`clean_exit`).
+`post_grad_pass()` is the backend's `DitronPass`; `pre_grad_pass()` its rewrites of Dynamo's graph
+(the causal mask, grouped-query packing), which need that graph. Options are the backend's
+(`ditron.*` keys over the `DITRON_*` variables, read when the pass is made); with
+`ditron.enabled=0` the passes do nothing. Each call also installs `clean_exit`'s handler.
 """
 
 from __future__ import annotations
@@ -109,33 +79,31 @@ def _without_ditron(user_pass):
     return None if isinstance(user_pass, _Off) else user_pass
 
 
-def post_grad_pass(options: Optional[Mapping[str, Any]] = None,
-                   user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None) -> CustomGraphPass:
-    """The post-grad pass of `backend="ditron"` (a `CustomGraphPass` with its `uuid()`), for
-    Inductor's `post_grad_custom_post_pass`: the collective + matmul fusions and the decode GEMM
-    template. `user_pass`, a pass that was already there, runs first. See the module docstring
-    for what it does not do."""
+def _make(cls, options, user_pass) -> CustomGraphPass:
+    """`cls` with the options, after `user_pass`; under ditron.enabled=0 `user_pass` alone."""
     opts = _options(options)
     clean_exit.install()
     user_pass = _without_ditron(user_pass)
     if not opts.enabled:
-        log.info("ditron is off (ditron.enabled / DITRON_ENABLED): Inductor compiles the graph "
-                 "as it is")
+        if cls is DitronPass:  # one line for both passes
+            log.info("ditron is off (ditron.enabled / DITRON_ENABLED): Inductor compiles the "
+                     "graph as it is")
         return user_pass if user_pass is not None else _Off()
-    return DitronPass(opts, user_pass)
+    return cls(opts, user_pass)
+
+
+def post_grad_pass(options: Optional[Mapping[str, Any]] = None,
+                   user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None) -> CustomGraphPass:
+    """For Inductor's `post_grad_custom_post_pass`: the collective + matmul fusions and the decode
+    GEMM template; `user_pass`, a pass that was already there, runs first."""
+    return _make(DitronPass, options, user_pass)
 
 
 def pre_grad_pass(options: Optional[Mapping[str, Any]] = None,
                   user_pass: Optional[Callable[[torch.fx.Graph], Any]] = None) -> CustomGraphPass:
-    """The rewrites `backend="ditron"` makes to Dynamo's graph before AOTAutograd (the causal
-    mask, grouped-query packing), for Inductor's `pre_grad_custom_pass`; `user_pass` runs
-    first."""
-    opts = _options(options)
-    clean_exit.install()
-    user_pass = _without_ditron(user_pass)
-    if not opts.enabled:
-        return user_pass if user_pass is not None else _Off()
-    return DitronPreGradPass(opts, user_pass)
+    """For Inductor's `pre_grad_custom_pass`: the causal-mask and grouped-query rewrites;
+    `user_pass` runs first."""
+    return _make(DitronPreGradPass, options, user_pass)
 
 
 def inductor_config(options: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from expecttest import TestCase
 
 from ditron_inductor import config
 from ditron_inductor.lowering.graph_pass import run_pass
-from ditron_inductor.lowering.match import find_matches
+from ditron_inductor.lowering.match import find_candidates
 from tests.fx_helpers import (
     all_gather,
     all_reduce,
@@ -111,7 +111,7 @@ return [reshape_default_4, mm_1]
         with fake_group(2) as g:
             args = randn(2, 4, 16), randn(32, 16), randn(32, 16)
             report = rewrite(trace(sp_mlp, *args))
-            match, = find_matches(trace(sp_mlp, *args).graph)
+            match, = find_candidates(trace(sp_mlp, *args).graph)[0]
         self.assertEqual(report.candidates[0].task,
                          "all_gather_matmul M=16 K=16 N=32,32 float32 world=2 group=0 dim=1, "
                          "rank-major rows reordered in the graph")
@@ -141,8 +141,8 @@ return [reshape_default_4, mm_1]
         with fake_group(2):
             gm = trace(sp_batch_1, randn(1, 4, 16), randn(16, 32), randn(8, 32))
             report = rewrite(gm)
-            match, = find_matches(trace(sp_batch_1, randn(1, 4, 16), randn(16, 32),
-                                        randn(8, 32)).graph)
+            match, = find_candidates(trace(sp_batch_1, randn(1, 4, 16), randn(16, 32),
+                                           randn(8, 32)).graph)[0]
         self.assertEqual([(c.task, c.fused) for c in report.candidates], [
             ("all_gather_matmul M=8 K=16 N=32 float32 world=2 group=0", True)])
         self.assertEqual(match.notes, ["mm_1 takes it transposed: it reads the gathered activation"])

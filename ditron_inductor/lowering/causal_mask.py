@@ -21,6 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..log_names import LOGGER_NAME
+from .nodes import call_arg
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -119,10 +120,6 @@ def classify(mask: torch.Tensor, queries: int, keys: int) -> Optional[str]:
         return NO_MASK
     causal = torch.ones(queries, keys, dtype=torch.bool, device=attends.device).tril()
     return CAUSAL if bool((attends == causal).all()) else None
-
-
-def call_arg(node: Node, index: int, name: str) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
 def set_call_arg(node: Node, index: int, name: str, value: Any) -> None:

@@ -121,7 +121,7 @@ def _with_dim2_inserted(node: Any) -> Optional[Node]:
         return None
     if _is_method(node, "unsqueeze") or (node.op == "call_function"
                                          and node.target is torch.unsqueeze):
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dim = call_arg(node, 1, "dim")
         return node.args[0] if dim == 2 and isinstance(node.args[0], Node) else None
     return None
 

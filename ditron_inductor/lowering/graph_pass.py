@@ -198,13 +198,8 @@ def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphR
     name = graph_name(graph)
     matches, unmatched = find_candidates(graph, options.patterns)
     total = len(collectives(graph))
-    if not matches:
-        report = GraphReport(name, (), collectives=total,
-                             left=_left_collectives(name, graph, {}, unmatched))
-        reports.append(report)
-        log.info("graph %s: %s", name, report.summary())
-        return report
-    log.debug("graph %s before the ditron pass:\n%s", name, graph)
+    if matches:
+        log.debug("graph %s before the ditron pass:\n%s", name, graph)
 
     # Tasks first: they are shapes and dtypes, which rewrites do not change, and a rewrite may
     # erase a node that a later match shares (the later match is then rejected).

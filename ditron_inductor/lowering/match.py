@@ -44,7 +44,7 @@ from ..scheduler.task import (
 from ..patterns import PATTERNS
 from .left import Unmatched, declined, is_collective, no_matmul_served, op_name
 from .moe import as_exchange, find_moe_matches
-from .nodes import RESHAPES, fake, is_call, matmul_arg, summands, weight_from_output
+from .nodes import RESHAPES, call_arg, fake, is_call, matmul_arg, summands, weight_from_output
 from .norm import RmsNormTail, find_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
@@ -104,7 +104,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
     slices = [u for u in src.users if is_call(u, aten.slice.Tensor)]
     if len(splits) == 1 and not slices:
         split = splits[0]
-        if _split_dim(split) % ndim != chunk_dim or len(fake(split)) != world_size:
+        if call_arg(split, 2, "dim", 0) % ndim != chunk_dim or len(fake(split)) != world_size:
             return None
         pieces = sorted(split.users,
                         key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
@@ -129,7 +129,7 @@ def match_chunk_cat(src: Node, chunk_dim: int, world_size: int) -> Optional[Chun
     cat = cats.pop()
     if not is_call(cat, aten.cat.default) or list(cat.args[0]) != pieces:
         return None
-    cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    cat_dim = call_arg(cat, 1, "dim", 0)
     if as_bytes:  # the concatenated bytes viewed back as src's dtype
         back = list(cat.users)
         if len(back) != 1 or not is_call(back[0], aten.view.dtype) or (
@@ -553,12 +553,9 @@ def _chunk_source(cat: Node) -> Node:
 
 def _chunk_dim(cat: Node) -> int:
     first = cat.args[0][0]
-    dim = _split_dim(first.args[0]) if is_call(first, operator.getitem) else first.args[1]
+    split = is_call(first, operator.getitem)
+    dim = call_arg(first.args[0], 2, "dim", 0) if split else first.args[1]
     return dim % len(fake(_chunk_source(cat)).shape)
-
-
-def _split_dim(split: Node) -> int:
-    return split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
 
 
 def _chunk_cat_into(cat: Node, world_size: int) -> Optional[ChunkCat]:
@@ -584,14 +581,10 @@ def group_size(group_name: str) -> int:
         return 0
 
 
-def find_matches(graph: Graph, patterns=PATTERNS) -> list:
-    """All candidates in graph order, `problem` set where one cannot be rewritten; an all-reduce
-    takes the RMSNorm after it where that pattern is among `patterns`."""
-    return find_candidates(graph, patterns)[0]
-
-
 def find_candidates(graph: Graph, patterns=PATTERNS) -> tuple[list, list[Unmatched]]:
-    """find_matches' candidates, and every other collective of the graph with why it is none."""
+    """The candidates in graph order (`problem` set where one cannot be rewritten; an all-reduce
+    takes the RMSNorm after it where that pattern is among `patterns`), and every other
+    collective of the graph with why it is none."""
     found: list = []
     for node in graph.nodes:
         if is_call(node, c10d.all_gather_into_tensor.default):

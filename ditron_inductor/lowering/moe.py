@@ -27,15 +27,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from ..scheduler.task import Task, all_to_all_grouped_mm_task, grouped_mm_all_to_all_task
 from .graph_edit import erase_unused, insert_call, insert_getitem
-from .nodes import fake, is_call, matmul_arg, summands, weight_from_output
+from .nodes import call_arg, fake, is_call, matmul_arg, summands, weight_from_output
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 ditron = torch.ops.ditron
-
-
-def _arg(node: Node, index: int, name: str, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _vals(sizes) -> list:
@@ -55,15 +51,15 @@ class GroupedMm:
 
     a = property(lambda self: self.node.args[0])
     weight = property(lambda self: self.node.args[1])
-    offsets = property(lambda self: _arg(self.node, 2, "offs"))
+    offsets = property(lambda self: call_arg(self.node, 2, "offs"))
 
 
 def as_grouped_mm(node: object) -> Optional[GroupedMm]:
     if not is_call(node, aten._grouped_mm.default):
         return None
-    if _arg(node, 3, "bias") is not None or _arg(node, 4, "out_dtype") is not None:
+    if call_arg(node, 3, "bias") is not None or call_arg(node, 4, "out_dtype") is not None:
         return None
-    if _arg(node, 2, "offs") is None or fake(node.args[0]).dim() != 2 or fake(
+    if call_arg(node, 2, "offs") is None or fake(node.args[0]).dim() != 2 or fake(
             node.args[1]).dim() != 3:
         return None
     return GroupedMm(node)
@@ -113,7 +109,7 @@ def _loop_matmuls(rows: Node) -> tuple[list[Node], int]:
     for u in rows.users:
         if is_call(u, aten.split_with_sizes.default, aten.split.Tensor):
             pieces += [p for p in u.users if is_call(p, operator.getitem)]
-        elif is_call(u, aten.slice.Tensor) and _arg(u, 1, "dim", 0) == 0:
+        elif is_call(u, aten.slice.Tensor) and call_arg(u, 1, "dim", 0) == 0:
             pieces.append(u)
     mms = [mm for p in pieces for mm in p.users if _is_matmul(mm) and matmul_arg(mm, "a") is p]
     return mms, len(pieces)
@@ -250,7 +246,7 @@ class GroupedMmAllToAllMatch(_ExpertsMatch):
 
     @property
     def accumulate(self) -> bool:
-        return self.scatter is not None and bool(_arg(self.scatter, 3, "accumulate", False))
+        return self.scatter is not None and bool(call_arg(self.scatter, 3, "accumulate", False))
 
     def _task(self) -> Task:
         ex = self.exchange

@@ -35,6 +35,10 @@ def matmul_arg(node: Node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
+def call_arg(node: Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def is_call(node: object, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

@@ -42,8 +42,7 @@ stats = {"all_gather_matmul": 0, "all_gather_scaled_mm": 0}
 def all_gather_scaled_mm_fused(task: Task, plan: AllGatherPlan, a_shard, scale_a, weights,
                                scales_b, biases, out_dtype, use_fast_accum, gather_dim,
                                group_name, world_size):
-    # declined before the protocol starts, alike on every rank (plan, shapes and dtypes agree),
-    # with what _scaled_mm would reject once the peers were signalled
+    # what _scaled_mm would reject once the peers were signalled
     if plan.gemm != CUBLAS:
         return decline("fp8: the cuBLAS plan only (_scaled_mm per group of chunks)")
     if scale_a.numel() != 1 or any(s.numel() != 1 for s in scales_b):

@@ -443,8 +443,8 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
 
 def matmul_all_reduce_fused(task: Task, plan: AllReducePlan, a, b, bias, out_shape, reduce_op,
                             group_name, world_size):
-    """a, b: the op's terms (one each for a single matmul). A sum of several (MatmulSum) runs
-    on cuBLAS plans only; the decline comes before the protocol, alike on every rank."""
+    """a, b: the op's terms (one each for a single matmul); a sum of several (MatmulSum) runs
+    on cuBLAS plans only."""
     terms, why = MatmulSum.of(a, b)
     if why:
         return decline(why)

@@ -1,10 +1,7 @@
 """A wait that gave up: its report, read on the host without synchronising, and the error.
 
-Every flag wait of the fused kernels is bounded by default (ditron.wait_timeout_s=auto): by the
-timeout of the op's process group, which is what the user set for how late a peer may be (NCCL's
-watchdog aborts a collective after it; 10 minutes by default for NCCL, 30 for gloo), so a peer
-that a checkpoint, a first-launch compile or autotuning holds back is waited for as NCCL would
-wait for it, and no longer. 0 is unbounded.
+Every flag wait is bounded by default by the timeout of the op's process group (the user's bound
+on how late a peer may be, after which NCCL's watchdog aborts too); 0 is unbounded.
 
 A wait that gives up (templates/flags.give_up) claims its context's error words and writes one
 process-wide report into host-mapped (pinned) memory: the wait's code, the epoch it saw and the

@@ -1,7 +1,8 @@
 """What the fused implementations share: declining an input, flag waits on a stream, errors of
 bounded waits, and the GEMM launchers (the persistent Triton tile programs, cuBLAS). A fused
-implementation returns None (the op runs its reference path) for an input it does not serve;
-`decline` logs why at debug level.
+implementation returns None (the op runs its reference path) for an input it does not serve,
+before any protocol step and for rank-invariant reasons (shapes, dtypes, the plan), so that every
+rank declines alike; `decline` logs why at debug level.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class MatmulSum:
     @classmethod
     def of(cls, a: list, b: list) -> tuple[Optional["MatmulSum"], Optional[str]]:
         """(None, None) for one term, (MatmulSum, None) for more, or (None, why) where the fused
-        plans cannot take the terms (checked before any protocol step, alike on every rank)."""
+        plans cannot take the terms."""
         if len(a) != len(b):
             return None, "terms: as many left operands as right ones"
         first, n = a[0], b[0].shape[-1]

@@ -38,7 +38,6 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
                                    bias, out_dtype, use_fast_accum, out_shape, scatter_dim,
                                    reduce_op, group_name, world_size):
     """a, b, scale_a, scale_b: one per term of the sum (ScaledSum), one for a single product."""
-    # declined before the protocol starts, alike on every rank (shapes and dtypes agree)
     gemms = []
     for i, (a_i, b_i, s_a, s_b) in enumerate(zip(a, b, scale_a, scale_b)):
         gemm, why = Scaled.checked(a_i, [b_i], s_a, [s_b], [bias if i == 0 else None],
@@ -54,8 +53,7 @@ def scaled_mm_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, sc
 
 def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape,
                                 scatter_dim, reduce_op, group_name, world_size):
-    """a, b: the op's terms (several: a sum of products, MatmulSum); what the plan cannot take is
-    declined before the protocol starts, alike on every rank."""
+    """a, b: the op's terms (several: a sum of products, MatmulSum)."""
     terms, why = MatmulSum.of(a, b)
     if why:
         return decline(why)

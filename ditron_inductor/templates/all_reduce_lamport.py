@@ -68,7 +68,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
     block_rows = tl.cdiv(tl.cdiv(numel, BLOCK), WORLD)
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
-    mine = peer_ptr(data_table, rank, dtype, True)
+    mine = peer_ptr(data_table, rank, dtype)
     slots = (1 + epoch % 2) * stride  # this call's scatter slots
     sums = (3 + epoch % 2) * stride  # this call's sums
     if SEND:
@@ -76,7 +76,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
             for q in tl.static_range(WORLD):
                 idx = owned_block(i, q, WORLD) * BLOCK + offs
                 part = sendable(tl.load(mine + idx, mask=idx < numel, other=0.0))
-                tl.store(peer_ptr(data_table, q, dtype, True) + slots
+                tl.store(peer_ptr(data_table, q, dtype) + slots
                          + (i * WORLD + rank) * BLOCK + offs, part, mask=idx < numel)
     if REDUCE:
         for i in range(pid, block_rows, nprog):
@@ -86,7 +86,7 @@ def lamport_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err
                 (ranks[:, None] < WORLD) & (idx[None, :] < numel), limit, err_ptr)
             total = sendable(tl.sum(parts.to(tl.float32), axis=0).to(dtype))
             for q in tl.static_range(WORLD):
-                tl.store(peer_ptr(data_table, q, dtype, True) + sums + idx, total,
+                tl.store(peer_ptr(data_table, q, dtype) + sums + idx, total,
                          mask=idx < numel)
     if COPY:
         for i in range(pid, block_rows, nprog):
@@ -119,7 +119,7 @@ def lamport_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr,
     dtype = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
-    mine = peer_ptr(data_table, rank, dtype, True)
+    mine = peer_ptr(data_table, rank, dtype)
     call_slots = stride + (epoch % 2) * WORLD * stride  # this call's W slots
     if SEND:
         send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, True, BLOCK, WORLD)

@@ -147,7 +147,7 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
     ranks = tl.arange(0, WORLD_P2)
     peer_flags = tl.load(flag_table + ranks, mask=ranks < WORLD, other=0).to(
         tl.pointer_type(tl.int32))
-    mine = peer_ptr(data_table, rank, dtype, True)
+    mine = peer_ptr(data_table, rank, dtype)
     if SEND and not CHUNKED:
         tl.atomic_xchg(peer_flags + K_STARTED + pid * WORLD + rank, epoch,
                        mask=ranks < WORLD, sem="release", scope="sys")
@@ -167,11 +167,11 @@ def push_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, err_pt
                                             WORLD_P2)
             acc = tl.zeros([BLOCK], tl.float32)
             for q in tl.static_range(WORLD):
-                part = tl.load(peer_ptr(data_table, q, dtype, True) + idx, mask=mask, other=0.0)
+                part = tl.load(peer_ptr(data_table, q, dtype) + idx, mask=mask, other=0.0)
                 acc += part.to(tl.float32)
             total = acc.to(dtype)
             for q in tl.static_range(WORLD):
-                tl.store(peer_ptr(data_table, q, dtype, True) + idx, total,
+                tl.store(peer_ptr(data_table, q, dtype) + idx, total,
                          mask=mask & (offs * 0 + q != own))
             if not CHUNKED:  # my own block, from registers
                 finish_block(h_ptr, y_ptr, res_ptr, w_ptr, idx, mask, total, eps, HAS_RES, NORM,
@@ -208,7 +208,7 @@ def send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, MARKE
         if MARKED:
             part = sendable(part)
         for q in tl.static_range(WORLD):
-            tl.store(peer_ptr(data_table, q, dtype, True) + call_slots + rank * stride + idx,
+            tl.store(peer_ptr(data_table, q, dtype) + call_slots + rank * stride + idx,
                      part, mask=idx < numel)
 
 
@@ -225,7 +225,7 @@ def push_all_kernel(data_table, flag_table, flags_ptr, epoch_ptr, arrive_ptr, er
     dtype = h_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     ranks = tl.arange(0, WORLD_P2)
-    mine = peer_ptr(data_table, rank, dtype, True)
+    mine = peer_ptr(data_table, rank, dtype)
     call_slots = slots + (epoch % 2) * WORLD * stride  # this call's half of the slots
     if SEND:
         send_partial_to_all(data_table, mine, call_slots, rank, stride, numel, False, BLOCK,

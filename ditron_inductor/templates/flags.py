@@ -65,13 +65,10 @@ def load_acquire(ptr):
 
 
 @triton.jit
-def peer_ptr(table_ptr, peer, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """`peer`'s buffer base (the table's int64) as a typed pointer. ALIGNED: declare it 16-byte
-    aligned (symmetric buffers are), so that the compiler may emit 16-byte loads and stores."""
-    ptr = tl.load(table_ptr + peer).to(tl.pointer_type(dtype))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
+def peer_ptr(table_ptr, peer, dtype: tl.constexpr):
+    """`peer`'s buffer base (the table's int64) as a typed pointer, declared 16-byte aligned
+    (symmetric buffers are), so that the compiler may emit 16-byte loads and stores."""
+    return tl.multiple_of(tl.load(table_ptr + peer).to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
