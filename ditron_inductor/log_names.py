@@ -15,7 +15,8 @@ import sys
 LOGGER_NAME = "ditron"
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank in the default group, 0 where there is none."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return 0
@@ -39,7 +40,7 @@ class _RankZeroAtInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING or logger.isEnabledFor(logging.DEBUG):
             return True
-        return _all_ranks.get() or _rank() == 0
+        return _all_ranks.get() or process_rank() == 0
 
 
 def _configure_like_torch(logger: logging.Logger) -> None:

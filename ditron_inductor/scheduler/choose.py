@@ -60,7 +60,8 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     unfused = row.ms[evidence.NCCL_CUBLAS] + sum_ms
     rm, rk, rn = row.shape
     summary = (f"measured on {task.world_size} ranks at {rm}x{rk}x{rn} ({row.source}): "
-               f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms")
+               f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms"
+               + ("" if row.source.startswith(evidence.CALIBRATION) else "; shipped table"))
     label = fastest if unfused >= fused * policy.MEASURED_MIN_GAIN else None
     return MeasuredDecision(fastest, label, fused, unfused, summary)
 
@@ -93,7 +94,18 @@ def _world1_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
     if costs is None:
         return ""
     return (f"; compute measured at world size 1: fused {costs.fused_ms:.3f} vs unfused "
-            f"{costs.unfused_ms:.3f} ms")
+            f"{costs.unfused_ms:.3f} ms" + (f" ({costs.source})" if costs.source else ""))
+
+
+def _model_gain(task: Task) -> float:
+    """The gain a link-model prediction must show: wider where its constants were not
+    measured on this card."""
+    return (policy.MIN_GAIN if evidence.link_measured(task.world_size)
+            else policy.UNCALIBRATED_MIN_GAIN)
+
+
+def _margin_note(gain: float) -> str:
+    return "" if gain == policy.MIN_GAIN else f"; uncalibrated card: fused from {gain}x"
 
 
 def _with_prediction(plan: FusedPlan, unfused: float, fused: float) -> FusedPlan:
@@ -119,9 +131,11 @@ def all_gather_or_reduce_scatter_plan(task: Task,
     base = preds.pop(evidence.NCCL_CUBLAS)
     best = min(preds, key=preds.get)
     plan = candidate_plan(task, best)
-    summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms"
+    gain = _model_gain(task)
+    summary = (f"predicted NCCL+cuBLAS {base:.3f} ms, best fused {best} {preds[best]:.3f} ms "
+               f"({evidence.link_source(task.world_size)}{_margin_note(gain)})"
                f"{_world1_note(task, plan, cuda_graphs)}")
-    if preds[best] * policy.MIN_GAIN > base:
+    if preds[best] * gain > base:
         return None, f"no predicted gain: {summary}"
     return _with_prediction(plan, base, preds[best]), f"fused plan {best}: {summary}"
 
@@ -158,14 +172,18 @@ def _costed_all_reduce_plan(task: Task, plan: AllReducePlan, cuda_graphs: bool,
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
     world1 = evidence.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
                                    size_hint(task.k), task.n_total)
+    if world1 is None and not evidence.calibrated():
+        return None, f"no world-1 measurement on this uncalibrated card: {KEEP}"
     if world1 is None:
         note = f"no world-1 measurement near this shape ({evidence.world1_source()})"
     else:
         costs = link_model.all_reduce_costs(task, plan, evidence.link(task.world_size),
                                             world1.fused_ms, world1.unfused_ms)
-        if costs.fused * policy.MIN_GAIN > costs.unfused:
-            return None, f"no predicted gain: {costs.describe()}: {KEEP}"
-        note = costs.describe()
+        gain = _model_gain(task)
+        note = (f"{costs.describe()}; compute from {world1.source or 'the shipped table'}, "
+                f"{evidence.link_source(task.world_size)}{_margin_note(gain)}")
+        if costs.fused * gain > costs.unfused:
+            return None, f"no predicted gain: {note}: {KEEP}"
         plan = _with_prediction(plan, costs.unfused, costs.fused)
     return plan, (f"fused plan {plan.algo}{' ' + where if where else ''} (M={task.m_hint}, "
                   f"{how}; {note})")
@@ -181,7 +199,7 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
              else "_scaled_mm per rank's rows, each pushed by the copy engine")
     where = (f"chosen on {policy.FP8_CHOSEN_WORLD} ranks from M {policy.FP8_CHOSEN_MIN_M}, "
              "launched eagerly, where the float8 training step measured faster fused")
-    if policy.fp8_chosen(task, cuda_graphs):
+    if policy.fp8_chosen(task, cuda_graphs) and evidence.card_matches():
         plan = fused_plan(task)
         return plan, f"fused plan {plan.label} ({fused}): {where}"
     return None, (f"the fp8 plan ({policy.FP8_LABEL}: {fused}) is {where}: {keep}, "
@@ -197,6 +215,8 @@ def moe_not_fused(op: str) -> str:
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why); a None plan leaves the graph as it was. cuda_graphs: the compiled graph is
     replayed as a CUDA graph."""
+    if not evidence.agreed():
+        return None, f"the ranks' scheduler evidence differs (warned above): {KEEP}"
     if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE):
         return scaled_mm_plan(task, cuda_graphs)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):

@@ -1,21 +1,36 @@
-"""The measured evidence the scheduler decides from: data files in evidence/, each with its
-provenance (machine, date, command).
+"""The measured evidence the scheduler decides from, each table with its provenance (machine,
+date, command), read in this order:
 
-- link.json: the link model's constants, one calibration per world size measured;
-- world1_compute.json: a fused plan's compute on one GPU beside the unfused compute it replaces;
-- measured_plans.json: every AG/RS candidate timed at a shape and world size beside NCCL + cuBLAS.
+1. this machine's calibration (`python -m ditron_inductor.calibrate`), a JSON file in
+   $XDG_CACHE_HOME/ditron_inductor/calibration (default ~/.cache/...) named by what makes it
+   valid (`machine()`: GPU, SMs, memory, peer access, driver, torch, Triton, ditron);
+2. the shipped tables in evidence/, where the card is one they were measured on (SHIPPED_CARDS):
+   link.json (the link model's constants, one calibration per world size), world1_compute.json
+   (a fused plan's compute on one GPU beside the unfused compute it replaces), measured_plans.json
+   (every AG/RS candidate timed at a shape and world size beside NCCL + cuBLAS);
+3. the link model with link.json's constants, whose margin is wider on a card of neither
+   (choose.py).
 
-The files ship in the package: every rank reads the same rows, so the decisions they feed are
-the same on every rank whatever GPU or load each one has.
+Every rank must read the same numbers: the first read checks that every rank holds the same
+calibration (`agreed`); where they differ every site keeps NCCL + cuBLAS.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
+import hashlib
 import json
+import logging
 import math
+import os
 import pathlib
+import re
 from typing import NamedTuple, Optional
+
+from ..log_names import LOGGER_NAME, process_rank
+
+log = logging.getLogger(LOGGER_NAME)
 
 DIRECTORY = pathlib.Path(__file__).with_name("evidence")
 LINK = DIRECTORY / "link.json"
@@ -27,6 +42,14 @@ NCCL_CUBLAS = "nccl_cublas"  # the unfused contender's key among a measured row'
 WORLD1_NEAR, MEASURED_NEAR = 2.0, 1.25
 # Below this many rows a call's time is latency (launches, waits), not work: not scaled.
 SCALED_FROM_M = 1024
+# The cards the shipped tables were measured on (their sources' machines): Hopper SXM, 132 SMs,
+# NVLink; the tables mix the two. No GPU visible ("cpu": decisions for CUDA tasks in tests on a
+# host without one) reads them too.
+SHIPPED_CARDS = ("H100", "H200")
+CALIBRATION = "this machine's calibration"
+# Ranks reach their first decision within one compile of each other; a rank not there by then
+# counts as disagreeing (bounded: never a hang).
+AGREE_TIMEOUT_S = 60.0
 
 
 def _read(path: pathlib.Path) -> dict:
@@ -41,6 +64,129 @@ def _log_distance(shape, other, near: float) -> Optional[float]:
     """Sum of |log| ratios of two (M, K, N), or None where a dim is not within `near`."""
     logs = [abs(math.log(a / b)) for a, b in zip(shape, other)]
     return sum(logs) if max(logs) <= math.log(near) else None
+
+
+# ------------------------------------------------------------- this machine's calibration
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "ditron_inductor" / "calibration"
+
+
+@functools.cache
+def machine() -> dict:
+    """What makes a calibration valid on this machine ("cpu": no GPU visible)."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        ditron = importlib.metadata.version("ditron-inductor")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+        ditron = "source"
+    m = dict(gpu="cpu", sms=0, memory_gib=0, peers="", driver="", torch=torch.__version__,
+             triton="", ditron=ditron)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        n = torch.cuda.device_count()
+        access = [torch.cuda.can_device_access_peer(i, j)
+                  for i in range(n) for j in range(n) if i != j]
+        driver = pathlib.Path("/proc/driver/nvidia/version")
+        found = re.search(r"\d+\.\d+[.\d]*", driver.read_text()) if driver.exists() else None
+        m.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30),
+                 peers=f"{n} GPUs, peer access "
+                       f"{'all' if all(access) else 'some' if any(access) else 'none'}",
+                 driver=found.group() if found else "", triton=__import__("triton").__version__)
+    return m
+
+
+def calibration_path(m: Optional[dict] = None) -> pathlib.Path:
+    m = m or machine()
+    key = hashlib.sha1(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / f"{m['gpu'].replace(' ', '_')}-{key}.json"
+
+
+def card_matches() -> bool:
+    """Whether the shipped tables were measured on this card."""
+    gpu = machine()["gpu"]
+    return gpu == "cpu" or any(card in gpu for card in SHIPPED_CARDS)
+
+
+class Local(NamedTuple):
+    data: dict  # this machine's calibration, {} where none
+    digest: str
+
+
+_round = [0]  # agreement rounds: a re-read (clear_caches) agrees anew, on every rank alike
+
+
+@functools.cache
+def local() -> Local:
+    path = calibration_path()
+    text = path.read_text() if path.exists() else ""
+    return Local(json.loads(text) if text else {},
+                 hashlib.sha1(text.encode()).hexdigest()[:12] if text else "none")
+
+
+@functools.cache
+def calibrated() -> bool:
+    """Whether this machine has evidence of its own card; says once (rank 0) where it has not."""
+    if local().data or card_matches():
+        return True
+    if process_rank() == 0:
+        log.warning("ditron: this machine (%s) is uncalibrated and the shipped tables were "
+                    "measured on %s: fused only where the link model predicts a wide gain. "
+                    "Calibrate once per world size W: torchrun --nproc-per-node W -m "
+                    "ditron_inductor.calibrate --sites llama-8b", machine()["gpu"],
+                    "/".join(SHIPPED_CARDS))
+    return False
+
+
+def agree(store, rank: int, world: int, digest: str, timeout_s: float) -> bool:
+    """Whether every rank set the same digest in `store`: each rank sets its own, waits for the
+    others' (bounded), and proposes a verdict; the first proposal wins on every rank."""
+    store.set(str(rank), digest)
+    try:
+        store.wait([str(r) for r in range(world)], datetime.timedelta(seconds=timeout_s))
+        same = all(store.get(str(r)).decode() == digest for r in range(world))
+    except Exception:  # noqa: BLE001 - a rank that did not come in time: not agreed
+        same = False
+    return store.compare_set("verdict", "", "same" if same else "differ") == b"same"
+
+
+@functools.cache
+def agreed() -> bool:
+    """Whether every rank of the default group holds the same calibration (checked once)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
+            or dist.get_backend() == "fake":
+        return True
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = dist.PrefixStore(f"ditron/evidence/{_round[0]}", _get_default_store())
+    same = agree(store, dist.get_rank(), dist.get_world_size(), local().digest, AGREE_TIMEOUT_S)
+    if not same:
+        log.warning("ditron: the ranks' scheduler evidence differs (this rank's calibration: "
+                    "%s, %s): every site keeps NCCL + cuBLAS. Calibrate every machine alike, or "
+                    "remove the calibration (python -m ditron_inductor.calibrate --show)",
+                    local().digest, calibration_path())
+    return same
+
+
+def cache_key() -> str:
+    """The evidence in the pass's cache key; with a GPU every rank checks the agreement here, at
+    its first compile, whether or not Inductor's cache then serves the graph."""
+    import torch
+
+    return local().digest + ("" if not torch.cuda.is_available() else f":{agreed()}")
+
+
+def _tables(path: pathlib.Path) -> list[tuple[dict, str]]:
+    """(table, source) in the order read: this machine's calibration's, the shipped one."""
+    calibrated()
+    own = local().data.get(path.stem)
+    shipped = _read(path) if card_matches() else None
+    return [(t, src) for t, src in ((own, CALIBRATION), (shipped, "")) if t]
 
 
 # ---------------------------------------------------------------------------- the link model
@@ -60,30 +206,52 @@ def calibrated_world(world: int) -> int:
 
 
 def link(world: int) -> dict:
-    """The link constants measured at calibrated_world(world)."""
-    return link_calibrations()[calibrated_world(world)]
+    """The link constants measured at calibrated_world(world), under those this machine's
+    calibration measured (its GEMM rate, its link at `world`)."""
+    own = local().data.get("link", {})
+    shipped = link_calibrations()[calibrated_world(world)]
+    return {**shipped, **own.get("1", {}), **own.get(str(world), {})} if own else shipped
+
+
+def link_source(world: int) -> str:
+    """Where link(world)'s bandwidths come from, for the log."""
+    if str(world) in local().data.get("link", {}):
+        return f"link model, {CALIBRATION} at {world} ranks"
+    return f"link model, shipped constants of {calibrated_world(world)} ranks"
+
+
+def link_measured(world: int) -> bool:
+    """Whether the link model's constants at `world` were measured on this card."""
+    return calibrated() and (card_matches() or str(world) in local().data.get("link", {}))
 
 
 # ------------------------------------------------------------------- world-1 compute table
-class Costs(NamedTuple):
+class _Costs(NamedTuple):
     fused_ms: float
     unfused_ms: float
     measured: tuple[int, int, int]  # the (M, K, N) measured that stands for the task's
 
 
+class Costs(_Costs):
+    source = ""  # CALIBRATION, or "" for the shipped table (no field: Costs compare as three)
+
+
 @functools.cache
-def _world1() -> tuple[dict, str]:
-    """{(op, plan family, mode): [((M, K, N), fused ms, unfused ms), ...]}, and its source."""
-    data = _read(WORLD1_COMPUTE)
-    rows: dict = {}
-    for op, family, mode, m, k, n, fused, unfused in data.get("rows", ()):
-        rows.setdefault((op, family, mode), []).append(((m, k, n), fused, unfused))
-    sources = data.get("sources", ())
-    return rows, "; ".join(dict.fromkeys(_provenance(s) for s in sources)) or "no table"
+def _world1() -> list[tuple[dict, str]]:
+    """Per table in reading order: {(op, plan family, mode): [((M, K, N), fused ms, unfused ms),
+    ...]}, and its source."""
+    out = []
+    for data, source in _tables(WORLD1_COMPUTE):
+        rows: dict = {}
+        for op, family, mode, m, k, n, fused, unfused, *_ in data.get("rows", ()):
+            rows.setdefault((op, family, mode), []).append(((m, k, n), fused, unfused))
+        names = "; ".join(dict.fromkeys(_provenance(s) for s in data.get("sources", ())))
+        out.append((rows, f"{source}, {names}" if source else names))
+    return out
 
 
 def world1_source() -> str:
-    return _world1()[1]
+    return "; ".join(source for _, source in _world1()) or "no table"
 
 
 def world1_costs(op: str, family: str, cuda_graphs: bool, m: int, k: int,
@@ -92,16 +260,19 @@ def world1_costs(op: str, family: str, cuda_graphs: bool, m: int, k: int,
     eagerly or replayed from a CUDA graph: the nearest measured shape (each dim within
     WORLD1_NEAR), scaled by the work from SCALED_FROM_M rows; None where none is that near."""
     mode = "graph" if cuda_graphs else "eager"
-    best = None
-    for shape, fused, unfused in _world1()[0].get((op, family, mode), ()):
-        distance = _log_distance((m, k, n), shape, WORLD1_NEAR)
-        if distance is not None and (best is None or distance < best[0]):
-            best = (distance, shape, fused, unfused)
-    if best is None:
-        return None
-    _, (rm, rk, rn), fused, unfused = best
-    scale = (m * k * n) / (rm * rk * rn) if min(m, rm) >= SCALED_FROM_M else 1.0
-    return Costs(fused * scale, unfused * scale, (rm, rk, rn))
+    for rows, source in _world1():
+        best = None
+        for shape, fused, unfused in rows.get((op, family, mode), ()):
+            distance = _log_distance((m, k, n), shape, WORLD1_NEAR)
+            if distance is not None and (best is None or distance < best[0]):
+                best = (distance, shape, fused, unfused)
+        if best is not None:
+            _, (rm, rk, rn), fused, unfused = best
+            scale = (m * k * n) / (rm * rk * rn) if min(m, rm) >= SCALED_FROM_M else 1.0
+            costs = Costs(fused * scale, unfused * scale, (rm, rk, rn))
+            costs.source = CALIBRATION if source.startswith(CALIBRATION) else ""
+            return costs
+    return None
 
 
 # --------------------------------------------------------------- AG/RS plans, measured
@@ -121,29 +292,38 @@ class Measured(NamedTuple):
 
 
 @functools.cache
-def _measured_rows() -> dict:
-    """{(op, world, dtype name): [Measured, ...]}."""
-    data = _read(MEASURED_PLANS)
-    rows: dict = {}
-    for row in data.get("rows", ()):
-        source = _provenance(data["sources"][row["source"]])
-        rows.setdefault((row["op"], row["world"], row["dtype"]), []).append(
-            Measured((row["m"], row["k"], row["n"]), row["ms"], source, row.get("terms", 1)))
-    return rows
+def _measured_rows() -> list[dict]:
+    """Per table in reading order: {(op, world, dtype name): [Measured, ...]}."""
+    out = []
+    for data, own in _tables(MEASURED_PLANS):
+        rows: dict = {}
+        for row in data.get("rows", ()):
+            source = _provenance(data["sources"][row["source"]])
+            rows.setdefault((row["op"], row["world"], row["dtype"]), []).append(Measured(
+                (row["m"], row["k"], row["n"]), row["ms"], f"{own}, {source}" if own else source,
+                row.get("terms", 1)))
+        out.append(rows)
+    return out
 
 
 def nearest_measured(op: str, world: int, dtype, m: int, k: int, n: int) -> Optional[Measured]:
     """The measured row of `op` on `world` ranks in `dtype` nearest to [m, k] @ [k, n], each dim
-    within MEASURED_NEAR of it, or None."""
-    best, best_distance = None, math.inf
-    for row in _measured_rows().get((op, world, str(dtype).removeprefix("torch.")), ()):
-        distance = _log_distance((m, k, n), row.shape, MEASURED_NEAR)
-        if distance is not None and distance < best_distance:
-            best, best_distance = row, distance
-    return best
+    within MEASURED_NEAR of it, from the first table that has one, or None."""
+    for rows in _measured_rows():
+        best, best_distance = None, math.inf
+        for row in rows.get((op, world, str(dtype).removeprefix("torch.")), ()):
+            distance = _log_distance((m, k, n), row.shape, MEASURED_NEAR)
+            if distance is not None and distance < best_distance:
+                best, best_distance = row, distance
+        if best is not None:
+            return best
+    return None
 
 
 def clear_caches() -> None:
-    """Read the files again (tests that point the paths elsewhere)."""
-    for cached in (link_calibrations, _world1, _measured_rows):
-        cached.cache_clear()
+    """Read the files again (tests that point the paths elsewhere; a new calibration), and agree
+    on them anew."""
+    _round[0] += agreed.cache_info().currsize
+    for cached in (link_calibrations, _world1, _measured_rows, machine, local, calibrated,
+                   agreed):
+        getattr(cached, "cache_clear", lambda: None)()  # a test may have replaced one
