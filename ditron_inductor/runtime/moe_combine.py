@@ -119,6 +119,15 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     if state is None:
         state = _states[ctx] = build_outside_graph_pools(ctx.device,
                                                          lambda: new_state(ctx, layout))
+    return call(ctx, layout, state, plan, left, weight, offsets, row_index, output_split_sizes,
+                input_split_sizes, grouped_gemm)
+
+
+def call(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
+         row_index, output_split_sizes, input_split_sizes, grouped_gemm) -> torch.Tensor:
+    """One call's steps 1-4 on my context, its signals and waits included, then the error check
+    (benchmarks/bench_ep_local_work.py runs it on an emulated rank)."""
+    world_size = layout.world
     r, e = ctx.rank, ctx.next_epoch()
     main = current_stream()
     publish(ctx, layout, output_split_sizes, input_split_sizes)
@@ -131,7 +140,7 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     expected = list(output_split_sizes)
     for p, count in enumerate(expected):
         wait_geq(ctx, plan, main, arrived_word(world_size, p), count)
-    out = collect(ctx, layout, received)
+    out = collect(ctx, layout, sum(expected))
     check_errors(ctx, plan, OP, lambda code, peer: (
         f"{wait_name(code - 1, world_size)} (rows expected from each rank {expected}, sent to "
         f"each {list(input_split_sizes)})"))

@@ -151,17 +151,26 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     ctx = get_context(f"{OP}:{capacity}x{k}:{x.dtype}:{experts}:{plan.block_m}", group_name,
                       plan.symm_mem_backend, layout.nbytes)
     state = _state(ctx, layout)
+    return call(ctx, layout, state, plan, x, output_split_sizes, input_split_sizes, row_index,
+                weights, offsets, grouped_gemm)
+
+
+def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, output_split_sizes,
+         input_split_sizes, row_index, weights, offsets, grouped_gemm) -> list:
+    """One call's steps 1-4 on my context, its signals and waits included, then the error check
+    (benchmarks/bench_ep_local_work.py runs it on an emulated rank)."""
     r, e = ctx.rank, ctx.next_epoch()
     main = current_stream()
     publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
             plan.block_m)
     ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
-                            for p in range(world_size) if p != r])
+                            for p in range(layout.world) if p != r])
     for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
         if n and q != r:
             wait_geq(ctx, plan, main, ctx.READY + q, e)
     push(ctx, layout, state, x)
-    outputs = compute(ctx, layout, state, plan, received, weights, offsets, grouped_gemm)
+    outputs = compute(ctx, layout, state, plan, sum(output_split_sizes), weights, offsets,
+                      grouped_gemm)
     check_errors(ctx, plan, OP, lambda code, peer: (
         "a tile's arrival counter (its rows never landed)" if code == ERR_ROWS
         else context_flag(ctx, code)))
