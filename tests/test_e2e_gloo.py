@@ -190,6 +190,8 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
     }
     if hasattr(funcol, "all_gather_single"):
         checks["ag_dim1_single"] = lambda: _fwd_bwd(ag_dim1_single, [x, w, b])
+    if world_size > 2:
+        checks = {name: check for name, check in checks.items() if name in FOUR_RANK_CHECKS}
     return _run_checks(checks)
 
 
@@ -212,6 +214,9 @@ FUNCOL_EXPECTED = {
     "ar_rmsnorm_functional": {"forward": [AR_NORM]},
     "ar_rmsnorm_two_layers": {"forward": [AR_NORM, AR_NORM]},
 }
+# On 4 ranks, the checks whose rewrite depends on the world size: the rank-major reorders of a
+# gather or scatter on dim 1 (one piece per rank), a sum's terms, and one all-reduce + norm.
+FOUR_RANK_CHECKS = ("ag_dim1", "ag_qkv", "rs_dim1_sum", "rs_sum_of_matmuls", "ar_rmsnorm_hf")
 
 
 # DTensor tensor-parallel plans.
@@ -476,8 +481,8 @@ def _assert_check(ranks: list[dict], expected: Optional[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("check", sorted(FUNCOL_EXPECTED))
+@pytest.mark.parametrize("world_size, check", [(2, c) for c in sorted(FUNCOL_EXPECTED)]
+                         + [(4, c) for c in FOUR_RANK_CHECKS])
 def test_functional_collectives(world_size, check):
     import torch.distributed._functional_collectives as funcol
 
