@@ -29,8 +29,18 @@ plan whose fused path did not serve the call (it took the reference path) is rep
 never timed as fused.
 
 Writes <out>.json ({meta, rows: [{model, tp, workload, site, op, M, K, N, terms, plan, chosen,
-mode, unfused_ms, fused_ms, ratio, unfused_host_ms, fused_host_ms, served, rel_err}]}) and <out>.md (the table: ratio =
-fused / unfused; the geometric mean over the chosen plans' rows).
+mode, unfused_ms, fused_ms, ratio, unfused_host_ms, fused_host_ms, served, rel_err}]}) and <out>.md
+(the table: ratio = fused / unfused; the geometric mean over the chosen plans' rows).
+
+The scheduler's world-1 compute table (scheduler/evidence/world1_compute.json) is not written
+here: the calibration measures its rows (each site's plan families the scheduler reads beside the
+unfused compute, at world size 1), and its export merges them into the shipped file:
+
+    torchrun --nproc-per-node 1 -m ditron_inductor.calibrate --sites llama-8b --tp 2   # 4, 8; 70b
+    python -m benchmarks.calibration_check --export ditron_inductor/scheduler/evidence
+
+This benchmark times what the calibration does not: the variants (--variants), every TP degree
+of both models in one run, host times and errors per plan.
 """
 
 from __future__ import annotations
@@ -113,13 +123,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--verbose", action="store_true", help="a line per contender")
-    ap.add_argument("--table", default="",
-                    help="also write the scheduler's world-1 compute table here "
-                         "(ditron_inductor/scheduler/evidence/world1_compute.json)")
-    ap.add_argument("--table-merge", action="store_true",
-                    help="--table updates the rows this run measured, keeps the others")
-    ap.add_argument("--from-json", default="",
-                    help="no run: the table (--table) from this earlier run's <out>.json")
     args = ap.parse_args(argv)
     if args.tiny:
         args.models = "tiny"
@@ -470,49 +473,9 @@ def report(rows: list[dict], args, argv: list[str]) -> dict:
     return meta
 
 
-def export_table(rows: list[dict], meta: dict, path: str, merge: bool = False) -> None:
-    """The scheduler's world-1 compute table (scheduler/evidence.py) from a run's rows: per op,
-    plan family, mode and shape, the fused plan's and the unfused compute's ms, where the fused
-    path served the call, with the run's provenance. merge: the table at `path` keeps the rows
-    this run did not measure (a partial run, e.g. --workloads decode, updates its own) and the
-    sources of both runs."""
-    from ditron_inductor.scheduler.plan import decode, family
-
-    table, sources = {}, []
-    source = {"machine": meta["device"], "date": meta["date"], "command": meta["command"]}
-    what = ("World-1 compute: ms per call of a fused plan's family and of the unfused path it "
-            "replaces on one GPU; rows [op, family, mode, M, K, N, fused ms, unfused ms]; "
-            "written by benchmarks/bench_compute_parity.py --table.")
-    if merge and os.path.exists(path):
-        with open(path) as fh:
-            before = json.load(fh)
-        table = {tuple(r[:6]): r[6:] for r in before["rows"]}
-        sources, what = before["sources"], before.get("what", what)
-        if {s["machine"] for s in sources} != {meta["device"]}:
-            raise SystemExit(f"--table-merge: {path} was measured on other machines "
-                             f"({', '.join(sorted({s['machine'] for s in sources}))}), this run "
-                             f"on {meta['device']}")
-    head = {"what": what, "sources": [*sources, source]}
-    # the chosen plans last: where a variant of the same family was timed too, theirs stand
-    for r in sorted(rows, key=lambda r: r["chosen"]):
-        if r["plan_text"] and r["served"] and math.isfinite(r["ratio"]):
-            key = (r["op"], family(decode(r["plan_text"])), r["mode"], r["M"], r["K"],
-                   sum(r["N"]))
-            table[key] = [round(r["fused_ms"], 4), round(r["unfused_ms"], 4)]
-    lines = [json.dumps(list(k) + v) for k, v in sorted(table.items())]
-    with open(path, "w") as fh:  # a row a line: diffs of a re-measured table stay readable
-        fh.write(json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + ",\n".join(lines)
-                 + "\n ]\n}\n")
-    print(f"{len(table)} rows of the world-1 compute table written to {path}")
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as fh:
-            data = json.load(fh)
-        return export_table(data["rows"], data["meta"], args.table, args.table_merge)
     if args.device == "cuda":
         rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(rank)
@@ -523,9 +486,7 @@ def main(argv=None) -> None:
         raise SystemExit("bench_compute_parity runs at world size 1 (torchrun --nproc-per-node 1)")
     torch.manual_seed(0)
     rows = run(args, dist.group.WORLD.group_name)
-    meta = report(rows, args, argv)
-    if args.table:
-        export_table(rows, meta, args.table, args.table_merge)
+    report(rows, args, argv)
     if args.device == "cuda":
         from ditron_inductor import runtime
 

@@ -4,7 +4,16 @@
     torchrun --nproc-per-node 2 benchmarks/bench_fused.py --sites 8b --tokens 8192 --no-mlp \
         --out benchmarks/results/<name>   # a Llama training step's sites
 
-The runs' JSON feed the scheduler's measured plans (benchmarks/measured_plans_table.py).
+The scheduler's measured plans (scheduler/evidence/measured_plans.json) are not written from these
+runs: the calibration times the same candidates at the same sites (ditron_inductor.calibrate's
+fused phase: every AG/RS candidate beside NCCL + cuBLAS on all ranks, each checked first, the
+slowest rank's median), and its export merges them into the shipped file:
+
+    torchrun --nproc-per-node W -m ditron_inductor.calibrate --sites llama-8b --tokens 4096,8192,16384
+    python -m benchmarks.calibration_check --export ditron_inductor/scheduler/evidence
+
+This benchmark times what the calibration does not: PyTorch's fused ops, the GEMM and the
+collective alone, fixed shapes (AG_SHAPES, RS_SHAPES), host times, and the compiled MLP.
 
 Per shape (bf16 unless --dtype): NCCL + cuBLAS, PyTorch's fused symm-mem op
 (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter), ditron with the plan

@@ -12,7 +12,20 @@ tables alone; each site that differs is printed with both reasons, whose figures
 predicted ms of fused and NCCL + cuBLAS, and their source) say why. --export merges the
 calibration's world-1 compute and measured AG/RS rows into world1_compute.json and
 measured_plans.json in that directory: its rows replace those of the same key, its runs are
-added to their sources (the link constants stay in link.json, by hand).
+added to their sources (the link constants stay in link.json, by hand): the shipped tables are
+made this way (bench_compute_parity.py and bench_fused.py time their comparisons only).
+
+--compile: what a compile names as its evidence, in one process on one GPU: a fake process group
+of --tp ranks (its collectives move nothing) lets transformers' LlamaForCausalLM (--layers of
+Llama-3-8B's on CUDA, of the tiny sizes on CPU) compile under the sequence-parallel TP plan (a
+training step: forward and backward, the backward compiled at once) and the plain TP plan (a
+prefill forward) with backend="ditron"'s pass; the compiled graphs are not run (ditron's ops need
+peers that are there), the captured graphs run eagerly instead. It prints each candidate's line
+the pass logged (TORCH_LOGS=ditron), how many name this machine's calibration, the shipped
+tables or the link model; on CPU, whose compiles take the reference plan, then the scheduler's
+decision for each candidate read back from those lines (calibrate's --sites from a log): what the
+same graph decides on CUDA. The exit status is 1 where no candidate
+was logged.
 """
 
 from __future__ import annotations
@@ -63,16 +76,88 @@ def export(directory: str) -> None:
         print(f"{path}: {len(merged['rows'])} rows, {len(merged['sources'])} sources")
 
 
+def compile_check(tp: int, layers: int) -> int:
+    """--compile (the module's docs); returns how many candidate lines the compile logged."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks import e2e_llama
+    from ditron_inductor.backend import ditron_backend
+    from ditron_inductor.log_names import LOGGER_NAME
+    from tests import llama_tp
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    e2e_llama.local_collectives()  # the eager runs' collectives write finite values
+    lines, logger = e2e_llama.Lines(), logging.getLogger(LOGGER_NAME)
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)  # as TORCH_LOGS=ditron: every graph compiled, not cached
+    d = calibrate.LLAMA["8b" if device == "cuda" else "tiny"]
+    config = llama_tp.llama_config(d.hidden, d.intermediate, d.heads, d.kv_heads, layers, d.vocab)
+    mesh = init_device_mesh(device, (tp,))
+
+    def compile_only(gm, inputs):  # the pass decides and logs; the graph runs as captured
+        ditron_backend(gm, inputs)
+        return gm.forward
+
+    def model(plan):
+        return torch.compile(llama_tp.parallelize(llama_tp.build_llama(
+            config, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device),
+            plan, mesh), backend=compile_only, dynamic=False)
+    rows = 8192 if device == "cuda" else 64
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        llama_tp.train_loss(model(llama_tp.SEQUENCE_PARALLEL), llama_tp.tokens(
+            1, rows, config.vocab_size, seed=0, device=device))
+        with torch.no_grad():
+            model(llama_tp.TENSOR_PARALLEL)(llama_tp.tokens(1, rows // 2, config.vocab_size,
+                                                           seed=1, device=device))
+    logger.removeHandler(lines)
+    found = [line for line in lines.lines if calibrate._LINE.search(line) and (
+        " -> ditron." in line or " not fused: " in line)]  # a decision each, no notes
+    named = {what: sum(what in line for line in found) for what in (
+        evidence.CALIBRATION, "shipped table", "link model", "reference plan")}
+    print(f"compiled on {device} (a fake group of {tp} ranks), {layers} layer(s):")
+    for line in found:
+        print(f"  {line}")
+    print(f"{len(found)} candidate lines, {sum(' -> ditron.' in x for x in found)} fused; naming "
+          + ", ".join(f"{what}: {n}" for what, n in named.items()))
+    if device == "cuda":
+        dist.destroy_process_group()
+        return len(found)
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
+        log.write("\n".join(found))
+        log.flush()
+        sites = calibrate.sites_of(log.name, tp, [])
+    print(f"the scheduler at these {len(sites)} sites, as on CUDA:")
+    mine = 0
+    for site in sites:
+        why = choose_device_plan(site.task, site.graphs)[1]
+        mine += evidence.CALIBRATION in why
+        print(f"  {site.name}: {site.task.describe()}\n    {why}")
+    print(f"{mine} of {len(sites)} decisions name {evidence.CALIBRATION}"
+          f"{'' if evidence.calibration_path().exists() else ' (none here)'}")
+    dist.destroy_process_group()
+    return len(found)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", default="llama-8b")
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default=[8192], type=lambda t: [int(x) for x in t.split(",")])
     ap.add_argument("--export", default="", help="merge the calibration into this directory's "
                     "shipped tables instead")
+    ap.add_argument("--compile", action="store_true", help="what a compile names instead")
+    ap.add_argument("--layers", type=int, default=2, help="--compile's decoder layers")
     args = ap.parse_args(argv)
     if args.export:
         return export(args.export)
+    if args.compile:
+        sys.exit(0 if compile_check(args.tp, args.layers) else 1)
     print(f"evidence: {evidence.calibration_path()}"
           f"{'' if evidence.calibration_path().exists() else ' (none)'}")
     decisions(calibrate.sites_of(args.sites, args.tp, args.tokens))

@@ -21,29 +21,10 @@ import dataclasses
 
 import torch
 
-from ditron_inductor.scheduler.task import (
-    ALL_GATHER_MATMUL,
-    MATMUL_ALL_REDUCE_RMSNORM,
-    MATMUL_REDUCE_SCATTER,
-    Task,
-)
+from ditron_inductor.calibrate import LLAMA, Llama, llama_sites
+from ditron_inductor.scheduler.task import Task
 
-
-@dataclasses.dataclass(frozen=True)
-class LlamaDims:
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int = 128256
-    head_dim: int = 128
-
-
-MODELS = {
-    "8b": LlamaDims(hidden=4096, intermediate=14336, heads=32, kv_heads=8),
-    "70b": LlamaDims(hidden=8192, intermediate=28672, heads=64, kv_heads=8),
-    "tiny": LlamaDims(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, head_dim=16),
-}
+LlamaDims, MODELS = Llama, LLAMA  # the model sizes, the package's (ditron_inductor/calibrate.py)
 WORKLOADS = ("train", "prefill", "decode")
 
 
@@ -57,14 +38,11 @@ class Site:
     task: Task
     cuda_graphs: bool = False
     term_ks: tuple[int, ...] = ()  # a sum of matmul products: each one's K (they add up to K)
-
-    @property
-    def weights_transposed(self) -> bool:
-        """Whether the site's graph multiplies by the Linear weights' transposes: a forward
-        site's `mm(x, permute(W))` hands the op a [K, N] view of a [N, K] weight (strides
-        (1, K)); a backward one (an output-gradient gather, an input-gradient scatter) the
-        weight itself, contiguous [K, N]."""
-        return "grad" not in self.name
+    # Whether the site's graph multiplies by the Linear weights' transposes: a forward site's
+    # `mm(x, permute(W))` hands the op a [K, N] view of a [N, K] weight (strides (1, K)); a
+    # backward one (an output-gradient gather, an input-gradient scatter) the weight itself,
+    # contiguous [K, N].
+    weights_transposed: bool = True
 
     def weights(self, device, dtype) -> list[torch.Tensor]:
         """Random right operands [K, N_i], one per weight of the task, laid out as the site's
@@ -78,39 +56,9 @@ class Site:
 
 def sites(model: str, world: int, workload: str, tokens: int,
           cuda_graphs: bool = False) -> list[Site]:
-    d = MODELS[model]
-    h, kv = d.hidden, d.kv_heads * d.head_dim
-    q_cols, kv_cols, mlp_cols, vocab_cols = h // world, kv // world, d.intermediate // world, \
-        d.vocab // world
-
-    def task(op, k, ns, terms=1):
-        return Task(op=op, group_name="0", world_size=world, m=tokens, k=k, ns=tuple(ns),
-                    dtype=torch.bfloat16, device_type="cuda",
-                    dim=0 if op == ALL_GATHER_MATMUL or workload != "train" else 1,
-                    dim_size=tokens, reduce_op=None if op == ALL_GATHER_MATMUL else "sum",
-                    has_bias=(False,) * len(ns), has_residual=op == MATMUL_ALL_REDUCE_RMSNORM,
-                    terms=terms)
-
-    if workload == "train":
-        ag, rs = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
-        found = [
-            ("q/k/v gather", task(ag, h, (q_cols, kv_cols, kv_cols))),
-            ("o scatter", task(rs, q_cols, (h,))),
-            ("gate/up gather", task(ag, h, (mlp_cols, mlp_cols))),
-            ("down scatter", task(rs, mlp_cols, (h,))),
-            ("lm_head gather", task(ag, h, (vocab_cols,))),
-            ("lm_head input-grad scatter", task(rs, vocab_cols, (h,))),
-            ("down output-grad gather", task(ag, h, (mlp_cols,))),
-            ("gate/up input-grad scatter", task(rs, 2 * mlp_cols, (h,), terms=2),
-             (mlp_cols, mlp_cols)),
-            ("o output-grad gather", task(ag, h, (q_cols,))),
-            ("q/k/v input-grad scatter", task(rs, q_cols + 2 * kv_cols, (h,), terms=3),
-             (q_cols, kv_cols, kv_cols)),
-        ]
-    elif workload in ("prefill", "decode"):
-        arn = MATMUL_ALL_REDUCE_RMSNORM
-        found = [("o all-reduce + norm", task(arn, q_cols, (h,))),
-                 ("down all-reduce + norm", task(arn, mlp_cols, (h,)))]
-    else:
+    """The package's sites (calibrate.llama_sites: the calibration measures the same), each with
+    its workload."""
+    if workload not in WORKLOADS:
         raise ValueError(f"workload {workload!r}: one of {WORKLOADS}")
-    return [Site(name, workload, t, cuda_graphs, *parts) for name, t, *parts in found]
+    return [Site(s.name, workload, s.task, s.graphs, s.term_ks, s.transposed)
+            for s in llama_sites(model, world, workload, tokens, cuda_graphs)]

@@ -1,24 +1,18 @@
 """Calibrate the scheduler on this machine: its evidence measured here, the same on every rank,
-cached where scheduler/evidence.py reads it first (docs/architecture.md, "Evidence").
+cached where scheduler/evidence.py reads it first (docs/architecture.md, "Evidence and
+calibration": the phases, the timing, the file; the shipped tables are exports of such runs).
 
     torchrun --nproc-per-node W -m ditron_inductor.calibrate --sites llama-8b [--budget 5]
     python -m ditron_inductor.calibrate --show                    # what the cache holds
 
---sites: llama-8b, llama-70b, tiny (benchmarks/llama_sites.py's sites at TP --tp, default W: run
-from the repository's root), or a saved TORCH_LOGS=ditron log of a compile. Phases, a progress
-bar each: link (W > 1: NCCL all-gather, reduce-scatter, all-reduce per message size, fitted to
-ms = latency + bytes / bandwidth), world1 (each site's plan families beside the unfused compute,
-every rank on its own GPU; the GEMM rate from the unfused GEMMs), fused (W > 1: every AG/RS
-candidate at each site on all ranks in the same order beside NCCL + cuBLAS, each checked against
-it first). A time is the median of repetitions, the slowest rank's, so every rank holds the same
-rows: all timed briefly, then those nearest their decision at length while --budget (minutes)
-lasts. Local rank 0 merges them into this machine's file. --device cpu: a test run over gloo on
-the reference plans (timings meaningless).
+--sites: llama-8b, llama-70b, tiny (`llama_sites` at TP --tp, default W; training at each of
+--tokens), or a saved TORCH_LOGS=ditron log. --device cpu: a test over gloo, reference plans.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import json
@@ -58,7 +52,47 @@ class Site(NamedTuple):
     graphs: bool = False  # replayed from a CUDA graph
 
 
-def sites_of(spec: str, tp: int, tokens: int) -> list[Site]:
+Llama = collections.namedtuple("Llama", "hidden intermediate heads kv_heads vocab head_dim",
+                               defaults=(128256, 128))
+LLAMA = {"8b": Llama(4096, 14336, 32, 8), "70b": Llama(8192, 28672, 64, 8),
+         "tiny": Llama(64, 128, 4, 2, 256, 16)}  # Llama-3's, and one for tests
+
+
+def _task(op: str, world: int, m: int, k: int, ns: tuple, dim: int = 0, terms: int = 1,
+          dtype=torch.bfloat16) -> Task:
+    return Task(op, "0", world, m, k, ns, dtype, "cuda", dim, m,
+                None if op == ALL_GATHER_MATMUL else "sum", (False,) * len(ns),
+                has_residual=op == MATMUL_ALL_REDUCE_RMSNORM, terms=terms)
+
+
+def llama_sites(model: str, world: int, workload: str, tokens: int,
+                graphs: bool = False) -> list[Site]:
+    """Llama's collective + matmul sites at TP `world`, `tokens` rows, as the pass finds them:
+    "train" (sequence parallel, the backward's too), else plain TP (o's and down's all-reduce
+    + norm). A backward site multiplies by the weight, a forward one by its transpose."""
+    d = LLAMA[model]
+    h, q, kv, mlp = d.hidden, d.hidden // world, d.kv_heads * d.head_dim // world, \
+        d.intermediate // world
+    ag, rs, arn = AG_RS + (MATMUL_ALL_REDUCE_RMSNORM,)
+
+    def task(op, k, ns, terms=1):
+        return _task(op, world, tokens, k, ns, int(op != ag and workload == "train"), terms)
+    found = [("q/k/v gather", task(ag, h, (q, kv, kv))), ("o scatter", task(rs, q, (h,))),
+             ("gate/up gather", task(ag, h, (mlp, mlp))), ("down scatter", task(rs, mlp, (h,))),
+             ("lm_head gather", task(ag, h, (d.vocab // world,))),
+             ("lm_head input-grad scatter", task(rs, d.vocab // world, (h,))),
+             ("down output-grad gather", task(ag, h, (mlp,))),
+             ("gate/up input-grad scatter", task(rs, 2 * mlp, (h,), 2), (mlp, mlp)),
+             ("o output-grad gather", task(ag, h, (q,))),
+             ("q/k/v input-grad scatter", task(rs, q + 2 * kv, (h,), 3), (q, kv, kv)),
+             ] if workload == "train" else [("o all-reduce + norm", task(arn, q, (h,))),
+                                            ("down all-reduce + norm", task(arn, mlp, (h,)))]
+    return [Site(name, t, *(ks or [()]), "grad" not in name, graphs) for name, t, *ks in found]
+
+
+def sites_of(spec: str, tp: int, tokens: list[int]) -> list[Site]:
+    """--sites: a saved log's candidates, or a Llama's at TP `tp`: training at each of
+    `tokens`, prefill eagerly and from CUDA graphs, decode from CUDA graphs."""
     if os.path.isfile(spec):  # a saved ditron log: each distinct candidate's line
         found = {}
         for line in open(spec):
@@ -67,23 +101,20 @@ def sites_of(spec: str, tp: int, tokens: int) -> list[Site]:
                 op, rows, k, ns = m[1], int(m[2]), int(m[3]), tuple(map(int, m[4].split(",")))
                 dim = re.search(r" dim=(\d+)", line)
                 terms = int((re.search(r", (\d+) matmul products summed", line) or [0, 1])[1])
-                task = Task(op, "0", int(m[6]), rows, k, ns, getattr(torch, m[5]), "cuda",
-                            int(dim[1]) if dim else 0, rows, None if op == AG_RS[0] else "sum",
-                            (False,) * len(ns), has_residual=op == MATMUL_ALL_REDUCE_RMSNORM,
-                            terms=terms)
+                task = _task(op, int(m[6]), rows, k, ns, int(dim[1]) if dim else 0, terms,
+                             getattr(torch, m[5]))
                 found[task] = Site(line[:m.start()].rstrip(": ").rsplit(": ", 1)[-1], task,
                                    (k // terms,) * terms if terms > 1 else (),
                                    "backward" not in line)
         return list(found.values())
-    from benchmarks.llama_sites import sites  # the named shapes, as the benchmarks use them
-
     model, tiny = spec.removeprefix("llama-"), spec == "tiny"
-    found = sites(model, tp, "train", tokens)
+    found = [s for t in tokens for s in llama_sites(model, tp, "train", t)]
     for rows in (32,) if tiny else (1024, 2048, 4096, 8192, 16384):
-        found += sites(model, tp, "prefill", rows) + sites(model, tp, "prefill", rows, True)
+        found += llama_sites(model, tp, "prefill", rows) + llama_sites(model, tp, "prefill", rows,
+                                                                       True)
     for rows in () if tiny else (1, 16, 64, 256):
-        found += sites(model, tp, "decode", rows, cuda_graphs=True)
-    return [Site(s.name, s.task, s.term_ks, s.weights_transposed, s.cuda_graphs) for s in found]
+        found += llama_sites(model, tp, "decode", rows, graphs=True)
+    return found
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -309,8 +340,8 @@ def calibrate(sites: list[Site], args) -> dict:
     new["measured_plans"] = dict(sources=[source], rows=[dict(
         op=s.task.op, world=world, dtype=str(s.task.dtype).removeprefix("torch."), m=s.task.m,
         k=s.task.k, n=s.task.n_total, site=s.name, terms=s.task.terms, source=0,
-        ms={label: round(v, 4) for label, v in ms.items()}) for (s, _), ms in zip(fused, timed)
-        if ms])
+        ms={label: round(v, 4) for label, v in ms.items() if math.isfinite(v)})
+        for (s, _), ms in zip(fused, timed) if ms])
     if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
         path = evidence.calibration_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -373,7 +404,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", default="llama-8b", help="llama-8b, llama-70b, tiny, or a log")
     ap.add_argument("--tp", type=int, default=0, help="the named sites' TP degree (default W)")
-    ap.add_argument("--tokens", type=int, default=8192, help="the training sites' rows")
+    ap.add_argument("--tokens", default=[8192], help="the training sites' rows: 4096,8192,...",
+                    type=lambda text: [int(t) for t in text.split(",")])
     ap.add_argument("--budget", type=float, default=5.0, help="minutes (coarse to fine)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--show", action="store_true", help="what the cache holds")

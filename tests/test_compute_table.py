@@ -1,7 +1,7 @@
 """The world-1 compute table (scheduler/evidence.py) and the all-reduce decisions it feeds: what a
 fused plan's compute costs beside the unfused path's, measured, plus the link model's
-communication; the AG/RS decisions' log lines that quote it; the table written by
-benchmarks/bench_compute_parity.py, and that program's run on CPU."""
+communication; the AG/RS decisions' log lines that quote it; the table exported from calibrations
+(benchmarks/calibration_check.py --export), and benchmarks/bench_compute_parity.py's run on CPU."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from ditron_inductor.scheduler.plan import (
     AllGatherPlan,
     AllReducePlan,
     ReduceScatterPlan,
-    decode,
     family,
 )
 from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, Task
@@ -62,7 +61,7 @@ def test_nearest_measured_shape_stands_for_a_task(table):
            [MATMUL_ALL_REDUCE_RMSNORM, "push", "eager", 4096, 7168, 4096, 0.9, 0.8]])
     costs = evidence.world1_costs
     assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 4096, 7168, 4096) == (
-        0.5, 0.4, (4096, 7168, 4096))
+        0.5, 0.4, (4096, 7168, 4096), "")
     assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", False, 4096, 7168, 4096)[:2] == (0.9, 0.8)
     # twice the rows: twice the work; at decode sizes latency, not work: as measured
     assert costs(MATMUL_ALL_REDUCE_RMSNORM, "push", True, 8192, 7168, 4096)[:2] == (1.0, 0.8)
@@ -113,7 +112,8 @@ def test_the_package_table_is_well_formed():
     """Every row names a known op and family and has finite, positive times; the table says
     where it came from."""
     data = json.loads(evidence.WORLD1_COMPUTE.read_text())
-    assert all(s["machine"] and s["date"] and "bench_compute_parity.py" in s["command"]
+    assert all(s["machine"] and s["date"] and ("bench_compute_parity.py" in s["command"] or
+                                               "ditron_inductor.calibrate" in s["command"])
                for s in data["sources"]) and data["sources"]
     families = {"cublas", "triton", "push", "push_all", "lamport", "lamport_all",
                 "push+overlap:triton", "push+overlap:cublas", "copy_engine"}
@@ -122,32 +122,31 @@ def test_the_package_table_is_well_formed():
         assert 0 < fused_ms < math.inf and 0 < unfused_ms < math.inf, (op, fam, m, k, n)
 
 
-def test_export_table_from_a_run(tmp_path, monkeypatch):
-    """The benchmark's rows become the table: served plans only, one row per op, family, mode
-    and shape, the chosen plan's where a variant of its family was timed too."""
-    from benchmarks.bench_compute_parity import export_table
+def test_the_table_is_exported_from_calibrations(tmp_path, monkeypatch):
+    """The calibration's world-1 rows become the shipped table (calibration_check --export):
+    one row per op, family, mode and shape, a later calibration's replacing an earlier one's,
+    both runs' sources kept, and the scheduler reads it with its provenance."""
+    from benchmarks import calibration_check
 
-    def row(plan, text, fused, chosen=False, served=True):
-        return dict(op=MATMUL_ALL_REDUCE_RMSNORM, plan=plan, plan_text=text, served=served,
-                    chosen=chosen, mode="graph", M=4096, K=7168, N=[4096], fused_ms=fused,
-                    unfused_ms=0.36, ratio=fused / 0.36)
-    overlap = fused_plan(ARN).encode()
-    push = AllReducePlan(algo="push").encode()
-    rows = [row("chosen", overlap, 0.41, chosen=True), row("tri_c16", overlap, 0.45),
-            row("push", push, 0.42), row("lamport", AllReducePlan(algo="lamport").encode(),
-                                         0.5, served=False)]
-    path = tmp_path / "table.json"
-    export_table(rows, {"command": "bench_compute_parity.py", "device": "GPU", "date": "now"},
-                 str(path))
+    def calibration(date, *rows):
+        source = {"machine": "GPU", "date": date, "command": "torchrun ... calibrate"}
+        return {"world1_compute": {"sources": [source], "rows": [
+                    [MATMUL_ALL_REDUCE_RMSNORM, fam, "graph", 4096, 7168, 4096, ms, 0.36]
+                    for fam, ms in rows]},
+                "measured_plans": {"sources": [], "rows": []}}
+    path = tmp_path / "world1_compute.json"
+    for i, run in enumerate([calibration("now", (OVERLAP, 0.45), ("push", 0.42)),
+                             calibration("later", (OVERLAP, 0.41))]):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{i}"))
+        evidence.clear_caches()
+        evidence.calibration_path().parent.mkdir(parents=True)
+        evidence.calibration_path().write_text(json.dumps(run))
+        calibration_check.export(str(tmp_path))
     data = json.loads(path.read_text())
-    assert data["rows"] == [[MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 4096, 7168, 4096,
-                             0.42, 0.36],
-                            [MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096,
-                             0.41, 0.36]]
-    assert family(decode(overlap)) == OVERLAP
-    # the scheduler reads it, provenance included; a merged run keeps both runs' sources
-    export_table(rows[2:3], {"command": "bench_compute_parity.py --workloads decode",
-                             "device": "GPU", "date": "later"}, str(path), merge=True)
+    assert sorted(data["rows"]) == [
+        [MATMUL_ALL_REDUCE_RMSNORM, "push", "graph", 4096, 7168, 4096, 0.42, 0.36],
+        [MATMUL_ALL_REDUCE_RMSNORM, OVERLAP, "graph", 4096, 7168, 4096, 0.41, 0.36]]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
     monkeypatch.setattr(evidence, "WORLD1_COMPUTE", path)
     evidence.clear_caches()
     try:

@@ -1,6 +1,7 @@
 """The AG/RS plans measured on several ranks (scheduler/evidence.py): which measured row stands
-for a task, the decision taken from it, the link model where none does, and the table written
-from bench_fused.py runs."""
+for a task, the decision taken from it, the link model where none does, and the table exported
+from calibrations (benchmarks/calibration_check.py --export: the calibration makes the shipped
+table)."""
 
 from __future__ import annotations
 
@@ -9,41 +10,41 @@ import json
 import pytest
 import torch
 
-from benchmarks import measured_plans_table
+from benchmarks import calibration_check
 from ditron_inductor.scheduler import choose, evidence, link_model
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
 
 
-def _run(rows, date="2026-11-26 02:55 UTC", **more):
-    """A bench_fused.py JSON with these (op, M, K, N, {label: ms}, NCCL + cuBLAS ms) rows (`more`
-    in each, e.g. term_ks)."""
-    return {"meta": {"gpu": "NVIDIA H200", "date": date, "command": "torchrun ..."},
-            "rows": [{"op": op, "world": 2, "dtype": "bfloat16", "M": m, "K": k, "N": n,
-                      "site": None,
-                      "plans": {**plans, "triton_gemm_only": 0.1},
-                      "ms": {"nccl_cublas": nccl, "ditron": 9.9}, **more}
-                     for op, m, k, n, plans, nccl in rows]}
+def _run(rows, date="2026-11-26 02:55 UTC", terms=1):
+    """A calibration's file (ditron_inductor.calibrate) with these measured (op, M, K, N,
+    {label: ms}, NCCL + cuBLAS ms) rows on 2 ranks, each timed as `terms` products."""
+    source = {"machine": "NVIDIA H200", "date": date, "command": "torchrun ..."}
+    return {"machine": {}, "sources": [source], "world1_compute": {"sources": [], "rows": []},
+            "measured_plans": {"sources": [source], "rows": [
+                {"op": op, "world": 2, "dtype": "bfloat16", "m": m, "k": k, "n": n, "site": None,
+                 "terms": terms, "source": 0, "ms": {**plans, "nccl_cublas": nccl}}
+                for op, m, k, n, plans, nccl in rows]}}
 
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    """Installs a measured table written from the given runs; the package's own afterwards."""
+    """Installs the measured table exported from the given calibrations, in turn, in place of
+    the package's (and no calibration of this machine); the package's own afterwards."""
     def install(*runs):
-        path = tmp_path / "measured_plans.json"
-        measured_plans_table.main([*(_write(tmp_path, i, run) for i, run in enumerate(runs)),
-                                   "--out", str(path)])
-        monkeypatch.setattr(evidence, "MEASURED_PLANS", path)
+        (tmp_path / "measured_plans.json").unlink(missing_ok=True)
+        for i, run in enumerate(runs):
+            monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{i}"))
+            evidence.clear_caches()
+            evidence.calibration_path().parent.mkdir(parents=True, exist_ok=True)
+            evidence.calibration_path().write_text(json.dumps(run))
+            calibration_check.export(str(tmp_path))
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
+        monkeypatch.setattr(evidence, "MEASURED_PLANS", tmp_path / "measured_plans.json")
         evidence.clear_caches()
-        return json.loads(path.read_text())
+        return json.loads((tmp_path / "measured_plans.json").read_text())
     yield install
     monkeypatch.undo()
     evidence.clear_caches()
-
-
-def _write(tmp_path, i, run) -> str:
-    path = tmp_path / f"run{i}.json"
-    path.write_text(json.dumps(run))
-    return str(path)
 
 
 def _task(op, m, k, n, world=2, **more) -> Task:
@@ -53,19 +54,20 @@ def _task(op, m, k, n, world=2, **more) -> Task:
 
 
 AG, RS = ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
+# a label that names no candidate (tri_sm16_128x256: one since deleted) is never taken
 GATE_UP = (AG, 8192, 4096, 14336, {"tri_tma_128x256": 1.522, "cublas_1_3_4": 1.489,
                                    "tri_sm16_128x256": 1.0}, 1.432)
-DOWN_GRAD = (AG, 8192, 4096, 7168, {"tri_tma_128x256": 0.859, "cublas_1_2_5": 0.807,
-                                    "cublas_1_7": float("nan")}, 0.831)
+DOWN_GRAD = (AG, 8192, 4096, 7168, {"tri_tma_128x256": 0.859, "cublas_1_2_5": 0.807}, 0.831)
 
 
-def test_the_table_keeps_candidates_and_a_later_run_replaces_a_row(table):
+def test_the_export_keeps_rows_and_a_later_calibration_replaces_a_row(table):
     data = table(_run([GATE_UP, DOWN_GRAD]),
                  _run([(*GATE_UP[:4], {"cublas_1_3_4": 1.2}, 1.432)], date="later"))
     assert [s["date"] for s in data["sources"]] == ["2026-11-26 02:55 UTC", "later"]
+    assert "what" in data
     rows = {(r["m"], r["k"], r["n"]): r for r in data["rows"]}
     assert len(rows) == 2
-    # the later run's row; the GEMM alone and unfinished candidates (NaN) left out
+    # the later calibration's row, its source the later one
     assert rows[(8192, 4096, 14336)]["ms"] == {"cublas_1_3_4": 1.2, "nccl_cublas": 1.432}
     assert rows[(8192, 4096, 14336)]["source"] == 1
     assert rows[(8192, 4096, 7168)]["ms"] == {"tri_tma_128x256": 0.859, "cublas_1_2_5": 0.807,
@@ -116,11 +118,11 @@ def test_a_sum_of_products_adds_the_rewrite_costs_to_each_side(table):
 
 
 def test_a_row_timed_as_the_sum_holds_its_accumulation_and_add(table):
-    """bench_fused.py times a sum site by its terms (term_ks): the fused time holds the op's
-    accumulation and NCCL + cuBLAS's the graph's add, so neither is added again; the rewrite's
-    copies still are."""
+    """The calibration times a sum site by its terms (Site.term_ks): the fused time holds the
+    op's accumulation and NCCL + cuBLAS's the graph's add, so neither is added again; the
+    rewrite's copies still are."""
     data = table(_run([(RS, 8192, 14336, 4096, {"cublas_triton_reduce": 1.444}, 1.558)],
-                      term_ks=[7168, 7168]))
+                      terms=2))
     assert data["rows"][0]["terms"] == 2
     task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=1 << 20)
     copy_only = link_model.rewrite_costs(

@@ -1,18 +1,11 @@
 """The measured evidence the scheduler decides from, each table with its provenance (machine,
-date, command), read in this order:
-
-1. this machine's calibration (`python -m ditron_inductor.calibrate`), a JSON file in
-   $XDG_CACHE_HOME/ditron_inductor/calibration (default ~/.cache/...) named by what makes it
-   valid (`machine()`: GPU, SMs, memory, peer access, driver, torch, Triton, ditron);
-2. the shipped tables in evidence/, where the card is one they were measured on (SHIPPED_CARDS):
-   link.json (the link model's constants, one calibration per world size), world1_compute.json
-   (a fused plan's compute on one GPU beside the unfused compute it replaces), measured_plans.json
-   (every AG/RS candidate timed at a shape and world size beside NCCL + cuBLAS);
-3. the link model with link.json's constants, whose margin is wider on a card of neither
-   (choose.py).
-
-Every rank must read the same numbers: the first read checks that every rank holds the same
-calibration (`agreed`); where they differ every site keeps NCCL + cuBLAS.
+date, command), read in this order: this machine's calibration (`python -m
+ditron_inductor.calibrate`: $XDG_CACHE_HOME/ditron_inductor/calibration/, named by `machine()`);
+the shipped tables in evidence/ (link.json's link constants per world size, world1_compute.json's
+compute at world size 1, measured_plans.json's AG/RS candidates), exports of calibrations, where
+the card is one they were measured on (SHIPPED_CARDS); the link model, its margin wider on a card
+of neither (choose.py). Where the ranks' calibrations differ (`agreed`) every site keeps NCCL +
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -226,14 +219,11 @@ def link_measured(world: int) -> bool:
 
 
 # ------------------------------------------------------------------- world-1 compute table
-class _Costs(NamedTuple):
+class Costs(NamedTuple):
     fused_ms: float
     unfused_ms: float
     measured: tuple[int, int, int]  # the (M, K, N) measured that stands for the task's
-
-
-class Costs(_Costs):
-    source = ""  # CALIBRATION, or "" for the shipped table (no field: Costs compare as three)
+    source: str = ""  # CALIBRATION, or "" for the shipped table
 
 
 @functools.cache
@@ -269,9 +259,8 @@ def world1_costs(op: str, family: str, cuda_graphs: bool, m: int, k: int,
         if best is not None:
             _, (rm, rk, rn), fused, unfused = best
             scale = (m * k * n) / (rm * rk * rn) if min(m, rm) >= SCALED_FROM_M else 1.0
-            costs = Costs(fused * scale, unfused * scale, (rm, rk, rn))
-            costs.source = CALIBRATION if source.startswith(CALIBRATION) else ""
-            return costs
+            return Costs(fused * scale, unfused * scale, (rm, rk, rn),
+                         CALIBRATION if source.startswith(CALIBRATION) else "")
     return None
 
 
