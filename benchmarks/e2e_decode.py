@@ -37,8 +37,8 @@ attention; so that what fusing the all-reduces gains is told apart from what tho
 ditron_no_gemm_groups (ditron with `ditron.decode_gemm_groups` off: each one-row product its own
 launch, to time that option). A compiled contender's name with `+graph` (e.g. `ditron+graph`)
 compiles its step without "reduce-overhead" and replays the whole call from one CUDA graph of
-`ditron_inductor.step_graph.StepGraph`, in `generate()` and in the bare step: no Dynamo frame,
-AOTAutograd wrapper or CUDA-graph tree on the host at each step.
+`ditron_inductor.compile_decode` (a StepGraph), in `generate()` and in the bare step: no Dynamo
+frame, AOTAutograd wrapper or CUDA-graph tree on the host at each step.
 
 Per shape (batch B, prompt P, new tokens N) and contender:
 - `generate()`, greedy: a `StaticCache` of P + N positions, made once and reset before each call
@@ -278,13 +278,13 @@ class Decoder:
         self.cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
         self.config = generation_config(contender, new_tokens, device, options)
         if split_contender(contender)[1]:
-            # generate() and bare_step take the compiled call from here: the whole call replayed
-            # from StepGraph's CUDA graph
-            from ditron_inductor.step_graph import StepGraph
+            # generate() and bare_step take the compiled call from the model's hook: the whole
+            # call replayed from StepGraph's CUDA graph
+            import ditron_inductor
 
-            graphed = StepGraph(torch.compile(model.__call__,
-                                              **self.config.compile_config.to_dict()))
-            model.get_compiled_call = lambda compile_config: graphed
+            compiled = self.config.compile_config
+            ditron_inductor.compile_decode(model, compiled.options, backend=compiled.backend,
+                                           dynamic=compiled.dynamic)
         self.clock = StepClock(device == "cuda")
         self.criteria = StoppingCriteriaList([self.clock])
         self.tokens = None  # the first call's, which every later call must make

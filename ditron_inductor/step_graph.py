@@ -13,12 +13,17 @@ by its identity: a KV cache). Every call runs the step once. Each call copies th
 arguments into the graph's own (pass large state inside objects) and those the step writes back
 out; the next replay overwrites the outputs; parameters are read at their addresses (update them
 in place); forward only (no grad). Its compiles plan for a CUDA graph (`ditron.cuda_graphs`).
+
+The calls for users (`ditron_inductor.compile_decode`, `ditron_inductor.compile_step`): the
+compile and the StepGraph in one, for transformers' `generate()` and for a loop of one's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -26,6 +31,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import clean_exit, config
+from .log_names import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
 
 # leaves compared by value in a signature; any other object by identity
 _BY_VALUE = (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype,
@@ -159,3 +167,71 @@ def _signature(x: Any):
 def _replayed_from_graphs():
     """ditron's compiles inside: their graphs will be replayed from a CUDA graph."""
     return config.overriding(cuda_graphs=True)
+
+
+# ----------------------------------------------------------------------- the calls for users
+
+
+def compile_step(step: Callable, options: dict | None = None, *, backend: str = "ditron",
+                 dynamic: bool | None = False, warmup: int = 1) -> Callable:
+    """A step of one's own loop (a serving engine's), compiled whole without "reduce-overhead"
+    (`torch.compile(step, backend=backend, fullgraph=True, dynamic=dynamic, options=options)`)
+    in a StepGraph; without CUDA the compiled step alone (the ditron log says so once). Keep one
+    KV cache object and reset it in place: a new one is a new signature, captured anew."""
+    return _graphed(torch.compile(step, backend=backend, fullgraph=True, dynamic=dynamic,
+                                  options=options), StepGraph, warmup)
+
+
+def compile_decode(model, options: dict | None = None, *, backend: str = "ditron",
+                   dynamic: bool | None = False, warmup: int = 1):
+    """Makes `model.generate(..., cache_implementation="static")` (or with a `StaticCache`
+    passed in), greedy or sampling, run each decode step as `compile_step(model.__call__, ...)`
+    makes it; the prefill runs eagerly, as transformers runs it. transformers' compiled-call
+    hook `model.get_compiled_call` returns that step whatever `compile_config` generate() has
+    (`disable_compile=True` runs eagerly), and the generation config's `compile_config` passes
+    generate()'s compile criteria on any device. A new KV cache (`cache_implementation="static"`
+    makes one per call) drops the previous cache's graphs. Returns the model;
+    `model.get_compiled_call(None)` is the step, to call in a loop of one's own."""
+    name = type(model).__name__
+    if not (callable(getattr(model, "can_generate", None)) and model.can_generate()):
+        raise TypeError(f"compile_decode: {name} is no transformers model with generate() "
+                        "(GenerationMixin); compile a step of your own with compile_step")
+    if not getattr(model, "_can_compile_fullgraph", False):
+        raise ValueError(f"compile_decode: transformers does not compile {name}'s decode step "
+                         "whole over a static cache (its _can_compile_fullgraph is False)")
+    from transformers import CompileConfig
+
+    step = _graphed(torch.compile(model.__call__, backend=backend, fullgraph=True,
+                                  dynamic=dynamic, options=options), _DecodeStep, warmup)
+    model.get_compiled_call = lambda compile_config=None: step
+    compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=backend, mode=None,
+                                   options=options)
+    compile_config._compile_all_devices = True  # else generate() compiles on accelerators only
+    model.generation_config.compile_config = compile_config
+    return model
+
+
+class _DecodeStep(StepGraph):
+    """A model's decode step with the graphs of one KV cache at a time (each graph holds its
+    cache, which would otherwise outlive the generate() call that made it)."""
+
+    cache = None
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not self.cache:
+            self.release()
+            self.cache = cache
+        return super().__call__(*args, **kwargs)
+
+
+def _graphed(compiled: Callable, kind: type[StepGraph], warmup: int) -> Callable:
+    if torch.cuda.is_available():
+        return kind(compiled, warmup)
+    _no_cuda()
+    return compiled
+
+
+@functools.cache
+def _no_cuda() -> None:
+    log.info("StepGraph: no CUDA here: compiled steps run without a CUDA graph")

@@ -198,6 +198,21 @@ def test_graph_contenders_compile_without_a_mode():
         e2e_decode.parse_args(["--contenders", "eager+graph"])
 
 
+def test_graph_contenders_decode_through_compile_decode():
+    """`+graph`: generate() and the bare step take the step that `ditron_inductor.compile_decode`
+    installs in the model's compiled-call hook, compiled with the contender's backend."""
+    from benchmarks import e2e_decode
+    from tests import llama_tp
+
+    model = llama_tp.build_llama(llama_tp.llama_config(layers=1))
+    ids = llama_tp.tokens(1, 4, model.config.vocab_size, seed=0)
+    decoder = e2e_decode.Decoder(model, "inductor+graph", ids, 3, "cpu")
+    step = model.get_compiled_call(decoder.config.compile_config)
+    assert step is model.get_compiled_call(None)  # the hook's, whatever the config
+    assert (model.generation_config.compile_config.backend,
+            model.generation_config.compile_config.mode) == ("inductor", None)
+
+
 def test_the_read_bound_counts_the_weights_but_the_embedding_and_the_kv_cache():
     from benchmarks import e2e_decode
     from tests import llama_tp

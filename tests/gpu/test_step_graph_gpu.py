@@ -1,10 +1,15 @@
 """StepGraph on a GPU: a compiled step replayed from its CUDA graphs gives eager's numbers on new
 inputs, one graph per signature, writes to its inputs reach the caller's tensors, and the
-step itself runs only to warm up and capture."""
+step itself runs only to warm up and capture. The calls for users: a tiny Llama's generate()
+after compile_decode replays its decode steps and makes Inductor's tokens; compile_step's bare
+decode steps give eager's logits."""
+
+import inspect
 
 import pytest
 import torch
 
+import ditron_inductor
 from ditron_inductor.step_graph import StepGraph
 
 pytestmark = [pytest.mark.gpu,
@@ -70,3 +75,55 @@ def test_a_capture_with_autograd_on_is_refused():
     graphed(x)  # the warm-up call runs as it is
     with pytest.raises(RuntimeError, match="no autograd: call it under torch.no_grad"):
         graphed(x)
+
+
+def _llama():
+    from tests import llama_tp
+
+    model = llama_tp.build_llama(llama_tp.llama_config(), device="cuda").eval()
+    model.generation_config.eos_token_id = None  # random weights: every call makes all its tokens
+    return model, llama_tp.tokens(2, 8, model.config.vocab_size, seed=0, device="cuda")
+
+
+STATIC = {"max_new_tokens": 8, "cache_implementation": "static", "use_cache": True}
+
+
+def test_compile_decode_replays_generates_steps_and_makes_inductors_tokens():
+    from transformers import CompileConfig
+
+    model, ids = _llama()
+    step = ditron_inductor.compile_decode(model).get_compiled_call(None)
+    assert isinstance(step, StepGraph)
+    step.step, calls = _counted(step.step)
+    got = model.generate(ids, do_sample=False, **STATIC)
+    # 7 decode steps: one warm-up call, the capture, 5 replays
+    assert calls[0] == 2 and len(step.graphs) == 1
+    again = model.generate(ids, do_sample=False, **STATIC)  # a new cache: captured anew
+    assert calls[0] == 4 and len(step.graphs) == 1 and torch.equal(again, got)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, do_sample=True, **STATIC)
+    assert calls[0] == 6 and sampled.shape == got.shape
+    reference, _ = _llama()
+    config = CompileConfig(backend="inductor", fullgraph=True, dynamic=False)
+    want = reference.generate(ids, do_sample=False, compile_config=config, **STATIC)
+    assert got.tolist() == want.tolist()  # fp32: Inductor's tokens, token for token
+
+
+@torch.no_grad()
+def test_compile_step_bare_decode_steps_give_eager_logits():
+    from transformers import StaticCache
+
+    model, ids = _llama()
+    # the KV cache's keyword: `cache` from transformers 5.2x, `past_key_values` before
+    cache_keyword = ("cache" if "cache" in inspect.signature(type(model).forward).parameters
+                     else "past_key_values")
+    step = ditron_inductor.compile_step(model.__call__)
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    token = [model(input_ids=ids, **{cache_keyword: c}, use_cache=True) for c in caches][0]
+    token = token.logits[:, -1:].argmax(-1)
+    for i in range(5):  # a warm-up call, the capture, replays
+        got = step(input_ids=token, **{cache_keyword: caches[0]}, use_cache=True).logits
+        want = model(input_ids=token, **{cache_keyword: caches[1]}, use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+        token = want[:, -1:].argmax(-1)
+    assert len(step.graphs) == 1
