@@ -39,7 +39,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ditron_inductor import calibrate  # noqa: E402
-from ditron_inductor.scheduler import evidence  # noqa: E402
+from ditron_inductor.scheduler import calibration, evidence  # noqa: E402
 from ditron_inductor.scheduler.choose import choose_device_plan  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def decisions(sites) -> int:
 
 
 def export(directory: str) -> None:
-    data = json.loads(evidence.calibration_path().read_text())
+    data = json.loads(calibration.calibration_path().read_text())
     for table in ("world1_compute", "measured_plans"):
         path = pathlib.Path(directory) / f"{table}.json"
         old = json.loads(path.read_text()) if path.exists() else {}
@@ -119,7 +119,7 @@ def compile_check(tp: int, layers: int) -> int:
     found = [line for line in lines.lines if calibrate._LINE.search(line) and (
         " -> ditron." in line or " not fused: " in line)]  # a decision each, no notes
     named = {what: sum(what in line for line in found) for what in (
-        evidence.CALIBRATION, "shipped table", "link model", "reference plan")}
+        calibration.CALIBRATION, "shipped table", "link model", "reference plan")}
     print(f"compiled on {device} (a fake group of {tp} ranks), {layers} layer(s):")
     for line in found:
         print(f"  {line}")
@@ -136,10 +136,10 @@ def compile_check(tp: int, layers: int) -> int:
     mine = 0
     for site in sites:
         why = choose_device_plan(site.task, site.graphs)[1]
-        mine += evidence.CALIBRATION in why
+        mine += calibration.CALIBRATION in why
         print(f"  {site.name}: {site.task.describe()}\n    {why}")
-    print(f"{mine} of {len(sites)} decisions name {evidence.CALIBRATION}"
-          f"{'' if evidence.calibration_path().exists() else ' (none here)'}")
+    print(f"{mine} of {len(sites)} decisions name {calibration.CALIBRATION}"
+          f"{'' if calibration.calibration_path().exists() else ' (none here)'}")
     dist.destroy_process_group()
     return len(found)
 
@@ -158,8 +158,8 @@ def main(argv=None) -> None:
         return export(args.export)
     if args.compile:
         sys.exit(0 if compile_check(args.tp, args.layers) else 1)
-    print(f"evidence: {evidence.calibration_path()}"
-          f"{'' if evidence.calibration_path().exists() else ' (none)'}")
+    print(f"evidence: {calibration.calibration_path()}"
+          f"{'' if calibration.calibration_path().exists() else ' (none)'}")
     decisions(calibrate.sites_of(args.sites, args.tp, args.tokens))
 
 

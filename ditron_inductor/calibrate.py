@@ -1,6 +1,6 @@
 """Calibrate the scheduler on this machine: its evidence measured here, the same on every rank,
-cached where scheduler/evidence.py reads it first (docs/architecture.md, "Evidence and
-calibration": the phases, the timing, the file; the shipped tables are exports of such runs).
+cached where scheduler/calibration.py reads it first (the project's architecture notes, "Evidence
+and calibration": the phases, the timing, the file; the shipped tables are exports of such runs).
 
     torchrun --nproc-per-node W -m ditron_inductor.calibrate --sites llama-8b [--budget 5]
     python -m ditron_inductor.calibrate --show                    # what the cache holds
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .scheduler import evidence
+from .scheduler import calibration, evidence
 from .scheduler.candidates import CANDIDATES, candidate_plan
 from .scheduler.choose import fused_plan
 from .scheduler.decide import with_options
@@ -314,10 +314,10 @@ def calibrate(sites: list[Site], args) -> dict:
     world = dist.get_world_size()
     _started[0] = time.time()
     budget_s = _started[0] + 60 * args.budget
-    source = dict(machine=evidence.machine()["gpu"], date=datetime.datetime.now(
+    source = dict(machine=calibration.machine()["gpu"], date=datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), command=f"torchrun "
         f"--nproc-per-node {world} -m ditron_inductor.calibrate {' '.join(args.argv)}")
-    new: dict = dict(machine=evidence.machine(), sources=[dict(source, world=world)], link={},
+    new: dict = dict(machine=calibration.machine(), sources=[dict(source, world=world)], link={},
                      link_points={})
     if world > 1:
         new["link"][str(world)], new["link_points"][str(world)] = _link(world)
@@ -343,7 +343,7 @@ def calibrate(sites: list[Site], args) -> dict:
         ms={label: round(v, 4) for label, v in ms.items() if math.isfinite(v)})
         for (s, _), ms in zip(fused, timed) if ms])
     if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        path = evidence.calibration_path()
+        path = calibration.calibration_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         _write(path, merge(json.loads(path.read_text()) if path.exists() else {}, new))
         print(f"{len(w1)} world-1 rows, {len(new['measured_plans']['rows'])} measured rows, "
@@ -380,9 +380,9 @@ def _write(path, data: dict) -> None:
 
 
 def show() -> None:
-    mine = evidence.calibration_path()
-    print(f"calibration cache: {evidence.cache_dir()}")
-    for path in sorted(evidence.cache_dir().glob("*.json")):
+    mine = calibration.calibration_path()
+    print(f"calibration cache: {calibration.cache_dir()}")
+    for path in sorted(calibration.cache_dir().glob("*.json")):
         data = json.loads(path.read_text())
         print(f"{path.name}{'  (this machine)' if path == mine else ''}\n  machine: "
               + ", ".join(f"{k}={v}" for k, v in data["machine"].items()))
@@ -395,9 +395,9 @@ def show() -> None:
             print(f"  link constants at {world} rank(s): "
                   + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))
     own = "this machine's calibration, then " if mine.exists() else "no calibration, "
-    shipped = ("the shipped tables" if evidence.card_matches() else
-               f"no shipped table (measured on {'/'.join(evidence.SHIPPED_CARDS)})")
-    print(f"{evidence.machine()['gpu']}: the scheduler reads {own}{shipped}, then the link model")
+    shipped = ("the shipped tables" if calibration.card_matches() else
+               f"no shipped table (measured on {'/'.join(calibration.SHIPPED_CARDS)})")
+    print(f"{calibration.machine()['gpu']}: the scheduler reads {own}{shipped}, then the link model")
 
 
 def main(argv=None) -> None:

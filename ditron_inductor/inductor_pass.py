@@ -1,6 +1,6 @@
 """ditron as Inductor passes, for frameworks that compile with `backend="inductor"` and take graph
-passes through Inductor's config rather than a backend name (docs/frameworks.md: each entry point,
-what it does not do, the vLLM and torchtitan recipes).
+passes through Inductor's config rather than a backend name (the project's framework notes: each
+entry point, what it does not do, the vLLM and torchtitan recipes).
 
 `post_grad_pass()` is the backend's `DitronPass`; `pre_grad_pass()` its rewrites of Dynamo's graph
 (the causal mask, grouped-query packing), which need that graph. Options are the backend's

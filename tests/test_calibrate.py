@@ -19,7 +19,7 @@ import torch
 
 from ditron_inductor import calibrate, config
 from ditron_inductor.lowering.graph_pass import DitronPass
-from ditron_inductor.scheduler import choose, evidence, policy
+from ditron_inductor.scheduler import calibration, choose, evidence, policy
 from ditron_inductor.scheduler.decide import decide
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE_RMSNORM, Task
 from tests.distributed import launched_once
@@ -50,8 +50,8 @@ def _on_two_ranks(rank: int, world: int) -> dict:
     out = {}
     calibrate.main(["--device", "cpu", "--sites", "tiny", "--tokens", "64", "--budget", "0.1"])
     task = sites("tiny", 2, "train", 64)[0].task  # q/k/v's gather, as a CUDA graph has it
-    out["file"] = json.loads(evidence.calibration_path().read_text())  # rank 0 wrote it
-    out["digest"], out["agreed"] = evidence.local().digest, evidence.agreed()
+    out["file"] = json.loads(calibration.calibration_path().read_text())  # rank 0 wrote it
+    out["digest"], out["agreed"] = calibration.local().digest, calibration.agreed()
     out["why"] = choose.choose_device_plan(task)[1]
 
     # rank 1's cache differs (another directory, no calibration): both ranks keep NCCL
@@ -59,23 +59,23 @@ def _on_two_ranks(rank: int, world: int) -> dict:
     os.environ["XDG_CACHE_HOME"] = home + ("-other" if rank else "")
     evidence.clear_caches()
     start = time.monotonic()
-    out["differ"] = evidence.agreed(), choose.choose_device_plan(task), time.monotonic() - start
+    out["differ"] = calibration.agreed(), choose.choose_device_plan(task), time.monotonic() - start
     out["forced"] = decide(task, config.Options(force_plan="fused")).fuse
     os.environ["XDG_CACHE_HOME"] = home
 
     # rank 1 does not come to this round in time: rank 0 gives up after the bound, and rank 1,
     # later, takes the verdict rank 0 left
-    evidence.AGREE_TIMEOUT_S = 2.0
+    calibration.AGREE_TIMEOUT_S = 2.0
     evidence.clear_caches()
     if rank == 0:
         start = time.monotonic()
-        out["absent"] = evidence.agreed(), time.monotonic() - start
+        out["absent"] = calibration.agreed(), time.monotonic() - start
     dist.barrier()
     if rank == 1:
-        out["late"] = evidence.agreed()
+        out["late"] = calibration.agreed()
 
     # a card of neither the calibration nor the shipped tables: rank 0 says so, once
-    evidence.machine = lambda: L40S
+    calibration.machine = lambda: L40S
     evidence.clear_caches()
     records: list = []
     handler = _warnings(records)
@@ -105,7 +105,7 @@ def test_the_command_writes_one_file_every_rank_reads_back():
     zero, one = ranks()
     data = zero["file"]
     assert one["file"] == data and zero["digest"] == one["digest"] != "none"
-    assert data["machine"] == evidence.machine() and data["sources"][0]["world"] == 2
+    assert data["machine"] == calibration.machine() and data["sources"][0]["world"] == 2
     assert set(data["link"]["2"]) == {"nccl_ag_gbps", "nccl_rs_gbps", "nccl_ar_busbw_gbps",
                                       "nccl_latency_ms"}
     assert [size for size, _ in data["link_points"]["2"]["all_reduce"]] == [65536, 262144,
@@ -153,7 +153,7 @@ def test_show_prints_what_the_cache_holds(capsys, monkeypatch):
     calibrate.main(["--show"])
     evidence.clear_caches()
     text = capsys.readouterr().out
-    assert f"{evidence.calibration_path().name}  (this machine)" in text
+    assert f"{calibration.calibration_path().name}  (this machine)" in text
     assert "on 2 rank(s): torchrun --nproc-per-node 2 -m ditron_inductor.calibrate" in text
     assert "link constants at 2 rank(s): nccl_ag_gbps=" in text
     assert "the scheduler reads this machine's calibration, then the shipped tables" in text
@@ -161,14 +161,14 @@ def test_show_prints_what_the_cache_holds(capsys, monkeypatch):
 
 # ------------------------------------------------------------------------------ one process
 def test_the_cache_is_keyed_by_what_makes_it_valid(cache, monkeypatch):
-    path = evidence.calibration_path()
+    path = calibration.calibration_path()
     assert path.parent == cache / "ditron_inductor" / "calibration"
     assert path.name.startswith("cpu-") and path.suffix == ".json"
-    assert set(evidence.machine()) == set(L40S)
-    names = {evidence.calibration_path(dict(L40S, **{key: "other"})).name for key in L40S}
-    assert len(names) == len(L40S) and evidence.calibration_path(L40S).name not in names
+    assert set(calibration.machine()) == set(L40S)
+    names = {calibration.calibration_path(dict(L40S, **{key: "other"})).name for key in L40S}
+    assert len(names) == len(L40S) and calibration.calibration_path(L40S).name not in names
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert str(evidence.cache_dir()).startswith(os.path.expanduser("~/.cache/"))
+    assert str(calibration.cache_dir()).startswith(os.path.expanduser("~/.cache/"))
 
 
 def test_a_later_run_replaces_its_rows_and_keeps_the_others(tmp_path):
@@ -195,10 +195,10 @@ def test_a_later_run_replaces_its_rows_and_keeps_the_others(tmp_path):
 def _calibration(measured=(), world1=(), link=None) -> None:
     """This machine's calibration file with these rows."""
     source = dict(machine="cpu", date="today", command="test")
-    path = evidence.calibration_path()
+    path = calibration.calibration_path()
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(dict(
-        machine=evidence.machine(), sources=[dict(source, world=2)], link=link or {},
+        machine=calibration.machine(), sources=[dict(source, world=2)], link=link or {},
         world1_compute=dict(sources=[source], rows=list(world1)),
         measured_plans=dict(sources=[source], rows=list(measured)))))
     evidence.clear_caches()
@@ -232,14 +232,14 @@ def test_the_calibrations_world1_compute_and_link_are_read_first(cache):
     _calibration(world1=[row], link={"2": dict(nccl_ar_busbw_gbps=1e4, nccl_latency_ms=0.0)})
     plan, why = choose.choose_device_plan(site.task, cuda_graphs=True)
     assert plan is None and "compute 9.000 measured" in why
-    assert f"compute from {evidence.CALIBRATION}, link model, {evidence.CALIBRATION} at 2 ranks"\
+    assert f"compute from {calibration.CALIBRATION}, link model, {calibration.CALIBRATION} at 2 ranks"\
         in why
 
 
 def test_a_card_of_neither_needs_the_wide_margin(cache, monkeypatch):
     wide, narrow = _ag(8192, 8192, 7168, 8), _ag(16384, 8192, 3584, 4)  # predicted 1.28x, 1.57x
     assert choose.choose_device_plan(wide)[0] is not None
-    monkeypatch.setattr(evidence, "machine", lambda: L40S)
+    monkeypatch.setattr(calibration, "machine", lambda: L40S)
     evidence.clear_caches()
     records: list = []
     handler = _warnings(records)
@@ -269,7 +269,7 @@ def test_agreement_is_the_first_verdict_on_every_rank():
         def one(rank):
             if rank in late:
                 time.sleep(timeout_s + 0.5)
-            out[rank] = evidence.agree(store, rank, len(digests), digests[rank], timeout_s)
+            out[rank] = calibration.agree(store, rank, len(digests), digests[rank], timeout_s)
         threads = [threading.Thread(target=one, args=(r,)) for r in range(len(digests))]
         [t.start() for t in threads]
         [t.join() for t in threads]

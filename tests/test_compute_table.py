@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ditron_inductor.scheduler import evidence, link_model
+from ditron_inductor.scheduler.calibration import calibration_path
 from ditron_inductor.scheduler.choose import choose_device_plan, fused_plan
 from ditron_inductor.scheduler.policy import MIN_GAIN
 from ditron_inductor.scheduler.plan import (
@@ -139,8 +140,8 @@ def test_the_table_is_exported_from_calibrations(tmp_path, monkeypatch):
                              calibration("later", (OVERLAP, 0.41))]):
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{i}"))
         evidence.clear_caches()
-        evidence.calibration_path().parent.mkdir(parents=True)
-        evidence.calibration_path().write_text(json.dumps(run))
+        calibration_path().parent.mkdir(parents=True)
+        calibration_path().write_text(json.dumps(run))
         calibration_check.export(str(tmp_path))
     data = json.loads(path.read_text())
     assert sorted(data["rows"]) == [

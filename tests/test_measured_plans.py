@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import calibration_check
-from ditron_inductor.scheduler import choose, evidence, link_model
+from ditron_inductor.scheduler import calibration, choose, evidence, link_model
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
 
 
@@ -35,8 +35,8 @@ def table(tmp_path, monkeypatch):
         for i, run in enumerate(runs):
             monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{i}"))
             evidence.clear_caches()
-            evidence.calibration_path().parent.mkdir(parents=True, exist_ok=True)
-            evidence.calibration_path().write_text(json.dumps(run))
+            calibration.calibration_path().parent.mkdir(parents=True, exist_ok=True)
+            calibration.calibration_path().write_text(json.dumps(run))
             calibration_check.export(str(tmp_path))
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
         monkeypatch.setattr(evidence, "MEASURED_PLANS", tmp_path / "measured_plans.json")

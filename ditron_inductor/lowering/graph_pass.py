@@ -22,7 +22,7 @@ from torch.fx import Graph
 
 from .. import config
 from ..log_names import LOGGER_NAME, all_ranks_logging
-from ..scheduler import evidence
+from ..scheduler import calibration
 from ..scheduler.decide import Decision, decide, reject
 from .decode_gemm import group_decode_mms, rewrite_decode_mms
 from .left import Unmatched, collectives, describe, is_collective
@@ -144,7 +144,7 @@ class DitronPass(CustomGraphPass):
             if user is None:  # an uncacheable user pass makes the whole pass uncacheable
                 return None
         return (get_hash_for_files(_source_files()).hex(), self.options.cache_key(), user,
-                process_groups_key(), evidence.cache_key())  # this machine's calibration
+                process_groups_key(), calibration.cache_key())  # this machine's calibration
 
 
 def process_groups_key() -> tuple:

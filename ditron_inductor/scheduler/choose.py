@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Optional
 
-from . import evidence, link_model, policy
+from . import calibration, evidence, link_model, policy
 from .candidates import candidate_plan, candidates_for, predicted_labels
 from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
 from .plan import ReduceScatterPlan, family, from_params
@@ -61,7 +61,7 @@ def measured_decision(task: Task) -> Optional[MeasuredDecision]:
     rm, rk, rn = row.shape
     summary = (f"measured on {task.world_size} ranks at {rm}x{rk}x{rn} ({row.source}): "
                f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms"
-               + ("" if row.source.startswith(evidence.CALIBRATION) else "; shipped table"))
+               + ("" if row.source.startswith(calibration.CALIBRATION) else "; shipped table"))
     label = fastest if unfused >= fused * policy.MEASURED_MIN_GAIN else None
     return MeasuredDecision(fastest, label, fused, unfused, summary)
 
@@ -172,7 +172,7 @@ def _costed_all_reduce_plan(task: Task, plan: AllReducePlan, cuda_graphs: bool,
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
     world1 = evidence.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
                                    size_hint(task.k), task.n_total)
-    if world1 is None and not evidence.calibrated():
+    if world1 is None and not calibration.calibrated():
         return None, f"no world-1 measurement on this uncalibrated card: {KEEP}"
     if world1 is None:
         note = f"no world-1 measurement near this shape ({evidence.world1_source()})"
@@ -199,7 +199,7 @@ def scaled_mm_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], 
              else "_scaled_mm per rank's rows, each pushed by the copy engine")
     where = (f"chosen on {policy.FP8_CHOSEN_WORLD} ranks from M {policy.FP8_CHOSEN_MIN_M}, "
              "launched eagerly, where the float8 training step measured faster fused")
-    if policy.fp8_chosen(task, cuda_graphs) and evidence.card_matches():
+    if policy.fp8_chosen(task, cuda_graphs) and calibration.card_matches():
         plan = fused_plan(task)
         return plan, f"fused plan {plan.label} ({fused}): {where}"
     return None, (f"the fp8 plan ({policy.FP8_LABEL}: {fused}) is {where}: {keep}, "
@@ -215,7 +215,7 @@ def moe_not_fused(op: str) -> str:
 def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[FusedPlan], str]:
     """(plan, why); a None plan leaves the graph as it was. cuda_graphs: the compiled graph is
     replayed as a CUDA graph."""
-    if not evidence.agreed():
+    if not calibration.agreed():
         return None, f"the ranks' scheduler evidence differs (warned above): {KEEP}"
     if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE):
         return scaled_mm_plan(task, cuda_graphs)

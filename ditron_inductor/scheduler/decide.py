@@ -15,7 +15,7 @@ from typing import Optional
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import Options, defaults, dtypes
-from . import evidence
+from . import calibration
 from .choose import choose_device_plan, fused_plan, has_fused_plan
 from .decode_gemm import with_decode_gemm
 from .plan import FUSED, REFERENCE, REFERENCE_PLAN, FusedPlan, Plan
@@ -94,7 +94,7 @@ def decide(task: Task, options: Options = Options()) -> Decision:
         return reject(unserved)
     plan, why = choose_device_plan(task, cuda_graphs=replayed_in_cuda_graph(options))
     if (options.force_plan == FUSED and plan is None and has_fused_plan(task.op)
-            and evidence.agreed()):  # ranks whose evidence differs would force different plans
+            and calibration.agreed()):  # ranks whose evidence differs would force different plans
         plan, why = fused_plan(task), "fused plan forced (ditron.plan / DITRON_PLAN=fused)"
     if plan is None:
         return reject(why)

@@ -1,29 +1,20 @@
 """The measured evidence the scheduler decides from, each table with its provenance (machine,
-date, command), read in this order: this machine's calibration (`python -m
-ditron_inductor.calibrate`: $XDG_CACHE_HOME/ditron_inductor/calibration/, named by `machine()`);
+date, command), read in this order: this machine's calibration (scheduler/calibration.py);
 the shipped tables in evidence/ (link.json's link constants per world size, world1_compute.json's
 compute at world size 1, measured_plans.json's AG/RS candidates), exports of calibrations, where
 the card is one they were measured on (SHIPPED_CARDS); the link model, its margin wider on a card
-of neither (choose.py). Where the ranks' calibrations differ (`agreed`) every site keeps NCCL +
-cuBLAS.
+of neither (choose.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import hashlib
 import json
-import logging
 import math
-import os
 import pathlib
-import re
 from typing import NamedTuple, Optional
 
-from ..log_names import LOGGER_NAME, process_rank
-
-log = logging.getLogger(LOGGER_NAME)
+from . import calibration
 
 DIRECTORY = pathlib.Path(__file__).with_name("evidence")
 LINK = DIRECTORY / "link.json"
@@ -35,14 +26,6 @@ NCCL_CUBLAS = "nccl_cublas"  # the unfused contender's key among a measured row'
 WORLD1_NEAR, MEASURED_NEAR = 2.0, 1.25
 # Below this many rows a call's time is latency (launches, waits), not work: not scaled.
 SCALED_FROM_M = 1024
-# The cards the shipped tables were measured on (their sources' machines): Hopper SXM, 132 SMs,
-# NVLink; the tables mix the two. No GPU visible ("cpu": decisions for CUDA tasks in tests on a
-# host without one) reads them too.
-SHIPPED_CARDS = ("H100", "H200")
-CALIBRATION = "this machine's calibration"
-# Ranks reach their first decision within one compile of each other; a rank not there by then
-# counts as disagreeing (bounded: never a hang).
-AGREE_TIMEOUT_S = 60.0
 
 
 def _read(path: pathlib.Path) -> dict:
@@ -59,127 +42,12 @@ def _log_distance(shape, other, near: float) -> Optional[float]:
     return sum(logs) if max(logs) <= math.log(near) else None
 
 
-# ------------------------------------------------------------- this machine's calibration
-def cache_dir() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "ditron_inductor" / "calibration"
-
-
-@functools.cache
-def machine() -> dict:
-    """What makes a calibration valid on this machine ("cpu": no GPU visible)."""
-    import importlib.metadata
-
-    import torch
-
-    try:
-        ditron = importlib.metadata.version("ditron-inductor")
-    except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
-        ditron = "source"
-    m = dict(gpu="cpu", sms=0, memory_gib=0, peers="", driver="", torch=torch.__version__,
-             triton="", ditron=ditron)
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        n = torch.cuda.device_count()
-        access = [torch.cuda.can_device_access_peer(i, j)
-                  for i in range(n) for j in range(n) if i != j]
-        driver = pathlib.Path("/proc/driver/nvidia/version")
-        found = re.search(r"\d+\.\d+[.\d]*", driver.read_text()) if driver.exists() else None
-        m.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30),
-                 peers=f"{n} GPUs, peer access "
-                       f"{'all' if all(access) else 'some' if any(access) else 'none'}",
-                 driver=found.group() if found else "", triton=__import__("triton").__version__)
-    return m
-
-
-def calibration_path(m: Optional[dict] = None) -> pathlib.Path:
-    m = m or machine()
-    key = hashlib.sha1(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_dir() / f"{m['gpu'].replace(' ', '_')}-{key}.json"
-
-
-def card_matches() -> bool:
-    """Whether the shipped tables were measured on this card."""
-    gpu = machine()["gpu"]
-    return gpu == "cpu" or any(card in gpu for card in SHIPPED_CARDS)
-
-
-class Local(NamedTuple):
-    data: dict  # this machine's calibration, {} where none
-    digest: str
-
-
-_round = [0]  # agreement rounds: a re-read (clear_caches) agrees anew, on every rank alike
-
-
-@functools.cache
-def local() -> Local:
-    path = calibration_path()
-    text = path.read_text() if path.exists() else ""
-    return Local(json.loads(text) if text else {},
-                 hashlib.sha1(text.encode()).hexdigest()[:12] if text else "none")
-
-
-@functools.cache
-def calibrated() -> bool:
-    """Whether this machine has evidence of its own card; says once (rank 0) where it has not."""
-    if local().data or card_matches():
-        return True
-    if process_rank() == 0:
-        log.warning("ditron: this machine (%s) is uncalibrated and the shipped tables were "
-                    "measured on %s: fused only where the link model predicts a wide gain. "
-                    "Calibrate once per world size W: torchrun --nproc-per-node W -m "
-                    "ditron_inductor.calibrate --sites llama-8b", machine()["gpu"],
-                    "/".join(SHIPPED_CARDS))
-    return False
-
-
-def agree(store, rank: int, world: int, digest: str, timeout_s: float) -> bool:
-    """Whether every rank set the same digest in `store`: each rank sets its own, waits for the
-    others' (bounded), and proposes a verdict; the first proposal wins on every rank."""
-    store.set(str(rank), digest)
-    try:
-        store.wait([str(r) for r in range(world)], datetime.timedelta(seconds=timeout_s))
-        same = all(store.get(str(r)).decode() == digest for r in range(world))
-    except Exception:  # noqa: BLE001 - a rank that did not come in time: not agreed
-        same = False
-    return store.compare_set("verdict", "", "same" if same else "differ") == b"same"
-
-
-@functools.cache
-def agreed() -> bool:
-    """Whether every rank of the default group holds the same calibration (checked once)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
-            or dist.get_backend() == "fake":
-        return True
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = dist.PrefixStore(f"ditron/evidence/{_round[0]}", _get_default_store())
-    same = agree(store, dist.get_rank(), dist.get_world_size(), local().digest, AGREE_TIMEOUT_S)
-    if not same:
-        log.warning("ditron: the ranks' scheduler evidence differs (this rank's calibration: "
-                    "%s, %s): every site keeps NCCL + cuBLAS. Calibrate every machine alike, or "
-                    "remove the calibration (python -m ditron_inductor.calibrate --show)",
-                    local().digest, calibration_path())
-    return same
-
-
-def cache_key() -> str:
-    """The evidence in the pass's cache key; with a GPU every rank checks the agreement here, at
-    its first compile, whether or not Inductor's cache then serves the graph."""
-    import torch
-
-    return local().digest + ("" if not torch.cuda.is_available() else f":{agreed()}")
-
-
 def _tables(path: pathlib.Path) -> list[tuple[dict, str]]:
     """(table, source) in the order read: this machine's calibration's, the shipped one."""
-    calibrated()
-    own = local().data.get(path.stem)
-    shipped = _read(path) if card_matches() else None
-    return [(t, src) for t, src in ((own, CALIBRATION), (shipped, "")) if t]
+    calibration.calibrated()
+    own = calibration.local().data.get(path.stem)
+    shipped = _read(path) if calibration.card_matches() else None
+    return [(t, src) for t, src in ((own, calibration.CALIBRATION), (shipped, "")) if t]
 
 
 # ---------------------------------------------------------------------------- the link model
@@ -201,21 +69,22 @@ def calibrated_world(world: int) -> int:
 def link(world: int) -> dict:
     """The link constants measured at calibrated_world(world), under those this machine's
     calibration measured (its GEMM rate, its link at `world`)."""
-    own = local().data.get("link", {})
+    own = calibration.local().data.get("link", {})
     shipped = link_calibrations()[calibrated_world(world)]
     return {**shipped, **own.get("1", {}), **own.get(str(world), {})} if own else shipped
 
 
 def link_source(world: int) -> str:
     """Where link(world)'s bandwidths come from, for the log."""
-    if str(world) in local().data.get("link", {}):
-        return f"link model, {CALIBRATION} at {world} ranks"
+    if str(world) in calibration.local().data.get("link", {}):
+        return f"link model, {calibration.CALIBRATION} at {world} ranks"
     return f"link model, shipped constants of {calibrated_world(world)} ranks"
 
 
 def link_measured(world: int) -> bool:
     """Whether the link model's constants at `world` were measured on this card."""
-    return calibrated() and (card_matches() or str(world) in local().data.get("link", {}))
+    own = calibration.local().data.get("link", {})
+    return calibration.calibrated() and (calibration.card_matches() or str(world) in own)
 
 
 # ------------------------------------------------------------------- world-1 compute table
@@ -223,7 +92,7 @@ class Costs(NamedTuple):
     fused_ms: float
     unfused_ms: float
     measured: tuple[int, int, int]  # the (M, K, N) measured that stands for the task's
-    source: str = ""  # CALIBRATION, or "" for the shipped table
+    source: str = ""  # calibration.CALIBRATION, or "" for the shipped table
 
 
 @functools.cache
@@ -260,7 +129,7 @@ def world1_costs(op: str, family: str, cuda_graphs: bool, m: int, k: int,
             _, (rm, rk, rn), fused, unfused = best
             scale = (m * k * n) / (rm * rk * rn) if min(m, rm) >= SCALED_FROM_M else 1.0
             return Costs(fused * scale, unfused * scale, (rm, rk, rn),
-                         CALIBRATION if source.startswith(CALIBRATION) else "")
+                         calibration.CALIBRATION if source.startswith(calibration.CALIBRATION) else "")
     return None
 
 
@@ -312,7 +181,6 @@ def nearest_measured(op: str, world: int, dtype, m: int, k: int, n: int) -> Opti
 def clear_caches() -> None:
     """Read the files again (tests that point the paths elsewhere; a new calibration), and agree
     on them anew."""
-    _round[0] += agreed.cache_info().currsize
-    for cached in (link_calibrations, _world1, _measured_rows, machine, local, calibrated,
-                   agreed):
-        getattr(cached, "cache_clear", lambda: None)()  # a test may have replaced one
+    calibration.clear_caches()
+    for cached in (link_calibrations, _world1, _measured_rows):
+        cached.cache_clear()

@@ -17,9 +17,9 @@ MIN_GAIN = 1.03
 # run-to-run noise only.
 MEASURED_MIN_GAIN = 1.02
 # Predicted with constants not measured on this card (no calibration, not a card of the shipped
-# tables): each may be off by 1.5x there (an A100's bf16 GEMM rate is 0.44x an H100's, its
-# NVLink 0.67x). At the Llama-3-8B/70B training sites on 2-8 ranks, gains predicted up to 1.44x
-# turned into losses with one of the GEMM rate, the bandwidths or the host time 1.5x off.
+# tables): each may be off by 1.5x there (another generation's bf16 GEMM rate can be under half,
+# its links two thirds). At the Llama-3-8B/70B training sites on 2-8 ranks, gains predicted up to
+# 1.44x turned into losses with one of the GEMM rate, the bandwidths or the host time 1.5x off.
 UNCALIBRATED_MIN_GAIN = 1.5
 
 # ------------------------------------------------------------------ GEMM + all-reduce, by M
