@@ -66,8 +66,14 @@ the CUDA graph replay) and generate()'s loop around it, with the Python calls pe
 cProfile's top entries. `--skip-guard-eval` times the calls after the first with Dynamo running
 only the guards that tell its graphs apart. `--compile-options JSON` compiles with those options
 instead of `mode="reduce-overhead"` (e.g. Inductor's CUDA graphs without the trees).
-`--profile-device N`: the device time of N bare steps by kernel kind. Times are the maximum over ranks. `--json PATH` writes the rows, the
-ditron lines and the command; a markdown table is printed last.
+`--profile-device N` (CUDA only: refused on CPU, which has no kernels to profile) runs the torch
+profiler over N bare steps of each contender: the device time by kernel kind, and a step's split
+(`split_table`): GEMV/GEMM (cuBLAS, the decode GEMM template, Triton matmuls), attention (SDPA's
+kernels, the decode attention template), collectives (NCCL, ditron's all-reduces), small ops (the
+rest: Inductor's fused pointwise and reduction kernels, copies) and idle (no kernel running), ms
+per step and share of the step's device span, in the JSON as each row's `device_profile.split`.
+Times are the maximum over ranks. `--json PATH` writes the rows, the ditron lines and the
+command; a markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -155,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "contender: where the host's time per step goes")
     p.add_argument("--profile-device", type=int, default=0, metavar="STEPS",
                    help="the torch profiler over this many bare steps: device ms per step by "
-                        "kernel kind (CUDA only)")
+                        "kernel kind and the step's split (GEMV/GEMM, attention, collectives, "
+                        "small ops, idle); CUDA only")
     p.add_argument("--json", default=None, help="also write the results here")
     if p.parse_known_args(argv)[0].tiny:  # new defaults; options given still win
         p.set_defaults(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2, vocab=128,
@@ -645,6 +652,33 @@ def host_table(rows: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
+SPLIT_TITLES = {"gemm": "GEMV/GEMM", "attention": "attention", "collectives": "collectives",
+                "small": "small ops", "idle": "idle"}  # e2e_llama.STEP_PARTS' columns
+
+
+def split_table(rows: list[dict], steps: int) -> str:
+    """Each profiled row's bare step beside its device time per step in parts (e2e_llama.
+    step_split), ms and share of the span."""
+    head = ["B", "prompt", "new", "params", "contender", "bare step ms", "span ms",
+            *(f"{SPLIT_TITLES[part]} ms (share)" for part in e2e_llama.STEP_PARTS), "overlap ms"]
+    lines = [f"Device time per decode step by part (torch profiler over {steps} bare steps, rank "
+             "0; share: of the span, the first kernel's start to the last one's end, per step; "
+             "idle: no kernel runs; overlap: kernels on different streams at once, which the "
+             "parts count twice)", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        split = r.get("device_profile", {}).get("split")
+        if split is None:
+            continue
+        span = split["span"]
+        cells = [str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]), r["params"],
+                 r["contender"], f"{r['bare_ms']:.3f}", f"{span:.3f}",
+                 *(f"{split[part]:.3f} ({split[part] / span:.0%})" if span else
+                   f"{split[part]:.3f}" for part in e2e_llama.STEP_PARTS),
+                 f"{split['overlap']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(result: dict, argv: list[str]) -> None:
     args = parse_args(argv)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -668,6 +702,7 @@ def report(result: dict, argv: list[str]) -> None:
                         "device_profile": {r["contender"]: r["device_profile"]}}
                        for r in rows if "device_profile" in r]
         print("\n" + e2e_llama.device_table(device_rows, args.profile_device))
+        print("\n" + split_table(rows, args.profile_device))
     print("\nditron, one line per match (rank 0):")
     for line in result["ditron_log"]:
         print("  " + line)

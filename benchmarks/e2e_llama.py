@@ -357,7 +357,7 @@ def interleaved(fns: dict, timer: Timer, args, label: str) -> dict:
         # on a late peer idles on one rank only, a transfer's tail on all of them (--no-comm:
         # one process, whose fake group carries no objects)
         own = {name: {"gaps": p["gaps"][:RANK_GAPS],
-                      **{k: p[k] for k in ("span", "busy", "idle") + PROFILE_KINDS}}
+                      **{k: p[k] for k in ("span", "busy", "idle", "split") + PROFILE_KINDS}}
                for name, p in profiles.items()}
         if args.no_comm:
             ranks = [own]
@@ -401,37 +401,74 @@ def top_entries(stats, top: int = 40, sort: str = "cumulative") -> str:
 # A device profile's kernel kinds, the first match of the lower-cased name winning; ditron's own
 # kernels (the Triton functions of ditron_inductor.templates) come first, and what matches nothing
 # (Inductor's fused elementwise and reduction kernels: norms, rotary embedding, the loss) is other.
-KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention")),
-                ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem_")),
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("gemm", ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma",
+                          "triton_tem_")),
                 ("optimizer", ("multi_tensor_apply", "foreach")), ("copy", ("memcpy", "memset")))
 PROFILE_KINDS = ("ditron",) + tuple(kind for kind, _ in KERNEL_KINDS) + ("other",)
 TOP_KERNELS = 12  # the kernels a device profile names, by their time
 TOP_GAPS = 10  # the idle intervals it names, by the kernels around them, by their time
 RANK_GAPS = 3  # of them, per rank
+# A step's device time in parts (`step_split`): GEMV/GEMM, attention, collectives, small ops (the
+# rest: Inductor's fused pointwise and reduction kernels, copies), idle. Each kernel kind's part;
+# ditron's kernels take the part of the template module that defines them (every module named:
+# tests/test_decode_split.py checks it), the all-reduces with their residual and RMSNorm whole.
+STEP_PARTS = ("gemm", "attention", "collectives", "small", "idle")
+KIND_PARTS = {"nccl": "collectives", "attention": "attention", "gemm": "gemm", "optimizer": "small",
+              "copy": "small", "other": "small"}
+DITRON_PARTS = {"gemv": "gemm", "grouped_gemm": "gemm", "ag_gemm": "gemm", "gemm_ready": "gemm",
+                "decode_attention": "attention", "all_reduce": "collectives",
+                "all_reduce_lamport": "collectives", "all_reduce_push": "collectives",
+                "reduce": "collectives", "transfer": "collectives", "flags": "collectives",
+                "moe_routes": "collectives", "schedule": "collectives"}
 
 
 @functools.cache
-def ditron_kernel_names() -> frozenset:
+def ditron_kernels() -> dict:
+    """{Triton function name: the ditron_inductor.templates module defining it (its last name)}."""
     import importlib
     import inspect
     import pkgutil
 
     from ditron_inductor import templates
 
-    names = set()
+    kernels = {}
     for info in pkgutil.iter_modules(templates.__path__):
         module = importlib.import_module(f"{templates.__name__}.{info.name}")
         # a @triton.jit function, compiled or interpreted (TRITON_INTERPRET=1), wraps it as .fn
-        names |= {v.fn.__name__ for v in vars(module).values()
-                  if inspect.isfunction(getattr(v, "fn", None))}
-    return frozenset(names)
+        kernels.update((v.fn.__name__, v.fn.__module__.rsplit(".", 1)[-1])
+                       for v in vars(module).values() if inspect.isfunction(getattr(v, "fn", None)))
+    return kernels
 
 
 def kernel_kind(name: str) -> str:
-    if name in ditron_kernel_names():
+    if name in ditron_kernels():
         return "ditron"
     lower = name.lower()
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "other")
+
+
+def step_part(name: str) -> str:
+    """The part of a step's device time (STEP_PARTS but idle) a kernel of this name takes."""
+    kind = kernel_kind(name)
+    return DITRON_PARTS[ditron_kernels()[name]] if kind == "ditron" else KIND_PARTS[kind]
+
+
+def step_split(spans, calls: int) -> dict:
+    """{part: device ms per call} over the (start, end, name) spans (us) of the kernels and
+    copies of `calls` calls: each part the time of its kernels; "span": the first kernel's start
+    to the last one's end; "busy": the time some kernel runs (the union: kernels overlapping
+    count once); idle: span - busy; "overlap": what the parts but idle sum past busy (kernels on
+    different streams at once)."""
+    spans, ms = list(spans), dict.fromkeys(STEP_PARTS[:-1], 0.0)
+    for start, end, name in spans:
+        ms[step_part(name)] += end - start
+    ms["span"] = (max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+                  if spans else 0.0)
+    ms["busy"] = busy((start, end) for start, end, _ in spans)
+    ms["idle"] = ms["span"] - ms["busy"]
+    ms["overlap"] = sum(ms[part] for part in STEP_PARTS[:-1]) - ms["busy"]
+    return {key: t / 1e3 / calls for key, t in ms.items()}
 
 
 def busy(spans) -> float:
@@ -497,9 +534,10 @@ def kernel_times(events, calls: int) -> dict:
     """{kind: device ms per call} over the kernels and copies among the profiler's `events`;
     "busy": the time some kernel runs (kernels on different streams overlap, so the kinds may sum
     past it; a step longer than it waited on the host); "span": from the first kernel's start to
-    the last one's end; "top": the kernels that took longest, with kind and ms. A user
-    annotation (a record_function range such as "Optimizer.step#AdamW.step") is on the device's
-    timeline too, spanning the kernels it launched: not a kernel, not counted."""
+    the last one's end; "split": the parts of `step_split`; "top": the kernels that took longest,
+    with kind and ms. A user annotation (a record_function range such as
+    "Optimizer.step#AdamW.step") is on the device's timeline too, spanning the kernels it
+    launched: not a kernel, not counted."""
     from torch.autograd import DeviceType
 
     kernels = [e for e in events
@@ -509,14 +547,13 @@ def kernel_times(events, calls: int) -> dict:
         per_call = e.device_time_total / 1e3 / calls
         ms[kernel_kind(e.name)] += per_call
         by_name[e.name] = by_name.get(e.name, 0.0) + per_call
-    ms["busy"] = busy((e.time_range.start, e.time_range.end) for e in kernels) / 1e3 / calls
-    ms["span"] = ((max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels))
-                  / 1e3 / calls if kernels else 0.0)
+    split = step_split(((e.time_range.start, e.time_range.end, e.name) for e in kernels), calls)
+    ms["busy"], ms["span"] = split["busy"], split["span"]
     only = alone((e.time_range.start, e.time_range.end, kernel_kind(e.name)) for e in kernels)
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     gaps = idle_gaps((e.time_range.start, e.time_range.end, e.name) for e in kernels)
     widest = sorted(gaps.items(), key=lambda item: -item[1][0])[:TOP_GAPS]
-    return {**ms, "alone": {kind: t / 1e3 / calls for kind, t in only.items()},
+    return {**ms, "split": split, "alone": {kind: t / 1e3 / calls for kind, t in only.items()},
             "top": [[name[:120], kernel_kind(name), round(t, 4)] for name, t in top],
             "idle": sum(t for t, _ in gaps.values()) / 1e3 / calls,
             "gaps": [[before[:80], after[:80], round(t / 1e3 / calls, 4), n / calls]

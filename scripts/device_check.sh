@@ -31,6 +31,9 @@
 # E2E_ARGS adds options, e.g. "--fp8 tensorwise"), e2e_fp8 (the float8 training step as the scheduler decides,
 # then with DITRON_PLAN=fused; FP8_PLANS picks one, E2E_ARGS adds options), decode_tp (benchmarks/e2e_decode.py over every local GPU, local parameters,
 # guards skipped, the host's time split; DECODE_ARGS adds options, e.g. "--layers 32"),
+# decode_split (benchmarks/e2e_decode.py --profile-device: a decode step's device time in GEMV/GEMM,
+# attention, collectives, small ops and idle, 16 layers, B 1 and 16, prompt 512, Inductor, ditron,
+# ditron+graph; WORLD=1 for one GPU; DECODE_SPLIT_ARGS adds options),
 # fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
 # _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
 # template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
@@ -163,6 +166,11 @@ decode_tp() { local world; world=$(ranks)
   limited ${DECODE_LIMIT:-300} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
     --params local --batches 1,16 --prompts 1024 --new-tokens 128 --reps 2 --skip-guard-eval \
     --profile-host 50 --json "$W/e2e_decode_tp.json" ${DECODE_ARGS:-}; }
+decode_split() { local world; world=$(ranks)
+  limited ${DECODE_SPLIT_LIMIT:-270} torchrun --nproc-per-node "$world" benchmarks/e2e_decode.py \
+    --params local --layers 16 --batches 1,16 --prompts 512 --new-tokens 64 --reps 2 \
+    --contenders inductor,ditron,ditron+graph --profile-device 10 \
+    --json "$W/e2e_decode_split.json" ${DECODE_SPLIT_ARGS:-}; }
 fp8_parity() { timeout -k 5 ${FP8_PARITY_LIMIT:-300} torchrun --nproc-per-node 1 \
   benchmarks/bench_fp8_parity.py --out "$W/fp8_parity" ${FP8_PARITY_ARGS:-}; }
 decode_gpu() { timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
