@@ -33,7 +33,11 @@
 # guards skipped, the host's time split; DECODE_ARGS adds options, e.g. "--layers 32"),
 # decode_split (benchmarks/e2e_decode.py --profile-device: a decode step's device time in GEMV/GEMM,
 # attention, collectives, small ops and idle, 16 layers, B 1 and 16, prompt 512, Inductor, ditron,
-# ditron+graph; WORLD=1 for one GPU; DECODE_SPLIT_ARGS adds options),
+# ditron+graph; WORLD=1 for one GPU; DECODE_SPLIT_ARGS adds options), calibrate (the world-1
+# calibration of the Llama-3-8B TP 2 sites into a fresh cache, then each site's decision with and
+# without it and a compile over a fake group of 2 ranks naming its evidence), ep_local
+# (benchmarks/bench_ep_local_work.py: an EP-W rank's local work in the fused MoE dispatch and
+# combine beside the unfused path's, W 2/4/8, one GPU; EP_LOCAL_ARGS adds options),
 # fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
 # _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
 # template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
@@ -173,6 +177,13 @@ decode_split() { local world; world=$(ranks)
     --json "$W/e2e_decode_split.json" ${DECODE_SPLIT_ARGS:-}; }
 fp8_parity() { timeout -k 5 ${FP8_PARITY_LIMIT:-300} torchrun --nproc-per-node 1 \
   benchmarks/bench_fp8_parity.py --out "$W/fp8_parity" ${FP8_PARITY_ARGS:-}; }
+calibrate() { export XDG_CACHE_HOME="$W/xdg"
+  limited 300 torchrun --nproc-per-node 1 -m ditron_inductor.calibrate --sites llama-8b --tp 2 \
+    --budget 2 && python3 -m ditron_inductor.calibrate --show \
+  && limited 120 python3 -m benchmarks.calibration_check --sites llama-8b --tp 2 \
+  && limited 240 python3 -m benchmarks.calibration_check --compile --tp 2; }
+ep_local() { limited ${EP_LOCAL_LIMIT:-300} python3 benchmarks/bench_ep_local_work.py \
+  --worlds 2,4,8 --tokens 512,4096,16384 --reps 3 --out "$W/ep_local_work" ${EP_LOCAL_ARGS:-}; }
 decode_gpu() { timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_gemm_gpu.py; }
 decode_attention() { timeout -k 5 ${DECODE_ATTENTION_LIMIT:-200} torchrun --nproc-per-node 1 \
