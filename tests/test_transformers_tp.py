@@ -1,12 +1,13 @@
 """transformers' own tensor-parallel plan on 2 CPU ranks over gloo: every collective of every
 compiled graph is a ditron op or has a logged reason, and the training norm is fused.
 
-One launch runs both checks: a tiny Qwen3 under its built-in TP plan (`base_model_tp_plan`,
+One launch runs the checks: a tiny Qwen3 under its built-in TP plan (`base_model_tp_plan`,
 applied as `from_pretrained(..., tp_plan="auto")` does, without a checkpoint), compiled with
 `backend="ditron"`, an inference forward and a training step, float32: its logits and gradients
-against eager, the ditron ops of each graph and each collective left with its reason; and the
-all-reduce + residual + RMSNorm of a training forward (its reciprocal RMS saved for backward)
-fused whole, its outputs and input gradients against Inductor's.
+against eager, the ditron ops of each graph and each collective left with its reason; the same
+for a tiny Qwen2 and Phi-3, inference; and the all-reduce + residual + RMSNorm of a training
+forward (its reciprocal RMS saved for backward) fused whole, its outputs and input gradients
+against Inductor's.
 """
 
 from __future__ import annotations
@@ -32,15 +33,21 @@ QWEN3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              use_cache=False)
 
 
-def _qwen3(world: int):
+# Other families, inference: Qwen2 (biased q/k/v), Phi-3 (fused qkv_proj and gate_up_proj, whose
+# plan gathers their outputs and splits o_proj's and down_proj's inputs)
+OTHERS = {"qwen2": "Qwen2", "phi3": "Phi3"}
+COMMON = {**{k: v for k, v in QWEN3.items() if k != "head_dim"}, "pad_token_id": 0}
+
+
+def _qwen3(world: int, family: str = "Qwen3"):
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    config = transformers.Qwen3Config(**QWEN3)
+    config = getattr(transformers, f"{family}Config")(**(QWEN3 if family == "Qwen3" else COMMON))
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     plan = model._expand_parallel_plan(model.tp_plan)  # what tp_plan="auto" applies
     return apply_tensor_parallelism(model, init_device_mesh("cpu", (world,)), plan)
 
@@ -89,17 +96,20 @@ def qwen3_ranks(rank: int, world: int) -> dict:
     logger.setLevel(logging.DEBUG)
     ids = torch.randint(0, QWEN3["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     results = {}
-    for train in (False, True):
+    runs = [("inference", "Qwen3", False), ("training", "Qwen3", True)] + [
+        (kind, family, False) for kind, family in OTHERS.items()]
+    for step, family, train in runs:
         torch._dynamo.reset()
         graph_pass.reports.clear()
         lines.clear()
-        want = _step(_qwen3(world), ids, train)
-        got = _step(torch.compile(_qwen3(world), backend="ditron", dynamic=False), ids, train)
+        want = _step(_qwen3(world, family), ids, train)
+        got = _step(torch.compile(_qwen3(world, family), backend="ditron", dynamic=False), ids,
+                    train)
         reports = list(graph_pass.reports)
         # a line per left collective no candidate holds: "<layer>: <collective> not fused: why"
         logged = sum(1 for line in lines if re.search(r"^graph \S+ \w+: .*\] .*group=\S+ not "
                                                       r"fused: ", line))
-        results["training" if train else "inference"] = {
+        results[step] = {
             "errors": _far(got, want), "graphs": _graphs(reports),
             "unexplained": sum(1 for r in reports for c in r.left if c.kind != "candidate")
             - logged,
@@ -158,17 +168,21 @@ def _launch():
 # a sum of products, lm_head's) are all-reduced.
 EMBEDDING = ("apart", "no matmul beside it (what it sends comes from index_put)")
 LM_HEAD = ("beside", "no ditron op for mm -> all_gather")
+# Qwen2: as Qwen3. Phi-3: o_proj and down_proj all-reduce (rowwise_split_input) with their norms;
+# the gathers of qkv_proj's and gate_up_proj's outputs have no ditron op, as lm_head's.
 EXPECTED = {
     "inference": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
     "training": [("forward", [AR, AR_NORM], [EMBEDDING, LM_HEAD]), ("backward", [AR] * 6, [])],
+    "qwen2": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
+    "phi3": [("forward", [AR_NORM, AR_NORM], [EMBEDDING] + [LM_HEAD] * 3)],
 }
-NOTES = {"inference": [], "training": [
+NOTES = {"inference": [], "qwen2": [], "phi3": [], "training": [
     "the all-reduced sum wait_tensor_1 is also used by the graph's outputs (returned or saved "
     "for backward), and the op returns it only with the residual added"]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", ["inference", "training"])
+@pytest.mark.parametrize("step", ["inference", "training", *OTHERS])
 def test_qwen3_tp_plan_every_collective_fused_or_explained(step):
     rank0 = _launch()[0][step]
     assert rank0["errors"] == []
