@@ -581,6 +581,8 @@ def split_of(events, calls: int) -> dict:
     union of their spans) and span (first start to last end) per call."""
     from torch.autograd import DeviceType
 
+    from benchmarks.e2e_llama import busy
+
     kernels = [e for e in events if e.device_type == DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]
     linked: dict = {}  # kernel name -> [(us, step)] of the kernels a CPU op launched
@@ -609,12 +611,7 @@ def split_of(events, calls: int) -> dict:
             out[bucket_of(name, None)] += (total - known) / 1e3 / calls
         by_name[name] = total / 1e3 / calls
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, reach = 0.0, -math.inf
-    for start, end in spans:
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    out["busy"] = busy / 1e3 / calls
+    out["busy"] = busy(spans) / 1e3 / calls
     out["span"] = (spans[-1][1] - spans[0][0]) / 1e3 / calls if spans else 0.0
     out["top"] = [[n[:100], round(ms, 4)] for n, ms in
                   sorted(by_name.items(), key=lambda kv: -kv[1])[:10]]

@@ -63,11 +63,10 @@ def ep_ranks(rank: int, world: int) -> dict:
         fused = {r.graph.split()[-1]: sorted(c.op for c in r.candidates if c.fused)
                  for r in graph_pass.reports if r.candidates}
         results[kind] = {"errors": errors, "fused": fused}
-    # Dynamo alone (no backend compiles): where transformers' exchange breaks the graph
-    torch._dynamo.reset()
-    own = hf_moe_ep.build(hf_moe_ep.config("mixtral", 4, 2, **COMMON, **SIZES["mixtral"]),
-                          "mixtral", "all_to_all", world)
-    results["own_exchange_breaks"] = torch._dynamo.explain(own)(ids).graph_break_count
+        if kind == "mixtral":  # Dynamo alone (no backend compiles) on transformers' exchange
+            torch._dynamo.reset()
+            own = hf_moe_ep.build(cfg, kind, "all_to_all", world)
+            results["own_exchange_breaks"] = torch._dynamo.explain(own)(ids).graph_break_count
     return results
 
 
