@@ -5,7 +5,7 @@ One launch runs the checks: a tiny Qwen3 under its built-in TP plan (`base_model
 applied as `from_pretrained(..., tp_plan="auto")` does, without a checkpoint), compiled with
 `backend="ditron"`, an inference forward and a training step, float32: its logits and gradients
 against eager, the ditron ops of each graph and each collective left with its reason; the same
-for a tiny Qwen2 and Phi-3, inference; and the all-reduce + residual + RMSNorm of a training
+for a tiny Phi-3, inference; and the all-reduce + residual + RMSNorm of a training
 forward (its reciprocal RMS saved for backward) fused whole, its outputs and input gradients
 against Inductor's.
 """
@@ -33,9 +33,9 @@ QWEN3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              use_cache=False)
 
 
-# Other families, inference: Qwen2 (biased q/k/v), Phi-3 (fused qkv_proj and gate_up_proj, whose
-# plan gathers their outputs and splits o_proj's and down_proj's inputs)
-OTHERS = {"qwen2": "Qwen2", "phi3": "Phi3"}
+# Another family, inference: Phi-3 (fused qkv_proj and gate_up_proj, whose plan gathers their
+# outputs and splits o_proj's and down_proj's inputs; Qwen2's and Mistral's plans are Qwen3's)
+OTHERS = {"phi3": "Phi3"}
 COMMON = {**{k: v for k, v in QWEN3.items() if k != "head_dim"}, "pad_token_id": 0}
 
 
@@ -168,15 +168,14 @@ def _launch():
 # a sum of products, lm_head's) are all-reduced.
 EMBEDDING = ("apart", "no matmul beside it (what it sends comes from index_put)")
 LM_HEAD = ("beside", "no ditron op for mm -> all_gather")
-# Qwen2: as Qwen3. Phi-3: o_proj and down_proj all-reduce (rowwise_split_input) with their norms;
-# the gathers of qkv_proj's and gate_up_proj's outputs have no ditron op, as lm_head's.
+# Phi-3: o_proj and down_proj all-reduce (rowwise_split_input) with their norms; the gathers of
+# qkv_proj's and gate_up_proj's outputs have no ditron op, as lm_head's.
 EXPECTED = {
     "inference": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
     "training": [("forward", [AR, AR_NORM], [EMBEDDING, LM_HEAD]), ("backward", [AR] * 6, [])],
-    "qwen2": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
     "phi3": [("forward", [AR_NORM, AR_NORM], [EMBEDDING] + [LM_HEAD] * 3)],
 }
-NOTES = {"inference": [], "qwen2": [], "phi3": [], "training": [
+NOTES = {"inference": [], "phi3": [], "training": [
     "the all-reduced sum wait_tensor_1 is also used by the graph's outputs (returned or saved "
     "for backward), and the op returns it only with the residual added"]}
 
