@@ -156,7 +156,7 @@ def measure_reduction(site, group_name: str, args) -> list[dict]:
         return torch.mm(a, b)
 
     fp8_task = dataclasses.replace(task, op=op, world_size=1, dtype=E4M3, out_dtype=BF16,
-                                   scales="tensorwise", fast_accum=True, has_residual=False)
+                                   scales="tensorwise", fast_accum=True)
     plan = plan_for(fp8_task)
     text = plan.encode()
 

@@ -407,7 +407,7 @@ def scheduler_choice(op, shape, dtype, group_name, world, task=None):
     M, K, N = shape
     task = task or Task(op=op, group_name=group_name, world_size=world, m=M, k=K, ns=(N,),
                         dtype=dtype, device_type="cuda", dim=0, dim_size=M,
-                        reduce_op="sum" if "reduce" in op else None, has_bias=(False,))
+                        reduce_op="sum" if "reduce" in op else None)
     plan, why = choose_device_plan(task)
     if plan is None or plan.impl == "reference":
         return None, why

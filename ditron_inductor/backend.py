@@ -47,7 +47,6 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
                    options: Optional[dict[str, Any]] = None):
     """`torch.compile(model, backend="ditron", mode=..., options={...})`: mode and Inductor's
     options mean what they mean for Inductor; keys `ditron.*` are ditron's (`config`)."""
-    from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
     try:
@@ -55,18 +54,11 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
     except config.OptionError as error:
         raise config.OptionError(str(error), first_useful_frame=inspect.currentframe()) from None
     ditron_pass = patches.get("post_grad_custom_post_pass")
-    if isinstance(ditron_pass, DitronPass) and ditron_pass.options.causal_mask:
-        _rewrite_causal_masks(gm)
-    if isinstance(ditron_pass, DitronPass) and ditron_pass.options.gqa_packing:
-        _pack_grouped_queries(gm)
+    if isinstance(ditron_pass, DitronPass):
+        pre_grad_rewrites(gm, ditron_pass.options)
     clean_exit.install()
-    no_autograd_cache = (
-        functorch_config.patch(enable_autograd_cache=False)
-        if patches.get("fx_graph_cache") is False
-        else contextlib.nullcontext()
-    )
     hits, known = _cache_hits(), len(graph_pass.reports)
-    with no_autograd_cache:
+    with without_autograd_cache(patches):
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if _cache_hits() > hits and len(graph_pass.reports) == known:
         report = GraphReport(str(torch._guards.CompileContext.current_compile_id() or "?"), (),
@@ -74,6 +66,24 @@ def ditron_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str]
         graph_pass.reports.append(report)
         log.info("graph %s: %s", report.graph, report.summary())
     return compiled
+
+
+def without_autograd_cache(patches: dict[str, Any]):
+    """AOTAutograd's cache off where the patches turn the FX graph cache off (each serves a
+    graph without running the pass)."""
+    from torch._functorch import config as functorch_config
+
+    if patches.get("fx_graph_cache") is False:
+        return functorch_config.patch(enable_autograd_cache=False)
+    return contextlib.nullcontext()
+
+
+def pre_grad_rewrites(gm: torch.fx.GraphModule, options: config.Options) -> None:
+    """The rewrites of Dynamo's graph that the options turn on."""
+    if options.causal_mask:
+        _rewrite_causal_masks(gm)
+    if options.gqa_packing:
+        _pack_grouped_queries(gm)
 
 
 def _optional_rewrite(rewrite, gm: torch.fx.GraphModule, name: str, left: str) -> list:

@@ -61,8 +61,7 @@ LLAMA = {"8b": Llama(4096, 14336, 32, 8), "70b": Llama(8192, 28672, 64, 8),
 def _task(op: str, world: int, m: int, k: int, ns: tuple, dim: int = 0, terms: int = 1,
           dtype=torch.bfloat16) -> Task:
     return Task(op, "0", world, m, k, ns, dtype, "cuda", dim, m,
-                None if op == ALL_GATHER_MATMUL else "sum", (False,) * len(ns),
-                has_residual=op == MATMUL_ALL_REDUCE_RMSNORM, terms=terms)
+                None if op == ALL_GATHER_MATMUL else "sum", terms=terms)
 
 
 def llama_sites(model: str, world: int, workload: str, tokens: int,

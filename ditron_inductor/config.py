@@ -209,11 +209,11 @@ def defaults() -> Options:
 
 
 # --------------------------------------------------------------------- the generated tables
-def markdown_table(debug: bool = False) -> str:
+def markdown_table() -> str:
     rows = ["| option | variable | values | default | what it does |",
             "| --- | --- | --- | --- | --- |"]
     for o in TABLE:
-        if o.debug == debug:
+        if not o.debug:
             default = o.default
             shown = ("all" if isinstance(default, frozenset) else "auto" if default in (None, "")
                      else int(default) if isinstance(default, bool) else default)

@@ -57,15 +57,11 @@ class DitronPreGradPass(CustomGraphPass):
         self.user_pass = user_pass
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from .backend import _pack_grouped_queries, _rewrite_causal_masks
+        from .backend import pre_grad_rewrites
 
         if self.user_pass is not None:
             self.user_pass(graph)
-        gm = graph.owning_module
-        if self.options.causal_mask:
-            _rewrite_causal_masks(gm)
-        if self.options.gqa_packing:
-            _pack_grouped_queries(gm)
+        pre_grad_rewrites(graph.owning_module, self.options)
 
     def uuid(self) -> Any:
         user = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
@@ -127,13 +123,12 @@ def inductor_config(options: Optional[Mapping[str, Any]] = None) -> dict[str, An
 @contextlib.contextmanager
 def installed(options: Optional[Mapping[str, Any]] = None) -> Iterator[dict[str, Any]]:
     """Compiles started inside compile as with `backend="ditron"` (`inductor_config`)."""
-    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config_module
 
+    from .backend import without_autograd_cache
+
     patches = inductor_config(options)
-    no_autograd_cache = (functorch_config.patch(enable_autograd_cache=False)
-                         if patches.get("fx_graph_cache") is False else contextlib.nullcontext())
-    with inductor_config_module.patch(patches), no_autograd_cache:
+    with inductor_config_module.patch(patches), without_autograd_cache(patches):
         yield patches
 
 

@@ -108,9 +108,9 @@ _TASK_BUILDERS: dict[str, Callable] = {
     MATMUL_ALL_REDUCE: lambda a, b, bias, out_shape, reduce_op, *group: matmul_terms_task(
         MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op, *group),
     MATMUL_ALL_REDUCE_RMSNORM:
-        lambda a, b, bias, out_shape, residual, _weight, _eps, _fp32, reduce_op, *group:
+        lambda a, b, bias, out_shape, _residual, _weight, _eps, _fp32, reduce_op, *group:
         matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
-                               *group, has_residual=residual is not None),
+                               *group),
     ALL_TO_ALL_GROUPED_MM: all_to_all_grouped_mm_task,
     GROUPED_MM_ALL_TO_ALL: grouped_mm_all_to_all_task,
     ALL_GATHER_SCALED_MM: all_gather_scaled_mm_task,

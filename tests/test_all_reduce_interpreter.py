@@ -587,7 +587,7 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     from tests.host_ranks import HostContext, all_reduce_on_host
 
     task = Task(op="matmul_all_reduce_rmsnorm", group_name="0", world_size=2, m=m, k=8,
-                ns=(n,), dtype=torch.bfloat16, device_type="cuda", has_residual=True)
+                ns=(n,), dtype=torch.bfloat16, device_type="cuda")
     ctx = HostContext(2, 0, 1 << 22)
     ctx.connect([ctx, HostContext(2, 1, 16)])
     launched = []
@@ -635,7 +635,7 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
     weight = torch.rand(n, dtype=dtype) + 0.5 if norm else None
     task = Task(op="matmul_all_reduce_rmsnorm" if norm else "matmul_all_reduce",
                 group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=dtype,
-                device_type="cuda", has_residual=res)
+                device_type="cuda")
     plan = plan_for(task, algo=algo)
     elements = world * m * n
     ctxs = [HostContext(world, r, elements * 2) for r in range(world)]

@@ -32,7 +32,7 @@ L40S = dict(gpu="NVIDIA L40S", sms=142, memory_gib=45, peers="2 GPUs, peer acces
 
 def _ag(m, k, n, world=2) -> Task:
     return Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=world, m=m, k=k, ns=(n,),
-                dtype=torch.bfloat16, device_type="cuda", dim_size=m, has_bias=(False,))
+                dtype=torch.bfloat16, device_type="cuda", dim_size=m)
 
 
 def _warnings(records: list) -> logging.Handler:

@@ -27,8 +27,7 @@ from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM, Task
 from tests import REPO_ROOT
 
 ARN = Task(op=MATMUL_ALL_REDUCE_RMSNORM, group_name="0", world_size=2, m=4096, k=7168,
-           ns=(4096,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum",
-           has_bias=(False,), has_residual=True)
+           ns=(4096,), dtype=torch.bfloat16, device_type="cuda", reduce_op="sum")
 OVERLAP = "push+overlap:triton"  # the prefill plan's family
 
 

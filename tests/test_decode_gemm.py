@@ -192,8 +192,7 @@ def test_decode_mm_group_matches_torch(M, widths):
 
 def one_row_all_reduce_task(m=1, dtype=torch.bfloat16):
     a, b = torch.empty(m, 2048, dtype=dtype), torch.empty(4096, 2048, dtype=dtype).t()
-    task = matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], 0, "sum", "0", 2,
-                                  has_residual=True)
+    task = matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, None, [], 0, "sum", "0", 2)
     return dataclasses.replace(task, device_type="cuda")
 
 

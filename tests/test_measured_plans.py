@@ -49,7 +49,7 @@ def table(tmp_path, monkeypatch):
 
 def _task(op, m, k, n, world=2, **more) -> Task:
     return Task(op=op, group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=torch.bfloat16,
-                device_type="cuda", dim_size=m, has_bias=(False,),
+                device_type="cuda", dim_size=m,
                 reduce_op=None if op == ALL_GATHER_MATMUL else "sum", **more)
 
 

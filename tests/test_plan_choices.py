@@ -42,9 +42,8 @@ AR_KS = (3584, 1024)
 
 def _task(op, world, m, k, n) -> Task:
     return Task(op=op, group_name="0", world_size=world, m=m, k=k, ns=(n,),
-                dtype=torch.bfloat16, device_type="cuda", dim_size=m, has_bias=(False,),
-                reduce_op=None if op == ALL_GATHER_MATMUL else "sum",
-                has_residual=op == MATMUL_ALL_REDUCE_RMSNORM)
+                dtype=torch.bfloat16, device_type="cuda", dim_size=m,
+                reduce_op=None if op == ALL_GATHER_MATMUL else "sum")
 
 
 def resolved(task: Task, cuda_graphs: bool, forced: str = "") -> str:
@@ -155,9 +154,7 @@ def _llama_task(site: dict, world: int = 2) -> Task:
     reduces = site["op"] != ALL_GATHER_MATMUL
     # B 1: the rows gathered or scattered are the sequence's, whichever dim holds them
     return Task(group_name="0", world_size=world, dtype=torch.bfloat16, device_type="cuda",
-                dim_size=site["m"], reduce_op="sum" if reduces else None,
-                has_bias=(False,) * len(site["ns"]),
-                has_residual=site["op"] == MATMUL_ALL_REDUCE_RMSNORM, **site)
+                dim_size=site["m"], reduce_op="sum" if reduces else None, **site)
 
 
 @functools.cache

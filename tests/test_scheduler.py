@@ -21,10 +21,9 @@ from ditron_inductor.scheduler.task import (
 from tests.fx_helpers import fake_group
 
 AG = Task(op=ALL_GATHER_MATMUL, group_name="0", world_size=4, m=8192, k=8192, ns=(7168,),
-          dtype=torch.bfloat16, device_type="cuda", dim_size=8192, has_bias=(False,))
+          dtype=torch.bfloat16, device_type="cuda", dim_size=8192)
 RS = Task(op=MATMUL_REDUCE_SCATTER, group_name="0", world_size=4, m=8192, k=3584, ns=(8192,),
-          dtype=torch.bfloat16, device_type="cpu", dim=1, dim_size=6, reduce_op="sum",
-          has_bias=(False,))
+          dtype=torch.bfloat16, device_type="cpu", dim=1, dim_size=6, reduce_op="sum")
 
 
 @pytest.fixture
@@ -94,7 +93,7 @@ def test_decode_rmsnorm_is_fused_only_under_cuda_graphs(group4):
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
 
     decode = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, m=32, k=3584, ns=(8192,),
-                                 reduce_op="sum", has_residual=True)
+                                 reduce_op="sum")
     with inductor_config.patch({"triton.cudagraphs": False}):
         d = decide(decode)
     assert not d.fuse and "eagerly" in d.reason
@@ -149,7 +148,7 @@ def test_push_beside_the_gemm_leaves_what_outlasts_the_gemm():
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
 
     o_proj = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, m=16384, k=1024, ns=(4096,),
-                                 reduce_op="sum", has_residual=True)
+                                 reduce_op="sum")
     c = evidence.link(4)
     ring_ms = 2 * 3 / 4 * 16384 * 4096 * 2 / (c["nccl_ar_busbw_gbps"] * 1e6)
     for task, outlasts in ((o_proj, True), (dataclasses.replace(o_proj, k=3584), False)):
@@ -176,7 +175,7 @@ def test_prefill_all_reduce_on_two_ranks_takes_the_copy_engine():
     from ditron_inductor.scheduler.task import MATMUL_ALL_REDUCE_RMSNORM
 
     prefill = dataclasses.replace(AG, op=MATMUL_ALL_REDUCE_RMSNORM, world_size=2, m=4096,
-                                  k=7168, ns=(4096,), reduce_op="sum", has_residual=True)
+                                  k=7168, ns=(4096,), reduce_op="sum")
     with fake_group(2), inductor_config.patch({"triton.cudagraphs": False}):
         d = decide(prefill)
         assert d.fuse and (d.plan.algo, d.plan.chunks) == ("copy_engine", 2), d.reason

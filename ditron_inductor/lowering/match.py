@@ -385,8 +385,7 @@ class MatmulCollectiveMatch:
         else:
             task = matmul_collective_task(
                 self.op, fake(mm.a), fake(mm.weight), bias, shape, self.dim, self.reduce_op,
-                self.group_name, self.world_size,
-                has_residual=self.norm is not None and self.norm.residual is not None)
+                self.group_name, self.world_size)
         if len(self.matmuls) == 1 and self.row_order is None:
             return task
         return dataclasses.replace(

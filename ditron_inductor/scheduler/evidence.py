@@ -36,10 +36,15 @@ def _provenance(source: dict) -> str:
     return f"{source['machine']}, {source['date']}"
 
 
-def _log_distance(shape, other, near: float) -> Optional[float]:
-    """Sum of |log| ratios of two (M, K, N), or None where a dim is not within `near`."""
-    logs = [abs(math.log(a / b)) for a, b in zip(shape, other)]
-    return sum(logs) if max(logs) <= math.log(near) else None
+def _nearest(rows, shape_of, shape, near: float):
+    """The first of the rows whose (M, K, N) is nearest to `shape` by the sum of |log| ratios,
+    each dim within a factor `near` of it; None where none is that near."""
+    best, best_distance = None, math.inf
+    for row in rows:
+        logs = [abs(math.log(a / b)) for a, b in zip(shape, shape_of(row))]
+        if max(logs) <= math.log(near) and sum(logs) < best_distance:
+            best, best_distance = row, sum(logs)
+    return best
 
 
 def _tables(path: pathlib.Path) -> list[tuple[dict, str]]:
@@ -120,13 +125,10 @@ def world1_costs(op: str, family: str, cuda_graphs: bool, m: int, k: int,
     WORLD1_NEAR), scaled by the work from SCALED_FROM_M rows; None where none is that near."""
     mode = "graph" if cuda_graphs else "eager"
     for rows, source in _world1():
-        best = None
-        for shape, fused, unfused in rows.get((op, family, mode), ()):
-            distance = _log_distance((m, k, n), shape, WORLD1_NEAR)
-            if distance is not None and (best is None or distance < best[0]):
-                best = (distance, shape, fused, unfused)
+        best = _nearest(rows.get((op, family, mode), ()), lambda row: row[0], (m, k, n),
+                        WORLD1_NEAR)
         if best is not None:
-            _, (rm, rk, rn), fused, unfused = best
+            (rm, rk, rn), fused, unfused = best
             scale = (m * k * n) / (rm * rk * rn) if min(m, rm) >= SCALED_FROM_M else 1.0
             return Costs(fused * scale, unfused * scale, (rm, rk, rn),
                          calibration.CALIBRATION if source.startswith(calibration.CALIBRATION) else "")
@@ -168,11 +170,8 @@ def nearest_measured(op: str, world: int, dtype, m: int, k: int, n: int) -> Opti
     """The measured row of `op` on `world` ranks in `dtype` nearest to [m, k] @ [k, n], each dim
     within MEASURED_NEAR of it, from the first table that has one, or None."""
     for rows in _measured_rows():
-        best, best_distance = None, math.inf
-        for row in rows.get((op, world, str(dtype).removeprefix("torch.")), ()):
-            distance = _log_distance((m, k, n), row.shape, MEASURED_NEAR)
-            if distance is not None and distance < best_distance:
-                best, best_distance = row, distance
+        best = _nearest(rows.get((op, world, str(dtype).removeprefix("torch.")), ()),
+                        lambda row: row.shape, (m, k, n), MEASURED_NEAR)
         if best is not None:
             return best
     return None

@@ -62,10 +62,7 @@ class Task:
     dim: int = 0
     dim_size: Optional[SymOrInt] = None
     reduce_op: Optional[str] = None
-    has_bias: tuple[bool, ...] = ()
     rank_chunks_contiguous: bool = True
-    # matmul_all_reduce_rmsnorm: a residual is added before the norm
-    has_residual: bool = False
     rows_reordered: bool = False
     terms: int = 1
     copy_elems: SymOrInt = 0
@@ -155,13 +152,12 @@ def all_gather_matmul_task(a_shard, weights, biases, gather_dim: int, group_name
         k=a_shard.shape[-1], ns=tuple(w.shape[1] for w in weights), dtype=a_shard.dtype,
         device_type=a_shard.device.type, dim=gather_dim,
         dim_size=a_shard.shape[gather_dim] * world_size,
-        has_bias=tuple(b is not None for b in biases),
         rank_chunks_contiguous=chunks_contiguous(a_shard.shape, gather_dim),
     )
 
 
 def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: str,
-                           group_name: str, world_size: int, has_residual: bool = False) -> Task:
+                           group_name: str, world_size: int) -> Task:
     """A matmul, then a reduce-scatter (along `dim` of `out_shape`, empty: the 2-d product) or
     an all-reduce (+ residual + RMSNorm)."""
     shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
@@ -169,8 +165,7 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
         op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],
         ns=(b.shape[1],), dtype=a.dtype, device_type=a.device.type, dim=dim,
         dim_size=shape[dim] if op in REDUCE_SCATTER_PATTERNS else None,
-        reduce_op=reduce_op, has_bias=(bias is not None,),
-        rank_chunks_contiguous=chunks_contiguous(shape, dim), has_residual=has_residual,
+        reduce_op=reduce_op, rank_chunks_contiguous=chunks_contiguous(shape, dim),
     )
 
 
