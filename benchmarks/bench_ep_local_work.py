@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time each path's dispatch and combine alone")
     p.add_argument("--wait-timeout-s", type=float, default=None,
                    help="the plans' wait bound (default: the runtime's, a process group's "
-                        "600 s: one wait kernel per flag; 0: the driver's stream waits)")
+                        "600 s; 0: unbounded)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="the tiny layer (CPU smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -128,9 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 class EmulatedRank:
     """Rank 0 of `world` as the fused runtime's steps see an OpContext (runtime/context.py):
     its symmetric data and flags (SymmBuffer over my memory and the peers' stubs), epochs, the
-    signal, the error words. flags.words (what the bounded waits read) and flag_addr (what the
-    driver's stream waits read) hold `ARRIVED` in every word; flags.view(-1) (what the combine's
-    collect zeroes) and ptr_table[0] (what my put counts on) are a live copy of their own."""
+    signal, the error words. flags.words (what the waits read, and the combine's takes its
+    counts back off) holds `ARRIVED` in every word; flags.view(-1) and ptr_table[0] (what my put
+    counts on) are a live copy of their own."""
 
     READY = 0
 
@@ -151,9 +151,6 @@ class EmulatedRank:
 
     next_epoch = OpContext.next_epoch
     peer_flag_addr = OpContext.peer_flag_addr
-
-    def flag_addr(self, idx: int) -> int:
-        return self.arrived.data_ptr() + 4 * idx
 
     def signal(self, stream, epoch: int, dst_addrs) -> None:
         if self.device.type == "cuda":
@@ -564,8 +561,7 @@ NAME_BUCKETS = (
 )
 # the bucket of a kernel no name mark claims (fills, elementwise, reductions), by its step
 STEP_BUCKETS = {"routing": "routing", "sums": "sums", "act": "other", "copies": "copies",
-                "gemm": "gemm", "fused_dispatch": "routing",  # the route table's -1 fill
-                "fused_combine": "flags"}  # the ARRIVED words' zeroing
+                "gemm": "gemm", "fused_dispatch": "routing"}  # the route table's -1 fill
 
 
 def bucket_of(name: str, step_name) -> str:

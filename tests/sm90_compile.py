@@ -163,6 +163,10 @@ def variants():
         yield (flags.wait_flags_kernel,
                dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit=limit,
                     err_ptr="*i32"), {}, 1)
+        for take in (False, True):  # the MoE waits: READY (an epoch), ARRIVED (counts taken)
+            yield (flags.wait_words_kernel,
+                   dict(flag_ptr="*i32", first="i32", mask="i32", want="i32", wants_ptr="*i32",
+                        limit=limit, err_ptr="*i32"), dict(WORDS=8, TAKE=take), 1)
 
 
 def moe_route_variants():

@@ -44,6 +44,7 @@ def test_kernels_are_bucketed_by_name_then_by_their_step():
     assert bench.bucket_of("publish_routes_kernel", "fused_dispatch") == "routing"
     assert bench.bucket_of("void at::native::reduce_kernel<...>", "sums") == "sums"
     assert bench.bucket_of("void at::native::vectorized_elementwise_kernel<FillFunctor>",
-                           "fused_combine") == "flags"
+                           "fused_dispatch") == "routing"
+    assert bench.bucket_of("wait_words_kernel", "fused_dispatch") == "flags"
     assert bench.bucket_of("Memcpy DtoD (Device -> Device)", "copies") == "copies"
     assert bench.bucket_of("void at::native::vectorized_elementwise_kernel<silu>", None) == "other"

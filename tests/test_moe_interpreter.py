@@ -33,6 +33,7 @@ from ditron_inductor.scheduler.task import (  # noqa: E402
 )
 from ditron_inductor.runtime import moe_routes  # noqa: E402
 from ditron_inductor.templates import grouped_gemm  # noqa: E402
+from ditron_inductor.templates.flags import MAX_WORLD  # noqa: E402
 from ditron_inductor.templates import moe_routes as moe_routes_kernels  # noqa: E402
 
 F16 = torch.float16
@@ -333,6 +334,8 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
         ACCUMULATE=False, WAIT=True, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16, E_P2=2, NUM_PROGS=3,
         GROUP_M=2)
     assert int(rank.err[0]) == grouped_gemm.ERR_ROWS
+    # no flag wait reports that code: READY, DONE and ARRIVED of up to MAX_WORLD ranks
+    assert grouped_gemm.ERR_ROWS - 1 >= 3 * MAX_WORLD
     skipped = torch.zeros(m, dtype=torch.bool)
     skipped[first_row:first_row + tile_rows[missing]] = True
     assert out[skipped].isnan().all()
@@ -410,6 +413,7 @@ class EmulatedSymm:
     def __init__(self, copies, rank):
         self.copies, self.rank = copies, rank
         self.ptr_table = torch.tensor([c.data_ptr() for c in copies], dtype=torch.int64)
+        self.words = copies[rank].view(torch.int32)
 
     def view(self, rank, dtype, shape, byte_offset=0):
         n = dtype.itemsize * int(torch.tensor(shape).prod())
@@ -418,8 +422,10 @@ class EmulatedSymm:
 
 
 class EmulatedContext:
+    READY = 0
+
     def __init__(self, copies, rank, flag_copies=None):
-        self.data, self.rank = EmulatedSymm(copies, rank), rank
+        self.data, self.rank, self.world = EmulatedSymm(copies, rank), rank, len(copies)
         self.flags = EmulatedSymm(flag_copies, rank) if flag_copies else None
         self.err = faults.error_words("cpu")[1]
 
@@ -549,15 +555,15 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
     (moe_combine.publish, push, collect), the signals played by running every rank's step
     before the next, back along the dispatch's routings (random and uneven, an expert of every
     rank with no row, the last rank sending nothing back, every row from or to rank 0): fp16
-    calls on the same buffers (the arrival counts set back between them), then fp32, against
-    the op's reference with its all-to-all emulated. tma_a: the GEMM reads its rows through
-    TMA."""
+    calls on the same buffers (the collect's wait setting the arrival counts back), then fp32,
+    against the op's reference with its all-to-all emulated. tma_a: the GEMM reads its rows
+    through TMA."""
     from ditron_inductor import ops
     from ditron_inductor.runtime import moe_combine
 
     gen = torch.Generator().manual_seed(20 + world)
     local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
-    plan = dataclasses.replace(PLAN, tma_a=tma_a)
+    plan = dataclasses.replace(PLAN, tma_a=tma_a, wait_timeout_s=LIMIT / 1e6)
     monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
     ranks = {}  # dtype -> (layout, contexts, states, weights)
     calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
@@ -597,12 +603,52 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
             arrived = ctx.flags.view(-1, torch.int32, [world], 4 * moe_combine.arrived_word(world))
             # each sender's rows counted in its own word
             assert arrived.tolist() == back_splits[r]
-            out = moe_combine.collect(ctx, layout, received)
-            assert not arrived.any()
+            out = moe_combine.collect(ctx, layout, plan, None, received)
+            assert int(ctx.err[0]) == 0 and not arrived.any()
             assert out.shape == (received, n) and out.dtype == dtype
             assert not out.isnan().any(), (call, r, case)
             if received:
                 assert rel_err(out, refs[r]) < 2e-3, (call, r, case)
+
+
+def test_one_launch_waits_for_every_flag_word_and_names_a_late_one():
+    """The multi-rank ops' waits (moe_dispatch.wait_words: one flags.wait_words_kernel for all
+    the words) on rank 1 of 3: READY of the ranks it sends to only (not its own, nor one it
+    sends nothing), then the combine's ARRIVED counts (one of 0) taken back off the words; a
+    READY one epoch behind, or an ARRIVED word a row short, gives up with that word's code."""
+    from ditron_inductor.runtime import moe_combine, moe_dispatch
+    from ditron_inductor.templates import flags
+
+    world, arrived = 3, moe_combine.arrived_word(3)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6)
+
+    def rank_one():
+        flag_copies = [torch.zeros(4 * moe_combine.arrived_word(world, world), dtype=torch.uint8)
+                       for _ in range(world)]
+        return EmulatedContext([torch.zeros(4, dtype=torch.uint8)] * world, 1, flag_copies)
+
+    counts = torch.tensor([4, 0, 7], dtype=torch.int32)
+    ctx = rank_one()
+    words = ctx.flags.words
+    words[0] = 5  # rank 0's READY for epoch 5; rank 2's never comes, but rank 1 sends it none
+    moe_dispatch.wait_ready(ctx, plan, None, [4, 3, 0], 5)
+    words[arrived:] = counts
+    moe_dispatch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
+    assert int(ctx.err[0]) == 0 and not words[arrived:].any()
+    try:
+        words[arrived:] = counts - torch.tensor([0, 0, 1], dtype=torch.int32)
+        moe_dispatch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
+        code = int(ctx.err[0])
+        assert moe_combine.wait_name(code - 1, world).startswith("the arrival count of rank 2")
+        report = faults.report()
+        assert [int(report[flags.REPORT_SEEN]), int(report[flags.REPORT_EXPECTED])] == [6, 7]
+        faults.report().zero_()
+        ctx = rank_one()
+        ctx.flags.words[:world] = torch.tensor([5, 0, 4], dtype=torch.int32)
+        moe_dispatch.wait_ready(ctx, plan, None, [4, 3, 2], 5)
+        assert int(ctx.err[0]) == ctx.READY + 2 + 1  # READY of rank 2, epoch 4 of 5
+    finally:
+        faults.report().zero_()
 
 
 def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplog):

@@ -4,24 +4,25 @@ goes to the row of its destination's receive buffer where the all-to-all would l
 One call, epoch e, on rank r, on the caller's stream:
   1. publish  where each sender's rows start among r's received rows and where r's rows to each
               rank end (moe_routes.publish_splits), then READY + r = e on every peer;
-  2. read     wait until READY + q >= e for each rank q that r sends rows to;
+  2. read     one wait until READY + q >= e for each rank q that r sends rows to;
   3. push     the GEMM stores product row j at row_index[j] (the send order: the reference's
               index_put), then the put kernel sends each row to its rank q, at q's start for r
               plus its index among r's rows to q, adding one to q's ARRIVED + r (release, after
               the rows);
-  4. collect  wait until each ARRIVED + p = the rows from p, copy the rows out, zero ARRIVED.
+  4. collect  one wait until each ARRIVED + p = the rows from p (its count in r's table), which
+              it takes back off (ARRIVED is 0 again), then the rows copied out.
 A count per sender: a row that never lands names its sender, and no sender's surplus hides
 another's missing rows. Each destination row gets one store, so the result does not depend on
 the order tiles or ranks run in.
 
 Reuse with no barrier, as the dispatch's: r's table, buffer and ARRIVED of call e + 1 are written
 by r in stream order or by senders after READY + r >= e + 1, which follows r's call-e collect
-(every row landed, so every sender had read r's table). ARRIVED is zeroed rather than grown
+(every row landed, so every sender had read r's table). ARRIVED is set back rather than grown
 (counting a sender's every row, an int32 would wrap after 2^31 / rows calls); no row counts
-before r's next READY, which follows the zeroing. Not checked on the host (each would need a
-synchronisation or a collective): every rank receives as many rows (the size class comes from
-them); row_index is a permutation (a repeated entry writes one row twice and another never,
-which the counts miss; accumulate, where the reference sums such rows, declines); what q
+before r's next READY, which follows the wait that sets it back. Not checked on the host (each
+would need a synchronisation or a collective): every rank receives as many rows (the size class
+comes from them); row_index is a permutation (a repeated entry writes one row twice and another
+never, which the counts miss; accumulate, where the reference sums such rows, declines); what q
 receives from r is what r sends.
 """
 
@@ -36,8 +37,8 @@ from ..scheduler.plan import GroupedMmPlan
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, decline, wait_geq
-from .moe_dispatch import Layout
+from .launch import check_errors, decline
+from .moe_dispatch import Layout, wait_ready, wait_words
 
 OP = "grouped_mm_all_to_all"
 
@@ -65,10 +66,10 @@ def new_state(ctx, layout: Layout) -> CombineState:
 
 
 def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Layout:
-    """[the starts and send ends | the receive buffer]; ARRIVED is a flag word (the stream
-    waits on it)."""
+    """[the starts, the send ends and the rows from each sender | the receive buffer]; ARRIVED
+    is a flag word (the stream waits on it)."""
     return Layout(world, capacity, n, dtype, tiles=0,
-                  table_words=moe_routes.split_words(world))
+                  table_words=moe_routes.split_words(world) + world)
 
 
 def context_of(world: int, received: int, n: int, dtype: torch.dtype) -> tuple:
@@ -133,14 +134,10 @@ def call(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
     publish(ctx, layout, output_split_sizes, input_split_sizes)
     ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(world_size) if p != r])
-    for q, count in enumerate(input_split_sizes):  # the receivers I send to have published
-        if count and q != r:
-            wait_geq(ctx, plan, main, ctx.READY + q, e)
+    wait_ready(ctx, plan, main, input_split_sizes, e)
     push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm)
     expected = list(output_split_sizes)
-    for p, count in enumerate(expected):
-        wait_geq(ctx, plan, main, arrived_word(world_size, p), count)
-    out = collect(ctx, layout, sum(expected))
+    out = collect(ctx, layout, plan, main, sum(expected))
     check_errors(ctx, plan, OP, lambda code, peer: (
         f"{wait_name(code - 1, world_size)} (rows expected from each rank {expected}, sent to "
         f"each {list(input_split_sizes)})"))
@@ -163,9 +160,10 @@ def flag_words(ctx, layout: Layout) -> torch.Tensor:
 
 
 def publish(ctx, layout: Layout, output_split_sizes, input_split_sizes) -> None:
-    """1. Where each sender's rows start among mine (and where mine to each rank end)."""
+    """1. Where each sender's rows start among mine and how many come (and where mine to each
+    rank end)."""
     table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
-    moe_routes.publish_splits(table, output_split_sizes, input_split_sizes)
+    moe_routes.publish_splits(table, output_split_sizes, input_split_sizes, counts=True)
 
 
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
@@ -180,10 +178,12 @@ def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
                         ctx.rank, layout.world, 0, expert_major=False)
 
 
-def collect(ctx, layout: Layout, received: int) -> torch.Tensor:
-    """4. (after the ARRIVED waits) The received rows out of the buffer, which the next call's
-    senders overwrite; the ARRIVED words back to 0."""
+def collect(ctx, layout: Layout, plan: GroupedMmPlan, stream, received: int) -> torch.Tensor:
+    """4. Once each ARRIVED + p holds the rows from p (my table's counts, then taken back off
+    it), the received rows out of the buffer, which the next call's senders overwrite."""
+    world = layout.world
+    counts = ctx.data.view(-1, torch.int32, [world],
+                           layout.table_offset + 4 * moe_routes.split_words(world))
+    wait_words(ctx, plan, stream, arrived_word(world), (1 << world) - 1, 0, counts)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
-    out = recv[:received].clone()
-    flag_words(ctx, layout)[arrived_word(layout.world):].zero_()
-    return out
+    return recv[:received].clone()

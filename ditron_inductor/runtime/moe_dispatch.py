@@ -6,7 +6,7 @@ x.
 One call, epoch e, on rank r, on the caller's stream:
   1. publish  r's routes into its symmetric table and this call's rows per tile onto expect
               (moe_routes.publish), then READY + r = e on every peer;
-  2. read     wait until READY + q >= e for each rank q that r sends rows to;
+  2. read     one wait until READY + q >= e for each rank q that r sends rows to;
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
               that tile's counter there (release, after the rows);
   4. GEMM     the first weight's GEMM runs each tile once its counter reached expect[tile],
@@ -35,11 +35,12 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
+from ..templates import flags
 from ..templates.grouped_gemm import ERR_ROWS
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
-from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, context_flag, decline, wait_geq
+from .kernel_launch import current_stream, launch, next_power_of_2
+from .launch import check_errors, context_flag, decline
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
@@ -165,9 +166,7 @@ def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, outp
             plan.block_m)
     ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
                             for p in range(layout.world) if p != r])
-    for q, n in enumerate(input_split_sizes):  # the receivers I send to have published
-        if n and q != r:
-            wait_geq(ctx, plan, main, ctx.READY + q, e)
+    wait_ready(ctx, plan, main, input_split_sizes, e)
     push(ctx, layout, state, x)
     outputs = compute(ctx, layout, state, plan, sum(output_split_sizes), weights, offsets,
                       grouped_gemm)
@@ -186,6 +185,23 @@ def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input
     table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
     moe_routes.publish(table, output_split_sizes, input_split_sizes, row_index, offsets, block_m,
                        state.expect)
+
+
+def wait_ready(ctx, plan: GroupedMmPlan, stream, input_split_sizes, epoch: int) -> None:
+    """2. The receivers I send rows to have published: READY + q >= epoch for each."""
+    mask = sum(1 << q for q, n in enumerate(input_split_sizes) if n and q != ctx.rank)
+    wait_words(ctx, plan, stream, ctx.READY, mask, epoch)
+
+
+def wait_words(ctx, plan: GroupedMmPlan, stream, first: int, mask: int, want: int,
+               wants=None) -> None:
+    """The stream waits until my flag word first + i >= want (wants[i], then taken back off the
+    word) for each bit i of mask, in one launch (flags.wait_words_kernel) rather than one wait
+    per word; bounded as launch.wait_geq's waits are, unbounded where the bound is 0."""
+    if mask:
+        launch(flags.wait_words_kernel, (1,), ctx.flags.words, first, mask, want,
+               ctx.flags.words if wants is None else wants, wait_limit(plan, ctx), ctx.err,
+               WORDS=next_power_of_2(ctx.world), TAKE=wants is not None, stream=stream)
 
 
 def push(ctx, layout: Layout, state: DispatchState, x) -> None:

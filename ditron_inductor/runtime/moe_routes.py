@@ -43,9 +43,9 @@ def max_tiles(capacity: int, experts: int, block_m: int) -> int:
 
 
 def publish_splits(table: torch.Tensor, output_split_sizes: Sequence[int],
-                   input_split_sizes: Sequence[int]) -> None:
+                   input_split_sizes: Sequence[int], counts: bool = False) -> None:
     """table[:2 * world] = [each sender's start among my rows | the end of my rows to each
-    rank], in one host-to-device copy."""
+    rank], then (counts: the combine's) the rows from each sender, in one host-to-device copy."""
     words = [0]
     for n in output_split_sizes[:-1]:
         words.append(words[-1] + n)
@@ -53,6 +53,8 @@ def publish_splits(table: torch.Tensor, output_split_sizes: Sequence[int],
     for n in input_split_sizes:
         end += n
         words.append(end)
+    if counts:
+        words += output_split_sizes
     table[:len(words)].copy_(torch.tensor(words, dtype=torch.int32), non_blocking=True)
 
 

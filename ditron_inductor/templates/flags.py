@@ -208,3 +208,33 @@ def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
     """Wait until flag_ptr[first + i] >= epoch for i in [0, count) (a stream-side wait)."""
     for i in range(count):
         wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
+
+
+@triton.jit(do_not_specialize=["first", "mask", "want", "limit"])
+def wait_words_kernel(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr,
+                      WORDS: tl.constexpr, TAKE: tl.constexpr):
+    """Wait until flag_ptr[first + i] >= want for each bit i < WORDS of mask, the words polled
+    together (one launch for several stream-side waits); TAKE: >= wants_ptr[i] instead, then
+    that much taken back off the word (a count set back for the next call). The first late word
+    is reported as wait_flags_kernel reports it (code first + i + 1)."""
+    i = tl.arange(0, WORDS)
+    on = ((mask >> i) & 1) != 0
+    ptrs = flag_ptr + first + i
+    if TAKE:
+        wants = tl.load(wants_ptr + i, mask=on, other=0)
+    else:
+        wants = tl.zeros([WORDS], tl.int32) + want
+    v = tl.atomic_add(ptrs, 0, mask=on, sem="acquire", scope="sys")
+    since = wait_start(limit)
+    n = since * 0
+    skip = gave_up_before(limit, err_ptr)
+    while polling(tl.max(tl.where(on & (v < wants), 1, 0), 0) > 0, n, limit, skip):
+        v = tl.atomic_add(ptrs, 0, mask=on, sem="acquire", scope="sys")
+        n = waited(n, since, limit)
+    late = on & (v < wants)
+    lane = tl.argmax(tl.where(late, 1, 0), 0)
+    record_give_up(tl.max(tl.where(late, 1, 0), 0) > 0, skip, err_ptr, first + lane + 1,
+                   tl.sum(tl.where(i == lane, v, 0), 0), tl.sum(tl.where(i == lane, wants, 0), 0),
+                   -1)
+    if TAKE:
+        tl.atomic_add(ptrs, -wants, mask=on, sem="relaxed", scope="sys")

@@ -29,8 +29,9 @@ from .flags import load_acquire, polling, record_give_up, wait_start, waited
 
 # B_DESC: the weight's 2-d view under TMA, [E * K, N] or [E * N, K]; 0: pointers
 B_ROWS_K, B_ROWS_N = tl.constexpr(1), tl.constexpr(2)
-# the err word's code for a tile whose rows never arrived
-ERR_ROWS = 8
+# the err word's code for a tile whose rows never arrived: past every flag word's code (the
+# word + 1), which a wait on READY + q reports
+ERR_ROWS = 1 << 16
 K_ERR_ROWS = tl.constexpr(ERR_ROWS)
 
 
