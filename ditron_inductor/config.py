@@ -139,7 +139,7 @@ TABLE = (
     Option("causal_mask", "DITRON_CAUSAL_MASK", "causal_mask", _bool, True, "1, 0",
            "an SDPA mask that is a constant causal one becomes is_causal=True"),
     Option("decode_gemm", "DITRON_DECODE_GEMM", "decode_gemm", _bool, True, "1, 0",
-           "one-row matmuls (decode at batch 1) take the decode GEMM template"),
+           "matmuls of at most 16 rows (decode at batch <= 16) take the decode GEMM template"),
     Option("gqa_packing", "DITRON_GQA_PACKING", "gqa_packing", _bool, True, "1, 0",
            "decode attention on repeated keys/values reads them once per key/value head"),
     Option("cuda_graphs", "DITRON_CUDA_GRAPHS", "cuda_graphs", _auto_bool, None,

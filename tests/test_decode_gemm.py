@@ -88,17 +88,21 @@ def targets(g: torch.fx.Graph) -> list:
     return [n.target for n in g.nodes if n.op == "call_function"]
 
 
-def test_one_row_mm_on_cuda_becomes_decode_mm():
-    g = mm_graph(fake_cuda(1, 64), fake_cuda(32, 64))
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (16, torch.bfloat16),
+                                        (1, torch.float32)])
+def test_a_decode_mm_on_cuda_becomes_decode_mm(rows, dtype):
+    g = mm_graph(fake_cuda(rows, 64, dtype=dtype), fake_cuda(32, 64, dtype=dtype))
     assert rewrite_decode_mms(g) == ["mm_default"]
     assert targets(g) == [torch.ops.aten.permute.default, torch.ops.ditron.decode_mm.default]
     (call,) = [n for n in g.nodes if n.target is torch.ops.ditron.decode_mm.default]
-    assert call.meta["val"].shape == (1, 32)
+    assert call.meta["val"].shape == (rows, 32)
     g.lint()
 
 
 @pytest.mark.parametrize("a_val,w_val,why", [
-    (lambda: fake_cuda(2, 64), lambda: fake_cuda(32, 64), "2 rows, not 1"),
+    (lambda: fake_cuda(17, 64), lambda: fake_cuda(32, 64), "17 rows (more than 16)"),
+    (lambda: fake_cuda(2, 64, dtype=torch.float32), lambda: fake_cuda(32, 64, dtype=torch.float32),
+     "TF32"),
     (lambda: torch.empty(1, 64), lambda: torch.empty(32, 64), "on cpu, not CUDA"),
     (lambda: fake_cuda(1, 64, dtype=torch.float8_e4m3fn),
      lambda: fake_cuda(32, 64, dtype=torch.float8_e4m3fn), "dtypes"),

@@ -1,4 +1,5 @@
-"""One-row matmuls (a decode step at batch 1) -> ditron.decode_mm, the decode GEMM template.
+"""Decode matmuls (a few rows: a decode step at a small batch) -> ditron.decode_mm, the decode
+GEMM template.
 
 Runs after the collective rewrites (which take the matmuls they fuse first; a fused all-reduce's
 one-row GEMM takes the template through its plan), where the option `ditron.decode_gemm` is on;

@@ -2,8 +2,8 @@
 
 One row: blocks of 8 weight rows x 1024 of K on 8 warps. Narrow outputs (N <= 2048: a
 tensor-parallel layer's q, k, v) would leave SMs without a program: longer K slices on 16 warps,
-and 4 weight rows a block from N <= 1024. With 2-16 rows the template gains little over cuBLAS,
-so the graph rewrite (lowering/decode_gemm.py) takes one-row products only.
+and 4 weight rows a block from N <= 1024. 2-16 rows: tl.dot on the rows padded to 16, 32 weight
+rows x 512 of K on 4 warps.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Which matmuls take the decode GEMM template (templates/gemv.py) instead of cuBLAS.
 
-A decode step at batch 1 multiplies one row by each weight: the product reads the weight once
-and is bound by memory bandwidth, where the template measured faster than cuBLAS (with 4 or 16
-rows it was not a clear win). Only one-row products are taken, where the option
-`ditron.decode_gemm` is on:
-- a plain `aten.mm` of one row (lowering/decode_gemm.py rewrites it into ditron.decode_mm);
-- the GEMM of a fused all-reduce of one row (its plan's gemm=GEMV, `with_decode_gemm`).
+A decode step multiplies a row per sequence by each weight: at batch 16 and below the product
+reads the weight once and is bound by memory bandwidth. There a whole decode step measured faster
+with the template than with cuBLAS (whose split-K GEMMs add a reduction kernel and a gap each),
+also where a product alone is near parity. Where the option `ditron.decode_gemm` is on:
+- a plain `aten.mm` of at most DECODE_ROWS rows (lowering/decode_gemm.py rewrites it into
+  ditron.decode_mm);
+- the GEMM of a fused all-reduce of one row (its plan's gemm=GEMV, `with_decode_gemm`): with
+  more rows the fused all-reduce was measured with cuBLAS only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .plan import CUBLAS, GEMV, AllReducePlan, FusedPlan
 from .task import MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, Task
 
 MAX_ROWS = 16  # what the template computes (tl.dot pads the rows to 16)
-DECODE_ROWS = 1  # where it was measured faster than cuBLAS
+DECODE_ROWS = MAX_ROWS  # plain matmuls: a decode step measured faster up to here
+ALL_REDUCE_ROWS = 1  # the fused all-reduce's GEMM: measured faster with one row
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -41,8 +44,10 @@ def mm_not_rewritten(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     """None if a graph's mm(a, b) (fake tensors) becomes ditron.decode_mm, else why not."""
     if a.device.type != "cuda":
         return f"on {a.device.type}, not CUDA"
-    if not statically_known_true(a.shape[0] == DECODE_ROWS):
-        return f"{a.shape[0]} rows, not {DECODE_ROWS}"
+    if not statically_known_true(a.shape[0] <= DECODE_ROWS):
+        return f"{a.shape[0]} rows (more than {DECODE_ROWS})"
+    if a.dtype == torch.float32 and not statically_known_true(a.shape[0] == 1):
+        return "float32 with more than one row (the template's tl.dot would round to TF32)"
     return gemv_applies(a, b)
 
 
@@ -51,6 +56,6 @@ def with_decode_gemm(plan: FusedPlan, task: Task, decode_gemm: bool = True) -> F
     the operands' layout and takes cuBLAS where the template does not apply)."""
     if (decode_gemm and isinstance(plan, AllReducePlan) and plan.gemm == CUBLAS
             and not plan.overlap and task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM)
-            and task.dtype in DTYPES and statically_known_true(task.m == DECODE_ROWS)):
+            and task.dtype in DTYPES and statically_known_true(task.m == ALL_REDUCE_ROWS)):
         return dataclasses.replace(plan, gemm=GEMV)
     return plan
