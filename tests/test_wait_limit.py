@@ -7,8 +7,9 @@ runtime/context.wait_limit; the timed wait compiles for sm_90 in tests/sm90_comp
 Faults, injected on two CPU ranks whose flag words are shared memory that both processes map,
 the bounded stream wait (launch.wait_geq's kernel, under the interpreter) and launch.check_errors
 as the fused calls run them: a peer that never enters the op, one that raises before it, one later
-than the bound. Each ends, on every rank, in WaitTimeout naming the op, the flag, the peer and the
-epochs; a rank whose host is then blocked is ended by the watcher thread with its exit code."""
+than the bound. Each ends, on every rank, in WaitTimeout naming the op, its layers, the flag, the
+peer and the epochs; a rank whose host is then blocked is ended by the watcher thread with its
+exit code."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests import REPO_ROOT
 from tests.distributed import run_ranks
 
 BOUND_S = 0.0005  # 500 polls under the interpreter: well under a second
+SITE = "layers.0.self_attn.q_proj (graph 0/0 forward)"  # what the pass puts in a plan
 
 
 def test_the_bound_is_the_group_timeout_by_default_polls_interpreted_ns_compiled(monkeypatch):
@@ -96,7 +98,7 @@ def fault_ranks(rank, world, flag_dir):
     import torch.distributed as dist
 
     _interpreted_launches()
-    plan = AllGatherPlan(wait_timeout_s=BOUND_S)
+    plan = AllGatherPlan(wait_timeout_s=BOUND_S, site=SITE)
     outcomes = {}
     for case in CASES:
         dist.barrier()
@@ -137,7 +139,8 @@ def fault_outcomes(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
     text, seconds = fault_outcomes[0][case]
-    assert text.startswith("ditron: all_gather_matmul on rank 0 of 2: a wait on READY of rank 1"), text
+    assert text.startswith(f"ditron: all_gather_matmul at {SITE} on rank 0 of 2: a wait on READY "
+                           "of rank 1"), text
     assert f"gave up after {BOUND_S} s (it saw epoch 0, expected 1)" in text
     assert "that peer never signalled" in text and "the process ends" in text
     assert seconds < 20  # the bound (polls) plus the interpreter's slack
@@ -145,8 +148,8 @@ def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
     if case == "raises":
         assert faulty == "raised a bug before the op"
     elif case == "late":  # its first call found rank 0's signal; its next one waited for good
-        assert faulty.startswith("ditron: all_gather_matmul on rank 1 of 2: a wait on READY of "
-                                 "rank 0"), faulty
+        assert faulty.startswith(f"ditron: all_gather_matmul at {SITE} on rank 1 of 2: a wait "
+                                 "on READY of rank 0"), faulty
         assert "(it saw epoch 1, expected 2)" in faulty
 
 
@@ -187,3 +190,27 @@ def test_compiled_kernels_wait_in_ns_unless_interpreted():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, cwd=REPO_ROOT, timeout=120)
         assert out.stdout.strip() == want, out.stderr[-2000:]
+
+
+def test_the_pass_names_the_layers_in_the_fused_plan(monkeypatch):
+    from ditron_inductor.lowering import graph_pass
+    from ditron_inductor.scheduler.decide import Decision
+    from ditron_inductor.scheduler.plan import AllReducePlan, decode
+    from tests.fx_helpers import fake_group
+    from tests.test_logs import Model, compile_and_run
+
+    # CPU tensors take the reference plan, which has no waits: decide as on CUDA (the op still
+    # runs its reference on CPU)
+    monkeypatch.setattr(graph_pass, "_decide", lambda match, task, rewritten, options: Decision(
+        True, "fused for the test", AllReducePlan() if "reduce" in task.op else AllGatherPlan()))
+    texts = []
+    for kind, rewrite in list(graph_pass.REWRITES.items()):
+        monkeypatch.setitem(graph_pass.REWRITES, kind, lambda graph, match, text, rewrite=rewrite: (
+            texts.append(text), rewrite(graph, match, text)))
+    with fake_group(2):
+        compile_and_run(Model(), torch.randn(4, 8))
+    plans = [decode(text) for text in texts]
+    assert [p.site.split(" (graph ")[0] for p in plans] == ["layers.0.mlp.up_proj",
+                                                           "layers.0.mlp.down_proj"]
+    assert all(p.site.endswith(" forward)") for p in plans)  # and the graph: "0/0 forward"
+    assert all("site" not in p.describe() for p in plans)  # the log line names the layer already

@@ -24,6 +24,7 @@ from .. import config
 from ..log_names import LOGGER_NAME, all_ranks_logging
 from ..scheduler import calibration
 from ..scheduler.decide import Decision, decide, reject
+from ..scheduler.plan import FusedPlan
 from .decode_gemm import group_decode_mms, rewrite_decode_mms
 from .left import Unmatched, collectives, describe, is_collective
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_candidates
@@ -216,7 +217,11 @@ def run_pass(graph: Graph, options: config.Options = config.Options()) -> GraphR
         layers = source_layers(match)
         where = f"{', '.join(layers)}: " if layers else ""
         if decision.fuse:
-            REWRITES[type(match)](graph, match, decision.plan.encode())
+            plan = decision.plan
+            if isinstance(plan, FusedPlan):  # what a wait of the op that gives up names
+                plan = dataclasses.replace(
+                    plan, site=f"{', '.join(layers)} (graph {name})" if layers else f"graph {name}")
+            REWRITES[type(match)](graph, match, plan.encode())
             rewritten.update(match.replaced_nodes())
             log.info("graph %s: %s%s -> ditron.%s [%s]", name, where, task.describe(), task.op,
                      decision.reason)

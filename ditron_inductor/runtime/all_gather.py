@@ -28,7 +28,7 @@ from ..scheduler.plan import CUBLAS, TRITON, AllGatherPlan
 from ..scheduler.precision import FLOAT8
 from ..scheduler.task import Task
 from ..templates.transfer import copy_twice_kernel
-from . import driver
+from . import driver, faults
 from .context import OpContext, get_context, wait_limit
 from .kernel_launch import current_stream, launch, preload
 from .launch import (DTYPES, check_errors, decline, gemm_failed, matmul_into, num_sms, triton_gemm,
@@ -192,7 +192,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
     if use_triton:
         try:
             for w, b, out in zip(weights, biases, outs):
-                triton_gemm(gathered, w, b, out, plan.tile, flags=ctx.chunk_flags, err=ctx.err,
+                triton_gemm(gathered, w, b, out, plan.tile, flags=ctx.chunk_flags,
+                            err=faults.site_words(ctx, plan.site),
                             rows_per_chunk=rows, first_row=r * rows, epoch=e, limit=limit,
                             waits_beside=bool(peers))
         except Exception as exc:  # noqa: BLE001 - e.g. a config Triton cannot compile

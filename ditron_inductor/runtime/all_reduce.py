@@ -29,7 +29,7 @@ from ..templates import flags
 from ..templates.all_reduce_lamport import EMPTY_BITS, lamport_all_kernel, lamport_kernel
 from ..templates.all_reduce_push import push_all_kernel, push_kernel
 from ..templates.reduce import sum_slots_norm_kernel
-from . import driver
+from . import driver, faults
 from .context import (OpContext, build_outside_graph_pools, device_epoch, get_context, size_class,
                       wait_limit)
 from .launch import (DTYPES, MatmulSum, check_errors, decline, gemm_beside, kernel_flag,
@@ -133,7 +133,8 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     h = torch.empty((m, n), dtype=dtype, device=a.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     common = (ctx.data.ptr_table, ctx.flags.ptr_table, ctx.flags.words,
-              dev.epoch, dev.arrive, ctx.err, h, h if y is None else y,
+              dev.epoch, dev.arrive, faults.site_words(ctx, plan.site), h,
+              h if y is None else y,
               h if residual is None else residual, h if norm_weight is None else norm_weight)
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **flags.world_constants(ctx.world))

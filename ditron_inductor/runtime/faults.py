@@ -3,13 +3,15 @@
 Every flag wait is bounded by default by the timeout of the op's process group (the user's bound
 on how late a peer may be, after which NCCL's watchdog aborts too); 0 is unbounded.
 
-A wait that gives up (templates/flags.give_up) claims its context's error words and writes one
+A wait that gives up (templates/flags.give_up) claims its error words and writes one
 process-wide report into host-mapped (pinned) memory: the wait's code, the epoch it saw and the
-one it expected, the late peer where the wait knows it, the context's id. A kernel stores into it
-directly, also one replayed from a CUDA graph. Two readers, neither synchronising the device:
+one it expected, the late peer where the wait knows it, the words' id. Each call site (the layers
+an op replaces, its plan's `site`) has error words of its own (`site_words`), so the report names
+the layer whose wait gave up, not only the op. A kernel stores into it directly, also one
+replayed from a CUDA graph. Two readers, neither synchronising the device:
 
 - every fused call, first (`raise_if_failed`, a load of host memory): it raises `WaitTimeout`,
-  naming the op, the rank, the flag, the peer and the epochs;
+  naming the op, its layers, the rank, the flag, the peer and the epochs;
 - a watcher thread (`watch`), every WATCH_S: where the program does not reach another fused call
   (its host blocked in a synchronisation, an NCCL collective, the exit), it logs the same message
   and, GRACE_S later if the process is still there, ends it with EXIT_CODE, as NCCL's watchdog
@@ -41,8 +43,11 @@ EXIT_CODE = 86
 
 # the process-wide report (REPORT_WORDS int32, host-mapped), made with the first context
 _report: Optional[torch.Tensor] = None
-# per context id: what names its waits (op, rank, world, bound, flag namer), set at each call
+# per error words' id: what names their waits (op, rank, world, bound, flag namer, site), set at
+# each call
 _sites: dict[int, tuple] = {}
+# per (context id, site): the site's error words (their id, the words)
+_site_words: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
 _next_id = [1]
 _watcher: Optional[threading.Thread] = None
 
@@ -73,18 +78,38 @@ def report() -> torch.Tensor:
 
 
 def error_words(device) -> tuple[int, torch.Tensor]:
-    """A new context's id and error words: no code, the id, the report's address."""
-    cid = _next_id[0]
+    """New error words (a context's or a call site's) and their id: no code, the id, the
+    report's address."""
+    words_id = _next_id[0]
     _next_id[0] += 1
     words = torch.zeros(flags.ERR_WORDS, dtype=torch.int32)
-    words[flags.ERR_CONTEXT] = cid
+    words[flags.ERR_ID] = words_id
     words.view(torch.int64)[1] = report().data_ptr()
-    return cid, words.to(device)
+    return words_id, words.to(device)
 
 
-def note(ctx, op: str, bound_s: float, flag_name: Optional[Callable] = None) -> None:
-    """What names the waits of ctx's calls (the last call's op): flag_name(code, peer) -> text."""
-    _sites[ctx.fault_id] = (op, ctx.rank, ctx.world, bound_s, flag_name)
+def site_words(ctx, site: str) -> torch.Tensor:
+    """The error words the waits of a call at `site` claim: the site's own, made at its first
+    call; the context's where the call names no site, or where that first call is captured into
+    a CUDA graph (which may not copy to the device)."""
+    if not site:
+        return ctx.err
+    key = (ctx.fault_id, site)
+    if key not in _site_words:
+        if ctx.err.is_cuda and torch.cuda.is_current_stream_capturing():
+            return ctx.err
+        _site_words[key] = error_words(ctx.err.device)
+    return _site_words[key][1]
+
+
+def note(ctx, op: str, bound_s: float, flag_name: Optional[Callable] = None,
+         site: str = "") -> None:
+    """What names the waits of a call at `site` of ctx (the context's own words: its last call's
+    op, no site): flag_name(code, peer) -> text."""
+    _sites[ctx.fault_id] = (op, ctx.rank, ctx.world, bound_s, flag_name, "")
+    if (ctx.fault_id, site) in _site_words:
+        _sites[_site_words[(ctx.fault_id, site)][0]] = (op, ctx.rank, ctx.world, bound_s,
+                                                        flag_name, site)
 
 
 def failed() -> bool:
@@ -97,12 +122,13 @@ def message() -> str:
              for i in range(flags.REPORT_WORDS)]
     code, seen, expected, peer = (words[flags.REPORT_CODE], words[flags.REPORT_SEEN],
                                   words[flags.REPORT_EXPECTED], words[flags.REPORT_PEER])
-    op, rank, world, bound_s, flag_name = _sites.get(
-        words[flags.REPORT_CONTEXT], ("a fused op", "?", "?", "?", None))
+    op, rank, world, bound_s, flag_name, site = _sites.get(
+        words[flags.REPORT_ID], ("a fused op", "?", "?", "?", None, ""))
     flag = flag_name(code, peer) if flag_name else f"flag {code - 1}"
     epochs = (f"it saw epoch {seen}, expected {expected}" if expected >= 0
               else "its data never arrived")
-    return (f"ditron: {op} on rank {rank} of {world}: a wait on {flag} gave up after "
+    where = f" at {site}" if site else ""
+    return (f"ditron: {op}{where} on rank {rank} of {world}: a wait on {flag} gave up after "
             f"{bound_s} s ({epochs}): that peer never signalled. It crashed, raised or took "
             "another branch before the op, is later than the bound, or runs another program, "
             "plan, shape or option on the same group. This call's outputs are not valid; the "

@@ -48,8 +48,8 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
         return
     limit = wait_limit(plan, ctx)
     if limit:
-        launch(flags.wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value, limit, ctx.err,
-               stream=stream)
+        launch(flags.wait_flags_kernel, (1,), ctx.flags.words, idx, 1, value, limit,
+               faults.site_words(ctx, plan.site), stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
 
@@ -70,7 +70,8 @@ def check_errors(ctx: OpContext, plan: FusedPlan, what: str, flag_name=None) -> 
     at the next fused call (and from the watcher thread: runtime/faults.py)."""
     seconds = wait_seconds(plan, ctx)
     if seconds:
-        faults.note(ctx, what, seconds, flag_name or functools.partial(context_flag, ctx))
+        faults.note(ctx, what, seconds, flag_name or functools.partial(context_flag, ctx),
+                    plan.site)
         faults.raise_if_failed()
 
 

@@ -37,7 +37,7 @@ import torch
 from ..scheduler.plan import GroupedMmPlan
 from ..templates import flags
 from ..templates.grouped_gemm import ERR_ROWS
-from . import moe_routes
+from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
 from .kernel_launch import current_stream, launch, next_power_of_2
 from .launch import check_errors, context_flag, decline
@@ -200,7 +200,8 @@ def wait_words(ctx, plan: GroupedMmPlan, stream, first: int, mask: int, want: in
     per word; bounded as launch.wait_geq's waits are, unbounded where the bound is 0."""
     if mask:
         launch(flags.wait_words_kernel, (1,), ctx.flags.words, first, mask, want,
-               ctx.flags.words if wants is None else wants, wait_limit(plan, ctx), ctx.err,
+               ctx.flags.words if wants is None else wants, wait_limit(plan, ctx),
+               faults.site_words(ctx, plan.site),
                WORDS=next_power_of_2(ctx.world), TAKE=wants is not None, stream=stream)
 
 
@@ -222,7 +223,8 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
     for i, (w, out) in enumerate(zip(weights, outs)):
         if i == 0:
             grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
-                         wait=(counters, state.expect, ctx.err, wait_limit(plan, ctx)))
+                         wait=(counters, state.expect, faults.site_words(ctx, plan.site),
+                               wait_limit(plan, ctx)))
         else:
             grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
     return [rows_out] + outs

@@ -68,6 +68,8 @@ class FusedPlan:
     # the runtime: runtime/context.wait_seconds)
     wait_timeout_s: Optional[float] = None
     predicted_ms: tuple[tuple[str, float], ...] = dataclasses.field(default=(), compare=False)
+    # the layers the op replaces and their graph, which a wait that gives up names
+    site: str = dataclasses.field(default="", compare=False)
 
     def encode(self) -> str:
         return _encode(self)
@@ -77,7 +79,8 @@ class FusedPlan:
         parts = [FUSED, self.label or self.kind]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("label", "predicted_ms") and value != getattr(defaults, f.name):
+            if (f.name not in ("label", "predicted_ms", "site")
+                    and value != getattr(defaults, f.name)):
                 parts.append(f"{f.name}={_text(value)}")
         if self.predicted_ms:
             parts.append("predicted " + ", ".join(f"{k} {v:.3f} ms" for k, v in self.predicted_ms))

@@ -8,10 +8,11 @@ captured CUDA graph bakes in no host value: epoch_ptr[1] is the current call's, 
 program at its start and advanced by the last one (`finish_call`; epoch_ptr[0]: the last done).
 
 Waits are bounded when limit > 0 (the default: runtime/context.wait_limit): the first wait of a
-context that gives up claims its error word (ERR_CODE) and writes a report (code, epoch seen and
-expected, the late peer, the context's id) into a host-mapped record whose address the error
-word holds (ERR_REPORT), which the host reads without synchronising (runtime/faults.py); later
-waits of the context see the claimed word and do not wait. The bound is ns of the global timer,
+call site (runtime/faults.site_words; of the context, where the call names none) that gives up
+claims its error word (ERR_CODE) and writes a report (code, epoch seen and expected, the late
+peer, the words' id) into a host-mapped record whose address the error word holds
+(ERR_REPORT), which the host reads without synchronising (runtime/faults.py); later waits of the
+site see the claimed word and do not wait. The bound is ns of the global timer,
 polls under the interpreter. WORLD (WORLD_P2 its next power of two) is a
 compile-time constant: loops over the ranks unroll, and a wait for all ranks polls one vector.
 """
@@ -34,10 +35,10 @@ LOCAL = PUSHED + MAX_PROGS * MAX_WORLD
 FLAG_WORDS = LOCAL + MAX_PROGS
 # error codes (err word): which wait gave up (2 and 3 are unused)
 ERR_READY, ERR_PUSHED, ERR_LOCAL, ERR_STARTED, ERR_SENT = 1, 4, 5, 6, 7
-# a context's error words (int32): the code of the first wait that gave up, the context's id, and
-# (int64, words 2-3) the address of the host-mapped report; the report's words
-ERR_CODE, ERR_CONTEXT, ERR_WORDS = 0, 1, 4
-REPORT_CODE, REPORT_SEEN, REPORT_EXPECTED, REPORT_PEER, REPORT_CONTEXT, REPORT_WORDS = range(6)
+# error words (int32; a context's or a call site's): the code of the first wait that gave up,
+# the words' id, and (int64, words 2-3) the address of the host-mapped report; the report's words
+ERR_CODE, ERR_ID, ERR_WORDS = 0, 1, 4
+REPORT_CODE, REPORT_SEEN, REPORT_EXPECTED, REPORT_PEER, REPORT_ID, REPORT_WORDS = range(6)
 # the same numbers for the kernels (Triton reads only constexpr globals)
 K_READY, K_STARTED, K_PUSHED = tl.constexpr(READY), tl.constexpr(STARTED), tl.constexpr(PUSHED)
 K_LOCAL, K_MAX_PROGS = tl.constexpr(LOCAL), tl.constexpr(MAX_PROGS)
