@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import calibration_check
-from ditron_inductor.scheduler import calibration, choose, evidence, link_model
+from ditron_inductor.scheduler import calibration, choose, evidence, link_model, ranking
 from ditron_inductor.scheduler.task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
 
 
@@ -112,7 +112,7 @@ def test_a_sum_of_products_adds_the_rewrite_costs_to_each_side(table):
     task = _task(RS, 8192, 14336, 4096, terms=2, copy_elems=58720256)
     copy_ms, sum_ms = link_model.rewrite_costs(task, evidence.link(2))
     assert copy_ms > 0 and sum_ms > 0
-    decision = choose.measured_decision(task)
+    decision = ranking.measured_decision(task)
     assert decision.fused_ms == pytest.approx(1.444 + copy_ms)
     assert decision.unfused_ms == pytest.approx(1.558 + sum_ms)
 
@@ -128,7 +128,7 @@ def test_a_row_timed_as_the_sum_holds_its_accumulation_and_add(table):
     copy_only = link_model.rewrite_costs(
         _task(RS, 8192, 14336, 4096, copy_elems=1 << 20), evidence.link(2))[0]
     assert 0 < copy_only < link_model.rewrite_costs(task, evidence.link(2))[0]
-    decision = choose.measured_decision(task)
+    decision = ranking.measured_decision(task)
     assert decision.fused_ms == pytest.approx(1.444 + copy_only)
     assert decision.unfused_ms == pytest.approx(1.558)
 
@@ -136,7 +136,7 @@ def test_a_row_timed_as_the_sum_holds_its_accumulation_and_add(table):
 def test_where_no_row_is_near_the_link_model_decides(table):
     table(_run([GATE_UP]))
     task = _task(AG, 8192, 4096, 28672)  # N twice gate/up's: no measured row stands for it
-    assert choose.measured_decision(task) is None
+    assert ranking.measured_decision(task) is None
     plan, why = choose.choose_device_plan(task)
     assert why.startswith("fused plan tri_tma_128x256: predicted")
 

@@ -304,7 +304,7 @@ def test_the_rewrites_copies_count_against_the_fused_plans():
     their output rows per further term (cuBLAS accumulating, beta = 1), and only the plans with
     cuBLAS GEMMs take it."""
     from ditron_inductor.scheduler.choose import choose_device_plan
-    from ditron_inductor.scheduler.choose import predicted as predict
+    from ditron_inductor.scheduler.ranking import predicted as predict
     from ditron_inductor.scheduler.evidence import link as calibration
 
     copied = dataclasses.replace(AG, dim=1, rows_reordered=True, copy_elems=8192 * 7168)

@@ -10,15 +10,16 @@ model predict it MIN_GAIN faster. FP8 and MoE: where their measurements say (pol
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from . import calibration, evidence, link_model, policy
-from .candidates import candidate_plan, candidates_for, predicted_labels
+from .candidates import candidate_plan, candidates_for
 from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
 from .plan import ReduceScatterPlan, family, from_params
 from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, MOE_PATTERNS,
                    SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
+from .ranking import best_label, measured_decision, predicted
 
 KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
@@ -29,62 +30,6 @@ _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
 def has_fused_plan(op: str) -> bool:
     """Whether some fused plan runs the op on CUDA (one the scheduler may not choose)."""
     return op in _FUSED_PLAN_OPS
-
-
-class MeasuredDecision(NamedTuple):
-    """The choice at a shape measured on the task's world size: the fastest candidate there,
-    whether it beat NCCL + cuBLAS by MEASURED_MIN_GAIN (`label`, else None), both times with
-    the rewrite's extra costs."""
-
-    fastest: str
-    label: Optional[str]
-    fused_ms: float
-    unfused_ms: float
-    summary: str
-
-
-def measured_decision(task: Task) -> Optional[MeasuredDecision]:
-    """The decision from the measured candidates at the nearest measured shape of the task's op,
-    world size and dtype, or None where none is near. The rows were launched eagerly; under
-    CUDA graphs the same rows decide."""
-    m, k, n = task.m_hint, size_hint(task.k), task.n_total
-    row = evidence.nearest_measured(task.op, task.world_size, task.dtype, m, k, n)
-    fastest = row and row.fastest(candidates_for(task))
-    if not fastest:
-        return None
-    link = evidence.link(task.world_size)
-    # a row timed as the sum (its terms apart) holds the op's accumulation and the graph's add
-    timed = task if row.terms == 1 else dataclasses.replace(task, terms=1)
-    copy_ms, sum_ms = link_model.rewrite_costs(timed, link)
-    fused = row.ms[fastest] + copy_ms
-    unfused = row.ms[evidence.NCCL_CUBLAS] + sum_ms
-    rm, rk, rn = row.shape
-    summary = (f"measured on {task.world_size} ranks at {rm}x{rk}x{rn} ({row.source}): "
-               f"NCCL+cuBLAS {unfused:.3f} ms, fastest fused {fastest} {fused:.3f} ms"
-               + ("" if row.source.startswith(calibration.CALIBRATION) else "; shipped table"))
-    label = fastest if unfused >= fused * policy.MEASURED_MIN_GAIN else None
-    return MeasuredDecision(fastest, label, fused, unfused, summary)
-
-
-def predicted(task: Task) -> dict[str, float]:
-    """The link model's ms per call of NCCL + cuBLAS ("nccl_cublas") and of each candidate it
-    may choose at the task's world size."""
-    link = evidence.link(task.world_size)
-    labels = predicted_labels(task, evidence.calibrated_world(task.world_size))
-    params = candidates_for(task)
-    out = {evidence.NCCL_CUBLAS: link_model.unfused_ms(task, link)}
-    out.update(link_model.predict(task, link, ((lb, params[lb].params) for lb in labels)))
-    return out
-
-
-def best_label(task: Task) -> str:
-    """The fastest candidate measured at the task's shape, else the one predicted fastest."""
-    measured = measured_decision(task)
-    if measured is not None:
-        return measured.fastest
-    preds = predicted(task)
-    del preds[evidence.NCCL_CUBLAS]
-    return min(preds, key=preds.get)
 
 
 def _world1_note(task: Task, plan: FusedPlan, cuda_graphs: bool) -> str:
