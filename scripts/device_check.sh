@@ -45,7 +45,8 @@
 # decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU),
 # launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its
 # stream's order), step_graph_gpu (tests/gpu/test_step_graph_gpu.py: a whole compiled step
-# replayed from StepGraph's CUDA graph).
+# replayed from StepGraph's CUDA graph), wait_bound_gpu (tests/gpu/test_wait_bound_gpu.py: a wait
+# that gives up reports, raises naming its site, and the watcher ends the process; one GPU).
 # Each step's log goes to $W (default /tmp/w), and after each step every log and JSON there is
 # packed into $OUT/logs.tgz: the device tool brings back at most 8 files.
 set -o pipefail
@@ -192,6 +193,8 @@ launch_gpu() { timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_kernel_launch_gpu.py; }
 step_graph_gpu() { timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_step_graph_gpu.py; }
+wait_bound_gpu() { timeout -k 5 300 python3 -m pytest -q -s -p no:cacheprovider \
+  tests/gpu/test_wait_bound_gpu.py; }
 gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
   --out "$W/gemv" ${GEMV_ARGS:-}; }
 

@@ -1,6 +1,6 @@
 """On one GPU: a bounded wait whose flag never comes reports on the host without a
 synchronisation, eagerly and replayed from a CUDA graph; the call's check raises WaitTimeout
-naming the flag; a process whose host then blocks is ended by the watcher (runtime/faults.py)."""
+naming the flag (and, eagerly, the call site); a process whose host then blocks is ended by the watcher (runtime/faults.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from tests import REPO_ROOT
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
+SITE = "layers.0.self_attn.q_proj (graph 0/0 forward)"
 PROGRAM = r"""
 import socket, time
 import torch, torch.distributed as dist
 from ditron_inductor.runtime import faults, launch
 from ditron_inductor.runtime.context import get_context
 from ditron_inductor.scheduler.plan import AllGatherPlan
+from tests.gpu.test_wait_bound_gpu import SITE
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -30,6 +32,7 @@ dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
                         device_id=torch.device("cuda", 0))
 ctx = get_context("all_gather_matmul", dist.group.WORLD.group_name, "auto", 1 << 20)
 plan = AllGatherPlan(wait_timeout_s=0.2)
+sited = AllGatherPlan(wait_timeout_s=0.2, site=SITE)  # a site's own error words, eagerly
 stream = torch.cuda.current_stream().cuda_stream
 ctx.flags.words[ctx.READY] = 1  # epoch 1 is there; nobody signals epoch 2
 launch.wait_geq(ctx, plan, stream, ctx.READY, 1)  # compiles the kernel
@@ -43,12 +46,12 @@ for how in ("eager", "graph"):
             launch.wait_geq(ctx, plan, torch.cuda.current_stream().cuda_stream, ctx.READY, 2)
         start = time.monotonic(); graph.replay()
     else:
-        start = time.monotonic(); launch.wait_geq(ctx, plan, stream, ctx.READY, 2)
+        start = time.monotonic(); launch.wait_geq(ctx, sited, stream, ctx.READY, 2)
     while not faults.failed() and time.monotonic() < start + 30:
         time.sleep(0.005)  # no synchronisation: the report is host memory
     print(f"{how}: reported after {time.monotonic() - start:.2f} s", flush=True)
     try:
-        launch.check_errors(ctx, plan, "all_gather_matmul")
+        launch.check_errors(ctx, sited if how == "eager" else plan, "all_gather_matmul")
         print(f"{how}: no error")
     except faults.WaitTimeout as e:
         print(f"{how}: WaitTimeout: {e}", flush=True)
@@ -74,8 +77,9 @@ def test_a_wait_that_gives_up_reports_raises_and_ends_the_process():
     for how in ("eager", "graph"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"{how}: reported"))
         assert float(line.split()[-2]) < 5.0, line  # the bound, 0.2 s, plus slack
-        assert (f"{how}: WaitTimeout: ditron: all_gather_matmul on rank 0 of 1: a wait on READY "
-                "of rank 0") in proc.stdout
+        where = f" at {SITE}" if how == "eager" else ""  # the graph's call names no site
+        assert (f"{how}: WaitTimeout: ditron: all_gather_matmul{where} on rank 0 of 1: a wait on "
+                "READY of rank 0") in proc.stdout
         assert "gave up after 0.2 s (it saw epoch 1, expected 2)" in proc.stdout
     assert "a wait on READY of rank 0" in proc.stderr  # the watcher's message
     assert "not ended" not in proc.stdout
