@@ -104,16 +104,18 @@ def calibrated() -> bool:
     return False
 
 
-def agree(store, rank: int, world: int, digest: str, timeout_s: float) -> bool:
-    """Whether every rank set the same digest in `store`: each rank sets its own, waits for the
-    others' (bounded), and proposes a verdict; the first proposal wins on every rank."""
-    store.set(str(rank), digest)
+def agree(store, rank: int, world: int, digest: str, timeout_s: float) -> str:
+    """The ranks' verdict on their digests in `store`: "same", "differ", or "late r,..." (ranks
+    that did not set theirs in time). Each rank sets its own, waits for the others' (bounded)
+    and proposes a verdict; the first proposal stands on every rank."""
+    keys = [str(r) for r in range(world)]
+    store.set(keys[rank], digest)
     try:
-        store.wait([str(r) for r in range(world)], datetime.timedelta(seconds=timeout_s))
-        same = all(store.get(str(r)).decode() == digest for r in range(world))
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        proposal = "same" if all(store.get(k).decode() == digest for k in keys) else "differ"
     except Exception:  # noqa: BLE001 - a rank that did not come in time: not agreed
-        same = False
-    return store.compare_set("verdict", "", "same" if same else "differ") == b"same"
+        proposal = "late " + ",".join(k for k in keys if not store.check([k]))
+    return store.compare_set("verdict", "", proposal).decode()
 
 
 @functools.cache
@@ -127,13 +129,19 @@ def agreed() -> bool:
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = dist.PrefixStore(f"ditron/evidence/{_round[0]}", _get_default_store())
-    same = agree(store, dist.get_rank(), dist.get_world_size(), local().digest, AGREE_TIMEOUT_S)
-    if not same:
+    verdict = agree(store, dist.get_rank(), dist.get_world_size(), local().digest,
+                    AGREE_TIMEOUT_S)
+    if verdict == "differ":
         log.warning("ditron: the ranks' scheduler evidence differs (this rank's calibration: "
                     "%s, %s): every site keeps NCCL + cuBLAS. Calibrate every machine alike, or "
                     "remove the calibration (python -m ditron_inductor.calibrate --show)",
                     local().digest, calibration_path())
-    return same
+    elif verdict != "same":
+        log.warning("ditron: rank(s) %s did not reach the check of the ranks' scheduler evidence "
+                    "within %.0f s of the others (it runs at a process's first compile; a compile "
+                    "on some ranks only waits for it): every site keeps NCCL + cuBLAS",
+                    verdict.removeprefix("late "), AGREE_TIMEOUT_S)
+    return verdict == "same"
 
 
 def cache_key() -> str:

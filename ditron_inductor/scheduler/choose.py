@@ -161,7 +161,7 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     """(plan, why); a None plan leaves the graph as it was. cuda_graphs: the compiled graph is
     replayed as a CUDA graph."""
     if not calibration.agreed():
-        return None, f"the ranks' scheduler evidence differs (warned above): {KEEP}"
+        return None, f"the ranks did not agree on the scheduler evidence (warned above): {KEEP}"
     if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE):
         return scaled_mm_plan(task, cuda_graphs)
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
