@@ -21,6 +21,9 @@ both paths need and neither times):
             rows count as arrived, rows = received[by_expert], torch._grouped_mm by gate and up;
             fused: runtime.moe_dispatch.call, the runtime's own host steps and kernels (publish,
             signal, waits, push, the waiting grouped GEMMs, the error check) on an emulated rank;
+            --inference: as an inference graph's op runs it, storing no rows output (plan
+            rows=False: the later GEMM reads the receive buffer, the rows are its view); the
+            unfused path gathers its rows for its GEMMs either way;
   act       (both) silu(gate) * up;
   combine   unfused: torch._grouped_mm by down, the un-permutation back[by_expert] = y, NCCL's
             local part (my rows' products copied into the returned rows, the peers' as arrived);
@@ -105,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CUDA: profile CALLS calls of each contender for the split (0: none)")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each path's dispatch and combine alone")
+    p.add_argument("--inference", action="store_true",
+                   help="the layer as inference: the fused dispatch stores no rows output "
+                        "(GroupedMmPlan rows=False; the unfused path's work is the same)")
     p.add_argument("--wait-timeout-s", type=float, default=None,
                    help="the plans' wait bound (default: the runtime's, a process group's "
                         "600 s; 0: unbounded)")
@@ -633,7 +639,8 @@ def plans_of(args) -> dict:
     for label in args.plans.split(","):
         params = TINY_PLAN if label == "tiny" else PLANS[label]
         out[label] = dataclasses.replace(GroupedMmPlan(), label=label, **params,
-                                         wait_timeout_s=args.wait_timeout_s)
+                                         wait_timeout_s=args.wait_timeout_s,
+                                         rows=not args.inference)
     return out
 
 
@@ -669,7 +676,8 @@ def run(args) -> list[dict]:
                 row = dict(model=layer.name, experts_per_rank=layer.experts, hidden=layer.hidden,
                            inter=layer.inter, top_k=layer.top_k, world=world, tokens=tokens,
                            rows_sent=lay.sent, rows_received=lay.received, own_rows=lay.own,
-                           plans=list(plans), rel_err={}, ms={}, split={})
+                           plans=list(plans), inference=args.inference, rel_err={}, ms={},
+                           split={})
                 for name, fn in fns.items():
                     label = name.split(":", 1)[1].split(" ")[0] if ":" in name else None
                     err = lay.check(fn, label)

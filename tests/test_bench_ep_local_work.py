@@ -29,6 +29,13 @@ def test_every_contender_is_checked_timed_and_tabled(tmp_path):
     assert "- command: `python benchmarks/bench_ep_local_work.py --device cpu --tiny" in text
 
 
+def test_inference_runs_the_fused_dispatch_without_its_rows_output(tmp_path):
+    bench.main(ARGS + ["--no-stages", "--inference", "--out", str(tmp_path / "ep")])
+    (row,) = json.loads((tmp_path / "ep.json").read_text())["rows"]
+    assert row["inference"] and row["rel_err"]["fused:tiny"] < 2e-2  # the rows checked too
+    assert not bench.plans_of(bench.parse_args(ARGS + ["--inference"]))["tiny"].rows
+
+
 @pytest.mark.parametrize("step", ["dispatch", "combine"])
 def test_an_emulation_whose_rows_never_land_is_refused(monkeypatch, step):
     module = bench.moe_dispatch if step == "dispatch" else bench.moe_combine

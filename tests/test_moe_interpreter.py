@@ -460,20 +460,24 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
     return [x for x, _ in xs], splits, receivers
 
 
-@pytest.mark.parametrize("world,tma_a,progs", [(2, False, 0), (3, False, 0), (2, True, 0),
-                                               (3, True, 1)])
-def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
+@pytest.mark.parametrize("world,tma_a,progs,rows", [(2, False, 0, True), (3, False, 0, True),
+                                                    (2, True, 0, True), (3, True, 1, True),
+                                                    (2, True, 0, False)])
+def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
     (moe_dispatch.publish, push, compute), the signals played by running every rank's step
     before the next: two calls on the same buffers and counters (the second expecting on top of
     the first), then one in which the last rank receives nothing and one in which every row
     goes to rank 0, against the op's reference. tma_a: the waiting GEMM reads the receive
-    buffer through TMA; progs 1: one program takes every tile in turn, waiting on each."""
+    buffer through TMA; progs 1: one program takes every tile in turn, waiting on each; rows
+    False (no rows output stored): the later GEMM reads the receive buffer too, and the rows
+    output is its view."""
     from ditron_inductor.runtime import moe_dispatch
 
     gen = torch.Generator().manual_seed(10 + world)
     local_experts, k, ns = 3, 40, (24, 33)
-    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a, progs=progs)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a, progs=progs,
+                               rows=rows)
     ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
           for _ in range(world)]
     capacity = 64
@@ -497,12 +501,14 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs):
             moe_dispatch.push(ctx, layout, states[r], xs[r])
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
-            rows, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
-                                               ws[r], offsets, moe.grouped_gemm)
+            got, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
+                                              ws[r], offsets, moe.grouped_gemm)
             assert int(ctx.err[0]) == 0, (call, r)
             counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
             assert torch.equal(counters, states[r].expect), (call, r)
-            assert torch.equal(rows, ref_rows), (call, r)
+            assert torch.equal(got, ref_rows), (call, r)
+            recv_ptr = ctx.data.view(-1, F16, [capacity, k], layout.recv_offset).data_ptr()
+            assert (got.data_ptr() == recv_ptr) == (not rows) or not got.numel(), (call, r)
             for w, out in zip(ws[r], outs):
                 if ref_rows.shape[0]:
                     ref = torch._grouped_mm(ref_rows.float(), w.float(), offs=offsets)

@@ -9,6 +9,7 @@ compiles the same layer for real.
 from __future__ import annotations
 
 import unittest
+import unittest.mock
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,45 @@ def trace_training_step(g, experts_form, dtype):
                                 *[p.detach() for p in moe.parameters()])
 
 
+def trace_inference(g, dtype):
+    """The layer's forward alone, no gradient: nothing saves the dispatched rows."""
+    torch.manual_seed(0)
+    moe = ExpertParallelMoE(16, 32, 4, 2, g, "grouped_mm").to(dtype)
+    names = [n for n, _ in moe.named_parameters()]
+
+    def forward(x, *params):
+        with torch.no_grad():
+            return torch.func.functional_call(moe, dict(zip(names, params)), (x,))
+
+    return trace_data_dependent(forward, randn(8, 16, dtype=dtype),
+                                *[p.detach() for p in moe.parameters()])
+
+
+def fused_dispatch_plans(gm) -> list:
+    """The plans the graph's all_to_all_grouped_mm nodes carry."""
+    from ditron_inductor.scheduler.plan import decode
+
+    return [decode(n.args[-1]) for n in gm.graph.nodes
+            if n.target is torch.ops.ditron.all_to_all_grouped_mm.default]
+
+
 class TrainingStepTest(TestCase):
+    def test_the_dispatch_stores_its_rows_only_where_the_graph_reads_them(self):
+        # CPU tensors take the reference plan: decide the MoE ops fused, as on CUDA
+        from ditron_inductor.lowering import graph_pass
+        from ditron_inductor.scheduler.decide import Decision
+        from ditron_inductor.scheduler.plan import GroupedMmPlan
+
+        with unittest.mock.patch.object(graph_pass, "_decide", lambda *_: Decision(
+                True, "fused for the test", GroupedMmPlan())), fake_group(2) as g:
+            inference, training = trace_inference(g, BF16), trace_training_step(
+                g, "grouped_mm", BF16)
+            rewrite(inference)
+            rewrite(training)
+        self.assertEqual([p.rows for p in fused_dispatch_plans(inference)], [False])
+        # the forward's rows feed the weight gradients, the backward's the down projection's
+        self.assertEqual([p.rows for p in fused_dispatch_plans(training)], [True, True])
+
     def test_dispatch_and_combine_forward_and_backward_become_four_ops(self):
         with fake_group(2) as g:
             gm = trace_training_step(g, "grouped_mm", BF16)

@@ -242,6 +242,7 @@ def test_plan_survives_the_graph_as_text():
     from ditron_inductor.scheduler.plan import (
         REFERENCE_PLAN,
         AllReducePlan,
+        GroupedMmPlan,
         ReduceScatterPlan,
         from_params,
     )
@@ -249,13 +250,15 @@ def test_plan_survives_the_graph_as_text():
     plans = [from_params(AllGatherPlan, {"gemm": "cublas", "groups": [1, 3, 4], "block_m": 64},
                          label="x", wait_timeout_s=1.0, predicted_ms=(("fused", 1.0),)),
              ReduceScatterPlan(reduce="triton").for_world(8),
-             AllReducePlan(algo="push", overlap=True).for_world(4), REFERENCE_PLAN]
+             AllReducePlan(algo="push", overlap=True).for_world(4), GroupedMmPlan(rows=False),
+             REFERENCE_PLAN]
     for plan in plans:
         assert decode(plan.encode()) == plan
     assert decode(plans[0].encode()) is decode(plans[0].encode())  # decoded once per text
     assert plans[0].tile.block_m == 64 and plans[0].groups == (1, 3, 4)
     assert decode(REFERENCE_PLAN.encode()).impl == REFERENCE
     assert "groups=1,3,4" in plans[0].describe() and "predicted" in plans[0].describe()
+    assert not decode(plans[3].encode()).rows and "rows=False" in plans[3].describe()
 
 
 def test_unknown_plan_parameter_is_named():

@@ -25,6 +25,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
+from ..scheduler.plan import GroupedMmPlan, decode
 from ..scheduler.task import Task, all_to_all_grouped_mm_task, grouped_mm_all_to_all_task
 from .graph_edit import erase_unused, insert_call, insert_getitem
 from .nodes import call_arg, fake, is_call, matmul_arg, summands, weight_from_output
@@ -201,6 +202,11 @@ def find_all_to_all_grouped_mm(node: Node) -> Optional[AllToAllGroupedMmMatch]:
 
 def rewrite_all_to_all_grouped_mm(graph: Graph, match: AllToAllGroupedMmMatch, plan: str) -> Node:
     ex, grouped_mms = match.exchange, match.grouped_mms
+    fused = decode(plan)
+    replaced = {g.node for g in grouped_mms}
+    if isinstance(fused, GroupedMmPlan) and all(u in replaced for u in match.rows.users):
+        # nothing reads the rows output (no backward saves them): the dispatch need not store it
+        plan = dataclasses.replace(fused, rows=False).encode()
     args = (ex.x, ex.output_split_sizes, ex.input_split_sizes, match.row_index,
             [g.weight for g in grouped_mms], grouped_mms[0].offsets, ex.group_name,
             ex.world_size, plan)

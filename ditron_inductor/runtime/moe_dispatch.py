@@ -10,7 +10,8 @@ One call, epoch e, on rank r, on the caller's stream:
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
               that tile's counter there (release, after the rows);
   4. GEMM     the first weight's GEMM runs each tile once its counter reached expect[tile],
-              reading the receive buffer and storing the rows output, which the others read.
+              reading the receive buffer and storing the rows output, which the others read
+              (plan.rows False: no rows output stored, the others read the receive buffer).
 Every rank signals (1) before it waits (2): no rank waits on one that waits on it.
 
 Reuse with no reset or barrier: r's table and buffer of call e + 1 are written after r's call-e
@@ -214,10 +215,14 @@ def push(ctx, layout: Layout, state: DispatchState, x) -> None:
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
             weights, offsets, grouped_gemm) -> list:
     """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows landed,
-    and stores the op's rows output; the others read that."""
+    and stores the op's rows output; the others read that. Without plan.rows (the graph does
+    not use the rows output) nothing is stored: the others read the receive buffer, in the same
+    order, and the rows output is its view, valid until my next call's rows land (the world-1
+    path, runtime/moe.py, stores its rows always)."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
-    rows_out = torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
+    rows_out = (torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
+                if plan.rows else None)
     outs = [torch.empty((received, w.shape[-1]), dtype=layout.dtype, device=recv.device)
             for w in weights]
     for i, (w, out) in enumerate(zip(weights, outs)):
@@ -226,5 +231,6 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
                          wait=(counters, state.expect, faults.site_words(ctx, plan.site),
                                wait_limit(plan, ctx)))
         else:
-            grouped_gemm(plan, rows_out, w, offsets, out, rows=received)
-    return [rows_out] + outs
+            grouped_gemm(plan, recv if rows_out is None else rows_out, w, offsets, out,
+                         rows=received)
+    return [recv[:received] if rows_out is None else rows_out] + outs

@@ -195,6 +195,10 @@ class GroupedMmPlan(FusedPlan):
     # fused op measured slower. Every rank decides alike where every rank has as many tokens,
     # which the fused ops' buffers assume already (their size class comes from these rows)
     min_rows: int = 0
+    # on several ranks the dispatch stores its rows output; False where the graph does not use
+    # it: output 0 is then a view of the receive buffer, valid until the op's next call, and
+    # the later GEMMs read that buffer
+    rows: bool = True
 
 
 def family(plan: FusedPlan) -> str:
