@@ -639,11 +639,11 @@ def test_one_launch_waits_for_every_flag_word_and_names_a_late_one():
     words[0] = 5  # rank 0's READY for epoch 5; rank 2's never comes, but rank 1 sends it none
     moe_dispatch.wait_ready(ctx, plan, None, [4, 3, 0], 5)
     words[arrived:] = counts
-    moe_dispatch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
+    launch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
     assert int(ctx.err[0]) == 0 and not words[arrived:].any()
     try:
         words[arrived:] = counts - torch.tensor([0, 0, 1], dtype=torch.int32)
-        moe_dispatch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
+        launch.wait_words(ctx, plan, None, arrived, 0b111, 0, counts)
         code = int(ctx.err[0])
         assert moe_combine.wait_name(code - 1, world).startswith("the arrival count of rank 2")
         report = faults.report()

@@ -24,7 +24,7 @@ from ..templates.gemm_ready import gemm_ready_kernel
 from . import driver, faults
 from .context import OpContext, wait_limit, wait_seconds
 from .gemv import decode_mm
-from .kernel_launch import cdiv, current_stream, launch
+from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -52,6 +52,18 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
                faults.site_words(ctx, plan.site), stream=stream)
     else:
         driver.wait_geq(stream, ctx.flag_addr(idx), value)
+
+
+def wait_words(ctx: OpContext, plan: FusedPlan, stream, first: int, mask: int, want: int,
+               wants=None) -> None:
+    """The stream waits until my flag word first + i >= want (wants[i], then taken back off the
+    word) for each bit i of mask, in one launch (flags.wait_words_kernel) rather than one wait
+    per word; bounded as wait_geq's waits are, unbounded where the bound is 0."""
+    if mask:
+        launch(flags.wait_words_kernel, (1,), ctx.flags.words, first, mask, want,
+               ctx.flags.words if wants is None else wants, wait_limit(plan, ctx),
+               faults.site_words(ctx, plan.site),
+               WORDS=next_power_of_2(ctx.world), TAKE=wants is not None, stream=stream)
 
 
 def context_flag(ctx: OpContext, code: int, peer: int = -1) -> str:

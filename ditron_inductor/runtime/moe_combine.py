@@ -37,8 +37,8 @@ from ..scheduler.plan import GroupedMmPlan
 from . import moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import current_stream, next_power_of_2
-from .launch import check_errors, decline
-from .moe_dispatch import Layout, wait_ready, wait_words
+from .launch import check_errors, decline, wait_words
+from .moe_dispatch import Layout, wait_ready
 
 OP = "grouped_mm_all_to_all"
 

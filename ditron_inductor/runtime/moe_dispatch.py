@@ -36,12 +36,11 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
-from ..templates import flags
 from ..templates.grouped_gemm import ERR_ROWS
 from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
-from .kernel_launch import current_stream, launch, next_power_of_2
-from .launch import check_errors, context_flag, decline
+from .kernel_launch import current_stream, next_power_of_2
+from .launch import check_errors, context_flag, decline, wait_words
 
 OP = "all_to_all_grouped_mm"
 ALIGN = 256
@@ -192,18 +191,6 @@ def wait_ready(ctx, plan: GroupedMmPlan, stream, input_split_sizes, epoch: int) 
     """2. The receivers I send rows to have published: READY + q >= epoch for each."""
     mask = sum(1 << q for q, n in enumerate(input_split_sizes) if n and q != ctx.rank)
     wait_words(ctx, plan, stream, ctx.READY, mask, epoch)
-
-
-def wait_words(ctx, plan: GroupedMmPlan, stream, first: int, mask: int, want: int,
-               wants=None) -> None:
-    """The stream waits until my flag word first + i >= want (wants[i], then taken back off the
-    word) for each bit i of mask, in one launch (flags.wait_words_kernel) rather than one wait
-    per word; bounded as launch.wait_geq's waits are, unbounded where the bound is 0."""
-    if mask:
-        launch(flags.wait_words_kernel, (1,), ctx.flags.words, first, mask, want,
-               ctx.flags.words if wants is None else wants, wait_limit(plan, ctx),
-               faults.site_words(ctx, plan.site),
-               WORDS=next_power_of_2(ctx.world), TAKE=wants is not None, stream=stream)
 
 
 def push(ctx, layout: Layout, state: DispatchState, x) -> None:
