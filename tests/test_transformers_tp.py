@@ -96,9 +96,6 @@ def qwen3_ranks(rank: int, world: int) -> dict:
     from ditron_inductor.lowering import graph_pass
 
     warnings.filterwarnings("ignore")
-    # Scalar C++ kernels: the checks are of the graph pass and the numerics, and g++ takes about
-    # half as long on them as on the vectorized ones (the launch's largest cost on 2 cores)
-    torch._inductor.config.cpp.vec_isa_ok = False
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
