@@ -501,6 +501,12 @@ class LeftAloneTest(TestCase):
                                "pattern matmul_all_reduce is disabled",
                                config.Options(patterns=frozenset({"all_gather_matmul"})))
 
+    def test_a_collective_with_no_matmul_names_what_computed_it_not_a_view(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x: all_reduce((x * x).sum(-1).reshape(-1), "sum", g), randn(4, 8))
+            report = rewrite(gm)
+        self.assertEqual([(c.kind, c.reason) for c in report.left], [
+            ("apart", "no matmul beside it (what it sends comes from sum)")])
 
     def test_matmul_between_gather_and_scatter_goes_to_the_first_match(self):
         with fake_group(2) as g:

@@ -184,13 +184,14 @@ LM_HEAD = ("beside", "no ditron op for mm -> all_gather")
 # the experts' all-reduce (moe_tp_experts) follows a grouped GEMM and the weighted sum of the
 # experts' rows, which no ditron op takes yet (issue 57 item 2), nor in backward the all-reduce
 # of the experts' input gradient; the final norm stays with Inductor. Backward also all-reduces
-# the routing weights' gradient (a sum over the hidden dim of the experts' partial outputs, which
-# the forward saved: no matmul in that graph) and fuses q/k/v's and lm_head's input gradients.
+# the routing weights' gradient (the experts' saved partial outputs summed over the hidden dim,
+# put into each token's routing slots by index_put: no matmul in that graph) and fuses q/k/v's
+# and lm_head's input gradients.
 MOE = ("beside", "no ditron op for transformers::grouped_mm_fallback -> mul -> index -> sum -> "
                  "all_reduce")
 MOE_GRAD = ("beside", "no ditron op for transformers::grouped_mm_fallback_backward -> index_put "
                       "-> all_reduce")
-ROUTING_GRAD = ("apart", "no matmul beside it (what it sends comes from reshape)")
+ROUTING_GRAD = ("apart", "no matmul beside it (what it sends comes from index_put)")
 EXPECTED = {
     "inference": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
     "training": [("forward", [AR, AR_NORM], [EMBEDDING, LM_HEAD]), ("backward", [AR] * 6, [])],

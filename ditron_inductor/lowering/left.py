@@ -152,7 +152,15 @@ def no_matmul_served(collective: Node, results: Node, upstream: bool, downstream
             mm = path[-1]
             return Unmatched(collective, f"no ditron op for {coll}{_between(path[:-1])} -> "
                              f"{op_name(mm)} ({mm.name}){detail}")
-    sent = collective.args[0]
-    if not why and isinstance(sent, Node) and sent.op == "call_function":
+    sent = _computed_from(collective.args[0])
+    if not why and sent is not None:
         detail = f" (what it sends comes from {op_name(sent)})"
     return Unmatched(collective, f"no matmul beside it{detail}", beside_matmul=False)
+
+
+def _computed_from(sent: object) -> Optional[Node]:
+    """The op that computed what a collective sends, through the views and copies before it."""
+    while (isinstance(sent, Node) and sent.op == "call_function" and op_name(sent) in _QUIET
+           and sent.all_input_nodes):
+        sent = sent.all_input_nodes[0]
+    return sent if isinstance(sent, Node) and sent.op == "call_function" else None
