@@ -83,6 +83,7 @@ from benchmarks.bench_moe import LAYERS, PLANS, layer_weights  # noqa: E402
 from ditron_inductor.runtime import faults, moe, moe_combine, moe_dispatch  # noqa: E402
 from ditron_inductor.runtime.context import OpContext  # noqa: E402
 from ditron_inductor.runtime.symm import SymmBuffer  # noqa: E402
+from ditron_inductor.scheduler import policy  # noqa: E402
 from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
 from ditron_inductor.transformers_ep import expert_major_order  # noqa: E402
 
@@ -99,8 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worlds", default="2,4,8", help="EP degrees W (one rank of each emulated)")
     p.add_argument("--models", default="mixtral,qwen3,deepseek")
     p.add_argument("--tokens", default="128,512,2048,8192,16384", help="tokens per rank")
-    p.add_argument("--plans", default="default,128x128",
-                   help="fused tiles (bench_moe PLANS labels; 'default': GroupedMmPlan's)")
+    p.add_argument("--plans", default="default,128x256_tma",
+                   help="fused tiles (bench_moe PLANS labels; 'default': the scheduler's plan, "
+                        "its tile by the rows per expert)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -290,6 +292,7 @@ class Layer:
         self.reference()
         self.plans, ranks = {}, {}
         for label, plan in plans.items():
+            plan = plan.for_rows(self.sent, layer.experts)  # as dispatch() and combine() do
             if plan.block_m not in ranks:  # the runtime's contexts: one per size class
                 d = dispatch_rank(self.world, self.sent, layer.hidden, dtype, layer.experts,
                                   plan.block_m, device, timeout_s)
@@ -638,9 +641,11 @@ def plans_of(args) -> dict:
     out = {}
     for label in args.plans.split(","):
         params = TINY_PLAN if label == "tiny" else PLANS[label]
+        # default: as the scheduler plans it, its tile by the rows per expert
+        small = policy.SMALL_EXPERT_ROWS if label == "default" else 0
         out[label] = dataclasses.replace(GroupedMmPlan(), label=label, **params,
                                          wait_timeout_s=args.wait_timeout_s,
-                                         rows=not args.inference)
+                                         rows=not args.inference, small_expert_rows=small)
     return out
 
 

@@ -95,6 +95,11 @@ PLANS = {
                         tma_a=True),
     "128x256_tma_s4": dict(block_m=128, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
                            tma_a=True),
+    # half the rows a tile: less of a tile past an expert's last row where experts get few rows
+    "64x256_tma": dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4, tma_b=True,
+                       tma_a=True),
+    "64x128_tma": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4, tma_b=True,
+                       tma_a=True),
 }
 TINY_PLANS = {"16x32": dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4)}
 STAGES = ("gate+up", "down")

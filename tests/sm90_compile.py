@@ -157,6 +157,12 @@ def variants():
                     b_ptr="tensordesc<bf16[64,128]>" if gather_free.get("B_DESC") else "*bf16"),
                dict(moe_tiles, GATHER=False, WRITE_ROWS=gather_free["WAIT"],
                     ACCUMULATE=gather_free["SCALE"], A_DESC=True) | gather_free, 8)
+    # the small-expert tile (policy.SMALL_EXPERT_TILE): the waiting dispatch GEMM, 4 warps
+    yield (grouped_gemm.grouped_gemm_kernel,
+           dict(moe_args, a_desc="tensordesc<bf16[64,64]>", b_ptr="tensordesc<bf16[64,256]>"),
+           dict(moe_tiles, BLOCK_M=64, BLOCK_N=256, GATHER=False, WRITE_ROWS=True, SCATTER=False,
+                SCALE=False, ACCUMULATE=False, WAIT=True, PROXY_FENCE=True, A_DESC=True,
+                B_DESC=1), 4)
     yield from moe_route_variants()
     yield from decode_variants()
     for limit in ("i32", "i64"):  # a bound in ns past 2^31 (2.1 s) comes as an int64

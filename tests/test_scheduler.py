@@ -400,6 +400,24 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     declining = plan_for(on_cuda, min_rows=4096)
     assert declining.min_rows == 4096 and decode(declining.encode()) == declining
     assert plan_for(combine).min_rows == 0  # no token count declines where a plan is named
+    # the runtime takes the tile by the rows per expert, unless a tile is named
+    assert plan.small_expert_rows == declining.small_expert_rows == 128
+    assert plan_for(on_cuda, block_m=64, warps=4).small_expert_rows == 0
+
+
+@pytest.mark.parametrize("rows, experts, small_expert_rows, block_m", [
+    (128 * 8, 8, 128, 64), (128 * 8 + 1, 8, 128, 128), (16, 128, 128, 64), (16, 128, 0, 128),
+    (64, 0, 128, 128)])
+def test_the_grouped_gemm_takes_64_row_tiles_where_experts_get_few_rows(rows, experts,
+                                                                        small_expert_rows,
+                                                                        block_m):
+    """Up to the plan's rows per local expert the small-expert tile (64 x 256, 4 warps), above
+    them the default 128 x 256; a plan that names its tile (0) keeps it."""
+    from ditron_inductor.scheduler.plan import GroupedMmPlan
+
+    plan = GroupedMmPlan(small_expert_rows=small_expert_rows).for_rows(rows, experts)
+    assert plan.block_m == block_m
+    assert (plan.block_n, plan.warps) == ((256, 4) if block_m == 64 else (256, 8))
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

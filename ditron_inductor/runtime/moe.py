@@ -164,6 +164,7 @@ def all_to_all_grouped_mm_fused(task: Task, plan: GroupedMmPlan, x, output_split
         problem = _experts_problem(x.dtype, x.shape[1], weights, offsets)
         if problem:
             return decline(problem)
+        plan = plan.for_rows(x.shape[0], weights[0].shape[0])
         outputs = moe_dispatch.dispatch(plan, x, output_split_sizes, input_split_sizes,
                                         row_index, weights, offsets, group_name, world_size,
                                         grouped_gemm)
@@ -215,6 +216,7 @@ def grouped_mm_all_to_all_fused(task: Task, plan: GroupedMmPlan, lefts, weights,
         problem = _experts_problem(left.dtype, left.shape[1], weights, offsets)
         if problem:
             return decline(problem)
+        plan = plan.for_rows(sum(output_split_sizes), weight.shape[0])
         out = moe_combine.combine(plan, left, weight, offsets, row_index, accumulate,
                                   output_split_sizes, input_split_sizes, group_name, world_size,
                                   grouped_gemm)

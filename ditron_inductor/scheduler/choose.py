@@ -22,6 +22,8 @@ from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_REDUCE,
 from .ranking import best_label, measured_decision, predicted
 
 KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
+# the grouped GEMM's tile program: a plan that names any of these keeps its tile
+MOE_TILE_KEYS = frozenset({"block_m", "block_n", "block_k", "group_m", "stages", "warps"})
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
                    *MOE_PATTERNS)
@@ -186,8 +188,9 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         merged = {**({} if named else default), **params}
         return from_params(cls, merged, label="" if named else policy.FP8_LABEL).for_world(
             task.world_size)
-    if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, its defaults
-        merged = {**params}
+    if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, by the rows unless named
+        named = bool(params.keys() & MOE_TILE_KEYS)
+        merged = {"small_expert_rows": 0 if named else policy.SMALL_EXPERT_ROWS, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)

@@ -199,6 +199,22 @@ class GroupedMmPlan(FusedPlan):
     # it: output 0 is then a view of the receive buffer, valid until the op's next call, and
     # the later GEMMs read that buffer
     rows: bool = True
+    # on several ranks, where the rank routes at most this many rows per local expert, the
+    # runtime (which knows the rows) runs SMALL_EXPERT_TILE instead (0: never; the scheduler's
+    # policy.SMALL_EXPERT_ROWS where no tile is named)
+    small_expert_rows: int = 0
+
+    def for_rows(self, rows: int, experts: int) -> "GroupedMmPlan":
+        """The plan a call runs for `rows` (token, expert) rows routed over `experts` local
+        experts: alike on every rank, which route as many rows (the fused ops' buffers assume
+        it)."""
+        if experts and rows <= self.small_expert_rows * experts:
+            return dataclasses.replace(self, **SMALL_EXPERT_TILE)
+        return self
+
+
+# half the default's rows a tile: less of an expert's last tile computed past its rows
+SMALL_EXPERT_TILE = dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4)
 
 
 def family(plan: FusedPlan) -> str:
