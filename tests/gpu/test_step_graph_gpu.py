@@ -2,7 +2,7 @@
 inputs, one graph per signature, writes to its inputs reach the caller's tensors, and the
 step itself runs only to warm up and capture. The calls for users: a tiny Llama's generate()
 after compile_decode replays its decode steps and makes Inductor's tokens; compile_step's bare
-decode steps give eager's logits."""
+decode steps give eager's logits (fp32 within 1e-4, bf16 within 2e-2 of the largest logit)."""
 
 import inspect
 
@@ -77,10 +77,10 @@ def test_a_capture_with_autograd_on_is_refused():
         graphed(x)
 
 
-def _llama():
+def _llama(dtype=torch.float32):
     from tests import llama_tp
 
-    model = llama_tp.build_llama(llama_tp.llama_config(), device="cuda").eval()
+    model = llama_tp.build_llama(llama_tp.llama_config(), device="cuda").to(dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: every call makes all its tokens
     return model, llama_tp.tokens(2, 8, model.config.vocab_size, seed=0, device="cuda")
 
@@ -109,11 +109,14 @@ def test_compile_decode_replays_generates_steps_and_makes_inductors_tokens():
     assert got.tolist() == want.tolist()  # fp32: Inductor's tokens, token for token
 
 
+# bf16: the decode GEMM template and cuBLAS sum in different orders; 2e-2 of the largest logit
+# is about five bf16 roundings at that magnitude
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @torch.no_grad()
-def test_compile_step_bare_decode_steps_give_eager_logits():
+def test_compile_step_bare_decode_steps_give_eager_logits(dtype, tolerance):
     from transformers import StaticCache
 
-    model, ids = _llama()
+    model, ids = _llama(dtype)
     # the KV cache's keyword: `cache` from transformers 5.2x, `past_key_values` before
     cache_keyword = ("cache" if "cache" in inspect.signature(type(model).forward).parameters
                      else "past_key_values")
@@ -124,6 +127,7 @@ def test_compile_step_bare_decode_steps_give_eager_logits():
     for i in range(5):  # a warm-up call, the capture, replays
         got = step(input_ids=token, **{cache_keyword: caches[0]}, use_cache=True).logits
         want = model(input_ids=token, **{cache_keyword: caches[1]}, use_cache=True).logits
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+        error = (got.float() - want.float()).abs().max() / want.float().abs().max()
+        assert error <= tolerance, f"step {i}: {error:.2e} of the largest logit"
         token = want[:, -1:].argmax(-1)
     assert len(step.graphs) == 1
