@@ -12,8 +12,10 @@ tables alone; each site that differs is printed with both reasons, whose figures
 predicted ms of fused and NCCL + cuBLAS, and their source) say why. --export merges the
 calibration's world-1 compute and measured AG/RS rows into world1_compute.json and
 measured_plans.json in that directory: its rows replace those of the same key, its runs are
-added to their sources (the link constants stay in link.json, by hand): the shipped tables are
-made this way (bench_compute_parity.py and bench_fused.py time their comparisons only).
+added to their sources; and the link constants it measured on several ranks into link.json
+(`export_link`; the copy engine's and the fused kernels' own constants come from the benchmarks):
+the shipped tables are made this way (bench_compute_parity.py and bench_fused.py time their
+comparisons only).
 
 --compile: what a compile names as its evidence, in one process on one GPU: a fake process group
 of --tp ranks (its collectives move nothing) lets transformers' LlamaForCausalLM (--layers of
@@ -74,6 +76,39 @@ def export(directory: str) -> None:
         merged = calibrate.merge({table: old}, {table: data[table]})[table]
         calibrate._write(path, {"what": old.get("what", "written from a calibration"), **merged})
         print(f"{path}: {len(merged['rows'])} rows, {len(merged['sources'])} sources")
+    export_link(data, pathlib.Path(directory) / "link.json")
+
+
+def export_link(data: dict, path: pathlib.Path) -> None:
+    """The link constants the calibration measured on several ranks (NCCL's bandwidths and
+    latency, with its world-1 GEMM rate) into link.json's calibration of that world size: one
+    there is updated (the constants it did not measure keep their values, the earlier provenance
+    is kept), else one is added over the nearest world size's. The constants no calibration
+    measures (the copy engine's, the fused kernels' own) stay as the benchmarks gave them."""
+    worlds = sorted((int(w), c) for w, c in data.get("link", {}).items() if w != "1")
+    if not worlds:
+        print(f"{path}: unchanged (no link constants measured on several ranks)")
+        return
+    link = json.loads(path.read_text()) if path.exists() else {"calibrations": []}
+    entries = {e["world"]: e for e in link["calibrations"]}
+    rate = data["link"].get("1", {})
+    for world, measured in worlds:
+        source = next(s for s in reversed(data["sources"]) if s["world"] == world)
+        constants = {k: round(v, 4) for k, v in {**rate, **measured}.items()}
+        provenance = {k: source[k] for k in ("machine", "date", "command")}
+        entry = entries.get(world)
+        if entry is None:
+            base = min(entries, key=lambda w: (abs(w - world), -w), default=None)
+            entry = entries[world] = dict(world=world, provenance=provenance,
+                                          constants=constants, **({} if base is None else
+                                                                  dict(base=base)))
+            link["calibrations"].append(entry)
+        else:
+            earlier = entry.pop("earlier", []) + [entry["provenance"]]
+            entry.update(provenance=provenance, earlier=earlier,
+                         constants={**entry["constants"], **constants})
+        print(f"{path}: {sorted(constants)} at {world} ranks")
+    calibrate._write(path, link)
 
 
 def compile_check(tp: int, layers: int) -> int:

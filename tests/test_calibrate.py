@@ -192,6 +192,39 @@ def test_a_later_run_replaces_its_rows_and_keeps_the_others(tmp_path):
     assert '["all_gather_matmul", "cublas", "eager", 64, 64, 64.0, 1.0, 1.0]' in text
 
 
+def test_the_link_constants_measured_on_several_ranks_go_into_link_json(tmp_path, monkeypatch):
+    """calibration_check --export: a world size link.json has takes the measured constants over
+    its own, the earlier provenance kept; one it lacks is added over the nearest's; the world-1
+    GEMM rate goes with them; a world-1 run leaves the file as it is."""
+    from benchmarks import calibration_check
+
+    path = tmp_path / "link.json"
+    path.write_text(evidence.LINK.read_text())
+    shipped = evidence.link_calibrations()
+
+    def run(link, *worlds):
+        return dict(link=link, sources=[dict(machine="GPU", date=f"day {w}", command=f"run {w}",
+                                             world=w) for w in worlds])
+    calibration_check.export_link(run({"1": {"cublas_tflops": 500.0}}, 1), path)
+    assert json.loads(path.read_text()) == json.loads(evidence.LINK.read_text())
+    calibration_check.export_link(run({"1": {"cublas_tflops": 500.0},
+                                       "2": {"nccl_ag_gbps": 100.0}, "4": {"nccl_rs_gbps": 200.0}},
+                                      1, 2, 4), path)
+    monkeypatch.setattr(evidence, "LINK", path)
+    evidence.clear_caches()
+    try:
+        got = evidence.link_calibrations()
+        assert got[4] == {**shipped[4], "cublas_tflops": 500.0, "nccl_rs_gbps": 200.0}
+        assert got[2] == {**got[4], "nccl_ag_gbps": 100.0}  # over the nearest, 4
+        assert got[8] == shipped[8]
+        entries = {e["world"]: e for e in json.loads(path.read_text())["calibrations"]}
+        assert entries[4]["provenance"] == dict(machine="GPU", date="day 4", command="run 4")
+        assert entries[4]["earlier"][0]["date"] == "2026-11-21" and entries[2]["base"] == 4
+    finally:
+        monkeypatch.undo()
+        evidence.clear_caches()
+
+
 def _calibration(measured=(), world1=(), link=None) -> None:
     """This machine's calibration file with these rows."""
     source = dict(machine="cpu", date="today", command="test")
