@@ -4,7 +4,7 @@ rows, every row to one expert, row counts no multiple of the tile, top-1 and top
 combine's scatter with and without accumulation, the routing weight in the epilogue, the
 dispatch's push and its GEMM waiting on arrival counters, and the multi-rank runtimes' own steps
 (runtime/moe_dispatch.py, runtime/moe_combine.py) on 2 and 3 emulated ranks over consecutive
-calls.
+calls, and the tile each multi-rank op runs for the rows it routes.
 
 fp16 only: the interpreter computes tl.dot on bf16 operands wrongly (test_kernels_interpreter.py);
 bf16 is checked on the GPU (tests/gpu/test_moe_gpu.py). Outputs start as NaN, so a row never
@@ -689,3 +689,27 @@ def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplo
         # counted by reason, once (what benchmarks/e2e_moe.py reports beside the fused calls)
         (why,) = launch.declined - declined
         assert reason in why and (launch.declined - declined)[why] == 1
+
+
+def test_multi_rank_ops_take_the_small_expert_tile_where_experts_get_few_rows(monkeypatch):
+    """The plan the multi-rank dispatch and combine run: the 64-row tile where the rank routes at
+    most small_expert_rows rows per local expert (6 rows over 2 experts here), the plan's own
+    tile where it routes more or the plan names its tile (0)."""
+    from ditron_inductor.runtime import moe_combine, moe_dispatch
+
+    ran = []
+    monkeypatch.setattr(moe_dispatch, "dispatch", lambda plan, *a: ran.append(plan.block_m))
+    monkeypatch.setattr(moe_combine, "combine", lambda plan, *a: ran.append(plan.block_m))
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(6, 16, generator=gen).to(F16)
+    w = weights(2, 16, 16, gen)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    for rows_per_expert, want in ((3, 64), (2, 16), (0, 16)):
+        plan = dataclasses.replace(PLAN, small_expert_rows=rows_per_expert)
+        dispatch = (x, [3, 3], [3, 3], torch.arange(6), [w], offsets, "0", 2)
+        moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *dispatch), plan,
+                                        *dispatch)
+        combine = ([x], [w], offsets, torch.arange(6), False, [3, 3], [3, 3], "0", 2)
+        moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *combine), plan, *combine)
+        assert ran == [want, want], rows_per_expert
+        ran.clear()
