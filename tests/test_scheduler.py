@@ -415,8 +415,9 @@ def test_the_grouped_gemm_takes_64_row_tiles_where_experts_get_few_rows(rows, ex
     them the default 128 x 256; a plan that names its tile (0) keeps it."""
     from ditron_inductor.scheduler.plan import GroupedMmPlan
 
-    plan = GroupedMmPlan(small_expert_rows=small_expert_rows).for_rows(rows, experts)
-    assert plan.block_m == block_m
+    plan = GroupedMmPlan(small_expert_rows=small_expert_rows, site="layers.0").for_rows(rows,
+                                                                                       experts)
+    assert plan.block_m == block_m and plan.site == "layers.0"
     assert (plan.block_n, plan.warps) == ((256, 4) if block_m == 64 else (256, 8))
 
 

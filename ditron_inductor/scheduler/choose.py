@@ -15,15 +15,13 @@ from typing import Optional
 from . import calibration, evidence, link_model, policy
 from .candidates import candidate_plan, candidates_for
 from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
-from .plan import ReduceScatterPlan, family, from_params
+from .plan import TILE_PARAMS, ReduceScatterPlan, family, from_params
 from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, MOE_PATTERNS,
                    SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
 from .ranking import best_label, measured_decision, predicted
 
 KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
-# the grouped GEMM's tile program: a plan that names any of these keeps its tile
-MOE_TILE_KEYS = frozenset({"block_m", "block_n", "block_k", "group_m", "stages", "warps"})
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
                    MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
                    *MOE_PATTERNS)
@@ -189,7 +187,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(cls, merged, label="" if named else policy.FP8_LABEL).for_world(
             task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, by the rows unless named
-        named = bool(params.keys() & MOE_TILE_KEYS)
+        named = bool(params.keys() & set(TILE_PARAMS))  # a named tile is kept
         merged = {"small_expert_rows": 0 if named else policy.SMALL_EXPERT_ROWS, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):

@@ -209,12 +209,19 @@ class GroupedMmPlan(FusedPlan):
         experts: alike on every rank, which route as many rows (the fused ops' buffers assume
         it)."""
         if experts and rows <= self.small_expert_rows * experts:
-            return dataclasses.replace(self, **SMALL_EXPERT_TILE)
+            return _small_expert_plan(self, self.site, self.predicted_ms)
         return self
 
 
 # half the default's rows a tile: less of an expert's last tile computed past its rows
 SMALL_EXPERT_TILE = dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _small_expert_plan(plan: GroupedMmPlan, site: str, predicted_ms: tuple) -> GroupedMmPlan:
+    """Once per plan, not per call (a hot path); site and predicted_ms are in the key because
+    plan equality leaves them out."""
+    return dataclasses.replace(plan, **SMALL_EXPERT_TILE)
 
 
 def family(plan: FusedPlan) -> str:
@@ -247,8 +254,9 @@ def default_groups(world: int) -> tuple[int, ...]:
 
 # Parameter names (as the candidate tables and the benchmarks write them) of the GEMM tile, by
 # family: the all-reduce's own block/warps are the push kernel's, its GEMM's are gemm_*.
+TILE_PARAMS = tuple(f.name for f in dataclasses.fields(GemmTile))
 _TILE_KEYS = {
-    AllGatherPlan: {k: k for k in ("block_m", "block_n", "block_k", "group_m", "stages", "warps")},
+    AllGatherPlan: {k: k for k in TILE_PARAMS},
     AllReducePlan: {"gemm_block_n": "block_n", "gemm_stages": "stages", "gemm_warps": "warps"},
 }
 
