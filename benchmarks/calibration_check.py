@@ -89,7 +89,7 @@ def export_link(data: dict, path: pathlib.Path) -> None:
     if not worlds:
         print(f"{path}: unchanged (no link constants measured on several ranks)")
         return
-    link = json.loads(path.read_text()) if path.exists() else {"calibrations": []}
+    link = json.loads(path.read_text())
     entries = {e["world"]: e for e in link["calibrations"]}
     rate = data["link"].get("1", {})
     for world, measured in worlds:
@@ -98,10 +98,9 @@ def export_link(data: dict, path: pathlib.Path) -> None:
         provenance = {k: source[k] for k in ("machine", "date", "command")}
         entry = entries.get(world)
         if entry is None:
-            base = min(entries, key=lambda w: (abs(w - world), -w), default=None)
-            entry = entries[world] = dict(world=world, provenance=provenance,
-                                          constants=constants, **({} if base is None else
-                                                                  dict(base=base)))
+            base = min(entries, key=lambda w: (abs(w - world), -w))
+            entry = entries[world] = dict(world=world, base=base, provenance=provenance,
+                                          constants=constants)
             link["calibrations"].append(entry)
         else:
             earlier = entry.pop("earlier", []) + [entry["provenance"]]
