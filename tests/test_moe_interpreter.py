@@ -713,3 +713,37 @@ def test_multi_rank_ops_take_the_small_expert_tile_where_experts_get_few_rows(mo
         moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *combine), plan, *combine)
         assert ran == [want, want], rows_per_expert
         ran.clear()
+
+
+def test_multi_rank_ops_compare_the_ranks_shapes_before_any_protocol_step(monkeypatch):
+    """The multi-rank dispatch and combine hand faults.check_shapes what must agree on every
+    rank (the dispatch: x's rows, width and dtype and the local experts; the combine: the rows
+    it gets back, their width and dtype) before they make or touch a context."""
+    from ditron_inductor.runtime import moe_combine, moe_dispatch
+
+    checked = []
+
+    def check_shapes(op, group_name, shapes, bound_s):
+        checked.append((op, group_name, shapes, bound_s))
+        raise faults.ShapesDiffer("stop")
+
+    def no_protocol(*args, **kwargs):
+        raise AssertionError("a protocol step before the shape check")
+
+    for module in (moe_dispatch, moe_combine):
+        monkeypatch.setattr(module, "problem", lambda *args: "")  # past the CPU decline
+        monkeypatch.setattr(module, "get_context", no_protocol)
+    monkeypatch.setattr(faults, "check_shapes", check_shapes)
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(6, 16, generator=gen).to(F16)
+    w = weights(2, 16, 24, gen)
+    offsets = torch.tensor([2, 5], dtype=torch.int32)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=3.0)
+    with pytest.raises(faults.ShapesDiffer):
+        moe_dispatch.dispatch(plan, x, [2, 3], [6, 0], torch.arange(5), [w], offsets, "0", 2,
+                              moe.grouped_gemm)
+    with pytest.raises(faults.ShapesDiffer):
+        moe_combine.combine(plan, x, w, offsets, torch.arange(6), False, [4, 2], [6, 0], "0", 2,
+                            moe.grouped_gemm)
+    assert checked == [("all_to_all_grouped_mm", "0", (6, 16, "torch.float16", 2), 3.0),
+                       ("grouped_mm_all_to_all", "0", (6, 24, "torch.float16"), 3.0)]

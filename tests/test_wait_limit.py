@@ -9,7 +9,7 @@ the bounded stream wait (launch.wait_geq's kernel, under the interpreter) and la
 as the fused calls run them: a peer that never enters the op, one that raises before it, one later
 than the bound. Each ends, on every rank, in WaitTimeout naming the op, its layers, the flag, the
 peer and the epochs; a rank whose host is then blocked is ended by the watcher thread with its
-exit code."""
+exit code. Inputs whose shapes differ between the ranks end in ShapesDiffer on every rank."""
 
 from __future__ import annotations
 
@@ -153,6 +153,62 @@ def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
         assert "(it saw epoch 1, expected 2)" in faulty
 
 
+SHAPE_CASES = ("same", "differ", "late")
+
+
+def shape_ranks(rank, world, marker_dir):
+    """faults.check_shapes on both ranks, per case: equal shapes (agreed once, then no second
+    round), rank 1's one row more, rank 1 coming after rank 0 gave up. The outcome and seconds
+    on each."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    outcomes = {}
+    for case in SHAPE_CASES:
+        dist.barrier()
+        shapes = (8 + (rank if case == "differ" else 0), 4, "torch.float16")
+        marker = os.path.join(marker_dir, case)
+        start = time.monotonic()
+        try:
+            if rank == 1 and case == "late":
+                while not os.path.exists(marker) and time.monotonic() < start + 60:
+                    time.sleep(0.01)
+            faults.check_shapes(f"op_{case}", group, shapes, 2.0)
+            rounds = dict(faults._shape_checks)
+            faults.check_shapes(f"op_{case}", group, shapes, 2.0)
+            outcome = "agreed" if faults._shape_checks == rounds else "a second round"
+        except faults.ShapesDiffer as e:
+            outcome = str(e)
+        outcomes[case] = (outcome, time.monotonic() - start)
+        if rank == 0:
+            open(marker, "w").close()
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def shape_outcomes(tmp_path_factory):
+    return run_ranks("tests.test_wait_limit:shape_ranks", 2,
+                     args=(str(tmp_path_factory.mktemp("markers")),), timeout_s=120)
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_ranks_whose_shapes_differ_all_raise_before_the_protocol(shape_outcomes, case):
+    for rank in range(2):
+        text, seconds = shape_outcomes[rank][case]
+        if case == "same":
+            assert text == "agreed"
+        elif case == "differ":
+            assert text.startswith(f"ditron: op_differ on rank {rank} of 2: the ranks' inputs "
+                                   "differ (rank 0: (8, 4, 'torch.float16'); rank 1: (9, 4, "
+                                   "'torch.float16'))"), text
+            assert seconds < 10
+        else:  # rank 0 gives up at the bound; rank 1, later, reads that verdict
+            assert text == (f"ditron: op_late on rank {rank} of 2: rank(s) 1 did not come to "
+                            "the op within 2.0 s (it crashed, raised or took another branch "
+                            "before it, or is later than the bound)"), text
+            assert (seconds >= 2.0 or rank == 1) and seconds < 20
+
+
 WATCHED = f"""
 import time
 from tests.test_wait_limit import _interpreted_launches, _rank_context, BOUND_S
@@ -201,6 +257,7 @@ def test_the_pass_names_the_layers_in_the_fused_plan(monkeypatch):
 
     # CPU tensors take the reference plan, which has no waits: decide as on CUDA (the op still
     # runs its reference on CPU)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the pass must run
     monkeypatch.setattr(graph_pass, "_decide", lambda match, task, rewritten, options: Decision(
         True, "fused for the test", AllReducePlan() if "reduce" in task.op else AllGatherPlan()))
     texts = []

@@ -106,6 +106,8 @@ def all_gather_matmul_fused(task: Task, plan: AllGatherPlan, a_shard, weights, b
         return decline("empty input")
     rows = a_shard.numel() // k
     shard_bytes = rows * k * a_shard.element_size()
+    faults.check_shapes("all_gather_matmul", group_name, (rows, k, str(a_shard.dtype)),
+                        plan.wait_timeout_s)
     ctx = get_context("all_gather_matmul", group_name, plan.symm_mem_backend, 2 * shard_bytes)
     W, r = ctx.world, ctx.rank
     e = ctx.next_epoch()

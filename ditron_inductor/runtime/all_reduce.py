@@ -106,6 +106,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     if why:
         return decline(why)
     dtype = a.dtype
+    faults.check_shapes(task.op, task.group_name, (m, n, str(dtype)), plan.wait_timeout_s)
     algo = plan.algo
     if algo == COPY_ENGINE:
         out = _copy_engine(task, plan, a, b, bias, residual, norm_weight, eps, weight_in_fp32,

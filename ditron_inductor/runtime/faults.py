@@ -56,6 +56,55 @@ class WaitTimeout(RuntimeError):
     """A bounded flag wait of a fused kernel gave up: a peer never signalled."""
 
 
+class ShapesDiffer(RuntimeError):
+    """The ranks of a group called a fused op with inputs of different shapes, or some did not
+    come to it within the bound."""
+
+
+# (op, group, shapes) the group's ranks agreed on; per (op, group) the checks made so far
+_agreed_shapes: set = set()
+_shape_checks: dict[tuple[str, str], int] = {}
+
+
+def check_shapes(op: str, group_name: str, shapes: tuple, bound_s) -> None:
+    """Before an op's protocol: the first time this process calls `op` on the group with these
+    `shapes` (what must agree on every rank: the inputs' sizes and dtype), the group's ranks
+    compare them through the default store (scheduler/calibration.agree: one round trip per
+    rank, once per shape; none at world size 1). Where they differ, or a rank does not come
+    within bound_s (the plan's bound, else the group's timeout), every rank raises
+    ShapesDiffer naming each rank's shapes, before any protocol step: inputs that differ
+    within one buffer size class would otherwise give wrong numbers without an error."""
+    key = (op, group_name, shapes)
+    if key in _agreed_shapes:
+        return
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+
+    from ..scheduler.calibration import agree
+
+    if not dist.is_initialized():  # ranks emulated in one process (the tests): no group
+        return
+    group = _resolve_process_group(group_name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world > 1:
+        bound_s = bound_s or group_timeout_s(group)
+        n = _shape_checks.get(key[:2], 0)
+        _shape_checks[key[:2]] = n + 1
+        store = dist.PrefixStore(f"ditron/shapes/{group_name}/{op}/{n}", _get_default_store())
+        verdict = agree(store, rank, world, repr(shapes), bound_s)
+        if verdict == "differ":
+            seen = "; ".join(f"rank {q}: {store.get(str(q)).decode()}" for q in range(world))
+            raise ShapesDiffer(f"ditron: {op} on rank {rank} of {world}: the ranks' inputs "
+                               f"differ ({seen}); every rank of the group must call a fused "
+                               "collective with the same shapes")
+        if verdict != "same":
+            raise ShapesDiffer(f"ditron: {op} on rank {rank} of {world}: rank(s) "
+                               f"{verdict.removeprefix('late ')} did not come to the op within "
+                               f"{bound_s} s (it crashed, raised or took another branch before "
+                               "it, or is later than the bound)")
+    _agreed_shapes.add(key)
+
+
 def group_timeout_s(group) -> float:
     """The process group's timeout in seconds (its backend's option), else DEFAULT_TIMEOUT_S."""
     for device_type in ("cuda", "cpu"):

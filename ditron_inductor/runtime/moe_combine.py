@@ -19,11 +19,12 @@ Reuse with no barrier, as the dispatch's: r's table, buffer and ARRIVED of call 
 by r in stream order or by senders after READY + r >= e + 1, which follows r's call-e collect
 (every row landed, so every sender had read r's table). ARRIVED is set back rather than grown
 (counting a sender's every row, an int32 would wrap after 2^31 / rows calls); no row counts
-before r's next READY, which follows the wait that sets it back. Not checked on the host (each
-would need a synchronisation or a collective): every rank receives as many rows (the size class
-comes from them); row_index is a permutation (a repeated entry writes one row twice and another
-never, which the counts miss; accumulate, where the reference sums such rows, declines); what q
-receives from r is what r sends.
+before r's next READY, which follows the wait that sets it back. Every rank receives as many
+rows (the size class comes from them): faults.check_shapes compares them once per shape. Not
+checked on the host (each would need a synchronisation or a collective): row_index is a
+permutation (a repeated entry writes one row twice and another never, which the counts miss;
+accumulate, where the reference sums such rows, declines); what q receives from r is what r
+sends.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import weakref
 import torch
 
 from ..scheduler.plan import GroupedMmPlan
-from . import moe_routes
+from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_words
@@ -107,6 +108,7 @@ def combine(plan: GroupedMmPlan, left, weight, offsets, row_index, accumulate: b
     if why:
         return decline(f"{OP} on {world_size} ranks: {why}")
     rows, n = left.shape[0], weight.shape[-1]
+    faults.check_shapes(OP, group_name, (received, n, str(left.dtype)), plan.wait_timeout_s)
     if (sum(input_split_sizes) != rows or len(input_split_sizes) != world_size
             or len(output_split_sizes) != world_size):
         raise ValueError(f"{OP}: splits {input_split_sizes}/{output_split_sizes} for {rows} "

@@ -19,10 +19,10 @@ GEMM (by r in stream order, by senders after READY + r >= e + 1), which waited f
 call e, so every sender to r (which reads before it pushes) had read r's call-e table. Counters
 only grow, each call expecting its rows on top of the last's (int32: they wrap after 2^31 rows
 through one tile, not handled).
-Not checked on the host (each would need a synchronisation or a collective): x has as many rows
-on every rank (the size class, which must agree, comes from world * x's rows); row_index is a
-permutation (a repeated entry leaves a tile short, its wait endless: a bounded wait,
-plan.wait_timeout_s, reports it); offsets[-1] = the received rows (rows past it, in no waiting
+x has as many rows on every rank (the size class comes from world * x's rows):
+faults.check_shapes compares them once per shape. Not checked on the host (each would need a
+synchronisation or a collective): row_index is a permutation (a repeated entry leaves a tile
+short, its wait endless: a bounded wait, plan.wait_timeout_s, reports it); offsets[-1] = the received rows (rows past it, in no waiting
 tile, could be copied to the rows output before they land). What differs between ranks raises
 rather than declines: a decline would leave one rank in the reference's all-to-all, the others
 waiting on it.
@@ -135,6 +135,9 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     why = problem(plan, x, row_index, weights)
     if why:
         return decline(f"{OP} on {world_size} ranks: {why}")
+    k, experts = x.shape[1], weights[0].shape[0]
+    faults.check_shapes(OP, group_name, (x.shape[0], k, str(x.dtype), experts),
+                        plan.wait_timeout_s)
     received = sum(output_split_sizes)
     if (sum(input_split_sizes) != x.shape[0] or len(input_split_sizes) != world_size
             or len(output_split_sizes) != world_size):
@@ -143,7 +146,6 @@ def dispatch(plan: GroupedMmPlan, x, output_split_sizes, input_split_sizes, row_
     if row_index is not None and row_index.shape[0] != received:
         raise ValueError(f"{OP}: a row index of {row_index.shape[0]} entries for {received} "
                          "received rows (the fused dispatch needs a permutation)")
-    k, experts = x.shape[1], weights[0].shape[0]
     capacity = max(64, next_power_of_2(world_size * x.shape[0]))
     if received > capacity:
         raise ValueError(f"{OP}: {received} rows received, more than {world_size} ranks' "

@@ -24,7 +24,7 @@ import torch
 from ..scheduler.plan import TRITON, ReduceScatterPlan
 from ..scheduler.task import Task
 from ..templates.reduce import reduce_slots_kernel
-from . import driver
+from . import driver, faults
 from .context import get_context
 from .kernel_launch import cdiv, current_stream, launch
 from .launch import MatmulSum, check_errors, decline, matmul_into, wait_geq
@@ -90,6 +90,8 @@ def _reduce_scatter(task: Task, plan: ReduceScatterPlan, a, b, bias, out_shape, 
         return decline("CUDA graph capture (epochs are host values)")
     rows = M // W
     chunk_bytes = rows * N * dtype.itemsize
+    faults.check_shapes("matmul_reduce_scatter", group_name, (M, N, str(dtype)),
+                        plan.wait_timeout_s)
     ctx = get_context("matmul_reduce_scatter", group_name, plan.symm_mem_backend, W * chunk_bytes)
     r = ctx.rank
     e = ctx.next_epoch()
