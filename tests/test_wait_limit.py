@@ -153,6 +153,32 @@ def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
         assert "(it saw epoch 1, expected 2)" in faulty
 
 
+def test_a_site_first_called_under_capture_has_error_words_of_its_own(monkeypatch):
+    """Sites take their error words from words made ahead (faults.SPARE_WORDS per device, in
+    one copy, topped up outside captures), so a site whose first call is captured into a CUDA
+    graph (no copy to the device there) still has its own and the error names it; only a
+    capture that finds none left falls back to the context's words."""
+    monkeypatch.setattr(faults, "_spare", {})
+    fault_id, err = faults.error_words("cpu")
+    ctx = SimpleNamespace(fault_id=fault_id, err=err, rank=0, world=2)
+    eager = faults.site_words(ctx, "layers.0.eager")
+    monkeypatch.setattr(faults, "_capturing", lambda device: True)
+    captured = faults.site_words(ctx, "layers.1.captured")
+    assert captured.data_ptr() not in (eager.data_ptr(), err.data_ptr())
+    assert faults.site_words(ctx, "layers.1.captured") is captured
+    faults.note(ctx, "matmul_all_reduce", 1.0, lambda code, peer: "READY", "layers.1.captured")
+    report = faults.report()
+    try:
+        report[flags.REPORT_ID] = int(captured[flags.ERR_ID])
+        report[flags.REPORT_CODE] = 1
+        assert faults.message().startswith("ditron: matmul_all_reduce at layers.1.captured on "
+                                           "rank 0 of 2: a wait on READY gave up")
+    finally:
+        report.zero_()
+    faults._spare["cpu"].clear()
+    assert faults.site_words(ctx, "layers.2.none_left") is err
+
+
 SHAPE_CASES = ("same", "differ", "late")
 
 

@@ -126,29 +126,43 @@ def report() -> torch.Tensor:
     return _report
 
 
-def error_words(device) -> tuple[int, torch.Tensor]:
+def error_words(device, count: int = 1):
     """New error words (a context's or a call site's) and their id: no code, the id, the
-    report's address."""
-    words_id = _next_id[0]
-    _next_id[0] += 1
-    words = torch.zeros(flags.ERR_WORDS, dtype=torch.int32)
-    words[flags.ERR_ID] = words_id
-    words.view(torch.int64)[1] = report().data_ptr()
-    return words_id, words.to(device)
+    report's address; with count > 1 a list of `count` (id, words), made in one copy."""
+    first = _next_id[0]
+    _next_id[0] += count
+    words = torch.zeros(count, flags.ERR_WORDS, dtype=torch.int32)
+    words[:, flags.ERR_ID] = torch.arange(first, first + count, dtype=torch.int32)
+    words.view(torch.int64)[:, 1] = report().data_ptr()
+    words = words.to(device)
+    made = [(first + i, words[i]) for i in range(count)]
+    return made[0] if count == 1 else made
+
+
+SPARE_WORDS = 64  # error words made ahead per device, for the sites a CUDA graph captures first
+_spare: dict[str, list] = {}
 
 
 def site_words(ctx, site: str) -> torch.Tensor:
-    """The error words the waits of a call at `site` claim: the site's own, made at its first
-    call; the context's where the call names no site, or where that first call is captured into
-    a CUDA graph (which may not copy to the device)."""
+    """The error words the waits of a call at `site` claim: the site's own, taken at its first
+    call from words made ahead (a first call captured into a CUDA graph may not copy to the
+    device); the context's where the call names no site, or where a capture finds none left."""
     if not site:
         return ctx.err
     key = (ctx.fault_id, site)
     if key not in _site_words:
-        if ctx.err.is_cuda and torch.cuda.is_current_stream_capturing():
+        device = ctx.err.device
+        spare = _spare.setdefault(str(device), [])
+        if len(spare) < SPARE_WORDS // 2 and not _capturing(device):  # topped up outside one
+            spare += error_words(device, SPARE_WORDS)
+        if not spare:
             return ctx.err
-        _site_words[key] = error_words(ctx.err.device)
+        _site_words[key] = spare.pop()
     return _site_words[key][1]
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def note(ctx, op: str, bound_s: float, flag_name: Optional[Callable] = None,
