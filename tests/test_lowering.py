@@ -508,6 +508,20 @@ class LeftAloneTest(TestCase):
         self.assertEqual([(c.kind, c.reason) for c in report.left], [
             ("apart", "no matmul beside it (what it sends comes from sum)")])
 
+    def test_the_experts_weighted_sum_before_a_collective_keeps_it_beside_their_matmul(self):
+        # the EP combine's forward: masked rows, weighted, put in token order and summed over
+        # the top-k, then exchanged: four computing nodes and a view from the experts' GEMM
+        def fn(x, w, keep, weight, order):
+            y = torch.where(keep, x @ w, 0.0) * weight
+            return all_reduce(y[order].reshape(-1, 2, 8).sum(1), "sum", g)
+
+        with fake_group(2) as g:
+            gm = trace(fn, randn(8, 8), randn(8, 8), torch.ones(8, 1, dtype=torch.bool),
+                       randn(8, 1), torch.arange(8))
+            report = rewrite(gm)
+        self.assertEqual([(c.kind, c.reason) for c in report.left], [
+            ("beside", "no ditron op for mm -> where -> mul -> index -> sum -> all_reduce (mm)")])
+
     def test_matmul_between_gather_and_scatter_goes_to_the_first_match(self):
         with fake_group(2) as g:
             gm = trace(lambda x, w: reduce_scatter(all_gather(x, 0, g) @ w, "sum", 0, g),

@@ -19,8 +19,9 @@ from .nodes import fake
 
 c10d = torch.ops._c10d_functional
 
-# How far from a collective a matmul still counts as beside it: the views, a dtype conversion and
-# a weighted sum of the experts' rows that the TP plans put between them fit in this many nodes.
+# How far from a collective a matmul still counts as beside it, in nodes that compute (views,
+# waits and copies are free): the weighted sum of the experts' rows that the TP plans and the EP
+# combine put between them (mask, weight, rows in token order, sum) fits in this many.
 _HOPS = 4
 
 # The namespaces of the ops a post-grad graph holds of itself: named without theirs
@@ -92,19 +93,20 @@ _QUIET = ("view", "reshape", "_unsafe_view", "wait_tensor", "getitem", "permute"
           "slice", "convert_element_type")
 # What may lie between a collective and the matmul that takes its result: rows moved, not
 # computed on (a norm between an all-reduce and the next layer's matmul makes it no neighbour)
-_MOVES = _QUIET + ("index", "index_select", "gather")
+_MOVES = _QUIET + ("index", "index_select", "gather", "index_put")
 
 
 def _nearest_matmul(start: Node, upstream: bool) -> Optional[list[Node]]:
-    """The path from `start` (first) to the nearest matmul within _HOPS nodes (last), or None:
-    upstream through any node's inputs (the weighted sum of the experts' rows before an
-    all-reduce), downstream through the users that move rows. Collectives end a path."""
+    """The path from `start` (first) to the nearest matmul past at most _HOPS computing nodes
+    (last), or None: upstream through any node's inputs (the weighted sum of the experts' rows
+    before an all-reduce), downstream through the users that move rows. Collectives end a
+    path."""
     if is_matmul_like(start):
         return [start]
-    frontier, seen = [[start]], {start}
-    for _ in range(_HOPS):
+    frontier, seen = [([start], _cost(start))], {start}
+    while frontier:
         later = []
-        for path in frontier:
+        for path, cost in frontier:
             nxt = path[-1].all_input_nodes if upstream else list(path[-1].users)
             for n in nxt:
                 if n in seen or n.op != "call_function" or is_collective(n):
@@ -112,10 +114,14 @@ def _nearest_matmul(start: Node, upstream: bool) -> Optional[list[Node]]:
                 seen.add(n)
                 if is_matmul_like(n):
                     return path + [n]
-                if upstream or op_name(n) in _MOVES:
-                    later.append(path + [n])
+                if (upstream or op_name(n) in _MOVES) and cost + _cost(n) <= _HOPS:
+                    later.append((path + [n], cost + _cost(n)))
         frontier = later
     return None
+
+
+def _cost(node: Node) -> int:
+    return int(op_name(node) not in _QUIET)
 
 
 def _between(nodes: list[Node]) -> str:
