@@ -641,11 +641,15 @@ def plans_of(args) -> dict:
     out = {}
     for label in args.plans.split(","):
         params = TINY_PLAN if label == "tiny" else PLANS[label]
-        # default: as the scheduler plans it, its tile by the rows per expert
-        small = policy.SMALL_EXPERT_ROWS if label == "default" else 0
-        out[label] = dataclasses.replace(GroupedMmPlan(), label=label, **params,
+        # a label that names no tile: as the scheduler plans it, its tile and its dispatch's
+        # GEMM engine by the rows per expert
+        rules = ({} if "block_m" in params else dict(
+            small_expert_rows=policy.SMALL_EXPERT_ROWS,
+            library_rows=policy.LIBRARY_DISPATCH_ROWS))
+        out[label] = dataclasses.replace(GroupedMmPlan(), label=label,
+                                         **{**rules, **params},
                                          wait_timeout_s=args.wait_timeout_s,
-                                         rows=not args.inference, small_expert_rows=small)
+                                         rows=not args.inference)
     return out
 
 

@@ -90,6 +90,10 @@ PLANS = {
                           tma_b=True),
     # GroupedMmPlan's defaults
     "default": {},
+    # on several ranks: the dispatch's GEMMs always in Triton tiles that wait for their rows,
+    # or always in torch._grouped_mm once every row landed
+    "triton_dispatch": dict(library_rows=0),
+    "torch_dispatch": dict(dispatch_gemm="torch"),
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
                         tma_a=True),
@@ -100,6 +104,10 @@ PLANS = {
                        tma_a=True),
     "64x128_tma": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4, tma_b=True,
                        tma_a=True),
+    "64x256_tma_w8": dict(block_m=64, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,
+                          tma_a=True),
+    "128x128_tma_s4": dict(block_m=128, block_n=128, block_k=64, stages=4, warps=8, tma_b=True,
+                           tma_a=True),
 }
 TINY_PLANS = {"16x32": dict(block_m=16, block_n=32, block_k=32, stages=2, warps=4)}
 STAGES = ("gate+up", "down")

@@ -173,6 +173,10 @@ def variants():
             yield (flags.wait_words_kernel,
                    dict(flag_ptr="*i32", first="i32", mask="i32", want="i32", wants_ptr="*i32",
                         limit=limit, err_ptr="*i32"), dict(WORDS=8, TAKE=take), 1)
+        # the dispatch's wait for every tile before its library GEMMs
+        yield (grouped_gemm.wait_tiles_kernel,
+               dict(count_ptr="*i32", expect_ptr="*i32", tiles="i32", limit=limit,
+                    err_ptr="*i32"), dict(BLOCK=1024, PROXY_FENCE=True), 1)
 
 
 def moe_route_variants():

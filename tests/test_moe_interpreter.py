@@ -26,7 +26,7 @@ tl = pytest.importorskip("triton.language")
 from ditron_inductor.runtime import faults  # noqa: E402
 from ditron_inductor.ops import task_of  # noqa: E402
 from ditron_inductor.runtime import launch, moe  # noqa: E402
-from ditron_inductor.scheduler.plan import GroupedMmPlan  # noqa: E402
+from ditron_inductor.scheduler.plan import TORCH, TRITON, GroupedMmPlan  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
@@ -76,6 +76,7 @@ CASES = [  # (tokens, experts, top_k, case)
     (21, 4, 1, "random"),  # top-1, 21 rows: no multiple of BLOCK_M
     (18, 4, 2, "one_expert"),  # every token's first expert is expert 2: 18 rows in one
     (7, 3, 1, "one_expert"),  # every row to one expert, the others empty
+    (5, 8, 8, "random"),  # top-8 of 8: every token's rows to every expert
 ]
 
 
@@ -126,7 +127,7 @@ def test_dispatch_in_arrival_order_and_rows_past_the_last_offset():
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("tokens,experts,top_k,case", CASES[:3])
+@pytest.mark.parametrize("tokens,experts,top_k,case", CASES[:3] + CASES[4:])
 def test_combine_scatters_rows_back(tokens, experts, top_k, case, accumulate):
     """grouped_mm_all_to_all at world size 1: y = grouped_mm(left, W), row j to row
     row_index[j] of zeros, as the reference's index_put: the pairs' order (a permutation), or
@@ -460,24 +461,32 @@ def ep_routing(world, local_experts, tokens, k, case, gen):
     return [x for x, _ in xs], splits, receivers
 
 
-@pytest.mark.parametrize("world,tma_a,progs,rows", [(2, False, 0, True), (3, False, 0, True),
-                                                    (2, True, 0, True), (3, True, 1, True),
-                                                    (2, True, 0, False)])
-def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows):
+@pytest.mark.parametrize("world,tma_a,progs,rows,gemm", [
+    (2, False, 0, True, TRITON), (3, False, 0, True, TRITON), (2, True, 0, True, TRITON),
+    (3, True, 1, True, TRITON), (2, True, 0, False, TRITON), (2, False, 0, True, TORCH),
+    (3, False, 0, False, TORCH)])
+def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows, gemm):
     """all_to_all_grouped_mm on 2 and 3 emulated ranks through the runtime's own steps
     (moe_dispatch.publish, push, compute), the signals played by running every rank's step
     before the next: two calls on the same buffers and counters (the second expecting on top of
     the first), then one in which the last rank receives nothing and one in which every row
-    goes to rank 0, against the op's reference. tma_a: the waiting GEMM reads the receive
-    buffer through TMA; progs 1: one program takes every tile in turn, waiting on each; rows
-    False (no rows output stored): the later GEMM reads the receive buffer too, and the rows
-    output is its view."""
+    goes to rank 0, against the op's reference. TRITON: the first GEMM waits tile by tile;
+    tma_a: it reads the receive buffer through TMA; progs 1: one program takes every tile in
+    turn, waiting on each. TORCH: one wait for every tile, then torch._grouped_mm (the Triton
+    GEMM never launched). rows False (no rows output stored): the later GEMM reads the receive
+    buffer too, and the rows output is its view."""
     from ditron_inductor.runtime import moe_dispatch
 
     gen = torch.Generator().manual_seed(10 + world)
     local_experts, k, ns = 3, 40, (24, 33)
     plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, tma_a=tma_a, progs=progs,
-                               rows=rows)
+                               rows=rows, dispatch_gemm=gemm)
+    launched = []
+
+    def grouped_gemm(*args, **kwargs):
+        launched.append(1)
+        return moe.grouped_gemm(*args, **kwargs)
+
     ws = [[weights(local_experts, k, n, gen, transposed=(i == 1)) for i, n in enumerate(ns)]
           for _ in range(world)]
     capacity = 64
@@ -502,7 +511,7 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
             got, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
-                                              ws[r], offsets, moe.grouped_gemm)
+                                              ws[r], offsets, grouped_gemm)
             assert int(ctx.err[0]) == 0, (call, r)
             counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
             assert torch.equal(counters, states[r].expect), (call, r)
@@ -517,6 +526,32 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows
         if case == "last_receives_nothing":
             assert receivers[-1][3].shape[0] == 0
     assert all(int(s.expect.sum()) > 0 for s in states[:1])
+    assert bool(launched) == (gemm == TRITON)
+
+
+def test_one_wait_for_every_tile_before_the_library_gemm():
+    """The dispatch whose GEMMs run in torch._grouped_mm first waits for every tile's counter
+    (grouped_gemm.wait_tiles_kernel, BLOCK tiles a poll): counters at or past what they expect
+    pass, in every block; a tile in the last block one row short gives up after the bound with
+    the GEMM's own code, ERR_ROWS, and the counts it saw and expected."""
+    from ditron_inductor.templates import flags
+
+    _, err = faults.error_words("cpu")
+    tiles = 39
+    expect = torch.arange(1, tiles + 1, dtype=torch.int32)
+    counts = expect + torch.arange(tiles, dtype=torch.int32) % 2
+    grouped_gemm.wait_tiles_kernel[(1,)](counts, expect, tiles, LIMIT, err, BLOCK=16,
+                                         PROXY_FENCE=False)
+    assert int(err[0]) == 0
+    counts[37] = expect[37] - 1
+    try:
+        grouped_gemm.wait_tiles_kernel[(1,)](counts, expect, tiles, LIMIT, err, BLOCK=16,
+                                             PROXY_FENCE=False)
+        assert int(err[0]) == grouped_gemm.ERR_ROWS
+        report = faults.report()
+        assert [int(report[flags.REPORT_SEEN]), int(report[flags.REPORT_EXPECTED])] == [37, 38]
+    finally:
+        faults.report().zero_()
 
 
 def test_multi_rank_dispatch_declines_alike_on_every_rank(caplog):
@@ -691,27 +726,33 @@ def test_multi_rank_combine_declines_before_any_protocol_step(monkeypatch, caplo
         assert reason in why and (launch.declined - declined)[why] == 1
 
 
-def test_multi_rank_ops_take_the_small_expert_tile_where_experts_get_few_rows(monkeypatch):
-    """The plan the multi-rank dispatch and combine run: the 64-row tile where the rank routes at
-    most small_expert_rows rows per local expert (6 rows over 2 experts here), the plan's own
-    tile where it routes more or the plan names its tile (0)."""
+def test_multi_rank_ops_take_the_tile_and_engine_for_the_rows_per_expert(monkeypatch):
+    """The plan the multi-rank dispatch and combine run (6 rows over 2 local experts here): the
+    64-row tile where the rank routes at most small_expert_rows rows per local expert, the plan's
+    own tile where it routes more or the plan names its tile (0); the dispatch's GEMMs in
+    torch._grouped_mm where it stores its rows output and routes at least library_rows rows per
+    local expert, else Triton's tiles."""
     from ditron_inductor.runtime import moe_combine, moe_dispatch
 
     ran = []
-    monkeypatch.setattr(moe_dispatch, "dispatch", lambda plan, *a: ran.append(plan.block_m))
+    monkeypatch.setattr(moe_dispatch, "dispatch",
+                        lambda plan, *a: ran.append((plan.block_m, plan.dispatch_gemm)))
     monkeypatch.setattr(moe_combine, "combine", lambda plan, *a: ran.append(plan.block_m))
     gen = torch.Generator().manual_seed(14)
     x = torch.randn(6, 16, generator=gen).to(F16)
     w = weights(2, 16, 16, gen)
     offsets = torch.tensor([2, 6], dtype=torch.int32)
-    for rows_per_expert, want in ((3, 64), (2, 16), (0, 16)):
-        plan = dataclasses.replace(PLAN, small_expert_rows=rows_per_expert)
+    for small, library, rows, want_m, want_gemm in (
+            (3, 0, True, 64, TRITON), (2, 0, True, 16, TRITON), (0, 3, True, 16, TORCH),
+            (3, 4, True, 64, TRITON), (0, 3, False, 16, TRITON)):
+        plan = dataclasses.replace(PLAN, small_expert_rows=small, library_rows=library,
+                                   rows=rows)
         dispatch = (x, [3, 3], [3, 3], torch.arange(6), [w], offsets, "0", 2)
         moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *dispatch), plan,
                                         *dispatch)
         combine = ([x], [w], offsets, torch.arange(6), False, [3, 3], [3, 3], "0", 2)
         moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *combine), plan, *combine)
-        assert ran == [want, want], rows_per_expert
+        assert ran == [(want_m, want_gemm), want_m], (small, library, rows)
         ran.clear()
 
 

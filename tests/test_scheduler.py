@@ -400,9 +400,12 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     declining = plan_for(on_cuda, min_rows=4096)
     assert declining.min_rows == 4096 and decode(declining.encode()) == declining
     assert plan_for(combine).min_rows == 0  # no token count declines where a plan is named
-    # the runtime takes the tile by the rows per expert, unless a tile is named
+    # the runtime takes the tile and the dispatch's GEMM engine by the rows per expert, unless
+    # a tile is named
     assert plan.small_expert_rows == declining.small_expert_rows == 128
-    assert plan_for(on_cuda, block_m=64, warps=4).small_expert_rows == 0
+    assert plan.library_rows == declining.library_rows == 128
+    named = plan_for(on_cuda, block_m=64, warps=4)
+    assert named.small_expert_rows == named.library_rows == 0
 
 
 @pytest.mark.parametrize("rows, experts, small_expert_rows, block_m", [
@@ -419,6 +422,20 @@ def test_the_grouped_gemm_takes_64_row_tiles_where_experts_get_few_rows(rows, ex
                                                                                        experts)
     assert plan.block_m == block_m and plan.site == "layers.0"
     assert (plan.block_n, plan.warps) == ((256, 4) if block_m == 64 else (256, 8))
+
+
+@pytest.mark.parametrize("rows, experts, stored, engine", [
+    (128 * 8, 8, True, "torch"), (128 * 8 - 1, 8, True, "triton"), (128 * 8, 8, False, "triton"),
+    (64, 0, True, "triton")])
+def test_a_training_dispatch_with_many_rows_per_expert_runs_torchs_grouped_gemm(rows, experts,
+                                                                                 stored, engine):
+    """From the plan's library_rows rows per local expert a dispatch that stores its rows
+    output runs torch._grouped_mm once every row landed; below, or storing none (inference),
+    the Triton tiles that wait for their rows."""
+    from ditron_inductor.scheduler.plan import GroupedMmPlan
+
+    plan = GroupedMmPlan(library_rows=128, rows=stored, site="layers.0").for_rows(rows, experts)
+    assert plan.dispatch_gemm == engine and plan.site == "layers.0" and plan.block_m == 128
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

@@ -9,9 +9,12 @@ One call, epoch e, on rank r, on the caller's stream:
   2. read     one wait until READY + q >= e for each rank q that r sends rows to;
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
               that tile's counter there (release, after the rows);
-  4. GEMM     the first weight's GEMM runs each tile once its counter reached expect[tile],
-              reading the receive buffer and storing the rows output, which the others read
-              (plan.rows False: no rows output stored, the others read the receive buffer).
+  4. GEMM     plan.dispatch_gemm TORCH: one wait until every tile's counter reached
+              expect[tile], then torch._grouped_mm per weight over the receive buffer (the
+              rows output: a copy of it; plan.rows False: its view). TRITON: the first
+              weight's GEMM runs each tile once its counter reached expect[tile], reading the
+              receive buffer and storing the rows output, which the others read (plan.rows
+              False: no rows output stored, the others read the receive buffer).
 Every rank signals (1) before it waits (2): no rank waits on one that waits on it.
 
 Reuse with no reset or barrier: r's table and buffer of call e + 1 are written after r's call-e
@@ -35,11 +38,11 @@ import weakref
 
 import torch
 
-from ..scheduler.plan import GroupedMmPlan
-from ..templates.grouped_gemm import ERR_ROWS
+from ..scheduler.plan import TORCH, GroupedMmPlan
+from ..templates.grouped_gemm import ERR_ROWS, wait_tiles_kernel
 from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
-from .kernel_launch import current_stream, next_power_of_2
+from .kernel_launch import current_stream, launch, next_power_of_2
 from .launch import check_errors, context_flag, decline, wait_words
 
 OP = "all_to_all_grouped_mm"
@@ -203,13 +206,21 @@ def push(ctx, layout: Layout, state: DispatchState, x) -> None:
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
             weights, offsets, grouped_gemm) -> list:
-    """4. The grouped GEMMs: the first reads the receive buffer, each tile once its rows landed,
-    and stores the op's rows output; the others read that. Without plan.rows (the graph does
-    not use the rows output) nothing is stored: the others read the receive buffer, in the same
-    order, and the rows output is its view, valid until my next call's rows land (the world-1
-    path, runtime/moe.py, stores its rows always)."""
+    """4. The grouped GEMMs over the receive buffer, after every row landed (TORCH) or each
+    tile of the first after its own rows (TRITON: the first stores the op's rows output, the
+    others read that). Without plan.rows (the graph does not use the rows output) nothing is
+    stored: the GEMMs read the receive buffer and the rows output is its view, valid until my
+    next call's rows land (the world-1 path, runtime/moe.py, stores its rows always)."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+    err = faults.site_words(ctx, plan.site)
+    if plan.dispatch_gemm == TORCH and grouped_mm_takes(recv, weights):
+        launch(wait_tiles_kernel, (1,), counters, state.expect, layout.tiles,
+               wait_limit(plan, ctx), err, BLOCK=min(1024, next_power_of_2(layout.tiles)),
+               PROXY_FENCE=recv.device.type == "cuda")
+        rows = recv[:received]
+        outs = [torch._grouped_mm(rows, w, offs=offsets) for w in weights]
+        return [rows.clone() if plan.rows else rows] + outs
     rows_out = (torch.empty((received, layout.k), dtype=layout.dtype, device=recv.device)
                 if plan.rows else None)
     outs = [torch.empty((received, w.shape[-1]), dtype=layout.dtype, device=recv.device)
@@ -217,9 +228,16 @@ def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, rece
     for i, (w, out) in enumerate(zip(weights, outs)):
         if i == 0:
             grouped_gemm(plan, recv, w, offsets, out, rows=received, rows_out=rows_out,
-                         wait=(counters, state.expect, faults.site_words(ctx, plan.site),
-                               wait_limit(plan, ctx)))
+                         wait=(counters, state.expect, err, wait_limit(plan, ctx)))
         else:
             grouped_gemm(plan, recv if rows_out is None else rows_out, w, offsets, out,
                          rows=received)
     return [recv[:received] if rows_out is None else rows_out] + outs
+
+
+def grouped_mm_takes(a: torch.Tensor, weights) -> bool:
+    """Whether torch._grouped_mm takes these operands: 16-byte aligned bases and strides (all
+    but the unit one)."""
+    return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0
+                                              for s in t.stride())
+               for t in (a, *weights))

@@ -188,7 +188,9 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
             task.world_size)
     if task.op in MOE_PATTERNS:  # one family: the grouped GEMM's tile, by the rows unless named
         named = bool(params.keys() & set(TILE_PARAMS))  # a named tile is kept
-        merged = {"small_expert_rows": 0 if named else policy.SMALL_EXPERT_ROWS, **params}
+        rules = {} if named else {"small_expert_rows": policy.SMALL_EXPERT_ROWS,
+                                  "library_rows": policy.LIBRARY_DISPATCH_ROWS}
+        merged = {"small_expert_rows": 0, **rules, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)

@@ -203,13 +203,25 @@ class GroupedMmPlan(FusedPlan):
     # runtime (which knows the rows) runs SMALL_EXPERT_TILE instead (0: never; the scheduler's
     # policy.SMALL_EXPERT_ROWS where no tile is named)
     small_expert_rows: int = 0
+    # on several ranks, the dispatch's GEMMs: TRITON, each tile of the first once its own rows
+    # landed, or TORCH, torch._grouped_mm once every row landed (TRITON's where it cannot take
+    # the operands' layout). A tile's rows come from any sender, so either waits for about
+    # the last push
+    dispatch_gemm: str = TRITON
+    # where the dispatch stores its rows output (rows) and the rank routes at least this many
+    # rows per local expert, the runtime runs dispatch_gemm TORCH (0: never; the scheduler's
+    # policy.LIBRARY_DISPATCH_ROWS where no tile is named)
+    library_rows: int = 0
 
     def for_rows(self, rows: int, experts: int) -> "GroupedMmPlan":
         """The plan a call runs for `rows` (token, expert) rows routed over `experts` local
         experts: alike on every rank, which route as many rows (the fused ops' buffers assume
         it)."""
-        if experts and rows <= self.small_expert_rows * experts:
-            return _small_expert_plan(self, self.site, self.predicted_ms)
+        small = bool(experts) and rows <= self.small_expert_rows * experts
+        library = (bool(experts) and self.rows and self.library_rows > 0
+                   and rows >= self.library_rows * experts)
+        if small or library:
+            return _plan_for_rows(self, self.site, self.predicted_ms, small, library)
         return self
 
 
@@ -218,10 +230,12 @@ SMALL_EXPERT_TILE = dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4)
 
 
 @functools.lru_cache(maxsize=None)
-def _small_expert_plan(plan: GroupedMmPlan, site: str, predicted_ms: tuple) -> GroupedMmPlan:
+def _plan_for_rows(plan: GroupedMmPlan, site: str, predicted_ms: tuple, small: bool,
+                   library: bool) -> GroupedMmPlan:
     """Once per plan, not per call (a hot path); site and predicted_ms are in the key because
     plan equality leaves them out."""
-    return dataclasses.replace(plan, **SMALL_EXPERT_TILE)
+    return dataclasses.replace(plan, **(SMALL_EXPERT_TILE if small else {}),
+                               **({"dispatch_gemm": TORCH} if library else {}))
 
 
 def family(plan: FusedPlan) -> str:

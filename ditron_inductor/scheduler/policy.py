@@ -114,3 +114,9 @@ MOE_WHY = "no measured model step gained from it (see the docs' performance page
 # balanced), the 64-row tile (plan.SMALL_EXPERT_TILE) measured faster than the 128-row default,
 # which wins from twice as many.
 SMALL_EXPERT_ROWS = 128
+
+# The dispatch's GEMM engine on several ranks. Where the dispatch stores its rows output
+# (training graphs) and a rank routes at least this many rows per local expert, torch's grouped
+# GEMM after every row landed measured faster than the Triton tiles that wait for their rows
+# and store them; with fewer rows, and in inference graphs, the tiles measured faster.
+LIBRARY_DISPATCH_ROWS = 128
