@@ -25,10 +25,10 @@ through one tile, not handled).
 x has as many rows on every rank (the size class comes from world * x's rows):
 faults.check_shapes compares them once per shape. Not checked on the host (each would need a
 synchronisation or a collective): row_index is a permutation (a repeated entry leaves a tile
-short, its wait endless: a bounded wait, plan.wait_timeout_s, reports it); offsets[-1] = the received rows (rows past it, in no waiting
-tile, could be copied to the rows output before they land). What differs between ranks raises
-rather than declines: a decline would leave one rank in the reference's all-to-all, the others
-waiting on it.
+short, its wait endless: a bounded wait, plan.wait_timeout_s, reports it); offsets[-1] = the
+received rows (rows past it, in no waiting tile, could be copied to the rows output before they
+land). What differs between ranks raises rather than declines: a decline would leave one rank in
+the reference's all-to-all, the others waiting on it.
 """
 
 from __future__ import annotations

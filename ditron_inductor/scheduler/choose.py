@@ -190,7 +190,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         named = bool(params.keys() & set(TILE_PARAMS))  # a named tile is kept
         rules = {} if named else {"small_expert_rows": policy.SMALL_EXPERT_ROWS,
                                   "library_rows": policy.LIBRARY_DISPATCH_ROWS}
-        merged = {"small_expert_rows": 0, **rules, **params}
+        merged = {**rules, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)
