@@ -283,14 +283,13 @@ def test_the_pass_names_the_layers_in_the_fused_plan(monkeypatch):
 
     # CPU tensors take the reference plan, which has no waits: decide as on CUDA (the op still
     # runs its reference on CPU)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the pass must run
     monkeypatch.setattr(graph_pass, "_decide", lambda match, task, rewritten, options: Decision(
         True, "fused for the test", AllReducePlan() if "reduce" in task.op else AllGatherPlan()))
     texts = []
     for kind, rewrite in list(graph_pass.REWRITES.items()):
         monkeypatch.setitem(graph_pass.REWRITES, kind, lambda graph, match, text, rewrite=rewrite: (
             texts.append(text), rewrite(graph, match, text)))
-    with fake_group(2):
+    with fake_group(2), torch._inductor.config.patch(fx_graph_cache=False):  # the pass runs
         compile_and_run(Model(), torch.randn(4, 8))
     plans = [decode(text) for text in texts]
     assert [p.site.split(" (graph ")[0] for p in plans] == ["layers.0.mlp.up_proj",
