@@ -298,3 +298,37 @@ def test_chunk_groups_follow_the_ring():
     assert groups == [[6], [7, 0, 1], [2, 3, 4, 5]]
     assert chunk_runs([7, 0, 1]) == [(7, 7), (0, 1)]
     assert [c for g in chunk_groups(ring(4, 1), default_groups(4)) for c in g] == [1, 2, 3, 0]
+
+
+@triton.jit
+def _wait_all_kernel(flags_ptr, wants_ptr, epoch, limit, err_ptr, PER_FLAG: tl.constexpr):
+    i = tl.arange(0, 8)
+    on = i < 6
+    want = tl.load(wants_ptr + i, mask=on, other=0) if PER_FLAG else epoch
+    flags.wait_all(flags_ptr + i, on, want, limit, err_ptr, 3)
+
+
+@pytest.mark.parametrize("per_flag", [False, True])
+def test_wait_all_reports_the_late_lane_with_what_it_saw_and_expected(per_flag):
+    """flags.wait_all polls its flags together against one epoch, or one value per flag (the
+    MoE dispatch's tile counters): flags at or past theirs pass; the one most behind gives up
+    after the bound with its lane, the value seen and the one expected (lanes past the mask
+    never count)."""
+    wants = torch.tensor([5, 7, 2, 9, 4, 6, 0, 0], dtype=torch.int32)
+    epoch = 5
+    base = wants if per_flag else torch.full((8,), epoch, dtype=torch.int32)
+    values = base + torch.tensor([0, 1, 2, 0, 3, 1, -99, -99], dtype=torch.int32)
+    err = faults.error_words("cpu")[1]
+    _wait_all_kernel[(1,)](values, wants, epoch, LIMIT, err, PER_FLAG=per_flag)
+    assert int(err[0]) == 0
+    values[3] -= 2
+    values[1] -= 1
+    try:
+        _wait_all_kernel[(1,)](values, wants, epoch, LIMIT, err, PER_FLAG=per_flag)
+        assert int(err[0]) == 3
+        report = faults.report()
+        want = int(base[3])
+        assert [int(report[flags.REPORT_SEEN]), int(report[flags.REPORT_EXPECTED]),
+                int(report[flags.REPORT_PEER])] == [want - 2, want, 3]
+    finally:
+        faults.report().zero_()

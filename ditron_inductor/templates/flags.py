@@ -153,17 +153,22 @@ def wait_flag(ptr, epoch, limit, err_ptr, code):
 
 @triton.jit
 def wait_all(ptrs, mask, epoch, limit, err_ptr, code):
-    """Wait until every flag *ptrs[i] (where mask) >= epoch, polling them together: one vector of
-    acquire loads per poll (one NVLink round trip for remote flags, not one per flag)."""
-    v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
+    """Wait until every flag *ptrs[i] (where mask) >= epoch (one value, or one per flag),
+    polling them together: one vector of acquire loads per poll (one NVLink round trip for
+    remote flags, not one per flag)."""
+    want = tl.where(mask, epoch, 0)
+    v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), want)
     since = wait_start(limit)
     n = since * 0
     skip = gave_up_before(limit, err_ptr)
-    while polling(tl.min(v, 0) < epoch, n, limit, skip):
-        v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), epoch)
+    while polling(tl.min(v - want, 0) < 0, n, limit, skip):
+        v = tl.where(mask, tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys"), want)
         n = waited(n, since, limit)
-    if (tl.min(v, 0) < epoch) & (skip == 0):  # the report names the lane (peer) that is late
-        give_up(err_ptr, code, tl.min(v, 0), epoch, tl.argmin(v, 0))
+    if (tl.min(v - want, 0) < 0) & (skip == 0):  # the report names the lane (peer) that is late
+        lane = tl.argmin(v - want, 0)
+        at = tl.arange(0, v.numel) == lane
+        give_up(err_ptr, code, tl.sum(tl.where(at, v, 0), 0), tl.sum(tl.where(at, want, 0), 0),
+                lane)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ fills are written out for the interpreter.
 import triton
 import triton.language as tl
 
-from .flags import gave_up_before, load_acquire, polling, record_give_up, wait_start, waited
+from .flags import load_acquire, polling, record_give_up, wait_all, wait_start, waited
 
 # B_DESC: the weight's 2-d view under TMA, [E * K, N] or [E * N, K]; 0: pointers
 B_ROWS_K, B_ROWS_N = tl.constexpr(1), tl.constexpr(2)
@@ -59,29 +59,17 @@ def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.co
 def wait_tiles_kernel(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.constexpr,
                       PROXY_FENCE: tl.constexpr):
     """One program: until count[t] >= expect[t] for every tile t < tiles, BLOCK tiles polled
-    together (the dispatch whose GEMMs run in a library call once every row landed); a tile
-    that gave up is reported as the GEMM's own wait reports it. PROXY_FENCE: the peers'
+    together (flags.wait_all; the dispatch whose GEMMs run in a library call once every row
+    landed); a tile that gave up is reported with the GEMM's own code. PROXY_FENCE: the peers'
     ordinary stores, then the library's TMA reads."""
-    skip = gave_up_before(limit, err_ptr)
     for first in range(0, tiles, BLOCK):
         t = first + tl.arange(0, BLOCK)
         on = t < tiles
-        want = tl.load(expect_ptr + t, mask=on, other=0)
-        v = tl.atomic_add(count_ptr + t, 0, mask=on, sem="acquire", scope="sys")
-        since = wait_start(limit)
-        n = since * 0
-        while polling(tl.max(tl.where(on & (v < want), 1, 0), 0) > 0, n, limit, skip):
-            v = tl.atomic_add(count_ptr + t, 0, mask=on, sem="acquire", scope="sys")
-            n = waited(n, since, limit)
-        late = on & (v < want)
-        lane = tl.argmax(tl.where(late, 1, 0), 0)
-        record_give_up(tl.max(tl.where(late, 1, 0), 0) > 0, skip, err_ptr, K_ERR_ROWS,
-                       tl.sum(tl.where(t == first + lane, v, 0), 0),
-                       tl.sum(tl.where(t == first + lane, want, 0), 0), -1)
-        skip = gave_up_before(limit, err_ptr)
+        wait_all(count_ptr + t, on, tl.load(expect_ptr + t, mask=on, other=0), limit, err_ptr,
+                 K_ERR_ROWS)
     if PROXY_FENCE:
         tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
-                                  [skip], dtype=tl.int32, is_pure=False, pack=1)
+                                  [tiles], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
