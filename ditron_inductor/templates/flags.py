@@ -73,6 +73,14 @@ def peer_ptr(table_ptr, peer, dtype: tl.constexpr):
 
 
 @triton.jit
+def proxy_fence(dep):
+    """Orders the generic-proxy stores seen so far before later async-proxy (TMA) reads; `dep`
+    ties the asm to the value that was waited on, so that it is not moved above the wait."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [dep],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def global_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                      is_pure=False, pack=1)

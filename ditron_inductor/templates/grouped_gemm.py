@@ -25,7 +25,8 @@ fills are written out for the interpreter.
 import triton
 import triton.language as tl
 
-from .flags import load_acquire, polling, record_give_up, wait_all, wait_start, waited
+from .flags import (load_acquire, polling, proxy_fence, record_give_up, wait_all, wait_start,
+                    waited)
 
 # B_DESC: the weight's 2-d view under TMA, [E * K, N] or [E * N, K]; 0: pointers
 B_ROWS_K, B_ROWS_N = tl.constexpr(1), tl.constexpr(2)
@@ -68,8 +69,7 @@ def wait_tiles_kernel(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.co
         wait_all(count_ptr + t, on, tl.load(expect_ptr + t, mask=on, other=0), limit, err_ptr,
                  K_ERR_ROWS)
     if PROXY_FENCE:
-        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
-                                  [tiles], dtype=tl.int32, is_pure=False, pack=1)
+        proxy_fence(tiles)
 
 
 @triton.jit
@@ -126,8 +126,7 @@ def grouped_gemm_kernel(
                 record_give_up(v < want, 0, err_ptr, K_ERR_ROWS, v, want, -1)
                 ready = v >= want  # a bounded wait that gave up: the tile is left unwritten
                 if PROXY_FENCE:  # the peers' ordinary stores, then A_DESC's async-proxy reads
-                    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;",
-                                              "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
+                    proxy_fence(v)
         if ready:
             local = t * BLOCK_M + tl.arange(0, BLOCK_M)  # rows within the expert
             row_ok = local < count
