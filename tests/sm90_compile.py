@@ -24,6 +24,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ditron_inductor.runtime import moe_routes as runtime_routes  # noqa: E402
 from ditron_inductor.templates import (  # noqa: E402
     ag_gemm,
     all_reduce_lamport,
@@ -193,8 +194,9 @@ def moe_route_variants():
         yield (moe_routes.put_rows_kernel,
                dict(x_ptr="*bf16", data_table="*i64", count_table="*i64", rows="i32", K="i32",
                     **table),
-               dict(BLOCK_R=16, BLOCK_K=128, WORLD=world,
-                    WORLD_P2=1 << (world - 1).bit_length(), EXPERT_MAJOR=expert_major), 8)
+               dict(BLOCK_R=runtime_routes.PUT_ROWS, BLOCK_K=runtime_routes.PUT_BLOCK_K,
+                    WORLD=world, WORLD_P2=1 << (world - 1).bit_length(),
+                    EXPERT_MAJOR=expert_major), runtime_routes.PUT_WARPS)
 
 
 def decode_variants():

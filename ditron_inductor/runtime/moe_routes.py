@@ -23,7 +23,10 @@ from .kernel_launch import cdiv, launch, next_power_of_2
 # the publish kernel's rows per program: a program holds rows x experts words (each row compared
 # with every expert's end)
 PUBLISH_WORDS, PUBLISH_MAX_ROWS = 4096, 128
-PUT_ROWS, PUT_BLOCK_K = 16, 128  # put_rows_kernel: rows per program, columns a step
+# put_rows_kernel: one row per program, in steps of up to 2048 columns, on 2 warps: a program
+# per row keeps enough copies in flight at a few hundred rows, where 16-row programs leave most
+# SMs idle (benchmarks/bench_put_rows.py measures the configs)
+PUT_ROWS, PUT_BLOCK_K, PUT_WARPS = 1, 2048, 2
 
 
 def table_words(world: int, capacity: int) -> int:
@@ -92,4 +95,4 @@ def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tenso
         launch(put_rows_kernel, (cdiv(x.shape[0], PUT_ROWS),), x, table_table, recv_table,
                count_table, x.shape[0], width, rank, capacity, BLOCK_R=PUT_ROWS,
                BLOCK_K=min(PUT_BLOCK_K, next_power_of_2(width)), WORLD=world,
-               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major)
+               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major, num_warps=PUT_WARPS)
