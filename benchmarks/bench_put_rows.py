@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ditron_inductor.runtime import moe_routes  # noqa: E402
-from ditron_inductor.runtime.kernel_launch import next_power_of_2  # noqa: E402
 
 EXPERTS, BLOCK_M = 2, 64
-DEFAULT = (moe_routes.PUT_ROWS, moe_routes.PUT_BLOCK_K, moe_routes.PUT_WARPS)
+DEFAULT = moe_routes.PUT_CONFIG
 
 
 def addresses(tensors) -> torch.Tensor:
@@ -60,20 +59,14 @@ class Exchange:
         self.counts = [torch.zeros(tiles, dtype=torch.int32, device="cuda") for _ in range(world)]
         self.addrs = addresses(self.tables), addresses(self.recv), addresses(self.counts)
 
-    def put(self, block_r: int, block_k: int, warps: int) -> None:
-        from ditron_inductor.templates.moe_routes import put_rows_kernel
-
-        rows, width = self.x.shape
-        world = len(self.splits)
-        put_rows_kernel[(-(-rows // block_r),)](
-            self.x, *self.addrs, rows, width, 0, rows, BLOCK_R=block_r,
-            BLOCK_K=min(block_k, next_power_of_2(width)), WORLD=world,
-            WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=True, num_warps=warps)
+    def put(self, config: tuple[int, int, int]) -> None:
+        moe_routes.put_rows(self.x, *self.addrs, 0, len(self.splits), self.x.shape[0],
+                            expert_major=True, config=config)
 
     def checked(self, config) -> bool:
         for t in self.recv + self.counts:
             t.zero_()
-        self.put(*config)
+        self.put(config)
         torch.cuda.synchronize()
         return all(torch.equal(r[:n], ref) for r, n, ref in zip(self.recv, self.splits, self.refs)) \
             and all(torch.equal(c, e) for c, e in zip(self.counts, self.expects))
@@ -110,7 +103,7 @@ def main() -> None:
         for c in cands:
             if not ex.checked(c):
                 raise SystemExit(f"put_rows_kernel {c} at {rows} x {width}: wrong rows or counts")
-            timed[c] = do_bench(lambda: ex.put(*c), warmup=25, rep=100, return_mode="median")
+            timed[c] = do_bench(lambda: ex.put(c), warmup=25, rep=100, return_mode="median")
             ratios[c].append(timed[c] / copy_ms)
         best = min(timed, key=timed.get)
         gbs = 2 * ex.x.numel() * ex.x.element_size() / 1e6  # bytes read + written, / 1e9 * 1e3
