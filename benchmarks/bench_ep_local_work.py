@@ -645,7 +645,8 @@ def plans_of(args) -> dict:
         # GEMM engine by the rows per expert
         rules = ({} if "block_m" in params else dict(
             small_expert_rows=policy.SMALL_EXPERT_ROWS,
-            library_rows=policy.LIBRARY_DISPATCH_ROWS))
+            library_rows=policy.LIBRARY_DISPATCH_ROWS,
+            library_combine_rows=policy.LIBRARY_COMBINE_ROWS))
         out[label] = dataclasses.replace(GroupedMmPlan(), label=label,
                                          **{**rules, **params},
                                          wait_timeout_s=args.wait_timeout_s,

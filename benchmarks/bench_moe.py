@@ -94,6 +94,10 @@ PLANS = {
     # or always in torch._grouped_mm once every row landed
     "triton_dispatch": dict(library_rows=0),
     "torch_dispatch": dict(dispatch_gemm="torch"),
+    # the combine's GEMM in torch._grouped_mm (the put sends its rows by the send index),
+    # beside the Triton dispatch or the library dispatch's rule
+    "torch_combine": dict(library_rows=0, combine_gemm="torch"),
+    "torch_both": dict(dispatch_gemm="torch", combine_gemm="torch"),
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,
                         tma_a=True),
@@ -102,6 +106,9 @@ PLANS = {
     # half the rows a tile: less of a tile past an expert's last row where experts get few rows
     "64x256_tma": dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4, tma_b=True,
                        tma_a=True),
+    # the same tile for the combine, the dispatch's GEMMs in torch._grouped_mm
+    "64x256_tma_torch_dispatch": dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4,
+                                      tma_b=True, tma_a=True, dispatch_gemm="torch"),
     "64x128_tma": dict(block_m=64, block_n=128, block_k=64, stages=4, warps=4, tma_b=True,
                        tma_a=True),
     "64x256_tma_w8": dict(block_m=64, block_n=256, block_k=64, stages=4, warps=8, tma_b=True,

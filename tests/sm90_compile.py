@@ -190,13 +190,14 @@ def moe_route_variants():
                dict(table_ptr="*i32", row_index_ptr="*i64", offsets_ptr="*i32",
                     expect_ptr="*i32", received="i32", capacity="i32", E="i32"),
                dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index), 4)
-    for world, expert_major in ((2, True), (8, True), (3, False), (8, False)):
+    for world, expert_major, has_index in ((2, True, False), (8, True, False),
+                                           (3, False, False), (8, False, True)):
         yield (moe_routes.put_rows_kernel,
-               dict(x_ptr="*bf16", data_table="*i64", count_table="*i64", rows="i32", K="i32",
-                    **table),
+               dict(x_ptr="*bf16", send_index_ptr="*i64" if has_index else "*bf16",
+                    data_table="*i64", count_table="*i64", rows="i32", K="i32", **table),
                dict(BLOCK_R=runtime_routes.PUT_ROWS, BLOCK_K=runtime_routes.PUT_BLOCK_K,
                     WORLD=world, WORLD_P2=1 << (world - 1).bit_length(),
-                    EXPERT_MAJOR=expert_major), runtime_routes.PUT_WARPS)
+                    EXPERT_MAJOR=expert_major, HAS_INDEX=has_index), runtime_routes.PUT_WARPS)
 
 
 def decode_variants():

@@ -291,8 +291,9 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
                 table[2 * world + max_rows + pos] = tile_of[rows.index(row)]
         for p in range(world):
             moe_routes_kernels.put_rows_kernel[(triton.cdiv(tokens[p], 8),)](
-                xs[p], table_table, data_table, count_table, tokens[p], k, p, max_rows,
-                BLOCK_R=8, BLOCK_K=16, WORLD=world, WORLD_P2=world, EXPERT_MAJOR=True)
+                xs[p], xs[p], table_table, data_table, count_table, tokens[p], k, p, max_rows,
+                BLOCK_R=8, BLOCK_K=16, WORLD=world, WORLD_P2=world, EXPERT_MAJOR=True,
+                HAS_INDEX=False)
         for q, (rows, tile_rows, offsets) in enumerate(layouts):
             rank = ranks[q]
             expect = previous[q].clone()
@@ -589,22 +590,31 @@ def emulated_all_to_all(sent, send_splits):
                        for q in range(world)]) for p in range(world)]
 
 
-@pytest.mark.parametrize("world,tma_a", [(2, False), (3, False), (3, True)],
-                         ids=["2", "3", "3-tma_a"])
-def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch):
+@pytest.mark.parametrize("world,tma_a,gemm", [(2, False, TRITON), (3, False, TRITON),
+                                              (3, True, TRITON), (3, False, TORCH)],
+                         ids=["2", "3", "3-tma_a", "3-torch"])
+def test_multi_rank_combine_steps_match_the_reference(world, tma_a, gemm, monkeypatch):
     """grouped_mm_all_to_all on 2 and 3 emulated ranks through the runtime's own steps
     (moe_combine.publish, push, collect), the signals played by running every rank's step
     before the next, back along the dispatch's routings (random and uneven, an expert of every
     rank with no row, the last rank sending nothing back, every row from or to rank 0): fp16
     calls on the same buffers (the collect's wait setting the arrival counts back), then fp32,
     against the op's reference with its all-to-all emulated. tma_a: the GEMM reads its rows
-    through TMA."""
+    through TMA. TORCH: torch._grouped_mm in expert order, the put sending each row by its send
+    index (the Triton GEMM never launched)."""
     from ditron_inductor import ops
     from ditron_inductor.runtime import moe_combine
 
     gen = torch.Generator().manual_seed(20 + world)
-    local_experts, k, n, capacity = 3, 40, 36, 64  # n: a partial second n-tile
-    plan = dataclasses.replace(PLAN, tma_a=tma_a, wait_timeout_s=LIMIT / 1e6)
+    # n: a partial second n-tile; torch._grouped_mm's: 16-byte rows
+    local_experts, k, n, capacity = 3, 40, 36 if gemm == TRITON else 40, 64
+    plan = dataclasses.replace(PLAN, tma_a=tma_a, wait_timeout_s=LIMIT / 1e6, combine_gemm=gemm)
+    launched = []
+
+    def grouped_gemm(*args, **kwargs):
+        launched.append(1)
+        return moe.grouped_gemm(*args, **kwargs)
+
     monkeypatch.setattr(ops, "_exchange", lambda rows, *splits: rows)  # the rows to send
     ranks = {}  # dtype -> (layout, contexts, states, weights)
     calls = [("random", [13, 20, 7], F16), ("random", [9, 4, 17], F16),
@@ -633,7 +643,7 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
         for q, ctx in enumerate(ctxs):
             _, row_index, offsets, _ = experts_side[q]
             moe_combine.push(ctx, layout, states[q], plan, lefts[q], ws[q], offsets, row_index,
-                             moe.grouped_gemm)
+                             grouped_gemm)
         refs = emulated_all_to_all([
             ops.grouped_mm_all_to_all_reference([lefts[q].float()], [ws[q].float()],
                                                 experts_side[q][2], experts_side[q][1], False,
@@ -650,6 +660,7 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, monkeypatch)
             assert not out.isnan().any(), (call, r, case)
             if received:
                 assert rel_err(out, refs[r]) < 2e-3, (call, r, case)
+    assert bool(launched) == (gemm == TRITON)
 
 
 def test_one_launch_waits_for_every_flag_word_and_names_a_late_one():
@@ -731,28 +742,32 @@ def test_multi_rank_ops_take_the_tile_and_engine_for_the_rows_per_expert(monkeyp
     64-row tile where the rank routes at most small_expert_rows rows per local expert, the plan's
     own tile where it routes more or the plan names its tile (0); the dispatch's GEMMs in
     torch._grouped_mm where it stores its rows output and routes at least library_rows rows per
-    local expert, else Triton's tiles."""
+    local expert, else Triton's tiles; the combine's in torch._grouped_mm from
+    library_combine_rows rows per local expert."""
     from ditron_inductor.runtime import moe_combine, moe_dispatch
 
     ran = []
     monkeypatch.setattr(moe_dispatch, "dispatch",
                         lambda plan, *a: ran.append((plan.block_m, plan.dispatch_gemm)))
-    monkeypatch.setattr(moe_combine, "combine", lambda plan, *a: ran.append(plan.block_m))
+    monkeypatch.setattr(moe_combine, "combine",
+                        lambda plan, *a: ran.append((plan.block_m, plan.combine_gemm)))
     gen = torch.Generator().manual_seed(14)
     x = torch.randn(6, 16, generator=gen).to(F16)
     w = weights(2, 16, 16, gen)
     offsets = torch.tensor([2, 6], dtype=torch.int32)
-    for small, library, rows, want_m, want_gemm in (
-            (3, 0, True, 64, TRITON), (2, 0, True, 16, TRITON), (0, 3, True, 16, TORCH),
-            (3, 4, True, 64, TRITON), (0, 3, False, 16, TRITON)):
+    for small, library, combine_rows, rows, want_m, want_gemm, want_combine in (
+            (3, 0, 0, True, 64, TRITON, TRITON), (2, 0, 0, True, 16, TRITON, TRITON),
+            (0, 3, 0, True, 16, TORCH, TRITON), (3, 4, 0, True, 64, TRITON, TRITON),
+            (0, 3, 0, False, 16, TRITON, TRITON), (0, 0, 3, False, 16, TRITON, TORCH),
+            (0, 3, 4, True, 16, TORCH, TRITON)):
         plan = dataclasses.replace(PLAN, small_expert_rows=small, library_rows=library,
-                                   rows=rows)
+                                   library_combine_rows=combine_rows, rows=rows)
         dispatch = (x, [3, 3], [3, 3], torch.arange(6), [w], offsets, "0", 2)
         moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *dispatch), plan,
                                         *dispatch)
         combine = ([x], [w], offsets, torch.arange(6), False, [3, 3], [3, 3], "0", 2)
         moe.grouped_mm_all_to_all_fused(task_of(GROUPED_MM_ALL_TO_ALL, *combine), plan, *combine)
-        assert ran == [(want_m, want_gemm), want_m], (small, library, rows)
+        assert ran == [(want_m, want_gemm), (want_m, want_combine)], (small, library, rows)
         ran.clear()
 
 

@@ -147,9 +147,11 @@ def test_a_repeated_row_index_entry_leaves_a_row_unsent():
     assert expect.tolist() == [4, 0, 0] and counts.tolist() == [3, 0, 0]
 
 
-def test_combine_puts_rows_at_the_receivers_rank_major_positions():
+@pytest.mark.parametrize("indexed", [False, True])
+def test_combine_puts_rows_at_the_receivers_rank_major_positions(indexed):
     """The combine's routes (no expert-major table): rank p's row i to rank q goes to q's
-    start for p plus i's index among p's rows to q, counted in q's word for p."""
+    start for p plus i's index among p's rows to q, counted in q's word for p; indexed, x's
+    rows are in another order and send_index names each one's send row."""
     world, sends = 3, [[2, 0, 3], [1, 4, 0], [0, 2, 2]]  # sends[p][q]: rows p sends q
     tables = [torch.zeros(moe_routes.split_words(world), dtype=torch.int32) for _ in sends]
     for q, table in enumerate(tables):
@@ -161,8 +163,12 @@ def test_combine_puts_rows_at_the_receivers_rank_major_positions():
           for p in range(world)]
     for p in range(world):
         count_table = torch.tensor([a[p:].data_ptr() for a in arrived], dtype=torch.int64)
-        moe_routes.put_rows(xs[p], addresses(tables), addresses(recv), count_table, p, world, 0,
-                            expert_major=False)
+        x, send_index = xs[p], None
+        if indexed:
+            send_index = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(p))
+            x = x[send_index]
+        moe_routes.put_rows(x, addresses(tables), addresses(recv), count_table, p, world, 0,
+                            expert_major=False, send_index=send_index)
     for q in range(world):
         assert torch.equal(recv[q], reference_received(world, xs, sends, q))
         assert arrived[q].tolist() == [sends[p][q] for p in range(world)]

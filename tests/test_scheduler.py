@@ -404,8 +404,9 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     # a tile is named
     assert plan.small_expert_rows == declining.small_expert_rows == 128
     assert plan.library_rows == declining.library_rows == 128
+    assert plan.library_combine_rows == declining.library_combine_rows == 160
     named = plan_for(on_cuda, block_m=64, warps=4)
-    assert named.small_expert_rows == named.library_rows == 0
+    assert named.small_expert_rows == named.library_rows == named.library_combine_rows == 0
 
 
 @pytest.mark.parametrize("rows, experts, small_expert_rows, block_m", [
@@ -436,6 +437,24 @@ def test_a_training_dispatch_with_many_rows_per_expert_runs_torchs_grouped_gemm(
 
     plan = GroupedMmPlan(library_rows=128, rows=stored, site="layers.0").for_rows(rows, experts)
     assert plan.dispatch_gemm == engine and plan.site == "layers.0" and plan.block_m == 128
+    assert plan.combine_gemm == "triton"
+
+
+@pytest.mark.parametrize("rows, experts, stored, engine", [
+    (160 * 8, 8, True, "torch"), (160 * 8, 8, False, "torch"), (160 * 8 - 1, 8, True, "triton"),
+    (64, 0, True, "triton")])
+def test_a_combine_with_many_rows_per_expert_runs_torchs_grouped_gemm(rows, experts, stored,
+                                                                      engine):
+    """From the plan's library_combine_rows rows per local expert the combine runs
+    torch._grouped_mm, in training and inference graphs alike; below, the Triton tiles. Between
+    the two thresholds (128 and 160 rows) a training graph's dispatch runs the library, its
+    combine the tiles."""
+    from ditron_inductor.scheduler.plan import GroupedMmPlan
+
+    plan = GroupedMmPlan(library_rows=128, library_combine_rows=160, rows=stored,
+                         site="layers.0").for_rows(rows, experts)
+    assert plan.combine_gemm == engine and plan.site == "layers.0"
+    assert plan.dispatch_gemm == ("torch" if stored and experts else "triton")
 
 
 @pytest.mark.parametrize("op", [ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE])

@@ -8,7 +8,8 @@ One call, epoch e, on rank r, on the caller's stream:
   3. push     the GEMM stores product row j at row_index[j] (the send order: the reference's
               index_put), then the put kernel sends each row to its rank q, at q's start for r
               plus its index among r's rows to q, adding one to q's ARRIVED + r (release, after
-              the rows);
+              the rows); plan.combine_gemm TORCH: torch._grouped_mm stores them in expert
+              order and the put kernel sends row j as send row row_index[j];
   4. collect  one wait until each ARRIVED + p = the rows from p (its count in r's table), which
               it takes back off (ARRIVED is 0 again), then the rows copied out.
 A count per sender: a row that never lands names its sender, and no sender's surplus hides
@@ -34,12 +35,12 @@ import weakref
 
 import torch
 
-from ..scheduler.plan import GroupedMmPlan
+from ..scheduler.plan import TORCH, GroupedMmPlan
 from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_words
-from .moe_dispatch import Layout, wait_ready
+from .moe_dispatch import Layout, grouped_mm_takes, wait_ready
 
 OP = "grouped_mm_all_to_all"
 
@@ -170,14 +171,19 @@ def publish(ctx, layout: Layout, output_split_sizes, input_split_sizes) -> None:
 
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
          row_index, grouped_gemm) -> None:
-    """3. (after the receivers' READY) The GEMM's rows here in send order, then each put into
-    its receiver's buffer. Rows past offsets[-1] (no expert's: undefined, as torch._grouped_mm
+    """3. (after the receivers' READY) The GEMM's rows here (TRITON: in send order; TORCH: in
+    expert order, sent by row_index), then each put into its receiver's buffer. Rows past offsets[-1] (no expert's: undefined, as torch._grouped_mm
     leaves them) are sent all the same, since the receivers count every row."""
     rows = left.shape[0]
-    staged = torch.empty((rows, weight.shape[-1]), dtype=left.dtype, device=left.device)
-    grouped_gemm(plan, left, weight, offsets, staged, rows=rows, c_index=row_index)
+    if plan.combine_gemm == TORCH and grouped_mm_takes(left, [weight]):
+        staged = torch._grouped_mm(left, weight, offs=offsets)
+        send_index = None if row_index is None else row_index.contiguous()
+    else:
+        staged = torch.empty((rows, weight.shape[-1]), dtype=left.dtype, device=left.device)
+        grouped_gemm(plan, left, weight, offsets, staged, rows=rows, c_index=row_index)
+        send_index = None
     moe_routes.put_rows(staged, state.table_table, state.recv_table, state.count_table,
-                        ctx.rank, layout.world, 0, expert_major=False)
+                        ctx.rank, layout.world, 0, expert_major=False, send_index=send_index)
 
 
 def collect(ctx, layout: Layout, plan: GroupedMmPlan, stream, received: int) -> torch.Tensor:

@@ -86,17 +86,20 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
 
 def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tensor,
              count_table: torch.Tensor, rank: int, world: int, capacity: int,
-             expert_major: bool, config: tuple[int, int, int] = PUT_CONFIG) -> None:
-    """put_rows_kernel: x's rows (contiguous, send order) each to its route in its receiver's
-    buffer, counted on the receiver's counter of its tile (the combine's: its word for me).
-    `config`: (rows per program, columns a step, warps), another for benchmarks/bench_put_rows."""
+             expert_major: bool, send_index: Optional[torch.Tensor] = None,
+             config: tuple[int, int, int] = PUT_CONFIG) -> None:
+    """put_rows_kernel: x's rows (contiguous; in send order, or row r sent as send row
+    send_index[r]) each to its route in its receiver's buffer, counted on the receiver's
+    counter of its tile (the combine's: its word for me). `config`: (rows per program, columns
+    a step, warps), another for benchmarks/bench_put_rows."""
     from ..templates.moe_routes import put_rows_kernel
 
     if x.shape[0]:
         rows_per_program, block_k, warps = config
         width = x.shape[1]
-        launch(put_rows_kernel, (cdiv(x.shape[0], rows_per_program),), x, table_table,
-               recv_table, count_table, x.shape[0], width, rank, capacity,
-               BLOCK_R=rows_per_program, BLOCK_K=min(block_k, next_power_of_2(width)),
-               WORLD=world, WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major,
-               num_warps=warps)
+        launch(put_rows_kernel, (cdiv(x.shape[0], rows_per_program),), x,
+               x if send_index is None else send_index, table_table, recv_table, count_table,
+               x.shape[0], width, rank, capacity, BLOCK_R=rows_per_program,
+               BLOCK_K=min(block_k, next_power_of_2(width)), WORLD=world,
+               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major,
+               HAS_INDEX=send_index is not None, num_warps=warps)

@@ -208,10 +208,18 @@ class GroupedMmPlan(FusedPlan):
     # the operands' layout). A tile's rows come from any sender, so either waits for about
     # the last push
     dispatch_gemm: str = TRITON
+    # on several ranks, the combine's GEMM: TRITON, storing its rows in send order, or TORCH,
+    # torch._grouped_mm in expert order, the put kernel sending each row as its send row
+    # (TRITON's where it cannot take the operands' layout)
+    combine_gemm: str = TRITON
     # where the dispatch stores its rows output (rows) and the rank routes at least this many
     # rows per local expert, the runtime runs dispatch_gemm TORCH (0: never; the scheduler's
     # policy.LIBRARY_DISPATCH_ROWS where no tile is named)
     library_rows: int = 0
+    # where the rank routes at least this many rows per local expert, the runtime runs
+    # combine_gemm TORCH (0: never; the scheduler's policy.LIBRARY_COMBINE_ROWS where no tile
+    # is named)
+    library_combine_rows: int = 0
 
     def for_rows(self, rows: int, experts: int) -> "GroupedMmPlan":
         """The plan a call runs for `rows` (token, expert) rows routed over `experts` local
@@ -220,8 +228,11 @@ class GroupedMmPlan(FusedPlan):
         small = bool(experts) and rows <= self.small_expert_rows * experts
         library = (bool(experts) and self.rows and self.library_rows > 0
                    and rows >= self.library_rows * experts)
-        if small or library:
-            return _plan_for_rows(self, self.site, self.predicted_ms, small, library)
+        library_combine = (bool(experts) and self.library_combine_rows > 0
+                           and rows >= self.library_combine_rows * experts)
+        if small or library or library_combine:
+            return _plan_for_rows(self, self.site, self.predicted_ms, small, library,
+                                  library_combine)
         return self
 
 
@@ -231,11 +242,12 @@ SMALL_EXPERT_TILE = dict(block_m=64, block_n=256, block_k=64, stages=4, warps=4)
 
 @functools.lru_cache(maxsize=None)
 def _plan_for_rows(plan: GroupedMmPlan, site: str, predicted_ms: tuple, small: bool,
-                   library: bool) -> GroupedMmPlan:
+                   library: bool, library_combine: bool) -> GroupedMmPlan:
     """Once per plan, not per call (a hot path); site and predicted_ms are in the key because
     plan equality leaves them out."""
     return dataclasses.replace(plan, **(SMALL_EXPERT_TILE if small else {}),
-                               **({"dispatch_gemm": TORCH} if library else {}))
+                               **({"dispatch_gemm": TORCH} if library else {}),
+                               **({"combine_gemm": TORCH} if library_combine else {}))
 
 
 def family(plan: FusedPlan) -> str:

@@ -120,3 +120,9 @@ SMALL_EXPERT_ROWS = 128
 # GEMM after every row landed measured faster than the Triton tiles that wait for their rows
 # and store them; with fewer rows, and in inference graphs, the tiles measured faster.
 LIBRARY_DISPATCH_ROWS = 128
+
+# The combine's GEMM engine on several ranks. Where a rank routes at least this many rows per
+# local expert, torch._grouped_mm in expert order with the put sending each row by its send
+# index measured at least as fast as the Triton tiles storing in send order, and faster where an
+# expert's last 128-row tile is about half full; at 128 rows and fewer the tiles measured faster.
+LIBRARY_COMBINE_ROWS = 160

@@ -78,15 +78,21 @@ def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["rows", "K", "rank", "capacity"])
-def put_rows_kernel(x_ptr, table_table, data_table, count_table, rows, K, rank, capacity,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORLD: tl.constexpr,
-                    WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
-    """Rows of x (send order, K wide) each to its route in its receiver's buffer (data_table:
-    each rank's base), then one per row onto the receiver's counter of its tile (count_table:
-    each rank's counter base), released after every thread's rows."""
+def put_rows_kernel(x_ptr, send_index_ptr, table_table, data_table, count_table, rows, K, rank,
+                    capacity, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
+                    HAS_INDEX: tl.constexpr):
+    """Rows of x (K wide; row r is send row send_index[r], else r) each to its route in its
+    receiver's buffer (data_table: each rank's base), then one per row onto the receiver's
+    counter of its tile (count_table: each rank's counter base), released after every thread's
+    rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rank_of, dst_row, tile = route_of_rows(r, r < rows, table_table, rank, capacity, WORLD,
-                                           WORLD_P2, EXPERT_MAJOR)
+    if HAS_INDEX:
+        sent_as = tl.load(send_index_ptr + r, mask=r < rows, other=0)
+    else:
+        sent_as = r
+    rank_of, dst_row, tile = route_of_rows(sent_as, r < rows, table_table, rank, capacity,
+                                           WORLD, WORLD_P2, EXPERT_MAJOR)
     ok = rank_of >= 0
     base = tl.load(data_table + rank_of, mask=ok, other=0).to(
         tl.pointer_type(x_ptr.dtype.element_ty))
