@@ -7,9 +7,9 @@ runtime/context.wait_limit; the timed wait compiles for sm_90 in tests/sm90_comp
 Faults, injected on two CPU ranks whose flag words are shared memory that both processes map,
 the bounded stream wait (launch.wait_geq's kernel, under the interpreter) and launch.check_errors
 as the fused calls run them: a peer that never enters the op, one that raises before it, one later
-than the bound. Each ends, on every rank, in WaitTimeout naming the op, its layers, the flag, the
-peer and the epochs; a rank whose host is then blocked is ended by the watcher thread with its
-exit code. Inputs whose shapes differ between the ranks end in ShapesDiffer on every rank."""
+than the bound, one killed inside a call. Each ends, on every rank, in WaitTimeout naming the op,
+its layers, the flag, the peer and the epochs; a rank whose host is then blocked is ended by the
+watcher thread with its exit code. Inputs whose shapes differ between the ranks end in ShapesDiffer on every rank."""
 
 from __future__ import annotations
 
@@ -70,18 +70,41 @@ def _rank_context(rank, world, flag_dir, name):
                            mapped=words)
 
 
-def _call(ctx, plan):
-    """One call of a two-rank protocol step: READY[me] = epoch on the peer (a stream write,
-    driver.write), the bounded stream wait for the peer's, then the call's error check."""
+def _signal(ctx) -> int:
+    """A call's first step: READY[me] = its epoch on the peer (a stream write, driver.write)."""
     import ctypes
 
+    e = ctx.epoch = ctx.epoch + 1
+    peer_word = ctx.flag_bases[1 - ctx.rank] + 4 * (ctx.READY + ctx.rank)
+    ctypes.c_int32.from_address(peer_word).value = e
+    return e
+
+
+def _call(ctx, plan):
+    """One call of a two-rank protocol step: the signal, the bounded stream wait for the
+    peer's, then the call's error check."""
     from ditron_inductor.runtime import launch
 
-    e = ctx.epoch = ctx.epoch + 1
-    peer = 1 - ctx.rank
-    ctypes.c_int32.from_address(ctx.flag_bases[peer] + 4 * (ctx.READY + ctx.rank)).value = e
-    launch.wait_geq(ctx, plan, 0, ctx.READY + peer, e)
+    e = _signal(ctx)
+    launch.wait_geq(ctx, plan, 0, ctx.READY + 1 - ctx.rank, e)
     launch.check_errors(ctx, plan, "all_gather_matmul")
+
+
+def killed_peer(flag_dir):
+    """Rank 1 of the killed case, a process of its own: one whole call, then the next call's
+    signal, and SIGKILL before that call's wait."""
+    import signal
+
+    _interpreted_launches()
+    ctx = _rank_context(1, 2, flag_dir, "killed")
+    plan = AllGatherPlan(wait_timeout_s=BOUND_S, site=SITE)
+    open(os.path.join(flag_dir, "killed.ready"), "w").close()
+    go = os.path.join(flag_dir, "killed.go")
+    while not os.path.exists(go):  # no sleep: rank 0's bound starts as it writes go
+        pass
+    _call(ctx, plan)
+    _signal(ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _interpreted_launches():
@@ -123,13 +146,40 @@ def fault_ranks(rank, world, flag_dir):
         if rank == 0:
             open(marker, "w").close()
         faults.report().zero_()  # a real process ends here; the next case starts clean
+    dist.barrier()
+    outcomes["killed"] = _killed_case(rank, world, flag_dir, plan)
     return outcomes
+
+
+def _killed_case(rank, world, flag_dir, plan):
+    """Rank 1's protocol runs in a process that is killed inside its second call (a gloo rank
+    that died would end the launcher's run); rank 0 makes three calls. Rank 1 returns that
+    process's exit code, rank 0 its outcome and the seconds from the start of its calls."""
+    if rank == 1:
+        code = f"from tests.test_wait_limit import killed_peer; killed_peer({flag_dir!r})"
+        return (subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=120,
+                               capture_output=True).returncode, 0.0)
+    ctx = _rank_context(rank, world, flag_dir, "killed")
+    ready = os.path.join(flag_dir, "killed.ready")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    open(os.path.join(flag_dir, "killed.go"), "w").close()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            _call(ctx, plan)
+        outcome = "no error"
+    except faults.WaitTimeout as e:
+        outcome = str(e)
+    faults.report().zero_()
+    return outcome, time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
 def fault_outcomes(tmp_path_factory):
     flag_dir = tmp_path_factory.mktemp("flags")
-    for case in CASES:
+    for case in CASES + ("killed",):
         for q in range(2):
             (flag_dir / f"{case}.{q}").write_bytes(bytes(4 * 2 * 2))
     return run_ranks("tests.test_wait_limit:fault_ranks", 2, args=(str(flag_dir),),
@@ -151,6 +201,17 @@ def test_a_faulty_peer_is_a_clear_error_within_the_bound(fault_outcomes, case):
         assert faulty.startswith(f"ditron: all_gather_matmul at {SITE} on rank 1 of 2: a wait "
                                  "on READY of rank 0"), faulty
         assert "(it saw epoch 1, expected 2)" in faulty
+
+
+def test_a_peer_killed_inside_a_call_is_a_clear_error_within_the_bound(fault_outcomes):
+    """Rank 1 is killed after its second call's signal: rank 0's second call completes (the
+    signal landed), its third gives up at the bound naming rank 1 and the epochs."""
+    text, seconds = fault_outcomes[0]["killed"]
+    assert text.startswith(f"ditron: all_gather_matmul at {SITE} on rank 0 of 2: a wait on READY "
+                           "of rank 1"), text
+    assert f"gave up after {BOUND_S} s (it saw epoch 2, expected 3)" in text
+    assert seconds < 20
+    assert fault_outcomes[1]["killed"][0] == -9  # SIGKILL
 
 
 def test_a_site_first_called_under_capture_has_error_words_of_its_own(monkeypatch):

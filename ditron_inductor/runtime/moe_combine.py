@@ -172,8 +172,9 @@ def publish(ctx, layout: Layout, output_split_sizes, input_split_sizes) -> None:
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
          row_index, grouped_gemm) -> None:
     """3. (after the receivers' READY) The GEMM's rows here (TRITON: in send order; TORCH: in
-    expert order, sent by row_index), then each put into its receiver's buffer. Rows past offsets[-1] (no expert's: undefined, as torch._grouped_mm
-    leaves them) are sent all the same, since the receivers count every row."""
+    expert order, sent by row_index), then each put into its receiver's buffer. Rows past
+    offsets[-1] (no expert's: undefined, as torch._grouped_mm leaves them) are sent all the
+    same, since the receivers count every row."""
     rows = left.shape[0]
     if plan.combine_gemm == TORCH and grouped_mm_takes(left, [weight]):
         staged = torch._grouped_mm(left, weight, offs=offsets)
