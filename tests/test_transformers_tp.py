@@ -52,8 +52,6 @@ CONFIGS = {"Qwen3": QWEN3, "Phi3": COMMON,
 MOE_EXPERTS_PLAN = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
                     "model.layers.*.mlp.experts.down_proj": "rowwise",
                     "model.layers.*.mlp.experts": "moe_tp_experts"}
-
-
 EXPERTS_SHARDED = "moe_tp_experts" in tensor_parallel.ALL_PARALLEL_STYLES
 
 
@@ -73,7 +71,8 @@ def _model(world: int, family: str = "Qwen3"):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
-    plan = model._expand_parallel_plan(_tp_plan(model, family))  # what tp_plan="auto" applies
+    # what tp_plan="auto" applies (with Qwen3-MoE's experts as above)
+    plan = model._expand_parallel_plan(_tp_plan(model, family))
     return apply_tensor_parallelism(model, init_device_mesh("cpu", (world,)), plan)
 
 

@@ -9,7 +9,8 @@ the bounded stream wait (launch.wait_geq's kernel, under the interpreter) and la
 as the fused calls run them: a peer that never enters the op, one that raises before it, one later
 than the bound, one killed inside a call. Each ends, on every rank, in WaitTimeout naming the op,
 its layers, the flag, the peer and the epochs; a rank whose host is then blocked is ended by the
-watcher thread with its exit code. Inputs whose shapes differ between the ranks end in ShapesDiffer on every rank."""
+watcher thread with its exit code. Inputs whose shapes differ between the ranks end in
+ShapesDiffer on every rank."""
 
 from __future__ import annotations
 
