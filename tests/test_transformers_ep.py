@@ -6,11 +6,14 @@ the logits and gradients match transformers' own "all_to_all" exchange run eager
 BF16_TOL of the largest magnitude; a row sent to the wrong expert or token is off by the whole
 magnitude). transformers' own exchange does not compile whole (the module doc says why: Dynamo
 breaks its graph): that is checked too, on Mixtral's forward, so that the note goes when
-transformers changes."""
+transformers changes; Qwen3-MoE's own exchange compiled by ditron runs right, fuses nothing and
+logs a reason for every collective it leaves."""
 
 from __future__ import annotations
 
 import functools
+import logging
+import re
 import warnings
 
 import pytest
@@ -63,11 +66,49 @@ def ep_ranks(rank: int, world: int) -> dict:
         fused = {r.graph.split()[-1]: sorted(c.op for c in r.candidates if c.fused)
                  for r in graph_pass.reports if r.candidates}
         results[kind] = {"errors": errors, "fused": fused}
+        if kind == "qwen3_moe":
+            results["own_exchange"] = _own_exchange(cfg, kind, world, ids, want)
         if kind == "mixtral":  # Dynamo alone (no backend compiles) on transformers' exchange
             torch._dynamo.reset()
             own = hf_moe_ep.build(cfg, kind, "all_to_all", world)
             results["own_exchange_breaks"] = torch._dynamo.explain(own)(ids).graph_break_count
     return results
+
+
+def _own_exchange(cfg, kind: str, world: int, ids, want: list) -> dict:
+    """transformers' own exchange compiled by ditron (Dynamo breaks it into several graphs): its
+    numbers against the same exchange run eagerly, the ditron ops of every graph, the reasons of
+    the collectives left, and how many of those have no line of their own in the log."""
+    from ditron_inductor.log_names import LOGGER_NAME
+    from ditron_inductor.lowering import graph_pass
+    from tests import hf_moe_ep
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(LOGGER_NAME)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        torch._dynamo.reset()
+        graph_pass.reports.clear()
+        model = hf_moe_ep.build(cfg, kind, "all_to_all", world)
+        got = _step(torch.compile(model, backend="ditron", dynamic=False), ids)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    reports = list(graph_pass.reports)
+    errors = []
+    for name, a, b in zip(("logits", "router grad", "gate_up grad", "down grad"), got, want):
+        errors += _far(f"{kind} own exchange {name}", a, b, BF16_TOL)
+    logged = sum(1 for line in lines
+                 if re.search(r"^graph \S+ \w+: .*\] .*group=\S+ not fused: ", line))
+    return {"errors": errors, "graphs": len(reports),
+            "fused": sorted(c.op for r in reports for c in r.candidates if c.fused),
+            "left": sorted({re.sub(r" \(\w+\)$", "", c.reason) for r in reports for c in r.left}),
+            "unexplained": sum(1 for r in reports for c in r.left if c.kind != "candidate")
+            - logged}
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,6 +132,22 @@ def test_ditron_ep_compiles_whole_and_matches_transformers(kind):
         assert not res["errors"], f"rank {rank}: " + "\n".join(res["errors"])
         # one forward and one backward graph, each MoE layer's two ops rewritten
         assert res["fused"] == {"forward": layers, "backward": layers}, res["fused"]
+
+
+@pytest.mark.slow
+def test_transformers_own_exchange_leaves_every_collective_with_a_reason():
+    """Qwen3-MoE under its EP plan with transformers' own exchange, compiled by ditron: Dynamo
+    breaks the layer at the exchanged counts, so no all-to-all shares a graph with its grouped
+    GEMM and nothing is fused; the numbers match the same exchange run eagerly, and every
+    collective left in every graph has its line in the log."""
+    ranks = _launch()
+    if isinstance(ranks, Exception):
+        raise ranks
+    for rank, res in enumerate(ranks):
+        own = res["own_exchange"]
+        assert not own["errors"], f"rank {rank}: " + "\n".join(own["errors"])
+        assert own["graphs"] > 2 and own["fused"] == [], own
+        assert own["left"] and own["unexplained"] == 0, own
 
 
 def test_unserved_experts_keep_transformers_exchange():
