@@ -12,13 +12,12 @@ logs a reason for every collective it leaves."""
 from __future__ import annotations
 
 import functools
-import logging
-import re
 import warnings
 
 import pytest
 import torch
 
+from tests import ditron_log
 from tests.distributed import run_ranks
 from tests.test_e2e_gloo import RANK_ENV
 from tests.test_moe_gloo import _far
@@ -79,36 +78,22 @@ def _own_exchange(cfg, kind: str, world: int, ids, want: list) -> dict:
     """transformers' own exchange compiled by ditron (Dynamo breaks it into several graphs): its
     numbers against the same exchange run eagerly, the ditron ops of every graph, the reasons of
     the collectives left, and how many of those have no line of their own in the log."""
-    from ditron_inductor.log_names import LOGGER_NAME
     from ditron_inductor.lowering import graph_pass
     from tests import hf_moe_ep
 
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(LOGGER_NAME)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        torch._dynamo.reset()
-        graph_pass.reports.clear()
+    torch._dynamo.reset()
+    graph_pass.reports.clear()
+    with ditron_log.captured() as lines:
         model = hf_moe_ep.build(cfg, kind, "all_to_all", world)
         got = _step(torch.compile(model, backend="ditron", dynamic=False), ids)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     reports = list(graph_pass.reports)
     errors = []
     for name, a, b in zip(("logits", "router grad", "gate_up grad", "down grad"), got, want):
         errors += _far(f"{kind} own exchange {name}", a, b, BF16_TOL)
-    logged = sum(1 for line in lines
-                 if re.search(r"^graph \S+ \w+: .*\] .*group=\S+ not fused: ", line))
     return {"errors": errors, "graphs": len(reports),
             "fused": sorted(c.op for r in reports for c in r.candidates if c.fused),
-            "left": sorted({re.sub(r" \(\w+\)$", "", c.reason) for r in reports for c in r.left}),
-            "unexplained": sum(1 for r in reports for c in r.left if c.kind != "candidate")
-            - logged}
+            "left": sorted({ditron_log.reason(c) for r in reports for c in r.left}),
+            "unexplained": ditron_log.unexplained(reports, lines)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,14 +13,13 @@ saved for backward) fused whole, its outputs and input gradients against Inducto
 from __future__ import annotations
 
 import functools
-import logging
-import re
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import ditron_log
 from tests.distributed import run_ranks
 from tests.test_e2e_gloo import RANK_ENV
 
@@ -92,7 +91,7 @@ def _graphs(reports) -> list:
     """Per graph: its name's kind, the ditron ops fused, and (kind, reason) per collective left,
     node names dropped from the reasons."""
     return [(r.graph.split()[-1], sorted(c.op for c in r.candidates if c.fused),
-             sorted((c.kind, re.sub(r" \(\w+\)$", "", c.reason)) for c in r.left))
+             sorted((c.kind, ditron_log.reason(c)) for c in r.left))
             for r in reports]
 
 
@@ -109,16 +108,9 @@ def _far(got: dict, want: dict) -> list[str]:
 
 
 def qwen3_ranks(rank: int, world: int) -> dict:
-    from ditron_inductor.log_names import LOGGER_NAME
     from ditron_inductor.lowering import graph_pass
 
     warnings.filterwarnings("ignore")
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
     ids = torch.randint(0, QWEN3["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     results = {}
     runs = [("inference", "Qwen3", False), ("training", "Qwen3", True)] + [
@@ -126,18 +118,14 @@ def qwen3_ranks(rank: int, world: int) -> dict:
     for step, family, train in runs:
         torch._dynamo.reset()
         graph_pass.reports.clear()
-        lines.clear()
-        want = _step(_model(world, family), ids, train)
-        got = _step(torch.compile(_model(world, family), backend="ditron", dynamic=False), ids,
-                    train)
+        with ditron_log.captured() as lines:
+            want = _step(_model(world, family), ids, train)
+            got = _step(torch.compile(_model(world, family), backend="ditron", dynamic=False),
+                        ids, train)
         reports = list(graph_pass.reports)
-        # a line per left collective no candidate holds: "<layer>: <collective> not fused: why"
-        logged = sum(1 for line in lines if re.search(r"^graph \S+ \w+: .*\] .*group=\S+ not "
-                                                      r"fused: ", line))
         results[step] = {
             "errors": _far(got, want), "graphs": _graphs(reports),
-            "unexplained": sum(1 for r in reports for c in r.left if c.kind != "candidate")
-            - logged,
+            "unexplained": ditron_log.unexplained(reports, lines),
             "notes": [line.split(": ")[-1] for line in lines if "stay with Inductor" in line]}
     results["training_norm"] = _training_norm()
     return results
