@@ -37,6 +37,7 @@ from .scheduler.task import (
     scaled_mm_reduce_scatter_task,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
+    MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
@@ -105,6 +106,8 @@ def task_of(op: str, *args):
 _TASK_BUILDERS: dict[str, Callable] = {
     ALL_GATHER_MATMUL: all_gather_matmul_task,
     MATMUL_REDUCE_SCATTER: functools.partial(matmul_terms_task, MATMUL_REDUCE_SCATTER),
+    MATMUL_ALL_GATHER: lambda a, b, bias, out_shape, gather_dim, *group: matmul_collective_task(
+        MATMUL_ALL_GATHER, a, b, bias, out_shape, gather_dim, None, *group),
     MATMUL_ALL_REDUCE: lambda a, b, bias, out_shape, reduce_op, *group: matmul_terms_task(
         MATMUL_ALL_REDUCE, a, b, bias, out_shape, 0, reduce_op, *group),
     MATMUL_ALL_REDUCE_RMSNORM:
@@ -275,6 +278,28 @@ matmul_reduce_scatter = _fused_op(
     MATMUL_REDUCE_SCATTER, "(Tensor[] a, Tensor[] b, Tensor? bias, SymInt[] out_shape, "
     "SymInt scatter_dim, str reduce_op, str group_name, SymInt world_size, str plan) -> Tensor",
     matmul_reduce_scatter_reference, _matmul_reduce_scatter_fake)
+
+
+# ------------------------------------------------------------------------ matmul -> all-gather
+
+
+def matmul_all_gather_reference(a, b, bias, out_shape, gather_dim, group_name, world_size):
+    return _all_gather(_as_nd(_matmul(a, b, bias), out_shape), gather_dim, group_name, world_size)
+
+
+def _matmul_all_gather_fake(a, b, bias, out_shape, gather_dim, group_name, world_size, plan):
+    shape = _full_shape(a, b, out_shape)
+    shape[gather_dim] = shape[gather_dim] * world_size
+    return a.new_empty(shape)
+
+
+# a @ b (+ bias) viewed as `out_shape` (empty: the 2-d product), all-gathered along
+# `gather_dim`: the output of a column-parallel layer gathered (lm_head), or the input gradient
+# of a row-parallel layer whose input was split.
+matmul_all_gather = _fused_op(
+    MATMUL_ALL_GATHER, "(Tensor a, Tensor b, Tensor? bias, SymInt[] out_shape, "
+    "SymInt gather_dim, str group_name, SymInt world_size, str plan) -> Tensor",
+    matmul_all_gather_reference, _matmul_all_gather_fake)
 
 
 # ---------------------------------------------------------------------------- matmul -> all-reduce

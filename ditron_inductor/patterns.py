@@ -6,6 +6,8 @@ ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 MATMUL_ALL_REDUCE = "matmul_all_reduce"
 MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
+# a matmul whose output is gathered (colwise_gather_output layers, lm_head)
+MATMUL_ALL_GATHER = "matmul_all_gather"
 # expert parallelism (lowering/moe.py): dispatch -> grouped GEMMs, grouped GEMMs -> combine
 ALL_TO_ALL_GROUPED_MM = "all_to_all_grouped_mm"
 GROUPED_MM_ALL_TO_ALL = "grouped_mm_all_to_all"
@@ -16,5 +18,5 @@ SCALED_MM_REDUCE_SCATTER = "scaled_mm_reduce_scatter"
 SCALED_MM_ALL_REDUCE = "scaled_mm_all_reduce"
 SCALED_MM_PATTERNS = (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE)
 PATTERNS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-            MATMUL_ALL_REDUCE_RMSNORM) + MOE_PATTERNS + SCALED_MM_PATTERNS
+            MATMUL_ALL_REDUCE_RMSNORM, MATMUL_ALL_GATHER) + MOE_PATTERNS + SCALED_MM_PATTERNS
 REDUCE_SCATTER_PATTERNS = (MATMUL_REDUCE_SCATTER, SCALED_MM_REDUCE_SCATTER)

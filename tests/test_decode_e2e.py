@@ -28,8 +28,9 @@ ARGV = ["--device", "cpu", "--tiny", "--contenders", "eager,ditron", "--params",
 BATCH, NEW_TOKENS = 2, 6  # --tiny's
 COMPILED = [("ditron", "dtensor"), ("ditron", "local")]
 # o_proj's and down_proj's all-reduce in each of the 2 layers, with the residual add and the
-# RMSNorm that follows: the decode step's graph is the prefill's at S 1
-DECODE_SITES = ["matmul_all_reduce_rmsnorm"] * 4
+# RMSNorm that follows, and lm_head's gathered logits: the decode step's graph is the prefill's
+# at S 1
+DECODE_SITES = ["matmul_all_reduce_rmsnorm"] * 4 + ["matmul_all_gather"]
 
 
 def decode_ranks(rank: int, world_size: int) -> dict:
@@ -139,7 +140,7 @@ def test_benchmark_report(tmp_path, capsys):
     rows = {tuple(line.split(" | ")[3:5]): line for line in table[4:]}
     assert set(rows) == {(p, c) for p in ("dtensor", "local") for c in ("eager", "ditron")}
     assert rows["dtensor", "eager"].endswith("| reference | 0 / 0 | - |")
-    assert rows["local", "ditron"].endswith("| = eager/dtensor | 1 / 0 | forward 4 |")
+    assert rows["local", "ditron"].endswith("| = eager/dtensor | 1 / 0 | forward 5 |")
     assert ("| outside AOTAutograd (Module call, Dynamo's guards) | AOTAutograd wrappers | "
             "Inductor's call |") in text
     assert "cProfile of 2 bare steps" in text and "cProfile of one generate() call" in text

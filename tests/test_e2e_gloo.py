@@ -30,6 +30,7 @@ AG = "all_gather_matmul"
 RS = "matmul_reduce_scatter"
 AR = "matmul_all_reduce"
 AR_NORM = "matmul_all_reduce_rmsnorm"
+MAG = "matmul_all_gather"
 RTOL, ATOL = 1e-4, 1e-5
 THIS = "tests.test_e2e_gloo"
 RANK_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -37,7 +38,7 @@ TIMEOUT_S = 300
 # torch 2.11's Dynamo does not put funcol.all_gather_tensor(x, gather_dim != 0) in a graph at all
 # (torch._dynamo.explain: 0 graphs; the gather runs eagerly), so nothing reaches the pass there.
 GATHER_DIM_TRACED = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
-NEEDS_GATHER_DIM = {"ag_dim1", "ag_dim1_single", "ag_qkv"}
+NEEDS_GATHER_DIM = {"ag_dim1", "ag_dim1_single", "ag_qkv", "mag_dim2"}
 
 # ------------------------------------------------------------------------------------ rank side
 
@@ -144,6 +145,11 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
     def ar(x, w):
         return funcol.all_reduce(F.linear(x, w), "sum", g)
 
+    def mag(dim):  # a column-parallel layer's output gathered (lm_head: dim 2)
+        def f(x, w, b):
+            return funcol.all_gather_tensor(F.linear(x, w, b), dim, g)
+        return f
+
     def ar_rmsnorm(norm):  # inference: row-parallel layer, residual add, RMSNorm
         def f(x, w, res, nw):
             h = funcol.all_reduce(F.linear(x, w), "sum", g) + res
@@ -181,6 +187,8 @@ def funcol_ranks(rank: int, world_size: int) -> dict:
         "rs_sum_of_matmuls": lambda: _fwd_bwd(rs_sum_of_matmuls, [
             xw, w, _randn(B, S * world_size, 8, seed=210 + rank), _randn(N, 8, seed=9)]),
         "ar_sum": lambda: _fwd_bwd(ar, [x, w]),
+        "mag_dim0_bias": lambda: _fwd_bwd(mag(0), [x, w, b]),
+        "mag_dim2": lambda: _fwd_bwd(mag(2), [x, w, b]),
         "ar_rmsnorm_hf": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_hf), bf16, grads=False),
         "ar_rmsnorm_fp32_weight": lambda: _fwd_bwd(ar_rmsnorm(rmsnorm_fp32_weight), bf16,
                                                    grads=False),
@@ -209,6 +217,9 @@ FUNCOL_EXPECTED = {
     # gradient feeds both input gradients
     "rs_sum_of_matmuls": {"forward": [RS], "backward": [AG]},
     "ar_sum": {"forward": [AR]},
+    # backward: the gradient reduce-scattered, then its matmuls (no ditron op)
+    "mag_dim0_bias": {"forward": [MAG]},
+    "mag_dim2": {"forward": [MAG]},
     "ar_rmsnorm_hf": {"forward": [AR_NORM]},
     "ar_rmsnorm_fp32_weight": {"forward": [AR_NORM]},
     "ar_rmsnorm_functional": {"forward": [AR_NORM]},
@@ -216,7 +227,8 @@ FUNCOL_EXPECTED = {
 }
 # On 4 ranks, the checks whose rewrite depends on the world size: the rank-major reorders of a
 # gather or scatter on dim 1 (one piece per rank), a sum's terms, and one all-reduce + norm.
-FOUR_RANK_CHECKS = ("ag_dim1", "ag_qkv", "rs_dim1_sum", "rs_sum_of_matmuls", "ar_rmsnorm_hf")
+FOUR_RANK_CHECKS = ("ag_dim1", "ag_qkv", "rs_dim1_sum", "rs_sum_of_matmuls", "ar_rmsnorm_hf",
+                    "mag_dim2")
 
 
 # DTensor tensor-parallel plans.

@@ -156,29 +156,34 @@ FUSED = "reference plan (decomposed collective + matmul)"  # on CPU every fused 
 
 # Per layer, forward: the attention input's gather feeds q/k/v (one op), o_proj's output is
 # reduce-scattered, the MLP input's gather feeds gate/up, down_proj's output is reduce-scattered;
-# then lm_head's input gather. Backward, from the last layer: the gradient of lm_head's input is
+# then lm_head's input gather, and its output's gather (the logits replicated), which the input
+# gather's op holds already. Backward, from the last layer: the gradient of lm_head's input is
 # reduce-scattered (its matmul fused), each reduce-scattered output's gradient is gathered into
 # the down/o input gradient matmul (fused; the weight gradient reads the gathered output), and
 # the input gradients of gate/up and of q/k/v, sums of two and three matmul products, are
 # reduce-scattered by one op each, which takes the products' operands as its terms.
-SEQUENCE_PARALLEL_SITES = {
+LOSS_PARALLEL_SITES = {
     "forward": [(AG, True, FUSED), (RS, True, FUSED), (AG, True, FUSED), (RS, True, FUSED)] * 2
     + [(AG, True, FUSED)],
     "backward": [(RS, True, FUSED)]
     + [(AG, True, FUSED), (RS, True, FUSED), (AG, True, FUSED), (RS, True, FUSED)] * 2,
 }
+SEQUENCE_PARALLEL_SITES = {
+    **LOSS_PARALLEL_SITES, "forward": LOSS_PARALLEL_SITES["forward"] + [
+        ("matmul_all_gather", False, "mm already belongs to an earlier ditron op")]}
 SUMS_PER_LAYER = ["2 matmul products summed", "3 matmul products summed"]
 # Inference: o_proj's and down_proj's all-reduce, each with the residual add and the RMSNorm
-# that follows (the next norm of the layer, or the model's final norm).
-TENSOR_PARALLEL_SITES = {"forward": [(AR + "_rmsnorm", True, FUSED)] * 4}
+# that follows (the next norm of the layer, or the model's final norm); lm_head's gathered logits.
+TENSOR_PARALLEL_SITES = {"forward": [(AR + "_rmsnorm", True, FUSED)] * 4
+                         + [("matmul_all_gather", True, FUSED)]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload, expected", [
     ("train", SEQUENCE_PARALLEL_SITES),
     ("sp_b2", SEQUENCE_PARALLEL_SITES),
-    # the logits' gather was never a site: the sites stay as they were
-    ("loss_parallel", SEQUENCE_PARALLEL_SITES),
+    # no logits' gather
+    ("loss_parallel", LOSS_PARALLEL_SITES),
     ("infer", TENSOR_PARALLEL_SITES),
 ])
 def test_every_site_fused_or_left_alone_with_its_reason(workload, expected):
@@ -196,6 +201,10 @@ def test_sequence_parallel_sites_take_the_layout_of_the_fused_kernels(workload):
     reordered = "rank-major rows reordered in the graph"
     for res in _rank_results():
         tasks = res[workload]["ditron"]["tasks"]
+        # the logits' gather (on the vocabulary dim, no rows to reorder) is held by lm_head's AG
+        gathered = [t for t in tasks if t.startswith("matmul_all_gather")]
+        assert len(gathered) == 1 and gathered[0].endswith(" dim=2"), tasks
+        tasks = [t for t in tasks if not t.startswith("matmul_all_gather")]
         assert len(tasks) == 18, tasks
         assert all((reordered in t) == (workload == "sp_b2") for t in tasks), tasks
         sums = [s for t in tasks for s in SUMS_PER_LAYER if s in t]

@@ -447,6 +447,73 @@ return matmul_reduce_scatter_default
 """)
 
 
+class MatmulAllGatherTest(TestCase):
+    def test_column_parallel_output_gathered_on_the_last_dim(self):
+        # lm_head's colwise_gather_output: [B, S, V/W] gathered on dim 0, split + cat to dim 2
+        with fake_group(2) as g:
+            gm = trace(lambda x, w: all_gather(F.linear(x, w).view(2, 4, 8), 2, g),
+                       randn(8, 16), randn(8, 16))
+            report = rewrite(gm)
+        self.assertEqual([(c.task, c.fused) for c in report.candidates], [
+            ("matmul_all_gather M=8 K=16 N=8 float32 world=2 group=0 dim=2", True)])
+        self.assertEqual(report.left, ())
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(w_1, [1, 0])
+matmul_all_gather_default = matmul_all_gather(x_1, permute, None, [2, 4, 8], 2, '0', 2, '{"impl": "reference"}')
+return matmul_all_gather_default
+""")
+
+    def test_rows_gathered_with_bias(self):
+        with fake_group(4) as g:
+            gm = trace(lambda x, w, b: all_gather(F.linear(x, w, b), 0, g),
+                       randn(6, 16), randn(8, 16), randn(8))
+            report = rewrite(gm)
+        self.assertTrue(report.candidates[0].fused)
+        self.assertExpectedInline(graph_text(gm), """\
+permute = permute(w_1, [1, 0])
+matmul_all_gather_default = matmul_all_gather(x_1, permute, b_1, [], 0, '0', 4, '{"impl": "reference"}')
+return matmul_all_gather_default
+""")
+
+    def test_a_gathered_activation_that_feeds_a_matmul_goes_to_all_gather_matmul(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, w1, w2: all_gather(x @ w1, 0, g) @ w2,
+                       randn(4, 8), randn(8, 8), randn(8, 8))
+            report = rewrite(gm)
+        self.assertEqual([c.op for c in report.candidates], ["all_gather_matmul"])
+
+    def test_a_gathered_sum_of_products_is_left_with_the_fusion_no_op_does(self):
+        with fake_group(2) as g:
+            gm = trace(lambda x, y, w: all_gather(x @ w + y @ w, 0, g),
+                       randn(4, 8), randn(4, 8), randn(8, 8))
+            report = rewrite(gm)
+        self.assertEqual(report.candidates, ())
+        self.assertEqual([(c.kind, c.reason) for c in report.left], [
+            ("beside", "no ditron op for mm -> add -> all_gather (mm)")])
+
+    def test_product_used_elsewhere_or_raw_gather_used_elsewhere_is_left_with_why(self):
+        def product_kept(x, w):
+            y = x @ w
+            return all_gather(y, 0, g), y.sum()
+
+        def raw_kept(x, w):
+            raw = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_gather_into_tensor(x @ w, 2, g.group_name))
+            return torch.cat(raw.split(4), 1), raw.sum()
+
+        for fn, reason in ((product_kept, "the matmul result mm is also used by sum"),
+                           (raw_kept, "the raw all-gather output wait_tensor is also used by "
+                                      "sum")):
+            with fake_group(2) as g:
+                gm = trace(fn, randn(4, 8), randn(8, 8))
+                before = graph_text(gm)
+                report = rewrite(gm)
+            self.assertEqual(graph_text(gm), before)
+            self.assertEqual([(c.op, c.fused) for c in report.candidates],
+                             [("matmul_all_gather", False)])
+            self.assertIn(reason, report.candidates[0].reason)
+
+
 class LeftAloneTest(TestCase):
     """Shapes that match but must not be rewritten: the graph stays as it was, with a reason."""
 

@@ -409,6 +409,35 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     assert named.small_expert_rows == named.library_rows == named.library_combine_rows == 0
 
 
+def test_matmul_all_gather_keeps_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4):
+    """Not measured on several ranks: cuBLAS + NCCL on CUDA, the reference op on CPU; forced,
+    the fused plan's GEMM in row chunks by M."""
+    from ditron_inductor.runtime.matmul_all_gather import chunk_bounds
+    from ditron_inductor.scheduler.plan import MatmulAllGatherPlan
+    from ditron_inductor.scheduler.task import MATMUL_ALL_GATHER, matmul_collective_task
+
+    a, b = torch.empty(4096, 4096, dtype=torch.bfloat16), torch.empty(4096, 64128,
+                                                                       dtype=torch.bfloat16)
+    task = matmul_collective_task(MATMUL_ALL_GATHER, a, b, None, [2, 2048, 64128], 2, None, "0",
+                                  4)
+    assert task.describe() == ("matmul_all_gather M=4096 K=4096 N=64128 bfloat16 world=4 "
+                               "group=0 dim=2")
+    assert decide(task).plan.impl == REFERENCE  # on CPU
+    on_cuda = dataclasses.replace(task, device_type="cuda")
+    d = decide(on_cuda)
+    assert not d.fuse and "not measured on several ranks yet" in d.reason
+    d = decide(on_cuda, config.Options(force_plan="fused"))
+    assert d.fuse and isinstance(d.plan, MatmulAllGatherPlan) and d.plan.chunks == 4
+    assert decode(d.plan.encode()) == d.plan
+    assert decide(dataclasses.replace(on_cuda, m=1536), config.Options(force_plan="fused")
+                  ).plan.chunks == 1
+    # chunks start on a multiple of 128 rows where the rows allow; none is empty
+    assert chunk_bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert chunk_bounds(1000, 4) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    assert chunk_bounds(6, 4) == [(0, 2), (2, 4), (4, 6)]
+    assert chunk_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
+
+
 @pytest.mark.parametrize("rows, experts, small_expert_rows, block_m", [
     (128 * 8, 8, 128, 64), (128 * 8 + 1, 8, 128, 128), (16, 128, 128, 64), (16, 128, 0, 128),
     (64, 0, 128, 128)])

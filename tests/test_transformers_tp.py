@@ -26,7 +26,7 @@ from tests.test_e2e_gloo import RANK_ENV
 tensor_parallel = pytest.importorskip("transformers.distributed.tensor_parallel")
 
 THIS = "tests.test_transformers_tp"
-AR, AR_NORM = "matmul_all_reduce", "matmul_all_reduce_rmsnorm"
+AR, AR_NORM, MAG = "matmul_all_reduce", "matmul_all_reduce_rmsnorm", "matmul_all_gather"
 QWEN3 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
              use_cache=False)
@@ -175,16 +175,16 @@ def _launch():
 # Per graph (kind, the ditron ops, the collectives left, each sorted). One decoder layer: the
 # all-reduces of o_proj and down_proj take the norm after them (post_attention_layernorm, the
 # final norm); the embedding's all-reduce (embedding_rowwise) has no matmul beside it; lm_head's
-# output gather (colwise_gather_output) has no ditron op. In training the partitioner saves o_proj's
-# all-reduced sum itself for backward, which the op does not return: its norm stays with
+# output gather (colwise_gather_output) is a matmul_all_gather. In training the partitioner saves
+# o_proj's all-reduced sum itself for backward, which the op does not return: its norm stays with
 # Inductor. Backward: the input gradients of the column-parallel layers (q/k/v and gate/up, each
 # a sum of products, lm_head's) are all-reduced.
 EMBEDDING = ("apart", "no matmul beside it (what it sends comes from index_put)")
-LM_HEAD = ("beside", "no ditron op for mm -> all_gather")
 # Phi-3: o_proj and down_proj all-reduce (rowwise_split_input) with their norms; the gathers of
-# qkv_proj's and gate_up_proj's outputs have no ditron op, as lm_head's; in training o_proj's norm
-# stays with Inductor as Qwen3's, and backward all-reduces the input gradients of qkv_proj,
-# gate_up_proj and lm_head and gathers those of down_proj and o_proj (their split inputs).
+# qkv_proj's and gate_up_proj's outputs are matmul_all_gathers, as lm_head's; in training
+# o_proj's norm stays with Inductor as Qwen3's, and backward all-reduces the input gradients of
+# qkv_proj, gate_up_proj and lm_head and gathers those of down_proj and o_proj (their split
+# inputs): two more matmul_all_gathers.
 # Qwen3-MoE: o_proj's all-reduce takes post_attention_layernorm (training: alone, as Qwen3's);
 # the experts' all-reduce (moe_tp_experts) follows a grouped GEMM and the weighted sum of the
 # experts' rows, which no ditron op takes yet (issue 57 item 2), nor in backward the all-reduce
@@ -198,13 +198,13 @@ MOE_GRAD = ("beside", "no ditron op for transformers::grouped_mm_fallback_backwa
                       "-> all_reduce")
 ROUTING_GRAD = ("apart", "no matmul beside it (what it sends comes from index_put)")
 EXPECTED = {
-    "inference": [("forward", [AR_NORM, AR_NORM], [EMBEDDING, LM_HEAD])],
-    "training": [("forward", [AR, AR_NORM], [EMBEDDING, LM_HEAD]), ("backward", [AR] * 6, [])],
-    "phi3": [("forward", [AR_NORM, AR_NORM], [EMBEDDING] + [LM_HEAD] * 3)],
-    "phi3_training": [("forward", [AR, AR_NORM], [EMBEDDING] + [LM_HEAD] * 3),
-                      ("backward", [AR] * 3, [LM_HEAD] * 2)],
-    "qwen3_moe": [("forward", [AR_NORM], [EMBEDDING, LM_HEAD, MOE])],
-    "qwen3_moe_training": [("forward", [AR], [EMBEDDING, LM_HEAD, MOE]),
+    "inference": [("forward", [MAG, AR_NORM, AR_NORM], [EMBEDDING])],
+    "training": [("forward", [MAG, AR, AR_NORM], [EMBEDDING]), ("backward", [AR] * 6, [])],
+    "phi3": [("forward", [MAG] * 3 + [AR_NORM, AR_NORM], [EMBEDDING])],
+    "phi3_training": [("forward", [MAG] * 3 + [AR, AR_NORM], [EMBEDDING]),
+                      ("backward", [MAG] * 2 + [AR] * 3, [])],
+    "qwen3_moe": [("forward", [MAG, AR_NORM], [EMBEDDING, MOE])],
+    "qwen3_moe_training": [("forward", [MAG, AR], [EMBEDDING, MOE]),
                            ("backward", [AR] * 4, [ROUTING_GRAD, MOE_GRAD])],
 }
 SAVED_SUM = ("the all-reduced sum {} is also used by the graph's outputs (returned or saved for "

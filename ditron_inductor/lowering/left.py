@@ -4,7 +4,7 @@ A finder that declines a collective returns an `Unmatched` with its reason inste
 Where the collective reaches no matmul through the shapes the finders take, `no_matmul_served`
 looks a few nodes further (upstream of what a collective reduces or gathers, downstream of what
 it gathers or exchanges) for the nearest matmul, and names the kind of fusion that no ditron op
-does ("no ditron op for mm -> all_gather"); none there: "no matmul beside it".
+does ("no ditron op for all_reduce -> mm"); none there: "no matmul beside it".
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ match carries the problem, so that the log names it. Shapes handled (post-grad A
   mm / addmm [-> reshapes to N-d] [-> split/slice on dim d -> cat(dim 0)]
       -> reduce_scatter_tensor -> wait_tensor
   mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
+  mm / addmm [-> reshapes to N-d] -> all_gather_into_tensor -> wait_tensor
+      [-> split/slice on dim 0 -> cat(dim d)]   (where no matmul takes the gathered result)
   all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
 and the same with _scaled_mm (torchao's float8 tensor parallelism): float8 pieces moved as bytes
@@ -28,6 +30,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from ..scheduler.task import (
+    MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
@@ -343,14 +346,18 @@ def _matmuls_not_served(matrices: list[Node]) -> list[tuple[Node, str]]:
 
 @dataclasses.dataclass
 class MatmulCollectiveMatch:
-    op: str  # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM or SCALED_MM_*
+    # MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, MATMUL_ALL_GATHER or
+    # SCALED_MM_*
+    op: str
     collective: Node
     wait: Node
     # One matmul, or a sum's terms (q/k/v's input gradient); the RMSNorm op takes them as one
     # matmul of the operands concatenated along K: sum_i a_i @ b_i = cat(a_i, 1) @ cat(b_i, 0).
     matmuls: list[MatmulUse]
     reshape: Optional[Node]  # product -> N-d activation
-    chunk_cat: Optional[ChunkCat]  # N-d activation -> pieces along scatter_dim stacked on dim 0
+    # reduce-scatter: N-d activation -> pieces along dim stacked on dim 0; all-gather: the
+    # gathered pieces stacked on dim 0 -> concatenated along dim
+    chunk_cat: Optional[ChunkCat]
     dim: int
     reduce_op: str
     group_name: str
@@ -405,6 +412,11 @@ class MatmulCollectiveMatch:
             copied = copied + sum((math.prod(fake(m.weight).shape) for m in self.matmuls), 0)
         return copied
 
+    @property
+    def gathered(self) -> Node:
+        """All-gather: the node of the gathered result the graph uses."""
+        return self.chunk_cat.cat if self.chunk_cat else self.wait
+
     def replaced_nodes(self) -> list[Node]:
         return [m.node for m in self.matmuls]
 
@@ -418,6 +430,9 @@ def find_matmul_collective(collective: Node,
         op = MATMUL_ALL_REDUCE
         inp, reduce_op, group_name = collective.args[:3]
         world_size = group_size(collective.args[2])
+    elif is_call(collective, c10d.all_gather_into_tensor.default):
+        op, reduce_op = MATMUL_ALL_GATHER, None
+        inp, world_size, group_name = collective.args[:3]
     else:
         return None
     waits = list(collective.users)
@@ -425,6 +440,9 @@ def find_matmul_collective(collective: Node,
         return declined(collective, _NOT_ONE_WAIT)
 
     chunk_cat, dim, node = None, 0, inp
+    if op == MATMUL_ALL_GATHER:
+        chunk_cat = match_chunk_cat(waits[0], 0, world_size)
+        dim = chunk_cat.cat_dim if chunk_cat else 0
     if op == MATMUL_REDUCE_SCATTER and is_call(node, aten.cat.default):
         chunk_cat = _chunk_cat_into(node, world_size)
         if chunk_cat is None:
@@ -434,6 +452,10 @@ def find_matmul_collective(collective: Node,
         dim, node = _chunk_dim(node), _chunk_source(node)
     chain, node = _unview(node)  # the collective's side first: it views them as chain[0]
     matmul = as_matmul(node) if isinstance(node, Node) else None
+    if op == MATMUL_ALL_GATHER and (matmul is None or matmul.scaled):
+        # the op gathers one product of mm / addmm: a sum's or a _scaled_mm's has no op
+        return (_no_product(collective, node) if matmul is None
+                else no_matmul_served(collective, waits[0], upstream=True, downstream=False))
     if matmul is not None:
         matmuls, inner = [matmul], []
     else:
@@ -445,6 +467,12 @@ def find_matmul_collective(collective: Node,
     match = MatmulCollectiveMatch(op, collective, waits[0], matmuls, reshape, chunk_cat, dim,
                                   reduce_op, group_name, world_size, views=chain + inner)
     match.problem = _users_problem(match) or _terms_problem(node, matmuls, op)
+    if op == MATMUL_ALL_GATHER and chunk_cat:
+        extra = [u for u in match.wait.users if u not in chunk_cat.inner]
+        if extra:
+            match.problem = match.problem or (
+                f"the raw all-gather output {match.wait.name} is also used by "
+                f"{', '.join(u.name for u in extra)}")
     piece = fake(match.wait).shape
     if op == MATMUL_REDUCE_SCATTER and chunk_cat and _rows_interleave(piece, dim):
         match.row_order, match.scattered_sizes, note = _rank_major(
@@ -478,7 +506,7 @@ def _no_product(collective: Node, node: object) -> Unmatched:
                         "(scale_result)")
     terms, _ = summands(node)
     products = [t for t in terms if as_matmul(_unview(t)[1]) is not None]
-    if len(terms) > 1 and products:
+    if len(terms) > 1 and products and len(products) < len(terms):
         others = [t.name if isinstance(t, Node) else str(t) for t in terms
                   if as_matmul(_unview(t)[1]) is None]
         return declined(collective, f"{node.name} sums matmul products and terms that are none "
@@ -587,7 +615,7 @@ def find_candidates(graph: Graph, patterns=PATTERNS) -> tuple[list, list[Unmatch
     found: list = []
     for node in graph.nodes:
         if is_call(node, c10d.all_gather_into_tensor.default):
-            found.append(find_all_gather_matmul(node))
+            found.append(_all_gather_candidate(node, patterns))
         elif is_call(node, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default):
             found.append(find_matmul_collective(node, patterns))
         elif is_call(node, c10d.all_to_all_single.default):
@@ -597,6 +625,16 @@ def find_candidates(graph: Graph, patterns=PATTERNS) -> tuple[list, list[Unmatch
                                           why=f"no finder takes {op_name(node)}"))
     matches = [m for m in found if m is not None and not isinstance(m, Unmatched)]
     return matches, [m for m in found if isinstance(m, Unmatched)]
+
+
+def _all_gather_candidate(gather: Node, patterns
+                          ) -> AllGatherMatmulMatch | MatmulCollectiveMatch | Unmatched:
+    """The matmuls that take the gathered activation (all_gather_matmul), else the matmul whose
+    output is gathered (matmul_all_gather), else why neither."""
+    after = find_all_gather_matmul(gather)
+    if not isinstance(after, Unmatched):
+        return after
+    return find_matmul_collective(gather, patterns) or after
 
 
 def _exchange_left(node: Node) -> Unmatched:

@@ -18,7 +18,7 @@ from .graph_edit import erase_unused, insert_call, insert_getitem
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
 from .nodes import fake
 from .reorder import SWAP_FIRST_TWO, RowOrder
-from ..scheduler.task import REDUCE_SCATTER_PATTERNS
+from ..scheduler.task import MATMUL_ALL_GATHER, REDUCE_SCATTER_PATTERNS
 
 aten = torch.ops.aten
 ditron = torch.ops.ditron
@@ -78,6 +78,8 @@ def _to_rank_major(graph: Graph, node: Node, order: RowOrder) -> Node:
 
 
 def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
+    if match.op == MATMUL_ALL_GATHER:
+        return _rewrite_matmul_all_gather(graph, match, plan)
     norm, order, mm = match.norm, match.row_order, match.matmul
     lefts = [m.a for m in match.matmuls]
     if order is not None:  # each term's before any concatenation, so its producer can write it so
@@ -123,6 +125,18 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
     erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
                   + match.views + [m.node for m in match.matmuls])
+    return op
+
+
+def _rewrite_matmul_all_gather(graph: Graph, match: MatmulCollectiveMatch, plan: str) -> Node:
+    mm = match.matmul
+    op = insert_call(graph, ditron.matmul_all_gather.default, (
+        mm.a, mm.weight, mm.bias, match.out_shape, match.dim, match.group_name,
+        match.world_size, plan))
+    match.gathered.replace_all_uses_with(op)
+    inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
+    erase_unused(graph, ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
+                  + [match.wait, match.collective] + match.views + [mm.node])
     return op
 
 

@@ -10,6 +10,7 @@ import torch
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
 from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
 from .context import clear_contexts
+from .matmul_all_gather import matmul_all_gather_fused
 from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
 from .reduce_scatter import matmul_reduce_scatter_fused, scaled_mm_reduce_scatter_fused
 from .symm import close_all
@@ -19,6 +20,7 @@ from .symm import close_all
 FUSED_IMPLS = {
     "all_gather_matmul": all_gather_matmul_fused,
     "matmul_reduce_scatter": matmul_reduce_scatter_fused,
+    "matmul_all_gather": matmul_all_gather_fused,
     "matmul_all_reduce": matmul_all_reduce_fused,
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
     "all_gather_scaled_mm": all_gather_scaled_mm_fused,

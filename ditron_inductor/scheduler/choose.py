@@ -2,9 +2,9 @@
 
 AG/RS (launched eagerly): the fastest candidate measured at a near shape on the task's world size
 where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else the link model's fastest where it is
-predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M (policy), kept where the world-1 compute and the link
-model predict it MIN_GAIN faster. FP8 and MoE: where their measurements say (policy). Every
-"no" says why, for the log.
+predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M (policy), kept where the world-1
+compute and the link model predict it MIN_GAIN faster. FP8, MoE and the GEMM + all-gather of its
+output: where their measurements say (policy). Every "no" says why, for the log.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Optional
 from . import calibration, evidence, link_model, policy
 from .candidates import candidate_plan, candidates_for
 from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
-from .plan import TILE_PARAMS, ReduceScatterPlan, family, from_params
-from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_REDUCE,
-                   MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, MOE_PATTERNS,
-                   SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
+from .plan import TILE_PARAMS, MatmulAllGatherPlan, ReduceScatterPlan, family, from_params
+from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_GATHER,
+                   MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER,
+                   MOE_PATTERNS, SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
 from .ranking import best_label, measured_decision, predicted
 
 KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
-_FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-                   MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
-                   *MOE_PATTERNS)
+_FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_GATHER,
+                   MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM,
+                   SCALED_MM_REDUCE_SCATTER, *MOE_PATTERNS)
 
 
 def has_fused_plan(op: str) -> bool:
@@ -168,6 +168,9 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
         return all_reduce_plan(task, cuda_graphs)
     if task.op in MOE_PATTERNS:
         return None, moe_not_fused(task.op)
+    if task.op == MATMUL_ALL_GATHER:
+        return None, (f"the fused GEMM + all-gather is {policy.MATMUL_ALL_GATHER_WHY} "
+                      "(ditron.plan=fused fuses it): cuBLAS + NCCL all-gather")
     if task.op in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
         return all_gather_or_reduce_scatter_plan(task, cuda_graphs)
     # NCCL + cuBLAS, which Inductor can still schedule, rather than an opaque reference op
@@ -193,6 +196,9 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
                                   "library_combine_rows": policy.LIBRARY_COMBINE_ROWS}
         merged = {**rules, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
+    if task.op == MATMUL_ALL_GATHER:
+        merged = {"chunks": policy.matmul_all_gather_chunks(task.m_hint), **params}
+        return from_params(MatmulAllGatherPlan, merged, label="cublas_chunks")
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)
                 if task.sums_terms else policy.all_reduce_params(task))

@@ -6,9 +6,9 @@ graph as the op's string argument (`encode`), so the compiled code (and Inductor
 the decision, and the runtime decodes each distinct text once (`decode`, cached).
 
 Families: `AllGatherPlan` (all-gather + GEMM), `ReduceScatterPlan` (GEMM + reduce-scatter),
-`AllReducePlan` (GEMM + all-reduce, with or without the RMSNorm), `GroupedMmPlan` (the MoE
-ops: all-to-all + the experts' grouped GEMM); `ReferencePlan` for the decomposed collective +
-matmul.
+`MatmulAllGatherPlan` (GEMM + all-gather of its output), `AllReducePlan` (GEMM + all-reduce,
+with or without the RMSNorm), `GroupedMmPlan` (the MoE ops: all-to-all + the experts' grouped
+GEMM); `ReferencePlan` for the decomposed collective + matmul.
 """
 
 from __future__ import annotations
@@ -124,6 +124,20 @@ class ReduceScatterPlan(FusedPlan):
     reduce: str = TORCH
 
     def for_world(self, world: int) -> "ReduceScatterPlan":
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulAllGatherPlan(FusedPlan):
+    """cuBLAS in `chunks` row chunks into my slot of the gathered output (symmetric memory), each
+    chunk pushed by the copy engine into my slot on every peer as soon as it is computed, then
+    the slots concatenated along the gather dim into the output."""
+
+    kind: ClassVar[str] = "matmul_all_gather"
+
+    chunks: int = 0  # 0 until resolved for the rows (matmul_all_gather_chunks)
+
+    def for_world(self, world: int) -> "MatmulAllGatherPlan":
         return self
 
 
@@ -255,17 +269,18 @@ def family(plan: FusedPlan) -> str:
     engine and what moves the data, beside what the tile parameters change."""
     if isinstance(plan, AllReducePlan):
         return plan.algo + (f"+overlap:{plan.gemm}" if plan.overlap else "")
-    if isinstance(plan, ReduceScatterPlan):
+    if isinstance(plan, (ReduceScatterPlan, MatmulAllGatherPlan)):
         return CUBLAS
     if isinstance(plan, GroupedMmPlan):
         return "grouped_mm"
     return plan.gemm
 
 
-Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, AllReducePlan, GroupedMmPlan]
+Plan = Union[ReferencePlan, AllGatherPlan, ReduceScatterPlan, MatmulAllGatherPlan,
+             AllReducePlan, GroupedMmPlan]
 REFERENCE_PLAN = ReferencePlan()
-PLAN_TYPES = {cls.kind: cls for cls in (AllGatherPlan, ReduceScatterPlan, AllReducePlan,
-                                        GroupedMmPlan)}
+PLAN_TYPES = {cls.kind: cls for cls in (AllGatherPlan, ReduceScatterPlan, MatmulAllGatherPlan,
+                                        AllReducePlan, GroupedMmPlan)}
 
 
 def default_groups(world: int) -> tuple[int, ...]:

@@ -87,6 +87,20 @@ def cublas_all_reduce_params(task: Task) -> dict:
     return params
 
 
+# ------------------------------------------------------ GEMM + all-gather of its output
+# Measured at world size 1 only (the chunked GEMM and the concatenation beside cuBLAS and the
+# cat the graph runs anyway): the graph keeps cuBLAS + NCCL unless ditron.plan=fused.
+MATMUL_ALL_GATHER_WHY = "not measured on several ranks yet"
+# Its GEMM's row chunks: each chunk's push runs beside the next chunk's GEMM, the last one's
+# exposed; one chunk per MATMUL_ALL_GATHER_CHUNK_ROWS rows, at most MATMUL_ALL_GATHER_MAX_CHUNKS,
+# so that each chunk's GEMM keeps cuBLAS's full rate.
+MATMUL_ALL_GATHER_CHUNK_ROWS, MATMUL_ALL_GATHER_MAX_CHUNKS = 1024, 4
+
+
+def matmul_all_gather_chunks(m: int) -> int:
+    return max(1, min(MATMUL_ALL_GATHER_MAX_CHUNKS, m // MATMUL_ALL_GATHER_CHUNK_ROWS))
+
+
 # --------------------------------------------------------------- FP8: the scaled ops
 # The all-gather's and reduce-scatter's cuBLAS plans, each GEMM a _scaled_mm, are measured end
 # to end only, on 2 ranks from 8192 rows launched eagerly, where the float8 training step with

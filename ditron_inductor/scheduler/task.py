@@ -20,6 +20,7 @@ from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Ta
     ALL_GATHER_SCALED_MM,
     ALL_TO_ALL_GROUPED_MM,
     GROUPED_MM_ALL_TO_ALL,
+    MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
@@ -35,8 +36,9 @@ SymOrInt = Union[int, torch.SymInt]
 @dataclasses.dataclass(frozen=True)
 class Task:
     """One collective + matmul: [m, k] @ [k, n] for each n in ns, m the rows gathered from all
-    ranks (all-gather) or the local matmul's (reduce-scatter, all-reduce); dim the gather/scatter
-    dim of the N-d activation, dim_size its full length. rank_chunks_contiguous: each rank's chunk
+    ranks (all-gather) or the local matmul's (reduce-scatter, all-reduce, and the matmul whose
+    output is all-gathered); dim the gather/scatter dim of the N-d activation, dim_size its full
+    length (reduce-scatter). rank_chunks_contiguous: each rank's chunk
     is one block of consecutive rows of [m, k], the layout the fused kernels take.
 
     For the cost model: rows_reordered, the graph permutes rank-major rows around the op; terms,
@@ -158,8 +160,8 @@ def all_gather_matmul_task(a_shard, weights, biases, gather_dim: int, group_name
 
 def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: str,
                            group_name: str, world_size: int) -> Task:
-    """A matmul, then a reduce-scatter (along `dim` of `out_shape`, empty: the 2-d product) or
-    an all-reduce (+ residual + RMSNorm)."""
+    """A matmul, then a reduce-scatter (along `dim` of `out_shape`, empty: the 2-d product), an
+    all-gather (along `dim`) or an all-reduce (+ residual + RMSNorm)."""
     shape = list(out_shape) if len(out_shape) else [a.shape[0], b.shape[1]]
     return Task(
         op=op, group_name=group_name, world_size=world_size, m=a.shape[0], k=a.shape[1],

@@ -35,7 +35,7 @@ def _plan(op: str, world: int, m: int, k: int, n: int, **params) -> str:
     return plan_for(task, **params).encode()
 
 
-AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+AG, RS, MAG = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_gather"
 
 
 AG_PLANS = [
@@ -53,9 +53,9 @@ RS_PLANS = [dict(reduce="triton"), dict()]  # dict(): the defaults (the sum by t
 
 def _served() -> dict:
     """Calls served by the fused paths so far, by op."""
-    from ditron_inductor.runtime import all_gather, reduce_scatter
+    from ditron_inductor.runtime import all_gather, matmul_all_gather, reduce_scatter
 
-    return {**all_gather.stats, **reduce_scatter.stats}
+    return {**all_gather.stats, **reduce_scatter.stats, **matmul_all_gather.stats}
 
 
 def _rel(x, ref):
@@ -162,6 +162,41 @@ def _rs_cases(group_name, world, rank, dtype, gen, calls):
         _check(f"RS dim 1 B={batch}", out, ref)
 
 
+def _mag_cases(group_name, world, dtype, gen, calls):
+    """matmul_all_gather: 2-d rows gathered on dim 0, [B, S, N] on dim 2 (lm_head) and dim 1,
+    bias or none, 1-4 row chunks, `calls` calls in a row checked each; then 8 calls back to back
+    on fresh inputs, checked after the last (a protocol that let a rank overwrite a peer's slot
+    before the peer copied it out would show there)."""
+    from ditron_inductor.ops import matmul_all_gather_reference
+    from ditron_inductor.runtime.matmul_all_gather import stats
+
+    dev = torch.device("cuda")
+    for rows, k, n, shape, dim in ((37, 256, 384, [], 0), (10, 512, 264, [2, 5, 264], 2),
+                                   (300, 128, 128, [3, 100, 128], 1)):
+        for chunks in (1, 2, 4):
+            plan = _plan(MAG, world, rows, k, n, chunks=chunks)
+            for call in range(calls):
+                served = stats[MAG]
+                a = torch.randn(rows, k, generator=gen, device=dev, dtype=dtype)
+                b = torch.randn(k, n, generator=gen, device=dev, dtype=dtype) / k ** 0.5
+                bias = torch.randn(n, generator=gen, device=dev, dtype=dtype) if call % 2 else None
+                out = torch.ops.ditron.matmul_all_gather(a, b, bias, shape, dim, group_name,
+                                                         world, plan)
+                ref = matmul_all_gather_reference(a, b, bias, shape, dim, group_name, world)
+                tag = (f"MAG rows={rows} k={k} n={n} shape={shape} dim={dim} {dtype} "
+                       f"chunks={chunks}")
+                _check(f"{tag} call={call}", out, ref)
+                assert stats[MAG] == served + 1, f"{tag}: served by the reference"
+    b = torch.randn(256, 512, generator=gen, device=dev, dtype=dtype) / 16
+    inputs = [torch.randn(1024, 256, generator=gen, device=dev, dtype=dtype) for _ in range(8)]
+    plan = _plan(MAG, world, 1024, 256, 512, chunks=4)
+    outs = [torch.ops.ditron.matmul_all_gather(a, b, None, [], 0, group_name, world, plan)
+            for a in inputs]
+    for call, (a, out) in enumerate(zip(inputs, outs)):
+        _check(f"MAG back to back call={call}", out,
+               matmul_all_gather_reference(a, b, None, [], 0, group_name, world))
+
+
 def _sum_of_products_cases(group_name, world, gen, calls):
     """The reduce-scatter and the all-reduce of a sum of 2 and 3 matmul products (the input
     gradient of gate/up and q/k/v), the op taking each term's operands: served by every
@@ -249,7 +284,22 @@ def _compiled_case(group_name, world, rank, gen):
     served = _compiled_runs("compiled SP MLP", mlp, (136, 256), gen)
     if world > 1:  # at world size 1 the scheduler fuses nothing, which the case asserts
         _compiled_sequence_parallel_b2_case(group_name, world, gen)
+        _compiled_gathered_output_case(group_name, world, gen)
     return served
+
+
+def _compiled_gathered_output_case(group_name, world, gen):
+    """lm_head under colwise_gather_output: [B, S, V/W] logits gathered along the vocabulary,
+    the ops DTensor leaves for it, served by the fused matmul_all_gather."""
+    c10d = torch.ops._c10d_functional
+    w = torch.randn(256, 384, generator=gen, device="cuda", dtype=torch.bfloat16) / 16
+
+    def head(x):
+        y = c10d.wait_tensor(c10d.all_gather_into_tensor(x @ w, world, group_name))
+        return torch.cat(y.chunk(world, dim=0), dim=2)
+
+    served = _compiled_runs("compiled gathered logits", head, (2, 68, 256), gen)
+    assert served[MAG] >= 3, served
 
 
 def _compiled_sequence_parallel_b2_case(group_name, world, gen):
@@ -297,6 +347,7 @@ def _worker(rank, world, port, backend, calls, result_dir):
         for dtype in (torch.bfloat16, torch.float16):
             _ag_cases(group_name, world, rank, dtype, gen, calls)
             _rs_cases(group_name, world, rank, dtype, gen, calls)
+            _mag_cases(group_name, world, dtype, gen, calls)
         served = _served()
         assert served["all_gather_matmul"] > 0 and served["matmul_reduce_scatter"] > 0, served
         _sum_of_products_cases(group_name, world, gen, calls)
