@@ -40,7 +40,9 @@
 # combine beside the unfused path's, W 2/4/8, one GPU; EP_LOCAL_ARGS adds options),
 # fp8_parity (benchmarks/bench_fp8_parity.py at world size 1: the fp8 AG, RS and AR plans beside
 # _scaled_mm; FP8_PARITY_ARGS adds options), gemv (benchmarks/bench_gemv.py: the decode GEMM
-# template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), decode_gpu (the
+# template against cuBLAS at Llama's decode shapes; GEMV_ARGS adds options), mag
+# (benchmarks/bench_matmul_all_gather.py on every local GPU: the GEMM + all-gather of its output
+# beside cuBLAS + NCCL; MAG_ARGS adds options, e.g. "--tp 2,4,8" on one GPU), decode_gpu (the
 # decode attention and decode GEMM templates' GPU tests, tests/gpu/test_decode_*_gpu.py),
 # decode_attention (benchmarks/bench_decode_attention.py: the template beside SDPA, one GPU),
 # launch_gpu (tests/gpu/test_kernel_launch_gpu.py: a kernel's first launch runs in its
@@ -195,6 +197,8 @@ step_graph_gpu() { timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_step_graph_gpu.py; }
 wait_bound_gpu() { timeout -k 5 300 python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_wait_bound_gpu.py; }
+mag() { timeout -k 5 ${MAG_LIMIT:-300} torchrun --nproc-per-node "$(ranks)" \
+  benchmarks/bench_matmul_all_gather.py --out "$W/matmul_all_gather" ${MAG_ARGS:-}; }
 gemv() { timeout -k 5 ${GEMV_LIMIT:-400} torchrun --nproc-per-node 1 benchmarks/bench_gemv.py \
   --out "$W/gemv" ${GEMV_ARGS:-}; }
 
