@@ -128,7 +128,10 @@ def main(argv=None):
     if dist.get_rank() == 0:
         meta = ranks_meta("bench_matmul_all_gather.py", argv or sys.argv[1:], "cuda",
                           machine=os.environ.get("MACHINE_KIND", ""))
-        write_tables(args.out, meta, rows, _table(rows, args.chunks))
+        title = (f"# GEMM + all-gather of its output ({meta['device']} x{world}, "
+                 f"{meta['date'][:16].replace('T', ' ')} UTC, torch {meta['torch']}; "
+                 f"`{meta['command']}`)")
+        write_tables(args.out, meta, rows, [title, ""] + _table(rows, args.chunks))
     dist.destroy_process_group()
 
 
