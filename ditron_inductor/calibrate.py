@@ -34,13 +34,15 @@ from .scheduler.choose import fused_plan
 from .scheduler.decide import with_options
 from .scheduler.plan import COPY_ENGINE, REFERENCE_PLAN, family
 from .scheduler.policy import COPY_ENGINE_MAX_WORLD, copy_engine_chunks, copy_engine_serves
-from .scheduler.task import (ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM,
-                             MATMUL_REDUCE_SCATTER, Task)
+from .scheduler.task import (ALL_GATHER_MATMUL, MATMUL_ALL_GATHER, MATMUL_ALL_REDUCE,
+                             MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, Task)
 
 COARSE, FINE = (3, 3), (10, 5)  # (calls timed together, repetitions)
 SIZES = [1 << s for s in range(16, 27, 2)]  # the link's messages: 64 KiB to 64 MiB
 SPIN_CYCLES = 20_000_000  # ~10 ms: the device spins while the host queues the timed calls
 AG_RS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
+# the ops whose candidates are timed on every rank beside NCCL + cuBLAS (the measured rows)
+MEASURED_OPS = AG_RS + (MATMUL_ALL_GATHER,)
 _LINE = re.compile(r"(\w+) M=(\d+) K=(\d+) N=([\d,]+) (\w+) world=(\d+) group=")
 
 
@@ -61,14 +63,15 @@ LLAMA = {"8b": Llama(4096, 14336, 32, 8), "70b": Llama(8192, 28672, 64, 8),
 def _task(op: str, world: int, m: int, k: int, ns: tuple, dim: int = 0, terms: int = 1,
           dtype=torch.bfloat16) -> Task:
     return Task(op, "0", world, m, k, ns, dtype, "cuda", dim, m,
-                None if op == ALL_GATHER_MATMUL else "sum", terms=terms)
+                None if op in (ALL_GATHER_MATMUL, MATMUL_ALL_GATHER) else "sum", terms=terms)
 
 
 def llama_sites(model: str, world: int, workload: str, tokens: int,
                 graphs: bool = False) -> list[Site]:
     """Llama's collective + matmul sites at TP `world`, `tokens` rows, as the pass finds them:
     "train" (sequence parallel, the backward's too), else plain TP (o's and down's all-reduce
-    + norm). A backward site multiplies by the weight, a forward one by its transpose."""
+    + norm; launched eagerly, lm_head's gathered logits). A backward site multiplies by the
+    weight, a forward one by its transpose."""
     d = LLAMA[model]
     h, q, kv, mlp = d.hidden, d.hidden // world, d.kv_heads * d.head_dim // world, \
         d.intermediate // world
@@ -86,6 +89,9 @@ def llama_sites(model: str, world: int, workload: str, tokens: int,
              ("q/k/v input-grad scatter", task(rs, q + 2 * kv, (h,), 3), (q, kv, kv)),
              ] if workload == "train" else [("o all-reduce + norm", task(arn, q, (h,))),
                                             ("down all-reduce + norm", task(arn, mlp, (h,)))]
+    if workload == "prefill" and not graphs:  # the logits gathered along the vocabulary
+        found.append(("lm_head logits gather",
+                      _task(MATMUL_ALL_GATHER, world, tokens, h, (d.vocab // world,), 2)))
     return [Site(name, t, *(ks or [()]), "grad" not in name, graphs) for name, t, *ks in found]
 
 
@@ -96,7 +102,7 @@ def sites_of(spec: str, tp: int, tokens: list[int]) -> list[Site]:
         found = {}
         for line in open(spec):
             m = _LINE.search(line)
-            if m and m[1] in (*AG_RS, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+            if m and m[1] in (*MEASURED_OPS, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
                 op, rows, k, ns = m[1], int(m[2]), int(m[3]), tuple(map(int, m[4].split(",")))
                 dim = re.search(r" dim=(\d+)", line)
                 terms = int((re.search(r", (\d+) matmul products summed", line) or [0, 1])[1])
@@ -199,6 +205,8 @@ def _calls(site: Site, group: str, world: int):
     def args(a, ws, residual, weight):
         if op == ALL_GATHER_MATMUL:
             return a, ws, [None] * len(ws), 0
+        if op == MATMUL_ALL_GATHER:  # [1, m, n] gathered on its last dim, or rows on dim 0
+            return (a, ws[0], None, [1, m, ns[0]], 2) if task.dim else (a, ws[0], None, [], 0)
         if op == MATMUL_REDUCE_SCATTER:
             return list(a.split(terms, dim=1)), list(ws[0].split(terms)), None, [], 0, "sum"
         if op == MATMUL_ALL_REDUCE:
@@ -229,7 +237,7 @@ def _norm():
 def _world1_plans(site: Site) -> dict:
     """{plan family: plan text}: what the scheduler may choose at the site."""
     task = site.task
-    if task.op in AG_RS:
+    if task.op in MEASURED_OPS:
         plans = [candidate_plan(task, label) for label in CANDIDATES[task.op]]
     else:
         plans = [fused_plan(task)]
@@ -259,10 +267,10 @@ def _served() -> int:
     """Calls the fused paths served so far (a plan that declines a call runs its reference)."""
     if _device() == "cpu":
         return 0
-    from .runtime import all_gather, all_reduce, reduce_scatter
+    from .runtime import all_gather, all_reduce, matmul_all_gather, reduce_scatter
 
-    return sum(all_gather.stats.values()) + sum(all_reduce.stats.values()) + sum(
-        reduce_scatter.stats.values())
+    return sum(sum(module.stats.values()) for module in (all_gather, all_reduce,
+                                                          matmul_all_gather, reduce_scatter))
 
 
 def _timed(phase: str, rows: list, group: str, world: int, budget_s: float) -> list[dict]:
@@ -334,7 +342,7 @@ def calibrate(sites: list[Site], args) -> dict:
     new["world1_compute"] = dict(sources=[source], rows=w1)
     fused = [(s, {label: with_options(candidate_plan(s.task, label)).encode()
                   for label in CANDIDATES[s.task.op]})
-             for s in sites if s.task.op in AG_RS and s.task.world_size == world > 1]
+             for s in sites if s.task.op in MEASURED_OPS and s.task.world_size == world > 1]
     timed = _timed("fused", fused, dist.group.WORLD.group_name, world, budget_s)
     new["measured_plans"] = dict(sources=[source], rows=[dict(
         op=s.task.op, world=world, dtype=str(s.task.dtype).removeprefix("torch."), m=s.task.m,
@@ -388,8 +396,8 @@ def show() -> None:
         for s in data["sources"]:
             print(f"  run {s['date']} on {s['world']} rank(s): {s['command']}")
         measured = data["measured_plans"]["rows"]
-        print(f"  world-1 compute rows: {len(data['world1_compute']['rows'])}; measured AG/RS "
-              f"rows: {len(measured)} (world sizes {sorted({r['world'] for r in measured})})")
+        print(f"  world-1 compute rows: {len(data['world1_compute']['rows'])}; measured rows: "
+              f"{len(measured)} (world sizes {sorted({r['world'] for r in measured})})")
         for world, constants in sorted(data["link"].items()):
             print(f"  link constants at {world} rank(s): "
                   + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))

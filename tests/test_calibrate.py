@@ -110,9 +110,11 @@ def test_the_command_writes_one_file_every_rank_reads_back():
                                       "nccl_latency_ms"}
     assert [size for size, _ in data["link_points"]["2"]["all_reduce"]] == [65536, 262144,
                                                                           1048576]
-    # the AG/RS candidates timed on both ranks at the training sites, beside NCCL + cuBLAS
+    # the AG/RS candidates timed on both ranks at the training sites, beside NCCL + cuBLAS, and
+    # the GEMM + all-gather's at the prefill's gathered logits
     rows = data["measured_plans"]["rows"]
-    assert {r["op"] for r in rows} == {"all_gather_matmul", "matmul_reduce_scatter"}
+    assert {r["op"] for r in rows} == {"all_gather_matmul", "matmul_reduce_scatter",
+                                       "matmul_all_gather"}
     assert all(r["world"] == 2 and "nccl_cublas" in r["ms"] and len(r["ms"]) > 2 for r in rows)
     # the world-1 compute of each plan family, the all-reduce + norm's among them
     families = {(r[0], r[1]) for r in data["world1_compute"]["rows"]}
@@ -230,7 +232,7 @@ def _calibration(measured=(), world1=(), link=None) -> None:
     """This machine's calibration file with these rows."""
     source = dict(machine="cpu", date="today", command="test")
     path = calibration.calibration_path()
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(
         machine=calibration.machine(), sources=[dict(source, world=2)], link=link or {},
         world1_compute=dict(sources=[source], rows=list(world1)),
@@ -254,6 +256,28 @@ def test_the_calibration_is_read_before_the_shipped_tables(cache):
                    "1.200 ms")
     # a shape the calibration did not measure: the shipped row, as before
     assert "(NVIDIA H200, " in choose.choose_device_plan(_ag(8192, 4096, 3072))[1]
+
+
+def test_a_calibration_on_several_gpus_decides_the_gemm_all_gather(cache):
+    """The shipped tables hold no row of it: the graph keeps cuBLAS + NCCL until a calibration
+    measured a candidate MEASURED_MIN_GAIN faster near the shape, which is then chosen."""
+    head = calibrate.llama_sites("8b", 2, "prefill", 8192)[-1].task  # lm_head's logits gather
+    assert head.describe() == ("matmul_all_gather M=8192 K=4096 N=64128 bfloat16 world=2 "
+                               "group=0 dim=2")
+    plan, why = choose.choose_device_plan(head)
+    assert plan is None and "has no measured row near this shape on 2 ranks" in why
+    row = dict(op="matmul_all_gather", world=2, dtype="bfloat16", m=8192, k=4096, n=64128,
+               source=0, ms=dict(nccl_cublas=7.0, cublas_chunks_1=6.9, cublas_chunks_4=6.5))
+    _calibration([row])
+    plan, why = choose.choose_device_plan(head)
+    assert plan.label == "cublas_chunks_4" and plan.chunks == 4
+    assert why.startswith("fused plan cublas_chunks_4: measured on 2 ranks at 8192x4096x64128 "
+                          "(this machine's calibration")
+    _calibration([dict(row, ms=dict(nccl_cublas=7.0, cublas_chunks_4=6.95))])
+    plan, why = choose.choose_device_plan(head)
+    assert plan is None and why.startswith("no measured gain: ")
+    # replayed from a CUDA graph: the op runs eagerly only
+    assert "replayed from a CUDA graph" in choose.choose_device_plan(head, cuda_graphs=True)[1]
 
 
 def test_the_calibrations_world1_compute_and_link_are_read_first(cache):

@@ -410,8 +410,8 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
 
 
 def test_matmul_all_gather_keeps_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4):
-    """Not measured on several ranks: cuBLAS + NCCL on CUDA, the reference op on CPU; forced,
-    the fused plan's GEMM in row chunks by M."""
+    """No measured row (the shipped tables hold none): cuBLAS + NCCL on CUDA, the reference op
+    on CPU; forced, the fused plan's GEMM in row chunks by M."""
     from ditron_inductor.runtime.matmul_all_gather import chunk_bounds
     from ditron_inductor.scheduler.plan import MatmulAllGatherPlan
     from ditron_inductor.scheduler.task import MATMUL_ALL_GATHER, matmul_collective_task
@@ -425,7 +425,7 @@ def test_matmul_all_gather_keeps_the_graph_on_cuda_unless_a_fused_plan_is_forced
     assert decide(task).plan.impl == REFERENCE  # on CPU
     on_cuda = dataclasses.replace(task, device_type="cuda")
     d = decide(on_cuda)
-    assert not d.fuse and "not measured on several ranks yet" in d.reason
+    assert not d.fuse and "has no measured row near this shape on 4 ranks" in d.reason
     d = decide(on_cuda, config.Options(force_plan="fused"))
     assert d.fuse and isinstance(d.plan, MatmulAllGatherPlan) and d.plan.chunks == 4
     assert decode(d.plan.encode()) == d.plan

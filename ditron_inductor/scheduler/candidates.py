@@ -1,5 +1,5 @@
-"""The registry of the all-gather + GEMM and GEMM + reduce-scatter variants the scheduler can
-choose, by op: label -> Candidate. A label is namespaced by its op (the same label under two ops
+"""The registry of the all-gather + GEMM, GEMM + reduce-scatter and GEMM + all-gather variants
+the scheduler can choose, by op: label -> Candidate. A label is namespaced by its op (the same label under two ops
 names two entries), and every entry says where it may be chosen.
 
 A candidate is a set of parameters of its op's typed plan (plan.py says what each means). The
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .plan import AllGatherPlan, FusedPlan, ReduceScatterPlan, from_params
-from .task import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Task
+from .plan import AllGatherPlan, FusedPlan, MatmulAllGatherPlan, ReduceScatterPlan, from_params
+from .task import ALL_GATHER_MATMUL, MATMUL_ALL_GATHER, MATMUL_REDUCE_SCATTER, Task
 
 # The calibrations' world sizes (evidence/link.json) where a candidate was measured, fused
 # correctly, and in the table the link model was fitted to.
@@ -57,12 +57,15 @@ CANDIDATES: dict[str, dict[str, Candidate]] = {
         "cublas_triton_reduce": Candidate(dict(reduce="triton")),
         "cublas": Candidate(dict(reduce="torch")),
     },
+    # cuBLAS in row chunks, each pushed beside the next chunk's GEMM; no model prices them
+    MATMUL_ALL_GATHER: {f"cublas_chunks_{c}": Candidate(dict(chunks=c), ()) for c in (1, 2, 4)},
 }
-_PLAN_TYPES = {ALL_GATHER_MATMUL: AllGatherPlan, MATMUL_REDUCE_SCATTER: ReduceScatterPlan}
+_PLAN_TYPES = {ALL_GATHER_MATMUL: AllGatherPlan, MATMUL_REDUCE_SCATTER: ReduceScatterPlan,
+               MATMUL_ALL_GATHER: MatmulAllGatherPlan}
 
 
 def candidates_for(task: Task) -> dict[str, Candidate]:
-    """The candidates of the task's op (AG or RS)."""
+    """The candidates of the task's op (AG, RS or the GEMM + all-gather)."""
     return CANDIDATES[task.op]
 
 

@@ -1,10 +1,10 @@
 """The device plan of a task on CUDA: which fused plan, or none (the graph keeps NCCL + cuBLAS).
 
-AG/RS (launched eagerly): the fastest candidate measured at a near shape on the task's world size
-where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else the link model's fastest where it is
-predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M (policy), kept where the world-1
-compute and the link model predict it MIN_GAIN faster. FP8, MoE and the GEMM + all-gather of its
-output: where their measurements say (policy). Every "no" says why, for the log.
+AG/RS and the GEMM + all-gather (launched eagerly): the fastest candidate measured at a near
+shape on the task's world size where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else the link
+model's fastest where it is predicted MIN_GAIN faster (the GEMM + all-gather: measured only). GEMM + all-reduce: the plan by
+M (policy), kept where the world-1 compute and the link model predict it MIN_GAIN faster. FP8
+and MoE: where their measurements say (policy). Every "no" says why, for the log.
 """
 
 from __future__ import annotations
@@ -65,13 +65,9 @@ def all_gather_or_reduce_scatter_plan(task: Task,
     if cuda_graphs:  # the runtime would run the op's reference inside the captured graph
         return None, ("replayed from a CUDA graph: the fused all-gather and reduce-scatter "
                       "count their epochs on the host and run eagerly only: NCCL + cuBLAS")
-    measured = measured_decision(task)
+    measured = _measured_plan(task)
     if measured is not None:
-        if measured.label is None:
-            return None, f"no measured gain: {measured.summary}"
-        plan = _with_prediction(candidate_plan(task, measured.label), measured.unfused_ms,
-                                measured.fused_ms)
-        return plan, f"fused plan {measured.label}: {measured.summary}"
+        return measured
     preds = predicted(task)
     base = preds.pop(evidence.NCCL_CUBLAS)
     best = min(preds, key=preds.get)
@@ -83,6 +79,32 @@ def all_gather_or_reduce_scatter_plan(task: Task,
     if preds[best] * gain > base:
         return None, f"no predicted gain: {summary}"
     return _with_prediction(plan, base, preds[best]), f"fused plan {best}: {summary}"
+
+
+def _measured_plan(task: Task) -> Optional[tuple[Optional[FusedPlan], str]]:
+    """(the fastest candidate measured near the task's shape where it beats NCCL + cuBLAS by
+    MEASURED_MIN_GAIN, else None, and why), or None where no row is near."""
+    measured = measured_decision(task)
+    if measured is None:
+        return None
+    if measured.label is None:
+        return None, f"no measured gain: {measured.summary}"
+    plan = _with_prediction(candidate_plan(task, measured.label), measured.unfused_ms,
+                            measured.fused_ms)
+    return plan, f"fused plan {measured.label}: {measured.summary}"
+
+
+def matmul_all_gather_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[FusedPlan], str]:
+    """From measured rows only (a calibration on several GPUs: the shipped tables hold none)."""
+    if cuda_graphs:
+        return None, ("replayed from a CUDA graph: the fused GEMM + all-gather counts its epochs "
+                      "on the host and runs eagerly only: cuBLAS + NCCL")
+    measured = _measured_plan(task)
+    if measured is not None:
+        return measured
+    return None, (f"the fused GEMM + all-gather has no measured row near this shape on "
+                  f"{task.world_size} ranks ({policy.MATMUL_ALL_GATHER_WHY}; ditron.plan=fused "
+                  "fuses it): cuBLAS + NCCL")
 
 
 def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePlan], str]:
@@ -169,8 +191,7 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
     if task.op in MOE_PATTERNS:
         return None, moe_not_fused(task.op)
     if task.op == MATMUL_ALL_GATHER:
-        return None, (f"the fused GEMM + all-gather is {policy.MATMUL_ALL_GATHER_WHY} "
-                      "(ditron.plan=fused fuses it): cuBLAS + NCCL all-gather")
+        return matmul_all_gather_plan(task, cuda_graphs)
     if task.op in (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER):
         return all_gather_or_reduce_scatter_plan(task, cuda_graphs)
     # NCCL + cuBLAS, which Inductor can still schedule, rather than an opaque reference op

@@ -88,9 +88,11 @@ def cublas_all_reduce_params(task: Task) -> dict:
 
 
 # ------------------------------------------------------ GEMM + all-gather of its output
-# Measured at world size 1 only (the chunked GEMM and the concatenation beside cuBLAS and the
-# cat the graph runs anyway): the graph keeps cuBLAS + NCCL unless ditron.plan=fused.
-MATMUL_ALL_GATHER_WHY = "not measured on several ranks yet"
+# Chosen from measured rows only: the shipped tables hold none (it was measured on one GPU, its
+# chunked GEMM and concatenation beside cuBLAS), so without a calibration on several GPUs the
+# graph keeps cuBLAS + NCCL unless ditron.plan=fused.
+MATMUL_ALL_GATHER_WHY = ("the shipped tables hold none; torchrun -m "
+                         "ditron_inductor.calibrate on several GPUs measures it")
 # Its GEMM's row chunks: each chunk's push runs beside the next chunk's GEMM, the last one's
 # exposed; one chunk per MATMUL_ALL_GATHER_CHUNK_ROWS rows, at most MATMUL_ALL_GATHER_MAX_CHUNKS,
 # so that each chunk's GEMM keeps cuBLAS's full rate.
