@@ -14,7 +14,8 @@ and 8: a training step (sequence parallel), prefill and decode (plain TP), each 
 shapes of its TP degree, run on this GPU. Per row:
   unfused   what the site's graph computes beside its collective without ditron: cuBLAS (`mm`)
             per weight; a sum of matmul products compiled by Inductor (cuBLAS + its add kernel);
-            + residual and RMSNorm compiled by Inductor after cuBLAS (one fused kernel)
+            + residual and RMSNorm compiled by Inductor after cuBLAS (one fused kernel); a
+            gathered product's split + cat (at world size 1 a copy of the product)
   plan      torch.ops.ditron.<op> with the plan the scheduler picks for the site at its TP
             degree ("chosen"; none where it keeps NCCL + cuBLAS), and each variant of --variants
             (calibration), decoded from the plan text as a compiled graph carries it; a sum's
@@ -73,6 +74,7 @@ from ditron_inductor.ops import rms_norm_reference  # noqa: E402
 from ditron_inductor.scheduler.decide import plan_for, with_options  # noqa: E402
 from ditron_inductor.scheduler.task import (  # noqa: E402
     ALL_GATHER_MATMUL,
+    MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE_RMSNORM,
     MATMUL_REDUCE_SCATTER,
 )
@@ -86,6 +88,7 @@ VARIANTS = {
         **{label: AG_CANDIDATES[label] for label in ("tri_tma_128x256", "cublas_1_3_4")},
     },
     MATMUL_REDUCE_SCATTER: dict(RS_CANDIDATES),
+    MATMUL_ALL_GATHER: {label: c.params for label, c in CANDIDATES[MATMUL_ALL_GATHER].items()},
     # push after the GEMM; the prefill plans: beside the persistent Triton GEMM, beside cuBLAS's
     # row chunks; lamport (decode)
     MATMUL_ALL_REDUCE_RMSNORM: {label: EXTRA_PLANS[label][0] for label in
@@ -210,10 +213,11 @@ def served_count() -> int:
     runtime = sys.modules.get("ditron_inductor.runtime")
     if runtime is None:
         return 0
-    from ditron_inductor.runtime import all_gather, all_reduce, reduce_scatter
+    from ditron_inductor.runtime import all_gather, all_reduce, matmul_all_gather, reduce_scatter
 
     return (sum(all_gather.stats.values()) + sum(all_reduce.stats.values())
-            + reduce_scatter.stats["matmul_reduce_scatter"])
+            + reduce_scatter.stats["matmul_reduce_scatter"]
+            + matmul_all_gather.stats["matmul_all_gather"])
 
 
 def captured(fn, inputs) -> bool:
@@ -310,6 +314,16 @@ def contenders(site: Site, group_name: str, device: str, dtype):
                                                  list(ws[0].split(site.term_ks, dim=0)), None,
                                                  [], 0, "sum", group_name, 1, text)
             return call
+
+        def pick(out):
+            return out
+    elif task.op == MATMUL_ALL_GATHER:  # [1, m, n] gathered on its last dim
+        def unfused(a, ws, extra):  # the graph's split + cat of one rank's piece: a copy
+            return torch.cat([(a @ ws[0]).view(1, m, ns[0])], dim=2)
+
+        def fused(text):
+            return lambda a, ws, extra: ops.matmul_all_gather(a, ws[0], None, [1, m, ns[0]], 2,
+                                                              group_name, 1, text)
 
         def pick(out):
             return out

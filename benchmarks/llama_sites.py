@@ -11,7 +11,8 @@ taken at the Llama-3-8B TP 2 sites on 2x H200, whose Tasks these reproduce):
             lm_head's input-gradient scatter, the gathers of down's and o's output gradients,
             gate/up's and q/k/v's input gradients as one scatter of a sum of 2 and 3 matmuls
             (the op takes each term's operands as they are: nothing copied).
-  prefill   plain TP, tokens rows: o's and down's all-reduce with the residual and RMSNorm.
+  prefill   plain TP, tokens rows: o's and down's all-reduce with the residual and RMSNorm;
+            launched eagerly, lm_head's logits gathered along the vocabulary.
   decode    the same at decode batch sizes (tokens = the batch).
 """
 
