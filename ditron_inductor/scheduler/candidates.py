@@ -1,6 +1,6 @@
 """The registry of the all-gather + GEMM, GEMM + reduce-scatter and GEMM + all-gather variants
-the scheduler can choose, by op: label -> Candidate. A label is namespaced by its op (the same label under two ops
-names two entries), and every entry says where it may be chosen.
+the scheduler can choose, by op: label -> Candidate. A label is namespaced by its op (the same
+label under two ops names two entries), and every entry says where it may be chosen.
 
 A candidate is a set of parameters of its op's typed plan (plan.py says what each means). The
 scheduler takes one where it ran fastest among the candidates measured at a near shape on the

@@ -1,10 +1,10 @@
 """The device plan of a task on CUDA: which fused plan, or none (the graph keeps NCCL + cuBLAS).
 
 AG/RS and the GEMM + all-gather (launched eagerly): the fastest candidate measured at a near
-shape on the task's world size where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else the link
-model's fastest where it is predicted MIN_GAIN faster (the GEMM + all-gather: measured only). GEMM + all-reduce: the plan by
-M (policy), kept where the world-1 compute and the link model predict it MIN_GAIN faster. FP8
-and MoE: where their measurements say (policy). Every "no" says why, for the log.
+shape on the task's world size where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else (AG/RS)
+the link model's fastest where it is predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M
+(policy), kept where the world-1 compute and the link model predict it MIN_GAIN faster. FP8 and
+MoE: where their measurements say (policy). Every "no" says why, for the log.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))
     if task.op == MATMUL_ALL_GATHER:
         merged = {"chunks": policy.matmul_all_gather_chunks(task.m_hint), **params}
-        return from_params(MatmulAllGatherPlan, merged, label="cublas_chunks")
+        return from_params(MatmulAllGatherPlan, merged, label=f"cublas_chunks_{merged['chunks']}")
     if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)
                 if task.sums_terms else policy.all_reduce_params(task))

@@ -38,8 +38,8 @@ class Task:
     """One collective + matmul: [m, k] @ [k, n] for each n in ns, m the rows gathered from all
     ranks (all-gather) or the local matmul's (reduce-scatter, all-reduce, and the matmul whose
     output is all-gathered); dim the gather/scatter dim of the N-d activation, dim_size its full
-    length (reduce-scatter). rank_chunks_contiguous: each rank's chunk
-    is one block of consecutive rows of [m, k], the layout the fused kernels take.
+    length (reduce-scatter). rank_chunks_contiguous: each rank's chunk is one block of
+    consecutive rows of [m, k], the layout the fused kernels take.
 
     For the cost model: rows_reordered, the graph permutes rank-major rows around the op; terms,
     the products over the same rows that the op sums (k counts every term's; each accumulated
