@@ -293,6 +293,29 @@ def _timed(phase: str, rows: list, group: str, world: int, budget_s: float) -> l
     return results
 
 
+def _local_bandwidths(rows: int = 8192, n: int = 4096, slots: int = 4) -> dict:
+    """link.json's constants of one GPU's own memory, in GB/s: copy_gbps, a rank-major reorder's
+    copy as Inductor compiles it (bytes read + written), and reduce_gbps, the reduce-scatter's sum
+    of `slots` received partials (reduce_slots_kernel, bytes read)."""
+    from .runtime.kernel_launch import cdiv, launch
+    from .templates.reduce import reduce_slots_kernel
+
+    x = torch.randn(slots, rows, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, n, device="cuda", dtype=x.dtype)
+    numel = rows * n
+    rank_major = torch.compile(lambda t: t.view(-1, 2, n).transpose(0, 1).contiguous())
+
+    def reorder():
+        rank_major(x)
+
+    def reduce():
+        launch(reduce_slots_kernel, (cdiv(numel, 4096),), x, out, numel, numel, slots, 1.0,
+               BLOCK=4096, num_warps=8)
+    nbytes = x.numel() * x.element_size()
+    return dict(copy_gbps=round(2 * nbytes / _ms(reorder, [()], FINE) / 1e6),
+                reduce_gbps=round(nbytes / _ms(reduce, [()], FINE) / 1e6))
+
+
 def _link(world: int) -> tuple[dict, dict]:
     """link.json's NCCL constants at `world`, fitted, and the points they were fitted to."""
     c10d, group, points = torch.ops._c10d_functional, dist.group.WORLD.group_name, {}
@@ -339,6 +362,8 @@ def calibrate(sites: list[Site], args) -> dict:
     rates = [2 * r[3] * r[4] * r[5] / r[7] / 1e9 for r in w1 if r[0] in AG_RS and r[3] >= 1024]
     if rates:  # TFLOP/s of the unfused GEMMs at the sites: the link model's GEMM rate
         new["link"]["1"] = dict(cublas_tflops=round(statistics.median(rates), 1))
+    if _device() == "cuda":
+        new["link"].setdefault("1", {}).update(_local_bandwidths())
     new["world1_compute"] = dict(sources=[source], rows=w1)
     fused = [(s, {label: with_options(candidate_plan(s.task, label)).encode()
                   for label in CANDIDATES[s.task.op]})
