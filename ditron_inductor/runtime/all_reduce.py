@@ -32,8 +32,9 @@ from ..templates.reduce import sum_slots_norm_kernel
 from . import driver, faults
 from .context import (OpContext, build_outside_graph_pools, device_epoch, get_context, size_class,
                       wait_limit)
-from .launch import (DTYPES, MatmulSum, check_errors, decline, gemm_beside, kernel_flag,
-                     matmul_into, num_sms, ready_gemm, tile_launch, tma_ok, wait_geq)
+from .launch import (DTYPES, MatmulSum, bias_serves, check_errors, decline, gemm_beside,
+                     kernel_flag, matmul_into, num_sms, ready_gemm, tile_launch, tma_ok,
+                     wait_geq)
 from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .symm import group_barrier
 
@@ -80,7 +81,7 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
     m, n = a.shape[0], b.shape[1]
     if m == 0 or n == 0 or a.shape[1] == 0:
         return "empty"
-    if bias is not None and (bias.dim() != 1 or bias.dtype != dtype or bias.shape[0] != n):
+    if not bias_serves(bias, dtype, n):
         return "bias"
     if residual is not None and (residual.dtype != dtype or residual.numel() != m * n
                                  or not residual.is_contiguous()):

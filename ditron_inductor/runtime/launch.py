@@ -34,6 +34,12 @@ DTYPES = FUSED_DTYPES  # the scheduler decides on them (scheduler/precision.py)
 declined: collections.Counter = collections.Counter()
 
 
+def bias_serves(bias, dtype: torch.dtype, n: int) -> bool:
+    """Whether the fused GEMMs take `bias`: none, or one value per column in the product's
+    dtype (what cuBLAS's addmm into the product's buffer takes)."""
+    return bias is None or (bias.dim() == 1 and bias.dtype == dtype and bias.shape[0] == n)
+
+
 def decline(msg: str):
     declined[msg] += 1
     log.debug("fused path declined: %s", msg)

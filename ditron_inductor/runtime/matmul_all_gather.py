@@ -23,7 +23,7 @@ from ..scheduler.task import Task
 from . import driver, faults
 from .context import get_context
 from .kernel_launch import current_stream
-from .launch import DTYPES, check_errors, decline, matmul_into, wait_geq
+from .launch import DTYPES, bias_serves, check_errors, decline, matmul_into, wait_geq
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
 stats = {"matmul_all_gather": 0}
@@ -45,8 +45,7 @@ def matmul_all_gather_fused(task: Task, plan: MatmulAllGatherPlan, a, b, bias, o
     if (a.dtype not in DTYPES or b.dtype != a.dtype or a.dim() != 2 or b.dim() != 2
             or a.shape[1] != b.shape[0]):
         return decline("dtype, rank or shape of the operands")
-    if bias is not None and (bias.dim() != 1 or bias.dtype != a.dtype
-                             or bias.shape[0] != b.shape[1]):
+    if not bias_serves(bias, a.dtype, b.shape[1]):
         return decline("bias")
     M, N, W = a.shape[0], b.shape[1], world_size
     shape = list(out_shape) if len(out_shape) else [M, N]

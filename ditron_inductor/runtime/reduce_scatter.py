@@ -27,7 +27,7 @@ from ..templates.reduce import reduce_slots_kernel
 from . import driver, faults
 from .context import get_context
 from .kernel_launch import cdiv, current_stream, launch
-from .launch import MatmulSum, check_errors, decline, matmul_into, wait_geq
+from .launch import MatmulSum, bias_serves, check_errors, decline, matmul_into, wait_geq
 from .scaled import Scaled, ScaledSum
 
 # calls served by the fused path (tests check that the fused path, not the fallback, ran)
@@ -57,8 +57,7 @@ def matmul_reduce_scatter_fused(task: Task, plan: ReduceScatterPlan, a, b, bias,
     terms, why = MatmulSum.of(a, b)
     if why:
         return decline(why)
-    if bias is not None and (bias.dim() != 1 or bias.dtype != a[0].dtype
-                             or bias.shape[0] != b[0].shape[1]):
+    if not bias_serves(bias, a[0].dtype, b[0].shape[1]):
         return decline("bias")
     return _reduce_scatter(task, plan, a[0], b[0], bias, out_shape, scatter_dim, reduce_op,
                            group_name, world_size, terms)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..scheduler.precision import FLOAT8
-from .launch import DTYPES
+from .launch import DTYPES, bias_serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +73,7 @@ class Scaled:
         if k % 16 or n % 16 or a.stride(1) != 1 or b.stride(0) != 1:
             return (f"fp8: K={k}, N={n} and layouts _scaled_mm cannot take (multiples of 16, A "
                     "row-major, B column-major)")
-        if bias is not None and (bias.dim() != 1 or bias.dtype != self.out_dtype
-                                 or bias.shape[0] != n):
+        if not bias_serves(bias, self.out_dtype, n):
             return "fp8: bias shape/dtype"
         if not (a.is_cuda and b.is_cuda):
             return "fp8: operands not on CUDA"
