@@ -34,8 +34,10 @@ from .scheduler.choose import fused_plan
 from .scheduler.decide import with_options
 from .scheduler.plan import COPY_ENGINE, REFERENCE_PLAN, family
 from .scheduler.policy import COPY_ENGINE_MAX_WORLD, copy_engine_chunks, copy_engine_serves
-from .scheduler.task import (ALL_GATHER_MATMUL, MATMUL_ALL_GATHER, MATMUL_ALL_REDUCE,
-                             MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER, Task)
+from .scheduler.task import (ALL_GATHER_MATMUL, ALL_REDUCE_PATTERNS, GROUPED_MM_ALL_REDUCE,
+                             GROUPED_MM_ALL_REDUCE_PATTERNS, GROUPED_MM_ALL_REDUCE_RMSNORM,
+                             MATMUL_ALL_GATHER, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM,
+                             MATMUL_REDUCE_SCATTER, Task)
 
 COARSE, FINE = (3, 3), (10, 5)  # (calls timed together, repetitions)
 SIZES = [1 << s for s in range(16, 27, 2)]  # the link's messages: 64 KiB to 64 MiB
@@ -43,7 +45,8 @@ SPIN_CYCLES = 20_000_000  # ~10 ms: the device spins while the host queues the t
 AG_RS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
 # the ops whose candidates are timed on every rank beside NCCL + cuBLAS (the measured rows)
 MEASURED_OPS = AG_RS + (MATMUL_ALL_GATHER,)
-_LINE = re.compile(r"(\w+) M=(\d+) K=(\d+) N=([\d,]+) (\w+) world=(\d+) group=")
+NORMED = (MATMUL_ALL_REDUCE_RMSNORM, GROUPED_MM_ALL_REDUCE_RMSNORM)
+_LINE = re.compile(r"(\w+) M=(\d+)(?: K=(\d+))? N=([\d,]+) (\w+) world=(\d+) group=")
 
 
 class Site(NamedTuple):
@@ -95,15 +98,27 @@ def llama_sites(model: str, world: int, workload: str, tokens: int,
     return [Site(name, t, *(ks or [()]), "grad" not in name, graphs) for name, t, *ks in found]
 
 
+def experts_site(hidden: int, world: int, workload: str, tokens: int,
+                 graphs: bool = False) -> Site:
+    """The all-reduce of an MoE model's experts' output under a TP plan, `hidden` wide
+    (Mixtral-8x7B's is Llama-3-8B's 4096): with the norm after it, alone in training (the
+    forward's site where backward saves the sum, the backward's)."""
+    op = GROUPED_MM_ALL_REDUCE if workload == "train" else GROUPED_MM_ALL_REDUCE_RMSNORM
+    return Site("experts all-reduce" + ("" if workload == "train" else " + norm"),
+                _task(op, world, tokens, 1, (hidden,)), graphs=graphs)
+
+
 def sites_of(spec: str, tp: int, tokens: list[int]) -> list[Site]:
-    """--sites: a saved log's candidates, or a Llama's at TP `tp`: training at each of
-    `tokens`, prefill eagerly and from CUDA graphs, decode from CUDA graphs."""
+    """--sites: a saved log's candidates, or a Llama's at TP `tp` (and the experts' all-reduce
+    of its width): training at each of `tokens`, prefill eagerly and from CUDA graphs, decode
+    from CUDA graphs."""
     if os.path.isfile(spec):  # a saved ditron log: each distinct candidate's line
         found = {}
         for line in open(spec):
             m = _LINE.search(line)
-            if m and m[1] in (*MEASURED_OPS, MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
-                op, rows, k, ns = m[1], int(m[2]), int(m[3]), tuple(map(int, m[4].split(",")))
+            if m and m[1] in (*MEASURED_OPS, *ALL_REDUCE_PATTERNS):
+                op, rows, k = m[1], int(m[2]), int(m[3] or 1)  # no K: no product
+                ns = tuple(map(int, m[4].split(",")))
                 dim = re.search(r" dim=(\d+)", line)
                 terms = int((re.search(r", (\d+) matmul products summed", line) or [0, 1])[1])
                 task = _task(op, int(m[6]), rows, k, ns, int(dim[1]) if dim else 0, terms,
@@ -113,13 +128,14 @@ def sites_of(spec: str, tp: int, tokens: list[int]) -> list[Site]:
                                    "backward" not in line)
         return list(found.values())
     model, tiny = spec.removeprefix("llama-"), spec == "tiny"
-    found = [s for t in tokens for s in llama_sites(model, tp, "train", t)]
+    runs = [("train", t, False) for t in tokens]
     for rows in (32,) if tiny else (1024, 2048, 4096, 8192, 16384):
-        found += llama_sites(model, tp, "prefill", rows) + llama_sites(model, tp, "prefill", rows,
-                                                                       True)
-    for rows in () if tiny else (1, 16, 64, 256):
-        found += llama_sites(model, tp, "decode", rows, graphs=True)
-    return found
+        runs += [("prefill", rows, False), ("prefill", rows, True)]
+    runs += [("decode", rows, True) for rows in (() if tiny else (1, 16, 64, 256))]
+    hidden = LLAMA[model].hidden  # and an MoE model's experts of Llama's width
+    return [s for workload, rows, graphs in runs
+            for s in llama_sites(model, tp, workload, rows, graphs)
+            + [experts_site(hidden, tp, workload, rows, graphs)]]
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -198,7 +214,9 @@ def _calls(site: Site, group: str, world: int):
     def one_set():
         ws = [(torch.randn(n, k, device=dev, dtype=dtype).t() if site.transposed else
                torch.randn(k, n, device=dev, dtype=dtype)) / k ** 0.5 for n in ns]
-        a = torch.randn(m // world if op == ALL_GATHER_MATMUL else m, k, device=dev, dtype=dtype)
+        a = torch.randn(m // world if op == ALL_GATHER_MATMUL else m,
+                        ns[0] if op in GROUPED_MM_ALL_REDUCE_PATTERNS else k,  # what is reduced
+                        device=dev, dtype=dtype)
         return (a, ws, torch.randn(m, ns[0], device=dev, dtype=dtype),
                 torch.rand(ns[0], device=dev, dtype=dtype) + 0.5)
 
@@ -211,22 +229,28 @@ def _calls(site: Site, group: str, world: int):
             return list(a.split(terms, dim=1)), list(ws[0].split(terms)), None, [], 0, "sum"
         if op == MATMUL_ALL_REDUCE:
             return [a], ws[:1], None, [], "sum"
+        if op == GROUPED_MM_ALL_REDUCE:
+            return a, "sum"
+        if op == GROUPED_MM_ALL_REDUCE_RMSNORM:
+            return a, residual, weight, 1e-5, False, "sum"
         return a, ws[0], None, [], residual, weight, 1e-5, False, "sum"
 
     def fused(text):
         def fn(*x):
             out = getattr(ops, op)(*args(*x), group, world, text)
             return (torch.cat([o.flatten() for o in out[1:]]) if op == ALL_GATHER_MATMUL
-                    else out[1] if op == MATMUL_ALL_REDUCE_RMSNORM else out)
+                    else out[1] if op in NORMED else out)
         return fn
     # NCCL + cuBLAS: the op's reference; a norm's epilogue as Inductor compiles it (on CUDA)
-    unfused = (fused(REFERENCE_PLAN.encode()) if op != MATMUL_ALL_REDUCE_RMSNORM else
-               lambda a, ws, residual, weight: _norm()(a, ws[0], residual, weight))
+    # (the grouped-GEMM op's: the reduced tensor, at world size 1 itself, + residual)
+    unfused = (fused(REFERENCE_PLAN.encode()) if op not in NORMED else
+               lambda a, ws, residual, weight: _norm()(
+                   a, ws[0] if op == MATMUL_ALL_REDUCE_RMSNORM else None, residual, weight))
     return [one_set() for _ in range(2)], fused, unfused
 
 
 def _residual_norm(a, b, residual, weight):
-    return ops.rms_norm_reference(a @ b + residual, weight, 1e-5, False)
+    return ops.rms_norm_reference((a if b is None else a @ b) + residual, weight, 1e-5, False)
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""The ditron ops: one per fused collective + matmul, and the decode step's ops without one
-(decode_mm, decode_mm_group, decode_attention).
+"""The ditron ops: one per fused collective + matmul (or grouped GEMM), and the decode step's ops
+without one (decode_mm, decode_mm_group, decode_attention).
 
 Each is a `torch.library` op (schema, one implementation for every backend, a fake), one opaque
 kernel to Inductor; `Library.define/impl` because `custom_op`'s per-call wrapping costs more host
@@ -36,6 +36,8 @@ from .scheduler.task import (
     scaled_mm_collective_task,
     scaled_mm_reduce_scatter_task,
     ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_REDUCE,
+    GROUPED_MM_ALL_REDUCE_RMSNORM,
     GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE,
@@ -43,6 +45,7 @@ from .scheduler.task import (
     MATMUL_REDUCE_SCATTER,
     all_gather_matmul_task,
     all_to_all_grouped_mm_task,
+    grouped_mm_all_reduce_task,
     grouped_mm_all_to_all_task,
     matmul_collective_task,
     matmul_terms_task,
@@ -114,6 +117,11 @@ _TASK_BUILDERS: dict[str, Callable] = {
         lambda a, b, bias, out_shape, _residual, _weight, _eps, _fp32, reduce_op, *group:
         matmul_collective_task(MATMUL_ALL_REDUCE_RMSNORM, a, b, bias, out_shape, 0, reduce_op,
                                *group),
+    GROUPED_MM_ALL_REDUCE: lambda x, reduce_op, *group: grouped_mm_all_reduce_task(
+        GROUPED_MM_ALL_REDUCE, x, reduce_op, *group),
+    GROUPED_MM_ALL_REDUCE_RMSNORM:
+        lambda x, _residual, _weight, _eps, _fp32, reduce_op, *group: grouped_mm_all_reduce_task(
+            GROUPED_MM_ALL_REDUCE_RMSNORM, x, reduce_op, *group),
     ALL_TO_ALL_GROUPED_MM: all_to_all_grouped_mm_task,
     GROUPED_MM_ALL_TO_ALL: grouped_mm_all_to_all_task,
     ALL_GATHER_SCALED_MM: all_gather_scaled_mm_task,
@@ -324,15 +332,20 @@ matmul_all_reduce = _fused_op(
 # ------------------------------------------------- matmul -> all-reduce (+ residual) -> RMSNorm
 
 
+def _residual_rmsnorm(summed, residual, norm_weight, eps, weight_in_fp32, with_rstd) -> list:
+    """[h, y] (+ h's reciprocal RMS): h = summed + residual, y = RMSNorm(h)."""
+    h = summed if residual is None else summed + residual
+    rstd = reciprocal_rms(h, eps)
+    return [h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32, rstd)] + (
+        [rstd] if with_rstd else [])
+
+
 def matmul_all_reduce_rmsnorm_reference(a, b, bias, out_shape, residual, norm_weight, eps,
                                         weight_in_fp32, reduce_op, group_name, world_size, *,
                                         with_rstd=False):
     summed = matmul_all_reduce_reference([a], [b], bias, out_shape, reduce_op, group_name,
                                          world_size)
-    h = summed if residual is None else summed + residual
-    rstd = reciprocal_rms(h, eps)
-    return [h, rms_norm_reference(h, norm_weight, eps, weight_in_fp32, rstd)] + (
-        [rstd] if with_rstd else [])
+    return _residual_rmsnorm(summed, residual, norm_weight, eps, weight_in_fp32, with_rstd)
 
 
 def _matmul_all_reduce_rmsnorm_fake(a, b, bias, out_shape, *_, with_rstd=False):
@@ -349,6 +362,44 @@ matmul_all_reduce_rmsnorm = _fused_op(
     "Tensor? residual, Tensor norm_weight, float eps, bool weight_in_fp32, str reduce_op, "
     "str group_name, SymInt world_size, str plan, *, bool with_rstd=False) -> Tensor[]",
     matmul_all_reduce_rmsnorm_reference, _matmul_all_reduce_rmsnorm_fake)
+
+
+# ------------------------------------------ grouped GEMM -> all-reduce (+ residual) -> RMSNorm
+
+
+def grouped_mm_all_reduce_reference(x, reduce_op, group_name, world_size):
+    return c10d.wait_tensor(c10d.all_reduce(x, reduce_op, group_name))
+
+
+def _grouped_mm_all_reduce_fake(x, reduce_op, group_name, world_size, plan):
+    return x.new_empty(x.shape)
+
+
+# all_reduce(x), x what grouped GEMMs computed (the experts' weighted sum; the graph computes it:
+# lowering/grouped_all_reduce.py).
+grouped_mm_all_reduce = _fused_op(
+    GROUPED_MM_ALL_REDUCE, "(Tensor x, str reduce_op, str group_name, SymInt world_size, "
+    "str plan) -> Tensor", grouped_mm_all_reduce_reference, _grouped_mm_all_reduce_fake)
+
+
+def grouped_mm_all_reduce_rmsnorm_reference(x, residual, norm_weight, eps, weight_in_fp32,
+                                            reduce_op, group_name, world_size, *,
+                                            with_rstd=False):
+    summed = grouped_mm_all_reduce_reference(x, reduce_op, group_name, world_size)
+    return _residual_rmsnorm(summed, residual, norm_weight, eps, weight_in_fp32, with_rstd)
+
+
+def _grouped_mm_all_reduce_rmsnorm_fake(x, *_, with_rstd=False):
+    rstd = [x.new_empty(list(x.shape[:-1]) + [1], dtype=torch.float32)] if with_rstd else []
+    return [x.new_empty(x.shape), x.new_empty(x.shape)] + rstd
+
+
+# h = all_reduce(x) + residual, y = RMSNorm(h), as matmul_all_reduce_rmsnorm returns them.
+grouped_mm_all_reduce_rmsnorm = _fused_op(
+    GROUPED_MM_ALL_REDUCE_RMSNORM, "(Tensor x, Tensor? residual, Tensor norm_weight, float eps, "
+    "bool weight_in_fp32, str reduce_op, str group_name, SymInt world_size, str plan, *, "
+    "bool with_rstd=False) -> Tensor[]",
+    grouped_mm_all_reduce_rmsnorm_reference, _grouped_mm_all_reduce_rmsnorm_fake)
 
 
 # ------------------------------------------ expert parallelism: all-to-all <-> grouped GEMM

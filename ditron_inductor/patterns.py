@@ -8,6 +8,13 @@ MATMUL_ALL_REDUCE = "matmul_all_reduce"
 MATMUL_ALL_REDUCE_RMSNORM = "matmul_all_reduce_rmsnorm"
 # a matmul whose output is gathered (colwise_gather_output layers, lm_head)
 MATMUL_ALL_GATHER = "matmul_all_gather"
+# the all-reduce (+ residual + RMSNorm) of what grouped GEMMs computed (the experts' weighted sum
+# under a TP plan, their input gradient in backward): lowering/grouped_all_reduce.py
+GROUPED_MM_ALL_REDUCE = "grouped_mm_all_reduce"
+GROUPED_MM_ALL_REDUCE_RMSNORM = "grouped_mm_all_reduce_rmsnorm"
+GROUPED_MM_ALL_REDUCE_PATTERNS = (GROUPED_MM_ALL_REDUCE, GROUPED_MM_ALL_REDUCE_RMSNORM)
+ALL_REDUCE_PATTERNS = (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM,
+                       *GROUPED_MM_ALL_REDUCE_PATTERNS)
 # expert parallelism (lowering/moe.py): dispatch -> grouped GEMMs, grouped GEMMs -> combine
 ALL_TO_ALL_GROUPED_MM = "all_to_all_grouped_mm"
 GROUPED_MM_ALL_TO_ALL = "grouped_mm_all_to_all"
@@ -18,5 +25,6 @@ SCALED_MM_REDUCE_SCATTER = "scaled_mm_reduce_scatter"
 SCALED_MM_ALL_REDUCE = "scaled_mm_all_reduce"
 SCALED_MM_PATTERNS = (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE)
 PATTERNS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
-            MATMUL_ALL_REDUCE_RMSNORM, MATMUL_ALL_GATHER) + MOE_PATTERNS + SCALED_MM_PATTERNS
+            MATMUL_ALL_REDUCE_RMSNORM, MATMUL_ALL_GATHER) + GROUPED_MM_ALL_REDUCE_PATTERNS + (
+                MOE_PATTERNS + SCALED_MM_PATTERNS)
 REDUCE_SCATTER_PATTERNS = (MATMUL_REDUCE_SCATTER, SCALED_MM_REDUCE_SCATTER)

@@ -34,7 +34,8 @@ def build(cfg, kind: str, ep_implementation: str, world: int, dtype=torch.bfloat
           device="cpu", seed: int = 0):
     """The model with its experts spread over `world` ranks, tokens exchanged by
     `ep_implementation` ("all_to_all": transformers' own; "ditron": ditron_inductor.transformers_ep,
-    registered here)."""
+    registered here; "all_reduce": transformers' inference EP, where every rank holds the same
+    batch, so its batch group, the tp mesh it is given, is the EP group)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -47,6 +48,7 @@ def build(cfg, kind: str, ep_implementation: str, world: int, dtype=torch.bfloat
         model = getattr(transformers, MODELS[kind][1])(cfg).to(dtype)
     mesh = init_device_mesh(device if isinstance(device, str) else device.type, (1, world),
                             mesh_dim_names=("tp", "ep"))
-    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"],
+    batch_mesh = mesh["ep"] if ep_implementation == "all_reduce" else mesh["tp"]
+    return apply_expert_parallelism(model, mesh["ep"], batch_mesh,
                                     ep_plan(model, cfg.num_hidden_layers),
                                     ep_implementation=ep_implementation)

@@ -601,16 +601,19 @@ def test_runtime_launches_rows_where_measured(monkeypatch, params, m, n, row):
     assert row_block_launched == row and (not row or block == row)
 
 
-@pytest.mark.parametrize("algo,world,m,n,res,norm,w_fp32,dtype", [
+@pytest.mark.parametrize("algo,world,m,n,res,norm,w_fp32,dtype,computed", [
     # rows not a multiple of the chunks, N not a power of two
-    ("copy_engine", 2, 37, 96, True, True, False, torch.float16),
-    ("copy_engine", 2, 16, 64, False, False, False, torch.bfloat16),  # the all-reduce alone
+    ("copy_engine", 2, 37, 96, True, True, False, torch.float16, False),
+    ("copy_engine", 2, 16, 64, False, False, False, torch.bfloat16, False),  # the all-reduce alone
     # two peers, the weight's rounding in fp32
-    ("copy_engine", 3, 21, 128, True, True, True, torch.float16),
-    ("copy_engine", 4, 10, 64, True, True, True, torch.float16),  # three peers
+    ("copy_engine", 3, 21, 128, True, True, True, torch.float16, False),
+    ("copy_engine", 4, 10, 64, True, True, True, torch.float16, False),  # three peers
+    # the grouped-GEMM ops: a computed [1, M, N] tensor copied in where the GEMM writes
+    ("copy_engine", 3, 37, 96, True, True, False, torch.float16, True),
+    ("copy_engine", 2, 16, 64, False, False, False, torch.bfloat16, True),
 ])
 def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, res, norm,
-                                              w_fp32, dtype):
+                                              w_fp32, dtype, computed):
     """The copy-engine plan end to end on ranks emulated in host memory (tests/host_ranks.py:
     the copy-engine copies move real bytes; the sum + norm kernel runs in the interpreter), each
     rank a thread whose flag waits spin on the words until the peers set them, three calls on
@@ -633,9 +636,11 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
     b = [torch.randn(k, n, dtype=dtype) for _ in range(world)]
     residual = [torch.randn(m, n, dtype=dtype) if res else None for _ in range(world)]
     weight = torch.rand(n, dtype=dtype) + 0.5 if norm else None
-    task = Task(op="matmul_all_reduce_rmsnorm" if norm else "matmul_all_reduce",
-                group_name="0", world_size=world, m=m, k=k, ns=(n,), dtype=dtype,
-                device_type="cuda")
+    op = f"{'grouped_mm' if computed else 'matmul'}_all_reduce{'_rmsnorm' if norm else ''}"
+    task = Task(op=op, group_name="0", world_size=world, m=m, k=1 if computed else k, ns=(n,),
+                dtype=dtype, device_type="cuda")
+    if computed:  # what the graph computed: the products, rounded
+        a = [[(x.float() @ b[r].float()).to(dtype) for r, x in enumerate(one)] for one in a]
     plan = plan_for(task, algo=algo)
     elements = world * m * n
     ctxs = [HostContext(world, r, elements * 2) for r in range(world)]
@@ -663,12 +668,23 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
     monkeypatch.setattr(all_reduce, "wait_geq", wait_geq)
     outs, failures = {}, []
 
+    def call(x, r):
+        if not computed:
+            return all_reduce.all_reduce_fused(task, plan, x, b[r], None, [], residual[r],
+                                               weight, 1e-6, w_fp32, "sum")
+        x = x.view(1, m, n)
+        if not norm:
+            return all_reduce.grouped_mm_all_reduce_fused(task, plan, x, "sum", "0",
+                                                          world).view(m, n), None
+        h, y = all_reduce.grouped_mm_all_reduce_rmsnorm_fused(
+            task, plan, x, residual[r], weight, 1e-6, w_fp32, "sum", "0", world)
+        assert h.shape == y.shape == x.shape
+        return h.view(m, n), y.view(m, n)
+
     def rank(r):
         this_rank.r = r
         try:
-            outs[r] = [all_reduce.all_reduce_fused(task, plan, a[i][r], b[r], None, [],
-                                                   residual[r], weight, 1e-6, w_fp32, "sum")
-                       for i in range(calls)]
+            outs[r] = [call(a[i][r], r) for i in range(calls)]
         except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             failures.append(exc)
 
@@ -691,7 +707,8 @@ def test_copy_engine_all_reduce_on_host_ranks(monkeypatch, algo, world, m, n, re
         for group, value in zip(waited, after):
             assert [int(c.flag_words[group * world + p]) for p in peers] == [value] * (world - 1)
     for i in range(calls):
-        summed = torch.stack([a[i][q].float() @ b[q].float() for q in range(world)]).sum(0)
+        summed = torch.stack([a[i][q].float() if computed else a[i][q].float() @ b[q].float()
+                              for q in range(world)]).sum(0)
         for r in range(world):
             h, y = outs[r][i]
             want_h = summed.to(dtype) if residual[r] is None else (summed.to(dtype) + residual[r])

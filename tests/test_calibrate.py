@@ -280,6 +280,33 @@ def test_a_calibration_on_several_gpus_decides_the_gemm_all_gather(cache):
     assert "replayed from a CUDA graph" in choose.choose_device_plan(head, cuda_graphs=True)[1]
 
 
+def test_the_experts_all_reduce_is_decided_from_its_world1_rows(cache):
+    """The grouped-GEMM op: the shipped rows (its copy in, measured on one GPU) price it at
+    Mixtral's width; where no row of it is near (the GEMM ops' rows do not stand for it),
+    cuBLAS + NCCL; a calibration's rows then price it as the all-reduce ops are priced."""
+    site = calibrate.experts_site(4096, 2, "decode", 16, graphs=True)
+    assert (site.name, site.task.describe()) == (
+        "experts all-reduce + norm", "grouped_mm_all_reduce_rmsnorm M=16 N=4096 bfloat16 "
+        "world=2 group=0 sum")
+    plan, why = choose.choose_device_plan(site.task, cuda_graphs=True)
+    assert plan.algo == "lamport_all" and "compute from the shipped table" in why
+    wide = calibrate.experts_site(16384, 2, "decode", 16, graphs=True).task
+    plan, why = choose.choose_device_plan(wide, cuda_graphs=True)
+    assert plan is None and why.startswith(
+        "no world-1 measurement of grouped_mm_all_reduce_rmsnorm near this shape")
+    row = [wide.op, "lamport_all", "graph", 16, 1, 16384, 0.012, 0.008]
+    _calibration(world1=[row], link={"2": dict(nccl_ar_busbw_gbps=300.0, nccl_latency_ms=0.02)})
+    plan, why = choose.choose_device_plan(wide, cuda_graphs=True)
+    assert plan.algo == "lamport_all" and plan.gemm == "cublas"
+    assert "compute 0.012 measured" in why and "compute 0.008 measured" in why
+    _calibration(world1=[row], link={"2": dict(nccl_ar_busbw_gbps=300.0, nccl_latency_ms=0.0)})
+    plan, why = choose.choose_device_plan(wide, cuda_graphs=True)
+    assert plan is None and why.startswith("no predicted gain")
+    # prefill, eagerly, past push's rows: no GEMM to push beside
+    plan, why = choose.choose_device_plan(calibrate.experts_site(4096, 2, "prefill", 1024).task)
+    assert plan is None and "has no GEMM to push beside" in why
+
+
 def test_the_calibrations_world1_compute_and_link_are_read_first(cache):
     from benchmarks.llama_sites import sites
 
@@ -355,8 +382,12 @@ def test_sites_from_a_saved_log(tmp_path):
         "N=4096 bfloat16 world=2 group=0 dim=1 sum, 2 matmul products summed not fused: no\n"
         "I1202 graph 0/1 backward: layers.0.mlp.up_proj: matmul_reduce_scatter M=8192 K=14336 "
         "N=4096 bfloat16 world=2 group=0 dim=1 sum, 2 matmul products summed not fused: no\n"
+        "I1202 graph 0/2 forward: layers.0.mlp.experts: grouped_mm_all_reduce_rmsnorm M=16 "
+        "N=2048 bfloat16 world=4 group=0 sum not fused: no\n"
         "I1202 graph 0/0 forward: 3 candidate(s): 1 fused\n")
-    ag, rs = calibrate.sites_of(str(log), 0, 0)
+    ag, rs, experts = calibrate.sites_of(str(log), 0, 0)
+    assert (experts.task.op, experts.task.m, experts.task.k, experts.task.ns) == (
+        "grouped_mm_all_reduce_rmsnorm", 16, 1, (2048,))
     assert (ag.name, ag.task.ns, ag.task.world_size, ag.transposed) == (
         "layers.0.attn.q_proj", (2048, 512, 512), 2, True)
     assert (rs.task.k, rs.task.terms, rs.task.dim, rs.term_ks, rs.transposed) == (

@@ -398,6 +398,64 @@ return [getitem, getitem_1, getitem_2, mul]
                                           "elsewhere"), lines)
 
 
+class GroupedMmAllReduceTest(TestCase):
+    """The all-reduce of what grouped GEMMs computed (a TP MoE's experts): the GEMM and the
+    weighted sum stay in the graph; the op reduces their result, with the norm after it."""
+
+    def trace_experts(self, tail):
+        def layer(g, x, w, offs, weight, order, *rest):
+            y = torch._grouped_mm(x, w, offs=offs) * weight  # each row by its routing weight
+            summed = y[order].reshape(-1, 2, 16).sum(1)  # token order, summed over the top-2
+            return tail(all_reduce(summed, "sum", g), *rest)
+
+        bf16 = torch.bfloat16
+        args = (randn(8, 8), randn(2, 8, 16), torch.tensor([4, 8], dtype=torch.int32),
+                randn(8, 1), torch.arange(8), randn(2, 2, 16), randn(16))
+        with fake_group(2) as g:
+            gm = trace(lambda *a: layer(g, *a), *[t.to(bf16) if t.is_floating_point() else t
+                                                  for t in args])
+            report = rewrite(gm)
+        return gm, report
+
+    def test_weighted_sum_reduced_then_viewed_takes_the_residual_and_norm(self):
+        def tail(reduced, residual, norm_w):  # the MoE block views [tokens, hidden] as [b, s, h]
+            h = reduced.view(2, 2, 16) + residual
+            return h, rmsnorm(h, norm_w)
+
+        gm, report = self.trace_experts(tail)
+        self.assertEqual(report.candidates[0].task,
+                         "grouped_mm_all_reduce_rmsnorm M=4 N=16 bfloat16 world=2 group=0 sum")
+        self.assertExpectedInline(graph_text(gm), """\
+_grouped_mm = _grouped_mm(arg0_1, arg1_1, arg2_1)
+mul = mul.Tensor(_grouped_mm, arg3_1)
+index = index.Tensor(mul, [arg4_1])
+view = view(index, [-1, 2, 16])
+sum_1 = sum.dim_IntList(view, [1])
+reshape_default = reshape(sum_1, [2, 2, 16])
+grouped_mm_all_reduce_rmsnorm_default = grouped_mm_all_reduce_rmsnorm(reshape_default, arg5_1, arg6_1, 1e-06, False, 'sum', '0', 2, '{"impl": "reference"}')
+getitem_1 = getitem(grouped_mm_all_reduce_rmsnorm_default, 1)
+getitem = getitem(grouped_mm_all_reduce_rmsnorm_default, 0)
+return [getitem, getitem_1]
+""")
+
+    def test_reduced_sum_with_no_norm_after_it_is_the_bare_op(self):
+        gm, report = self.trace_experts(lambda reduced, residual, norm_w: reduced * 2)
+        self.assertEqual([c.op for c in report.candidates], ["grouped_mm_all_reduce"])
+        self.assertIn("grouped_mm_all_reduce(sum_1, 'sum', '0', 2,", graph_text(gm))
+        self.assertNotIn("all_reduce(sum_1, 'sum', '0')\n", graph_text(gm))
+
+    def test_a_dense_matmul_before_the_weighted_sum_is_no_grouped_gemm(self):
+        def fn(x, w, weight):
+            return all_reduce((x @ w * weight).sum(0), "sum", g)
+
+        with fake_group(2) as g:
+            gm = trace(fn, randn(8, 8), randn(8, 8), randn(8, 1))
+            report = rewrite(gm)
+        self.assertEqual(report.candidates, ())
+        self.assertEqual([(c.kind, c.reason) for c in report.left], [
+            ("beside", "no ditron op for mm -> mul -> sum -> all_reduce (mm)")])
+
+
 class ConsecutiveMatchesTest(TestCase):
     """A later match whose operand an earlier rewrite replaced must use the replacement."""
 

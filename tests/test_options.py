@@ -50,7 +50,7 @@ BAD = [
     ("ditron.patterns", "DITRON_PATTERNS", "all_gather_matmul,mm_rs",
      "unknown pattern(s) mm_rs; allowed: a comma-separated subset of all_gather_matmul, "
      "matmul_reduce_scatter, matmul_all_reduce, matmul_all_reduce_rmsnorm, matmul_all_gather, "
-     "all_to_all_grouped_mm, grouped_mm_all_to_all, all_gather_scaled_mm, "
+     "grouped_mm_all_reduce, grouped_mm_all_reduce_rmsnorm, all_to_all_grouped_mm, grouped_mm_all_to_all, all_gather_scaled_mm, "
      "scaled_mm_reduce_scatter, scaled_mm_all_reduce"),
     ("ditron.plan", "DITRON_PLAN", "bogus", "allowed values are auto, reference, fused"),
     ("ditron.symm_mem_backend", "DITRON_SYMM_MEM_BACKEND", "xyz",

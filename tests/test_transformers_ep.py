@@ -67,6 +67,7 @@ def ep_ranks(rank: int, world: int) -> dict:
         results[kind] = {"errors": errors, "fused": fused}
         if kind == "qwen3_moe":
             results["own_exchange"] = _own_exchange(cfg, kind, world, ids, want)
+        results[f"{kind}_all_reduce"] = _all_reduce_ep(cfg, kind, world)
         if kind == "mixtral":  # Dynamo alone (no backend compiles) on transformers' exchange
             torch._dynamo.reset()
             own = hf_moe_ep.build(cfg, kind, "all_to_all", world)
@@ -92,6 +93,29 @@ def _own_exchange(cfg, kind: str, world: int, ids, want: list) -> dict:
         errors += _far(f"{kind} own exchange {name}", a, b, BF16_TOL)
     return {"errors": errors, "graphs": len(reports),
             "fused": sorted(c.op for r in reports for c in r.candidates if c.fused),
+            "left": sorted({ditron_log.reason(c) for r in reports for c in r.left}),
+            "unexplained": ditron_log.unexplained(reports, lines)}
+
+
+def _all_reduce_ep(cfg, kind: str, world: int) -> dict:
+    """transformers' inference EP (ep_implementation="all_reduce", what its default runs without
+    gradients where the ranks share a batch): every rank runs its own experts on the same batch
+    and an all-reduce sums the partial outputs. Compiled by ditron, inference: the logits against the same model run
+    eagerly, the ditron ops of every graph, the reasons of the collectives left."""
+    from ditron_inductor.lowering import graph_pass
+    from tests import hf_moe_ep
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = hf_moe_ep.build(cfg, kind, "all_reduce", world)
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        graph_pass.reports.clear()
+        with ditron_log.captured() as lines:
+            got = torch.compile(model, backend="ditron", dynamic=False)(ids).logits
+    reports = list(graph_pass.reports)
+    return {"errors": _far(f"{kind} all_reduce EP logits", got, want, BF16_TOL),
+            "fused": [sorted(c.op for c in r.candidates if c.fused) for r in reports],
             "left": sorted({ditron_log.reason(c) for r in reports for c in r.left}),
             "unexplained": ditron_log.unexplained(reports, lines)}
 
@@ -144,3 +168,19 @@ def test_unserved_experts_keep_transformers_exchange():
     assert unserved(SimpleNamespace(has_bias=True), 1) == "experts with a bias"
     assert unserved(SimpleNamespace(has_post_expert_norm=True), 1) == "a norm after the experts"
     assert "tp_size 2" in unserved(SimpleNamespace(), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_ep_all_reduce_takes_the_grouped_mm_ops(kind):
+    """Each MoE layer's all-reduce of its experts' partial outputs is one grouped-GEMM op, with
+    the residual add and the next norm (the second layer's: the final norm), and the logits
+    match the eager model's."""
+    ranks = _launch()
+    if isinstance(ranks, Exception):
+        raise ranks
+    for rank, res in enumerate(ranks):
+        res = res[f"{kind}_all_reduce"]
+        assert not res["errors"], f"rank {rank}: " + "\n".join(res["errors"])
+        assert res["fused"] == [["grouped_mm_all_reduce_rmsnorm"] * 2], res
+        assert res["unexplained"] == 0, res

@@ -186,16 +186,13 @@ EMBEDDING = ("apart", "no matmul beside it (what it sends comes from index_put)"
 # qkv_proj, gate_up_proj and lm_head and gathers those of down_proj and o_proj (their split
 # inputs): two more matmul_all_gathers.
 # Qwen3-MoE: o_proj's all-reduce takes post_attention_layernorm (training: alone, as Qwen3's);
-# the experts' all-reduce (moe_tp_experts) follows a grouped GEMM and the weighted sum of the
-# experts' rows, which no ditron op takes yet (issue 57 item 2), nor in backward the all-reduce
-# of the experts' input gradient; the final norm stays with Inductor. Backward also all-reduces
-# the routing weights' gradient (the experts' saved partial outputs summed over the hidden dim,
-# put into each token's routing slots by index_put: no matmul in that graph) and fuses q/k/v's
-# and lm_head's input gradients.
-MOE = ("beside", "no ditron op for transformers::grouped_mm_fallback -> mul -> index -> sum -> "
-                 "all_reduce")
-MOE_GRAD = ("beside", "no ditron op for transformers::grouped_mm_fallback_backward -> index_put "
-                      "-> all_reduce")
+# the experts' all-reduce (moe_tp_experts), after their grouped GEMM and weighted sum, takes the
+# residual add and the final norm (training too: the op returns the reciprocal RMS), and in
+# backward the all-reduce of the experts' input gradient is the bare op. Backward also
+# all-reduces the routing weights' gradient (the experts' saved partial outputs summed over the
+# hidden dim, put into each token's routing slots by index_put: no matmul in that graph) and
+# fuses q/k/v's and lm_head's input gradients.
+GMAR, GMAR_NORM = "grouped_mm_all_reduce", "grouped_mm_all_reduce_rmsnorm"
 ROUTING_GRAD = ("apart", "no matmul beside it (what it sends comes from index_put)")
 EXPECTED = {
     "inference": [("forward", [MAG, AR_NORM, AR_NORM], [EMBEDDING])],
@@ -203,9 +200,9 @@ EXPECTED = {
     "phi3": [("forward", [MAG] * 3 + [AR_NORM, AR_NORM], [EMBEDDING])],
     "phi3_training": [("forward", [MAG] * 3 + [AR, AR_NORM], [EMBEDDING]),
                       ("backward", [MAG] * 2 + [AR] * 3, [])],
-    "qwen3_moe": [("forward", [MAG, AR_NORM], [EMBEDDING, MOE])],
-    "qwen3_moe_training": [("forward", [MAG, AR], [EMBEDDING, MOE]),
-                           ("backward", [AR] * 4, [ROUTING_GRAD, MOE_GRAD])],
+    "qwen3_moe": [("forward", [GMAR_NORM, MAG, AR_NORM], [EMBEDDING])],
+    "qwen3_moe_training": [("forward", [GMAR_NORM, MAG, AR], [EMBEDDING]),
+                           ("backward", [GMAR] + [AR] * 4, [ROUTING_GRAD])],
 }
 SAVED_SUM = ("the all-reduced sum {} is also used by the graph's outputs (returned or saved for "
              "backward), and the op returns it only with the residual added")

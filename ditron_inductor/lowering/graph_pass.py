@@ -26,6 +26,7 @@ from ..scheduler import calibration
 from ..scheduler.decide import Decision, decide, reject
 from ..scheduler.plan import FusedPlan
 from .decode_gemm import group_decode_mms, rewrite_decode_mms
+from .grouped_all_reduce import GroupedMmAllReduceMatch
 from .left import Unmatched, collectives, describe, is_collective
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch, find_candidates
 from .moe import (
@@ -34,7 +35,8 @@ from .moe import (
     rewrite_all_to_all_grouped_mm,
     rewrite_grouped_mm_all_to_all,
 )
-from .rewrite import rewrite_all_gather_matmul, rewrite_matmul_collective
+from .rewrite import (rewrite_all_gather_matmul, rewrite_grouped_mm_all_reduce,
+                      rewrite_matmul_collective)
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -42,6 +44,7 @@ log = logging.getLogger(LOGGER_NAME)
 REWRITES: dict[type, Callable] = {
     AllGatherMatmulMatch: rewrite_all_gather_matmul,
     MatmulCollectiveMatch: rewrite_matmul_collective,
+    GroupedMmAllReduceMatch: rewrite_grouped_mm_all_reduce,
     AllToAllGroupedMmMatch: rewrite_all_to_all_grouped_mm,
     GroupedMmAllToAllMatch: rewrite_grouped_mm_all_to_all,
 }
@@ -249,7 +252,7 @@ def _collectives_of(match) -> list:
     """The collectives a match's op would replace."""
     if isinstance(match, AllGatherMatmulMatch):
         return [match.gather] + [n for n in match.scale_gather if is_collective(n)]
-    if isinstance(match, MatmulCollectiveMatch):
+    if isinstance(match, (MatmulCollectiveMatch, GroupedMmAllReduceMatch)):
         return [match.collective]
     return [match.exchange.node]
 

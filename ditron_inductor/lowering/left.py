@@ -96,7 +96,7 @@ _QUIET = ("view", "reshape", "_unsafe_view", "wait_tensor", "getitem", "permute"
 _MOVES = _QUIET + ("index", "index_select", "gather", "index_put")
 
 
-def _nearest_matmul(start: Node, upstream: bool) -> Optional[list[Node]]:
+def nearest_matmul(start: Node, upstream: bool) -> Optional[list[Node]]:
     """The path from `start` (first) to the nearest matmul past at most _HOPS computing nodes
     (last), or None: upstream through any node's inputs (the weighted sum of the experts' rows
     before an all-reduce), downstream through the users that move rows. Collectives end a
@@ -134,8 +134,8 @@ def declined(collective: Node, reason: str, results: Optional[Node] = None) -> U
     """A finder's decline for a reason of its own: beside a matmul where one produces what the
     collective sends or takes what it returns (`results`)."""
     sent = collective.args[0] if isinstance(collective.args[0], Node) else None
-    near = ((sent is not None and _nearest_matmul(sent, upstream=True) is not None)
-            or (results is not None and _nearest_matmul(results, upstream=False) is not None))
+    near = ((sent is not None and nearest_matmul(sent, upstream=True) is not None)
+            or (results is not None and nearest_matmul(results, upstream=False) is not None))
     return Unmatched(collective, reason, beside_matmul=near)
 
 
@@ -147,13 +147,13 @@ def no_matmul_served(collective: Node, results: Node, upstream: bool, downstream
     coll = short_name(collective)
     detail = f" ({why})" if why else ""
     if upstream and isinstance(collective.args[0], Node):
-        path = _nearest_matmul(collective.args[0], upstream=True)
+        path = nearest_matmul(collective.args[0], upstream=True)
         if path is not None:
             mm = path[-1]
             return Unmatched(collective, f"no ditron op for {op_name(mm)}"
                              f"{_between(path[-2::-1])} -> {coll} ({mm.name}){detail}")
     if downstream:
-        path = _nearest_matmul(results, upstream=False)
+        path = nearest_matmul(results, upstream=False)
         if path is not None:
             mm = path[-1]
             return Unmatched(collective, f"no ditron op for {coll}{_between(path[:-1])} -> "

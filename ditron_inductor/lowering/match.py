@@ -11,6 +11,7 @@ match carries the problem, so that the log names it. Shapes handled (post-grad A
   mm / addmm [-> reshapes to N-d] -> all_reduce -> wait_tensor [-> + residual -> RMSNorm]
   mm / addmm [-> reshapes to N-d] -> all_gather_into_tensor -> wait_tensor
       [-> split/slice on dim 0 -> cat(dim d)]   (where no matmul takes the gathered result)
+  grouped GEMM [-> the experts' weighted sum] -> all_reduce (lowering/grouped_all_reduce.py)
   all_to_all_single <-> torch._grouped_mm: expert parallelism (lowering/moe.py)
 
 and the same with _scaled_mm (torchao's float8 tensor parallelism): float8 pieces moved as bytes
@@ -45,10 +46,11 @@ from ..scheduler.task import (
     scaled_mm_collective_task,
 )
 from ..patterns import PATTERNS
+from .grouped_all_reduce import GroupedMmAllReduceMatch, find_grouped_mm_all_reduce
 from .left import Unmatched, declined, is_collective, no_matmul_served, op_name
 from .moe import as_exchange, find_moe_matches
 from .nodes import RESHAPES, call_arg, fake, is_call, matmul_arg, summands, weight_from_output
-from .norm import RmsNormTail, find_rmsnorm_tail
+from .norm import RmsNormTail, attach_rmsnorm_tail
 from .reorder import RowOrder, folds_into_producer, folds_into_users, static_sizes
 
 aten = torch.ops.aten
@@ -421,8 +423,9 @@ class MatmulCollectiveMatch:
         return [m.node for m in self.matmuls]
 
 
-def find_matmul_collective(collective: Node,
-                           patterns=PATTERNS) -> Optional[MatmulCollectiveMatch | Unmatched]:
+def find_matmul_collective(collective: Node, patterns=PATTERNS
+                           ) -> Optional[MatmulCollectiveMatch | GroupedMmAllReduceMatch
+                                         | Unmatched]:
     if is_call(collective, c10d.reduce_scatter_tensor.default):
         op = MATMUL_REDUCE_SCATTER
         inp, reduce_op, world_size, group_name = collective.args[:4]
@@ -460,6 +463,11 @@ def find_matmul_collective(collective: Node,
         matmuls, inner = [matmul], []
     else:
         summed = _sum_of_matmuls(node)
+        grouped = (find_grouped_mm_all_reduce(collective, waits[0], reduce_op, group_name,
+                                              world_size, patterns)
+                   if summed is None and op == MATMUL_ALL_REDUCE else None)
+        if grouped is not None:
+            return grouped
         if summed is None:
             return _no_product(collective, node)
         matmuls, inner = summed
@@ -486,12 +494,7 @@ def find_matmul_collective(collective: Node,
     if matmuls[0].scaled:
         match.op = SCALED_MM_REDUCE_SCATTER if op == MATMUL_REDUCE_SCATTER else SCALED_MM_ALL_REDUCE
     elif op == MATMUL_ALL_REDUCE and MATMUL_ALL_REDUCE_RMSNORM in patterns:
-        norm = find_rmsnorm_tail(match.wait)
-        if norm is not None and norm.problem:
-            match.notes.append(f"the residual add and RMSNorm after it stay with Inductor: "
-                               f"{norm.problem}")
-        elif norm is not None:
-            match.norm, match.op = norm, MATMUL_ALL_REDUCE_RMSNORM
+        attach_rmsnorm_tail(match, match.wait, MATMUL_ALL_REDUCE_RMSNORM)
     return match
 
 

@@ -108,6 +108,17 @@ def find_residual_add(reduced: Node) -> Optional[Node]:
     return add
 
 
+def attach_rmsnorm_tail(match, reduced: Node, norm_op: str) -> None:
+    """An all-reduce match takes the tail after `reduced` (its op becomes `norm_op`), or notes
+    why the tail stays with Inductor."""
+    norm = find_rmsnorm_tail(reduced)
+    if norm is not None and norm.problem:
+        match.notes.append(f"the residual add and RMSNorm after it stay with Inductor: "
+                           f"{norm.problem}")
+    elif norm is not None:
+        match.norm, match.op = norm, norm_op
+
+
 def find_rmsnorm_tail(reduced: Node) -> Optional[RmsNormTail]:
     residual_add = find_residual_add(reduced)
     h = residual_add if residual_add is not None else reduced

@@ -15,7 +15,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - defines torch.ops.ditron.*, which the rewrite inserts
 from .graph_edit import erase_unused, insert_call, insert_getitem
+from .grouped_all_reduce import GroupedMmAllReduceMatch
 from .match import AllGatherMatmulMatch, MatmulCollectiveMatch
+from .norm import RmsNormTail
 from .nodes import fake
 from .reorder import SWAP_FIRST_TWO, RowOrder
 from ..scheduler.task import MATMUL_ALL_GATHER, REDUCE_SCATTER_PATTERNS
@@ -106,25 +108,51 @@ def rewrite_matmul_collective(graph: Graph, match: MatmulCollectiveMatch, plan: 
         target = (ditron.scaled_mm_all_reduce if mm.scaled else ditron.matmul_all_reduce).default
         extra = (match.out_shape,)
     args = (*operands, *extra, match.reduce_op, match.group_name, match.world_size, plan)
-    with_rstd = norm is not None and norm.with_rstd
-    op = insert_call(graph, target, args, {"with_rstd": True} if with_rstd else None)
-    tail: list[Node] = []  # the replaced nodes after the collective, users first
-    if norm is not None:
-        outputs = [insert_getitem(graph, op, i) for i in range(3 if with_rstd else 2)]
-        norm.h.replace_all_uses_with(outputs[0])
-        norm.out.replace_all_uses_with(outputs[1])
-        if with_rstd:  # what else uses the norm's nodes (backward) reads the op's
-            norm.rsqrt.replace_all_uses_with(outputs[2])
-        tail = [norm.out] + norm.inner[::-1] + [norm.h]
-    elif order is not None:  # this rank's rows, rank-major: the piece's own order
+    op, tail = _insert_op(graph, target, args, norm)
+    if norm is None and order is not None:  # this rank's rows, rank-major: the piece's order
         match.wait.replace_all_uses_with(
             insert_call(graph, aten.reshape.default, (op, match.scattered_sizes)))
-    else:
+    elif norm is None:
         match.wait.replace_all_uses_with(op)
     inner = match.chunk_cat.inner[::-1] if match.chunk_cat else []
     erase_unused(graph, tail + [match.wait, match.collective]
                   + ([match.chunk_cat.cat] if match.chunk_cat else []) + inner
                   + match.views + [m.node for m in match.matmuls])
+    return op
+
+
+def _insert_op(graph: Graph, target, args: tuple, norm: Optional[RmsNormTail]
+               ) -> tuple[Node, list[Node]]:
+    """The op's call; with an all-reduce's norm tail, its outputs take over the tail's uses (h,
+    y, and the reciprocal RMS where backward saves it). Returns the op and the replaced tail
+    nodes after the collective, users first."""
+    with_rstd = norm is not None and norm.with_rstd
+    op = insert_call(graph, target, args, {"with_rstd": True} if with_rstd else None)
+    if norm is None:
+        return op, []
+    outputs = [insert_getitem(graph, op, i) for i in range(3 if with_rstd else 2)]
+    norm.h.replace_all_uses_with(outputs[0])
+    norm.out.replace_all_uses_with(outputs[1])
+    if with_rstd:  # what else uses the norm's nodes (backward) reads the op's
+        norm.rsqrt.replace_all_uses_with(outputs[2])
+    return op, [norm.out] + norm.inner[::-1] + [norm.h]
+
+
+def rewrite_grouped_mm_all_reduce(graph: Graph, match: GroupedMmAllReduceMatch,
+                                  plan: str) -> Node:
+    norm, view = match.norm, match.view
+    group = (match.reduce_op, match.group_name, match.world_size, plan)
+    x = match.reduced
+    if view is not None:  # the op's input viewed as the graph views the sum
+        x = insert_call(graph, aten.reshape.default, (x, list(view.args[1])))
+    if norm is None:
+        op, tail = _insert_op(graph, ditron.grouped_mm_all_reduce.default, (x, *group), None)
+        (view or match.wait).replace_all_uses_with(op)
+    else:
+        op, tail = _insert_op(graph, ditron.grouped_mm_all_reduce_rmsnorm.default, (
+            x, norm.residual, norm.weight, norm.eps, norm.weight_in_fp32, *group), norm)
+    erase_unused(graph, tail + ([view] if view is not None else []) + [match.wait,
+                                                                        match.collective])
     return op
 
 

@@ -8,7 +8,8 @@ where chosen); nothing here imports `ops`.
 import torch
 
 from .all_gather import all_gather_matmul_fused, all_gather_scaled_mm_fused
-from .all_reduce import matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused
+from .all_reduce import (grouped_mm_all_reduce_fused, grouped_mm_all_reduce_rmsnorm_fused,
+                         matmul_all_reduce_fused, matmul_all_reduce_rmsnorm_fused)
 from .context import clear_contexts
 from .matmul_all_gather import matmul_all_gather_fused
 from .moe import all_to_all_grouped_mm_fused, grouped_mm_all_to_all_fused
@@ -23,6 +24,8 @@ FUSED_IMPLS = {
     "matmul_all_gather": matmul_all_gather_fused,
     "matmul_all_reduce": matmul_all_reduce_fused,
     "matmul_all_reduce_rmsnorm": matmul_all_reduce_rmsnorm_fused,
+    "grouped_mm_all_reduce": grouped_mm_all_reduce_fused,
+    "grouped_mm_all_reduce_rmsnorm": grouped_mm_all_reduce_rmsnorm_fused,
     "all_gather_scaled_mm": all_gather_scaled_mm_fused,
     "scaled_mm_reduce_scatter": scaled_mm_reduce_scatter_fused,
     "all_to_all_grouped_mm": all_to_all_grouped_mm_fused,

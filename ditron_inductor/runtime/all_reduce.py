@@ -1,8 +1,8 @@
 """Fused GEMM + all-reduce (+ residual + RMSNorm) on symmetric memory: the GEMM writes a @ b (+
-bias) into my symmetric buffer, then the plan's algo reduces it (scheduler/plan.AllReducePlan
-says what each does; the protocols: templates/all_reduce_push.py, all_reduce_lamport.py, and
-_copy_engine here). push has one context per (group, size class), shared by both ops; each other
-algo its own.
+bias) into my symmetric buffer (the grouped-GEMM ops copy their input there instead, `Copied`),
+then the plan's algo reduces it (scheduler/plan.AllReducePlan says what each does; the protocols:
+templates/all_reduce_push.py, all_reduce_lamport.py, and _copy_engine here). push has one context
+per (group, size class), shared by the ops; each other algo its own.
 
 Every kernel leaves the buffers free for the next call's GEMM when it ends, and the epochs are
 device words the kernels advance (copy_engine's 0/1 flags end each call as they began): nothing
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Optional
 
 import torch
 
@@ -38,7 +37,8 @@ from .launch import (DTYPES, MatmulSum, bias_serves, check_errors, decline, gemm
 from .kernel_launch import cdiv, current_stream, launch, next_power_of_2
 from .symm import group_barrier
 
-stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0}
+stats = {"matmul_all_reduce": 0, "matmul_all_reduce_rmsnorm": 0, "grouped_mm_all_reduce": 0,
+         "grouped_mm_all_reduce_rmsnorm": 0}
 _CONTEXT = "all_reduce"
 _MAX_BLOCK = 16384  # push_grid's largest block
 
@@ -98,9 +98,10 @@ def _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shap
 
 
 def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
-                     weight_in_fp32, reduce_op, terms: Optional[MatmulSum] = None):
-    """(h, y) (y None without norm_weight), or None where declined. terms: a sum of matmul
-    products (MatmulSum, already checked; a and b are its first term's)."""
+                     weight_in_fp32, reduce_op, producer=None):
+    """(h, y) (y None without norm_weight), or None where declined. producer: what computes the
+    partial in place of a @ b: a sum of matmul products (MatmulSum, already checked; a and b
+    are its first term's), or a computed tensor's rows (Copied)."""
     m, n = a.shape[0], b.shape[1]
     shape = list(out_shape) if len(out_shape) else [m, n]
     why = _declines(a, b, bias, residual, norm_weight, weight_in_fp32, reduce_op, shape)
@@ -111,7 +112,7 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     algo = plan.algo
     if algo == COPY_ENGINE:
         out = _copy_engine(task, plan, a, b, bias, residual, norm_weight, eps, weight_in_fp32,
-                           dtype, terms)
+                           dtype, producer)
         if out is None:
             return None
         stats[task.op] += 1
@@ -141,9 +142,10 @@ def all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, e
     consts = dict(HAS_RES=residual is not None, NORM=norm_weight is not None,
                   W_FP32=bool(weight_in_fp32), **flags.world_constants(ctx.world))
     if algo == "push":
-        _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps), terms)
+        _push(ctx, dev, plan, a, b, bias, partial, b_trans, common, consts, float(eps),
+              producer)
     else:
-        _after_gemm(ctx, plan, a, b, bias, partial, common, consts, float(eps), terms)
+        _after_gemm(ctx, plan, a, b, bias, partial, common, consts, float(eps), producer)
     check_errors(ctx, plan, task.op, kernel_flag)
     stats[task.op] += 1
     return h.view(shape), (None if y is None else y.view(shape))
@@ -156,7 +158,7 @@ def _row_chunks(plan: AllReducePlan, m):
     return cdiv(m, rows), rows
 
 
-def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, terms=None):
+def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, producer=None):
     """The GEMM in row chunks on the main stream, chunk 0 first on every rank (the order the
     reduction takes them in), READY[j] raised after chunk j by a 4-byte copy of the device epoch
     word. cuBLAS takes every SM: the push programs beside it wait for its waves."""
@@ -165,7 +167,7 @@ def _cublas_chunks(ctx, dev, a, b, bias, partial, rows, terms=None):
     current_epoch = dev.epoch.data_ptr() + 4
     for j in range(cdiv(m, rows)):
         lo, hi = j * rows, min((j + 1) * rows, m)
-        matmul_into(a[lo:hi], b, bias, partial[lo:hi], scaled=terms, first_row=lo)
+        matmul_into(a[lo:hi], b, bias, partial[lo:hi], scaled=producer, first_row=lo)
         driver.memcpy(ctx.flag_addr(flags.READY + j), current_epoch, 4, main)
 
 
@@ -223,7 +225,7 @@ def decode_grid(plan: AllReducePlan, world: int, m: int, n: int, sms: int, norm:
 
 
 def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, consts, eps,
-          terms=None):
+          producer=None):
     """The GEMM, then push_kernel on the same stream; with overlap, its REDUCE beside the GEMM
     on the side stream on `progs` programs, its COPY and NORMALISE after it on every SM."""
     m, n = partial.shape
@@ -233,7 +235,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
                                     norm=consts["NORM"])
     meta = _launch(consts, n, block, warps)
     if not plan.overlap:
-        matmul_into(a, b, bias, partial, scaled=terms, decode=plan.gemm == GEMV)
+        matmul_into(a, b, bias, partial, scaled=producer, decode=plan.gemm == GEMV)
         launch(push_kernel, (progs,), *common, m, n, eps, ctx.rank, m, progs, limit, **meta)
         return
     if plan.gemm == TRITON:
@@ -244,7 +246,7 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
     else:
         rows = _row_chunks(plan, m)[1]
         queue_gemm = lambda: _cublas_chunks(  # noqa: E731
-            ctx, dev, a, b, bias, partial, rows, terms)
+            ctx, dev, a, b, bias, partial, rows, producer)
     gemm_beside(ctx, dev, queue_gemm, lambda side: launch(
         push_kernel, (progs,), *common, m, n, eps, ctx.rank, rows, progs, limit,
         stream=side, CHUNKED=True, COPY=False, NORMALISE=False, **meta))
@@ -255,7 +257,8 @@ def _push(ctx, dev, plan: AllReducePlan, a, b, bias, partial, b_trans, common, c
            CHUNKED=True, SEND=False, REDUCE=False, **meta)
 
 
-def _after_gemm(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps, terms=None):
+def _after_gemm(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, eps,
+                producer=None):
     """The whole GEMM, then push_all's or a lamport kernel; a lamport context's words hold the
     empty mark before its first call."""
     m, n = partial.shape
@@ -269,7 +272,7 @@ def _after_gemm(ctx, plan: AllReducePlan, a, b, bias, partial, common, consts, e
     meta = _launch(consts, n, block, warps)
     if two_shot and not plan.block:  # rows a block only where the plan names the block
         meta["ROW_BLOCK"] = 0
-    matmul_into(a, b, bias, partial, scaled=terms, decode=plan.gemm == GEMV)
+    matmul_into(a, b, bias, partial, scaled=producer, decode=plan.gemm == GEMV)
     # push_all's slots begin one region in (after the partial), a region each
     kernel, regions = {"push_all": (push_all_kernel, (stride, stride)),
                        "lamport": (lamport_kernel, (stride,)),
@@ -385,7 +388,7 @@ def _take_flag(ctx, plan, stream: int, idx: int) -> None:
 
 
 def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_weight, eps,
-                 weight_in_fp32, dtype, terms=None):
+                 weight_in_fp32, dtype, producer=None):
     """algo="copy_engine": (h, y), or None where declined. My buffer holds W slots of [M, N],
     slot q for rank q's partial. Flags of 0 or 1, set by one rank and cleared by the other, so
     each call leaves them as it found them and queues the same operations (graph replays are
@@ -419,7 +422,7 @@ def _copy_engine(task: Task, plan: AllReducePlan, a, b, bias, residual, norm_wei
         for idx in flag_words:
             _take_flag(ctx, plan, side, idx)
     for j, ((lo, hi), out) in enumerate(zip(layout.chunk_rows, layout.my_chunks)):
-        matmul_into(a[lo:hi], b, bias, out, scaled=terms, first_row=lo)
+        matmul_into(a[lo:hi], b, bias, out, scaled=producer, first_row=lo)
         if not layout.sides:
             continue
         driver.record(events[j], main)
@@ -466,6 +469,49 @@ def matmul_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, a, b, bias,
     not store it, so it is computed again from h (one more read of h, training graphs only)."""
     out = all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
                            weight_in_fp32, reduce_op)
+    if out is None:
+        return None
+    return [*out, reciprocal_rms(out[0], eps)] if with_rstd else list(out)
+
+
+class Copied:
+    """The producer of the grouped-GEMM ops: the tensor the graph computed, whose rows are the
+    left operand `a`, copied where a GEMM would write its product (b, a zero-row view of the
+    tensor, gives only N)."""
+
+    @staticmethod
+    def matmul_into(a_rows, b, bias, out, first_row: int = 0) -> None:
+        out.copy_(a_rows)
+
+
+def _reduced_rows(task: Task, plan: AllReducePlan, x):
+    """x as the (a, b) the all-reduce takes with Copied, or None where declined."""
+    if plan.overlap and plan.gemm == TRITON:
+        return decline("a computed tensor: the persistent Triton GEMM beside push computes a "
+                       "product (cuBLAS plans only)")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows, rows[:0]
+
+
+def grouped_mm_all_reduce_fused(task: Task, plan: AllReducePlan, x, reduce_op, group_name,
+                                world_size):
+    operands = _reduced_rows(task, plan, x)
+    if operands is None:
+        return None
+    out = all_reduce_fused(task, plan, *operands, None, x.shape, None, None, 0.0, False,
+                           reduce_op, Copied)
+    return None if out is None else out[0]
+
+
+def grouped_mm_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, x, residual,
+                                        norm_weight, eps, weight_in_fp32, reduce_op, group_name,
+                                        world_size, *, with_rstd=False):
+    """matmul_all_reduce_rmsnorm_fused's outputs, for x in place of a @ b."""
+    operands = _reduced_rows(task, plan, x)
+    if operands is None:
+        return None
+    out = all_reduce_fused(task, plan, *operands, None, x.shape, residual, norm_weight, eps,
+                           weight_in_fp32, reduce_op, Copied)
     if out is None:
         return None
     return [*out, reciprocal_rms(out[0], eps)] if with_rstd else list(out)

@@ -2,8 +2,9 @@
 
 AG/RS and the GEMM + all-gather (launched eagerly): the fastest candidate measured at a near
 shape on the task's world size where one beats NCCL + cuBLAS by MEASURED_MIN_GAIN, else (AG/RS)
-the link model's fastest where it is predicted MIN_GAIN faster. GEMM + all-reduce: the plan by M
-(policy), kept where the world-1 compute and the link model predict it MIN_GAIN faster. FP8 and
+the link model's fastest where it is predicted MIN_GAIN faster. GEMM (or grouped GEMM) +
+all-reduce: the plan by M (policy), kept where the world-1 compute and the link model predict it
+MIN_GAIN faster. FP8 and
 MoE: where their measurements say (policy). Every "no" says why, for the log.
 """
 
@@ -16,15 +17,15 @@ from . import calibration, evidence, link_model, policy
 from .candidates import candidate_plan, candidates_for
 from .plan import COPY_ENGINE, AllGatherPlan, AllReducePlan, FusedPlan, GroupedMmPlan
 from .plan import TILE_PARAMS, MatmulAllGatherPlan, ReduceScatterPlan, family, from_params
-from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, MATMUL_ALL_GATHER,
-                   MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, MATMUL_REDUCE_SCATTER,
+from .task import (ALL_GATHER_MATMUL, ALL_GATHER_SCALED_MM, ALL_REDUCE_PATTERNS,
+                   GROUPED_MM_ALL_REDUCE_PATTERNS, MATMUL_ALL_GATHER, MATMUL_REDUCE_SCATTER,
                    MOE_PATTERNS, SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, Task, size_hint)
 from .ranking import best_label, measured_decision, predicted
 
 KEEP = "NCCL + cuBLAS (DITRON_PLAN=fused forces the fused kernels)"
 _FUSED_PLAN_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_GATHER,
-                   MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM, ALL_GATHER_SCALED_MM,
-                   SCALED_MM_REDUCE_SCATTER, *MOE_PATTERNS)
+                   *ALL_REDUCE_PATTERNS, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
+                   *MOE_PATTERNS)
 
 
 def has_fused_plan(op: str) -> bool:
@@ -119,9 +120,12 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
         plan = fused_plan(task, dict(algo=COPY_ENGINE, chunks=chunks))
         return _costed_all_reduce_plan(task, plan, cuda_graphs,
                                        "copies beside the GEMM's row chunks")
-    overlap = (policy.FUSED_MAX_M < m <= policy.OVERLAP_MAX_M
-               and world <= policy.OVERLAP_MAX_WORLD)
+    overlap = policy.pushes_beside_gemm(task) and m <= policy.OVERLAP_MAX_M
     if m > policy.FUSED_MAX_M and not overlap:
+        if task.op in GROUPED_MM_ALL_REDUCE_PATTERNS:
+            return None, (f"M={m} > {policy.FUSED_MAX_M}: push after the GEMM measured no gain "
+                          "over NCCL at this size, and the reduced tensor has no GEMM to push "
+                          f"beside: {KEEP}")
         bound = policy.OVERLAP_MAX_M if world <= policy.OVERLAP_MAX_WORLD else policy.FUSED_MAX_M
         return None, (f"M={m} > {bound}: no fused kernel measured a gain over NCCL at "
                       f"this size on {world} ranks: {KEEP}")
@@ -135,12 +139,16 @@ def all_reduce_plan(task: Task, cuda_graphs: bool) -> tuple[Optional[AllReducePl
 def _costed_all_reduce_plan(task: Task, plan: AllReducePlan, cuda_graphs: bool,
                             where: str) -> tuple[Optional[AllReducePlan], str]:
     """The plan where the costs predict it MIN_GAIN faster than NCCL + cuBLAS, or where no
-    world-1 measurement stands for the shape; else (None, why)."""
+    world-1 measurement stands for the shape of a GEMM op on a calibrated card; else (None,
+    why)."""
     how = "replayed in a CUDA graph" if cuda_graphs else "eager, host time hidden at this size"
     world1 = evidence.world1_costs(task.op, family(plan), cuda_graphs, task.m_hint,
                                    size_hint(task.k), task.n_total)
     if world1 is None and not calibration.calibrated():
         return None, f"no world-1 measurement on this uncalibrated card: {KEEP}"
+    if world1 is None and task.op in GROUPED_MM_ALL_REDUCE_PATTERNS:  # no GEMM's row stands in
+        return None, (f"no world-1 measurement of {task.op} near this shape "
+                      f"({evidence.world1_source()}): {KEEP}")
     if world1 is None:
         note = f"no world-1 measurement near this shape ({evidence.world1_source()})"
     else:
@@ -186,7 +194,7 @@ def choose_device_plan(task: Task, cuda_graphs: bool = False) -> tuple[Optional[
         return None, f"the ranks did not agree on the scheduler evidence (warned above): {KEEP}"
     if task.op in (ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE):
         return scaled_mm_plan(task, cuda_graphs)
-    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+    if task.op in ALL_REDUCE_PATTERNS:
         return all_reduce_plan(task, cuda_graphs)
     if task.op in MOE_PATTERNS:
         return None, moe_not_fused(task.op)
@@ -220,9 +228,10 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
     if task.op == MATMUL_ALL_GATHER:
         merged = {"chunks": policy.matmul_all_gather_chunks(task.m_hint), **params}
         return from_params(MatmulAllGatherPlan, merged, label=f"cublas_chunks_{merged['chunks']}")
-    if task.op in (MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE_RMSNORM):
+    if task.op in ALL_REDUCE_PATTERNS:  # a sum of products, or no product: cuBLAS plans
+        cublas = task.sums_terms or task.op in GROUPED_MM_ALL_REDUCE_PATTERNS
         base = ({} if "algo" in params else policy.cublas_all_reduce_params(task)
-                if task.sums_terms else policy.all_reduce_params(task))
+                if cublas else policy.all_reduce_params(task))
         merged = {**base, **params}
         return from_params(AllReducePlan, merged, label=merged["algo"]).for_world(
             task.world_size)

@@ -8,7 +8,7 @@ dtype, world size and whether the graph is replayed from a CUDA graph.
 from __future__ import annotations
 
 from .plan import COPY_ENGINE_MAX_N
-from .task import Task, size_hint
+from .task import GROUPED_MM_ALL_REDUCE_PATTERNS, Task, size_hint
 
 # A fused plan must be predicted this much faster than NCCL + cuBLAS: the margin covers the link
 # model's error.
@@ -65,6 +65,13 @@ def overlap_params(task: Task) -> dict:
                 progs=16 if long_gemm else 32, block=16384, warps=32)
 
 
+def pushes_beside_gemm(task: Task) -> bool:
+    """Whether push beside the op's GEMM takes the task (prefill M, up to the world measured):
+    the grouped-GEMM ops reduce a tensor the graph computed, and have no GEMM to hide it."""
+    return (task.m_hint > FUSED_MAX_M and task.world_size <= OVERLAP_MAX_WORLD
+            and task.op not in GROUPED_MM_ALL_REDUCE_PATTERNS)
+
+
 def all_reduce_params(task: Task) -> dict:
     """The fused GEMM + all-reduce plan by M and world size (what DITRON_PLAN=fused takes)."""
     lamport = task.world_size <= LAMPORT_MAX_WORLD
@@ -72,7 +79,7 @@ def all_reduce_params(task: Task) -> dict:
         return dict(algo="lamport_all" if lamport else "push_all")
     if task.m_hint <= LAMPORT_MAX_M and lamport:
         return dict(algo="lamport")
-    if task.m_hint > FUSED_MAX_M and task.world_size <= OVERLAP_MAX_WORLD:
+    if pushes_beside_gemm(task):
         return overlap_params(task)
     return dict(algo="push")
 

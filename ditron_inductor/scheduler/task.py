@@ -18,7 +18,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..patterns import (  # noqa: F401 - the op names, re-exported beside the Task
     ALL_GATHER_MATMUL,
     ALL_GATHER_SCALED_MM,
+    ALL_REDUCE_PATTERNS,
     ALL_TO_ALL_GROUPED_MM,
+    GROUPED_MM_ALL_REDUCE,
+    GROUPED_MM_ALL_REDUCE_PATTERNS,
+    GROUPED_MM_ALL_REDUCE_RMSNORM,
     GROUPED_MM_ALL_TO_ALL,
     MATMUL_ALL_GATHER,
     MATMUL_ALL_REDUCE,
@@ -49,8 +53,11 @@ class Task:
     MoE ops: m counts the rows the local experts compute, which the routing decides (an unbacked
     SymInt, or a per-rank constant after a graph break: no decision may depend on it); k, ns per
     expert; experts, this rank's; tokens, the (token, expert) rows it routes; rows_permuted, the
-    experts read (write) the exchanged rows through an index. Scaled ops: dtype the float8
-    operands' (what an all-gather moves), out_dtype the product's, scales `scale_kind`'s.
+    experts read (write) the exchanged rows through an index. The all-reduce of what grouped
+    GEMMs computed (GROUPED_MM_ALL_REDUCE_PATTERNS): [m, n] the reduced tensor's rows, no
+    product (k = 1, which keeps the evidence's shape ratios defined; the log omits it). Scaled
+    ops: dtype the float8 operands' (what an all-gather moves), out_dtype the product's, scales
+    `scale_kind`'s.
     """
 
     op: str
@@ -122,8 +129,9 @@ class Task:
         if self.out_dtype is not None:
             out = str(self.out_dtype).replace("torch.", "")
             dtype += f" {self.scales}{' fast-accum' if self.fast_accum else ''} -> {out}"
+        k = "" if self.op in GROUPED_MM_ALL_REDUCE_PATTERNS else f" K={self.k}"
         return (
-            f"{self.op} M={self.m} K={self.k} N={ns} {dtype} world={self.world_size}"
+            f"{self.op} M={self.m}{k} N={ns} {dtype} world={self.world_size}"
             f" group={self.group_name}{extra}"
         )
 
@@ -169,6 +177,14 @@ def matmul_collective_task(op: str, a, b, bias, out_shape, dim: int, reduce_op: 
         dim_size=shape[dim] if op in REDUCE_SCATTER_PATTERNS else None,
         reduce_op=reduce_op, rank_chunks_contiguous=chunks_contiguous(shape, dim),
     )
+
+
+def grouped_mm_all_reduce_task(op: str, x, reduce_op: str, group_name: str,
+                               world_size: int) -> Task:
+    """The all-reduce (op: GROUPED_MM_ALL_REDUCE or _RMSNORM) of x [..., n], as rows [m, n]."""
+    return Task(
+        op=op, group_name=group_name, world_size=world_size, m=math.prod(x.shape[:-1]), k=1,
+        ns=(x.shape[-1],), dtype=x.dtype, device_type=x.device.type, reduce_op=reduce_op)
 
 
 def with_terms(task: Task, a) -> Task:

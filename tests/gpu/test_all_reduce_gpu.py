@@ -4,7 +4,9 @@ cuBLAS in row chunks or the persistent GEMM that raises READY per chunk; push_al
 lamport_all, copy_engine, other block sizes) and the runtime's default, K per rank 1024 and 3584,
 N 8192 and a smaller N, residual and norm variants (both roundings), many calls in a row,
 under torch.cuda.graph capture + replay, and a decode step compiled with backend="ditron" and
-mode="reduce-overhead". Every case asserts that the fused path served it.
+mode="reduce-overhead"; the grouped-GEMM ops' computed input through each plan, eager and
+captured. Every case asserts that the fused path served it (or, where a plan cannot take it,
+that it declined).
 
 Run on the GPU machine: pytest -m gpu tests/gpu/test_all_reduce_gpu.py
 (DITRON_AR_QUICK=1: a subset of the shapes, for a short device budget, the prefill plans at
@@ -105,6 +107,86 @@ def _eager_cases(group_name, world, dtype, gen, calls):
                         assert sum(stats.values()) == before + 1, f"{tag}: fused path not served"
                         for o, r in zip(out, ref):
                             _check(tag, o, r)
+
+
+GROUPED, GROUPED_NORM = "grouped_mm_all_reduce", "grouped_mm_all_reduce_rmsnorm"
+TRITON_BESIDE = {"algo": "push", "overlap": True, "gemm": "triton", "chunks": 4, "progs": 16}
+
+
+def _grouped_call(x, residual, weight, w_fp32, group_name, world, plan):
+    from ditron_inductor.ops import (
+        grouped_mm_all_reduce_reference,
+        grouped_mm_all_reduce_rmsnorm_reference,
+    )
+
+    if weight is None:
+        return ((torch.ops.ditron.grouped_mm_all_reduce(x, "sum", group_name, world, plan),),
+                (grouped_mm_all_reduce_reference(x, "sum", group_name, world),))
+    args = (x, residual, weight, EPS, w_fp32, "sum", group_name, world)
+    return (torch.ops.ditron.grouped_mm_all_reduce_rmsnorm(*args, plan),
+            grouped_mm_all_reduce_rmsnorm_reference(*args))
+
+
+def _grouped_cases(group_name, world, dtype, gen, calls):
+    """The grouped-GEMM ops: a computed [1, M, N] tensor (the experts' weighted sum) reduced by
+    every plan but the Triton GEMM beside push, which has no product to compute and declines
+    (its reference gives the numbers); each variant of _variants, `calls` calls on new inputs."""
+    from ditron_inductor.runtime.all_reduce import stats
+
+    dev = torch.device("cuda")
+    for n in (1000, 4096):
+        for m in (1, 7, 128, 257, 2048):
+            for plan_params in PLANS:
+                if plan_params.get("algo") in ("push_all", "lamport_all") and m > 256:
+                    continue
+                for vi, (residual, weight, w_fp32) in enumerate(_variants(n, dtype, dev, gen, m)):
+                    op = GROUPED if weight is None else GROUPED_NORM
+                    plan = _plan(op, world, m, 1, n, **plan_params)
+                    for call in range(calls):
+                        x = torch.randn(1, m, n, generator=gen, device=dev, dtype=dtype)
+                        before = sum(stats.values())
+                        out, ref = _grouped_call(x, None if residual is None else
+                                                 residual.view(1, m, n), weight, w_fp32,
+                                                 group_name, world, plan)
+                        tag = (f"{op} m={m} n={n} {dtype} plan={plan_params} variant={vi} "
+                               f"call={call}")
+                        served = sum(stats.values()) - before
+                        assert served == (plan_params != TRITON_BESIDE), f"{tag}: served {served}"
+                        for o, r in zip(out, ref):
+                            assert o.shape == r.shape == x.shape, tag
+                            _check(tag, o, r)
+
+
+def _grouped_graph_case(group_name, world, gen, m, plan_params, n=4096, replays=4):
+    """The grouped-GEMM op + norm captured in a CUDA graph after eager warm-ups, replayed on new
+    tensors copied into the captured input (its copy into the buffer is part of the graph)."""
+    from ditron_inductor.ops import grouped_mm_all_reduce_rmsnorm_reference
+    from ditron_inductor.runtime.all_reduce import stats
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    plan = _plan(GROUPED_NORM, world, m, 1, n, **plan_params)
+    x, residual = (torch.randn(m, n, generator=gen, device=dev, dtype=dtype) for _ in range(2))
+    weight = torch.rand(n, generator=gen, device=dev, dtype=dtype) + 0.5
+    args = (x, residual, weight, EPS, False, "sum", group_name, world)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.ops.ditron.grouped_mm_all_reduce_rmsnorm(*args, plan)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    served = sum(stats.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y = torch.ops.ditron.grouped_mm_all_reduce_rmsnorm(*args, plan)
+    assert sum(stats.values()) == served + 1, "the captured call did not take the fused path"
+    for replay in range(replays):
+        x.copy_(torch.randn(m, n, generator=gen, device=dev, dtype=dtype))
+        graph.replay()
+        ref = grouped_mm_all_reduce_rmsnorm_reference(*args)
+        tag = f"grouped graph m={m} plan={plan_params} replay={replay}"
+        _check(tag + " h", h, ref[0])
+        _check(tag + " y", y, ref[1])
 
 
 def _captured(group_name, world, dtype, gen, m, k, n, plan_params, warmups=3):
@@ -222,6 +304,8 @@ def _worker(rank, world, port, calls, result_dir):
         everything = os.environ.get("DITRON_AR_COMPILED_ONLY", "0") != "1"
         for dtype in (torch.bfloat16, torch.float16) if everything else ():
             _eager_cases(group_name, world, dtype, gen, calls)
+        if everything:
+            _grouped_cases(group_name, world, torch.bfloat16, gen, calls)
         os.environ["DITRON_WAIT_TIMEOUT_S"] = "0"  # no host checks inside a captured graph
         graph_cases = ((1, {}), (32, {}), (128, {}), (2048, {}), (1, {"algo": "push"}),
                        (128, {"algo": "push"}),
@@ -234,6 +318,9 @@ def _worker(rank, world, port, calls, result_dir):
         for m, plan_params in graph_cases if everything else ():
             if not ALGOS or plan_params.get("algo", "default") in ALGOS:
                 _graph_case(group_name, world, torch.bfloat16, gen, m, plan_params)
+        grouped_graphs = ((1, {}), (128, {}), (2048, {"algo": "copy_engine"}))
+        for m, plan_params in grouped_graphs if everything and not ALGOS else ():
+            _grouped_graph_case(group_name, world, gen, m, plan_params)
         if world > 1:  # at world size 1 the scheduler fuses nothing, which the case asserts
             _compiled_decode_case(world, torch.bfloat16, gen)
         status = f"ok stats={dict(stats)}"
