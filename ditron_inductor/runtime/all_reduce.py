@@ -467,8 +467,13 @@ def matmul_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, a, b, bias,
                                     group_name, world_size, *, with_rstd=False):
     """[h, y], and with_rstd h's reciprocal RMS: the kernels normalise each row with it but do
     not store it, so it is computed again from h (one more read of h, training graphs only)."""
-    out = all_reduce_fused(task, plan, a, b, bias, out_shape, residual, norm_weight, eps,
-                           weight_in_fp32, reduce_op)
+    return _normed_outputs(all_reduce_fused(task, plan, a, b, bias, out_shape, residual,
+                                            norm_weight, eps, weight_in_fp32, reduce_op),
+                           eps, with_rstd)
+
+
+def _normed_outputs(out, eps, with_rstd):
+    """The norm ops' [h, y] (+ h's reciprocal RMS) of all_reduce_fused's (h, y), or None."""
     if out is None:
         return None
     return [*out, reciprocal_rms(out[0], eps)] if with_rstd else list(out)
@@ -484,22 +489,21 @@ class Copied:
         out.copy_(a_rows)
 
 
-def _reduced_rows(task: Task, plan: AllReducePlan, x):
-    """x as the (a, b) the all-reduce takes with Copied, or None where declined."""
+def _all_reduce_computed(task: Task, plan: AllReducePlan, x, residual, norm_weight, eps,
+                         weight_in_fp32, reduce_op):
+    """all_reduce_fused's (h, y) with x's rows in place of a @ b (Copied), or None where
+    declined."""
     if plan.overlap and plan.gemm == TRITON:
         return decline("a computed tensor: the persistent Triton GEMM beside push computes a "
                        "product (cuBLAS plans only)")
     rows = x.reshape(-1, x.shape[-1])
-    return rows, rows[:0]
+    return all_reduce_fused(task, plan, rows, rows[:0], None, x.shape, residual, norm_weight,
+                            eps, weight_in_fp32, reduce_op, Copied)
 
 
 def grouped_mm_all_reduce_fused(task: Task, plan: AllReducePlan, x, reduce_op, group_name,
                                 world_size):
-    operands = _reduced_rows(task, plan, x)
-    if operands is None:
-        return None
-    out = all_reduce_fused(task, plan, *operands, None, x.shape, None, None, 0.0, False,
-                           reduce_op, Copied)
+    out = _all_reduce_computed(task, plan, x, None, None, 0.0, False, reduce_op)
     return None if out is None else out[0]
 
 
@@ -507,11 +511,5 @@ def grouped_mm_all_reduce_rmsnorm_fused(task: Task, plan: AllReducePlan, x, resi
                                         norm_weight, eps, weight_in_fp32, reduce_op, group_name,
                                         world_size, *, with_rstd=False):
     """matmul_all_reduce_rmsnorm_fused's outputs, for x in place of a @ b."""
-    operands = _reduced_rows(task, plan, x)
-    if operands is None:
-        return None
-    out = all_reduce_fused(task, plan, *operands, None, x.shape, residual, norm_weight, eps,
-                           weight_in_fp32, reduce_op, Copied)
-    if out is None:
-        return None
-    return [*out, reciprocal_rms(out[0], eps)] if with_rstd else list(out)
+    return _normed_outputs(_all_reduce_computed(task, plan, x, residual, norm_weight, eps,
+                                                weight_in_fp32, reduce_op), eps, with_rstd)
