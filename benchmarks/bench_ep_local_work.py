@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", default="128,512,2048,8192,16384", help="tokens per rank")
     p.add_argument("--plans", default="default,128x256_tma",
                    help="fused tiles (bench_moe PLANS labels; 'default': the scheduler's plan, "
-                        "its tile by the rows per expert)")
+                        "its tile by the rows per expert); LABEL/stream: that plan with its "
+                        "READY signals as a stream write per peer before the wait kernel")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -124,7 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="write <out>.json and <out>.md")
     args = p.parse_args(argv)
     if args.tiny:
-        args.models, args.plans = "tiny", "tiny"
+        args.models = "tiny"
+        if args.plans == p.get_default("plans"):
+            args.plans = "tiny"
         if args.tokens == p.get_default("tokens"):
             args.tokens = "16"
     return args
@@ -203,6 +206,28 @@ def combine_rank(world: int, received: int, n: int, dtype, own_rows: int, starts
                                      dtype=torch.int64, device=device)
     state.sender_table = sender  # kept alive
     return ctx, layout, state
+
+
+def stream_signal_and_wait(ctx, plan, stream, addrs, input_split_sizes, epoch: int) -> None:
+    """moe_dispatch.signal_and_wait as a stream write of READY per peer (ctx.signal), then the
+    wait kernel: the '/stream' plans, beside the one launch that does both."""
+    ctx.signal(stream, epoch, [ctx.peer_flag_addr(p, ctx.READY + ctx.rank)
+                               for p in range(ctx.world) if p != ctx.rank])
+    moe_dispatch.wait_ready(ctx, plan, stream, input_split_sizes, epoch)
+
+
+@contextlib.contextmanager
+def signals(label: str):
+    """The runtime's signal_and_wait, or for a '/stream' label stream_signal_and_wait."""
+    if not label.endswith("/stream"):
+        yield
+        return
+    saved = moe_dispatch.signal_and_wait, moe_combine.signal_and_wait
+    moe_dispatch.signal_and_wait = moe_combine.signal_and_wait = stream_signal_and_wait
+    try:
+        yield
+    finally:
+        moe_dispatch.signal_and_wait, moe_combine.signal_and_wait = saved
 
 
 @contextlib.contextmanager
@@ -387,7 +412,7 @@ class Layer:
     def fused_dispatch(self, label, x_send, by_expert, offsets):
         plan, (ctx, layout, state), _ = self.plans[label]
         r = self.r
-        with step("fused_dispatch"), host_streams(self.device):
+        with step("fused_dispatch"), host_streams(self.device), signals(label):
             rows, *outs = moe_dispatch.call(ctx, layout, state, plan, x_send, r.out_splits,
                                             r.in_splits, by_expert, [self.gate, self.up],
                                             offsets, moe.grouped_gemm)
@@ -396,7 +421,7 @@ class Layer:
     def fused_combine(self, label, h, by_expert, offsets):
         plan, _, (ctx, layout, state) = self.plans[label]
         r = self.r
-        with step("fused_combine"), host_streams(self.device):
+        with step("fused_combine"), host_streams(self.device), signals(label):
             return moe_combine.call(ctx, layout, state, plan, h, self.down, offsets, by_expert,
                                     r.in_splits, r.out_splits, moe.grouped_gemm)
 
@@ -640,7 +665,8 @@ def profiled(fn, calls: int) -> dict:
 def plans_of(args) -> dict:
     out = {}
     for label in args.plans.split(","):
-        params = TINY_PLAN if label == "tiny" else PLANS[label]
+        base = label.split("/")[0]
+        params = TINY_PLAN if base == "tiny" else PLANS[base]
         # a label that names no tile: as the scheduler plans it, its tile and its dispatch's
         # GEMM engine by the rows per expert
         rules = ({} if "block_m" in params else dict(

@@ -170,10 +170,13 @@ def variants():
         yield (flags.wait_flags_kernel,
                dict(flag_ptr="*i32", first="i32", count="i32", epoch="i32", limit=limit,
                     err_ptr="*i32"), {}, 1)
-        for take in (False, True):  # the MoE waits: READY (an epoch), ARRIVED (counts taken)
+        # the MoE waits: READY (an epoch) after the signals, ARRIVED (counts taken)
+        for take, signal in ((False, True), (True, False)):
             yield (flags.wait_words_kernel,
                    dict(flag_ptr="*i32", first="i32", mask="i32", want="i32", wants_ptr="*i32",
-                        limit=limit, err_ptr="*i32"), dict(WORDS=8, TAKE=take), 1)
+                        limit=limit, err_ptr="*i32",
+                        signal_ptr="*i64" if signal else "*i32", signal_mask="i32",
+                        signal_value="i32"), dict(WORDS=8, TAKE=take, SIGNAL=signal), 1)
         # the dispatch's wait for every tile before its library GEMMs
         yield (grouped_gemm.wait_tiles_kernel,
                dict(count_ptr="*i32", expect_ptr="*i32", tiles="i32", limit=limit,

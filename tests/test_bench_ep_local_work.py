@@ -29,10 +29,20 @@ def test_every_contender_is_checked_timed_and_tabled(tmp_path):
     assert "- command: `python benchmarks/bench_ep_local_work.py --device cpu --tiny" in text
 
 
-def test_inference_runs_the_fused_dispatch_without_its_rows_output(tmp_path):
-    bench.main(ARGS + ["--no-stages", "--inference", "--out", str(tmp_path / "ep")])
+def test_inference_runs_the_fused_dispatch_without_its_rows_output(tmp_path, monkeypatch):
+    """... and a '/stream' plan signals by ctx.signal (stream writes), the others in the wait's
+    launch."""
+    streamed = []
+    signal = bench.EmulatedRank.signal
+    monkeypatch.setattr(bench.EmulatedRank, "signal",
+                        lambda self, *a: streamed.append(
+                            bench.moe_dispatch.signal_and_wait is bench.stream_signal_and_wait)
+                        or signal(self, *a))
+    bench.main(ARGS + ["--no-stages", "--inference", "--plans", "tiny,tiny/stream", "--out",
+                       str(tmp_path / "ep")])
     (row,) = json.loads((tmp_path / "ep.json").read_text())["rows"]
     assert row["inference"] and row["rel_err"]["fused:tiny"] < 2e-2  # the rows checked too
+    assert row["rel_err"]["fused:tiny/stream"] < 2e-2 and streamed and all(streamed)
     assert not bench.plans_of(bench.parse_args(ARGS + ["--inference"]))["tiny"].rows
 
 

@@ -428,7 +428,8 @@ class EmulatedContext:
 
     def __init__(self, copies, rank, flag_copies=None):
         self.data, self.rank, self.world = EmulatedSymm(copies, rank), rank, len(copies)
-        self.flags = EmulatedSymm(flag_copies, rank) if flag_copies else None
+        self.flags = EmulatedSymm(flag_copies or [torch.zeros(16 * len(copies), dtype=torch.uint8)
+                                                  for _ in copies], rank)
         self.err = faults.error_words("cpu")[1]
 
 
@@ -661,6 +662,34 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, gemm, monkey
             if received:
                 assert rel_err(out, refs[r]) < 2e-3, (call, r, case)
     assert bool(launched) == (gemm == TRITON)
+
+
+def test_one_launch_signals_every_peer_then_waits():
+    """The multi-rank ops' READY (moe_dispatch.signal_and_wait) on rank 1 of 3: one
+    flags.wait_words_kernel writes the epoch into word READY + 1 of each peer's flags (not its
+    own), then waits for READY of the ranks it sends to; a receiver's READY one epoch behind
+    gives up after the signals went out, naming that rank."""
+    from ditron_inductor.runtime import moe_dispatch
+
+    world, epoch = 3, 6
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6)
+    flag_copies = [torch.zeros(4 * 2 * world, dtype=torch.int32).view(torch.uint8)
+                   for _ in range(world)]
+    ctx = EmulatedContext([torch.zeros(4, dtype=torch.uint8)] * world, 1, flag_copies)
+    words = [c.view(torch.int32) for c in flag_copies]
+    addrs = moe_dispatch.ready_addrs(ctx)
+    assert addrs.tolist() == [c.data_ptr() + 4 for c in flag_copies]
+    words[1][0], words[1][2] = epoch, epoch - 1  # rank 0 published; rank 2 one call behind
+    try:
+        moe_dispatch.signal_and_wait(ctx, plan, None, addrs, [4, 3, 0], epoch)
+        assert int(ctx.err[0]) == 0
+        assert [w[1].item() for w in words] == [epoch, 0, epoch]  # READY + 1 on each peer
+        assert words[1].tolist()[:world] == [epoch, 0, epoch - 1]
+        moe_dispatch.signal_and_wait(ctx, plan, None, addrs, [4, 3, 2], epoch + 1)
+        assert int(ctx.err[0]) == ctx.READY + 0 + 1  # READY of rank 0, epoch 6 of 7
+        assert [w[1].item() for w in words] == [epoch + 1, 0, epoch + 1]
+    finally:
+        faults.report().zero_()
 
 
 def test_one_launch_waits_for_every_flag_word_and_names_a_late_one():

@@ -11,7 +11,9 @@ Symmetric flag words (int32), written by peers:
               reduced, its slots are free)
 A flag is set, on a peer as here, by a stream write of the epoch (driver.write): ordered after the
 stream's earlier work, copies included, and fenced so that the data is visible before the flag;
-streams wait for one with runtime/launch.wait_geq.
+streams wait for one with runtime/launch.wait_geq. The MoE ops set READY instead by a release
+store at system scope in the launch that then waits (launch.wait_words), one launch in place
+of a stream write per peer.
 """
 
 from __future__ import annotations

@@ -61,15 +61,21 @@ def wait_geq(ctx: OpContext, plan: FusedPlan, stream: int, idx: int, value: int)
 
 
 def wait_words(ctx: OpContext, plan: FusedPlan, stream, first: int, mask: int, want: int,
-               wants=None) -> None:
+               wants=None, signal: Optional[tuple] = None) -> None:
     """The stream waits until my flag word first + i >= want (wants[i], then taken back off the
     word) for each bit i of mask, in one launch (flags.wait_words_kernel) rather than one wait
-    per word; bounded as wait_geq's waits are, unbounded where the bound is 0."""
-    if mask:
+    per word; bounded as wait_geq's waits are, unbounded where the bound is 0. signal
+    (addresses, mask, value): before the wait, in the same launch, the word at addresses[i]
+    (an int64 tensor of flag-word addresses) = value for each bit i of mask, in place of
+    ctx.signal's stream write per word."""
+    addrs, signal_mask, value = signal if signal is not None else (None, 0, 0)
+    if mask or signal_mask:
         launch(flags.wait_words_kernel, (1,), ctx.flags.words, first, mask, want,
                ctx.flags.words if wants is None else wants, wait_limit(plan, ctx),
                faults.site_words(ctx, plan.site),
-               WORDS=next_power_of_2(ctx.world), TAKE=wants is not None, stream=stream)
+               ctx.flags.words if addrs is None else addrs, signal_mask, value,
+               WORDS=next_power_of_2(ctx.world), TAKE=wants is not None,
+               SIGNAL=bool(signal_mask), stream=stream)
 
 
 def context_flag(ctx: OpContext, code: int, peer: int = -1) -> str:

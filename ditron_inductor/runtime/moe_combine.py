@@ -3,8 +3,9 @@ goes to the row of its destination's receive buffer where the all-to-all would l
 
 One call, epoch e, on rank r, on the caller's stream:
   1. publish  where each sender's rows start among r's received rows and where r's rows to each
-              rank end (moe_routes.publish_splits), then READY + r = e on every peer;
-  2. read     one wait until READY + q >= e for each rank q that r sends rows to;
+              rank end (moe_routes.publish_splits);
+  2. read     READY + r = e on every peer, then one wait until READY + q >= e for each rank q
+              that r sends rows to, in one launch (moe_dispatch.signal_and_wait);
   3. push     the GEMM stores product row j at row_index[j] (the send order: the reference's
               index_put), then the put kernel sends each row to its rank q, at q's start for r
               plus its index among r's rows to q, adding one to q's ARRIVED + r (release, after
@@ -40,7 +41,7 @@ from . import faults, moe_routes
 from .context import OpContext, build_outside_graph_pools, get_context
 from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_words
-from .moe_dispatch import Layout, grouped_mm_takes, wait_ready
+from .moe_dispatch import Layout, grouped_mm_takes, ready_addrs, signal_and_wait
 
 OP = "grouped_mm_all_to_all"
 
@@ -55,6 +56,7 @@ class CombineState:
     table_table: torch.Tensor  # [world] int64: each rank's table (its starts)
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
     count_table: torch.Tensor  # [world] int64: each rank's ARRIVED word for my rows
+    ready_addrs: torch.Tensor  # [world] int64: the address of each rank's READY + me
 
 
 _states: "weakref.WeakKeyDictionary[OpContext, CombineState]" = weakref.WeakKeyDictionary()
@@ -64,7 +66,8 @@ def new_state(ctx, layout: Layout) -> CombineState:
     return CombineState(table_table=ctx.data.ptr_table + layout.table_offset,
                         recv_table=ctx.data.ptr_table + layout.recv_offset,
                         count_table=ctx.flags.ptr_table + 4 * arrived_word(layout.world,
-                                                                           ctx.rank))
+                                                                           ctx.rank),
+                        ready_addrs=ready_addrs(ctx))
 
 
 def combine_layout(world: int, capacity: int, n: int, dtype: torch.dtype) -> Layout:
@@ -132,12 +135,10 @@ def call(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
     """One call's steps 1-4 on my context, its signals and waits included, then the error check
     (benchmarks/bench_ep_local_work.py runs it on an emulated rank)."""
     world_size = layout.world
-    r, e = ctx.rank, ctx.next_epoch()
+    e = ctx.next_epoch()
     main = current_stream()
     publish(ctx, layout, output_split_sizes, input_split_sizes)
-    ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
-                            for p in range(world_size) if p != r])
-    wait_ready(ctx, plan, main, input_split_sizes, e)
+    signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
     push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm)
     expected = list(output_split_sizes)
     out = collect(ctx, layout, plan, main, sum(expected))

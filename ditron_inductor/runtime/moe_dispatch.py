@@ -5,8 +5,9 @@ x.
 
 One call, epoch e, on rank r, on the caller's stream:
   1. publish  r's routes into its symmetric table and this call's rows per tile onto expect
-              (moe_routes.publish), then READY + r = e on every peer;
-  2. read     one wait until READY + q >= e for each rank q that r sends rows to;
+              (moe_routes.publish);
+  2. read     READY + r = e on every peer, then one wait until READY + q >= e for each rank q
+              that r sends rows to, in one launch (signal_and_wait);
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
               that tile's counter there (release, after the rows);
   4. GEMM     plan.dispatch_gemm TORCH: one wait until every tile's counter reached
@@ -84,6 +85,7 @@ class DispatchState:
     table_table: torch.Tensor  # [world] int64: each rank's route table
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
     count_table: torch.Tensor  # [world] int64: each rank's tile counters
+    ready_addrs: torch.Tensor  # [world] int64: the address of each rank's READY + me
 
 
 _states: "weakref.WeakKeyDictionary[OpContext, DispatchState]" = weakref.WeakKeyDictionary()
@@ -100,7 +102,12 @@ def new_state(ctx, layout: Layout) -> DispatchState:
         expect=torch.zeros(layout.tiles, dtype=torch.int32, device=ctx.data.ptr_table.device),
         table_table=ctx.data.ptr_table + layout.table_offset,
         recv_table=ctx.data.ptr_table + layout.recv_offset,
-        count_table=ctx.data.ptr_table.clone())
+        count_table=ctx.data.ptr_table.clone(), ready_addrs=ready_addrs(ctx))
+
+
+def ready_addrs(ctx) -> torch.Tensor:
+    """[world] int64: where my READY goes on each rank (word READY + me of its flags)."""
+    return ctx.flags.ptr_table + 4 * (ctx.READY + ctx.rank)
 
 
 def _state(ctx: OpContext, layout: Layout) -> DispatchState:
@@ -165,13 +172,11 @@ def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, outp
          input_split_sizes, row_index, weights, offsets, grouped_gemm) -> list:
     """One call's steps 1-4 on my context, its signals and waits included, then the error check
     (benchmarks/bench_ep_local_work.py runs it on an emulated rank)."""
-    r, e = ctx.rank, ctx.next_epoch()
+    e = ctx.next_epoch()
     main = current_stream()
     publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
             plan.block_m)
-    ctx.signal(main, e, [ctx.peer_flag_addr(p, ctx.READY + r)
-                            for p in range(layout.world) if p != r])
-    wait_ready(ctx, plan, main, input_split_sizes, e)
+    signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
     push(ctx, layout, state, x)
     outputs = compute(ctx, layout, state, plan, sum(output_split_sizes), weights, offsets,
                       grouped_gemm)
@@ -192,10 +197,20 @@ def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input
                        state.expect)
 
 
-def wait_ready(ctx, plan: GroupedMmPlan, stream, input_split_sizes, epoch: int) -> None:
-    """2. The receivers I send rows to have published: READY + q >= epoch for each."""
+def wait_ready(ctx, plan: GroupedMmPlan, stream, input_split_sizes, epoch: int,
+               signal=None) -> None:
+    """2. The receivers I send rows to have published: READY + q >= epoch for each (signal:
+    launch.wait_words's signals before it)."""
     mask = sum(1 << q for q, n in enumerate(input_split_sizes) if n and q != ctx.rank)
-    wait_words(ctx, plan, stream, ctx.READY, mask, epoch)
+    wait_words(ctx, plan, stream, ctx.READY, mask, epoch, signal=signal)
+
+
+def signal_and_wait(ctx, plan: GroupedMmPlan, stream, addrs: torch.Tensor, input_split_sizes,
+                    epoch: int) -> None:
+    """2. READY + me = epoch on every peer (addrs: ready_addrs), then wait_ready, in one launch:
+    a stream write per peer costs about as much device time as a small kernel."""
+    peers = ((1 << ctx.world) - 1) & ~(1 << ctx.rank)
+    wait_ready(ctx, plan, stream, input_split_sizes, epoch, signal=(addrs, peers, epoch))
 
 
 def push(ctx, layout: Layout, state: DispatchState, x) -> None:
