@@ -672,6 +672,7 @@ def plans_of(args) -> dict:
         rules = ({} if "block_m" in params else dict(
             small_expert_rows=policy.SMALL_EXPERT_ROWS,
             library_rows=policy.LIBRARY_DISPATCH_ROWS,
+            library_below_rows=policy.LIBRARY_DISPATCH_BELOW_ROWS,
             library_combine_rows=policy.LIBRARY_COMBINE_ROWS))
         out[label] = dataclasses.replace(GroupedMmPlan(), label=label,
                                          **{**rules, **params},

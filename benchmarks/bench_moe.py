@@ -92,11 +92,11 @@ PLANS = {
     "default": {},
     # on several ranks: the dispatch's GEMMs always in Triton tiles that wait for their rows,
     # or always in torch._grouped_mm once every row landed
-    "triton_dispatch": dict(library_rows=0),
+    "triton_dispatch": dict(library_rows=0, library_below_rows=0),
     "torch_dispatch": dict(dispatch_gemm="torch"),
     # the combine's GEMM in torch._grouped_mm (the put sends its rows by the send index),
     # beside the Triton dispatch or the library dispatch's rule
-    "torch_combine": dict(library_rows=0, combine_gemm="torch"),
+    "torch_combine": dict(library_rows=0, library_below_rows=0, combine_gemm="torch"),
     "torch_both": dict(dispatch_gemm="torch", combine_gemm="torch"),
     # the default tile at world size 1 (the dispatch gathers the rows first)
     "128x256_tma": dict(block_m=128, block_n=256, block_k=64, stages=3, warps=8, tma_b=True,

@@ -771,7 +771,8 @@ def test_multi_rank_ops_take_the_tile_and_engine_for_the_rows_per_expert(monkeyp
     64-row tile where the rank routes at most small_expert_rows rows per local expert, the plan's
     own tile where it routes more or the plan names its tile (0); the dispatch's GEMMs in
     torch._grouped_mm where it stores its rows output and routes at least library_rows rows per
-    local expert, else Triton's tiles; the combine's in torch._grouped_mm from
+    local expert, or stores none and routes more than small_expert_rows and fewer than
+    library_below_rows, else Triton's tiles; the combine's in torch._grouped_mm from
     library_combine_rows rows per local expert."""
     from ditron_inductor.runtime import moe_combine, moe_dispatch
 
@@ -784,13 +785,15 @@ def test_multi_rank_ops_take_the_tile_and_engine_for_the_rows_per_expert(monkeyp
     x = torch.randn(6, 16, generator=gen).to(F16)
     w = weights(2, 16, 16, gen)
     offsets = torch.tensor([2, 6], dtype=torch.int32)
-    for small, library, combine_rows, rows, want_m, want_gemm, want_combine in (
-            (3, 0, 0, True, 64, TRITON, TRITON), (2, 0, 0, True, 16, TRITON, TRITON),
-            (0, 3, 0, True, 16, TORCH, TRITON), (3, 4, 0, True, 64, TRITON, TRITON),
-            (0, 3, 0, False, 16, TRITON, TRITON), (0, 0, 3, False, 16, TRITON, TORCH),
-            (0, 3, 4, True, 16, TORCH, TRITON)):
+    for small, library, combine_rows, rows, want_m, want_gemm, want_combine, below in (
+            (3, 0, 0, True, 64, TRITON, TRITON, 0), (2, 0, 0, True, 16, TRITON, TRITON, 0),
+            (0, 3, 0, True, 16, TORCH, TRITON, 0), (3, 4, 0, True, 64, TRITON, TRITON, 0),
+            (0, 3, 0, False, 16, TRITON, TRITON, 0), (0, 0, 3, False, 16, TRITON, TORCH, 0),
+            (0, 3, 4, True, 16, TORCH, TRITON, 0), (2, 0, 0, False, 16, TORCH, TRITON, 4),
+            (2, 0, 0, False, 16, TRITON, TRITON, 3), (3, 0, 0, False, 64, TRITON, TRITON, 4)):
         plan = dataclasses.replace(PLAN, small_expert_rows=small, library_rows=library,
-                                   library_combine_rows=combine_rows, rows=rows)
+                                   library_combine_rows=combine_rows, rows=rows,
+                                   library_below_rows=below)
         dispatch = (x, [3, 3], [3, 3], torch.arange(6), [w], offsets, "0", 2)
         moe.all_to_all_grouped_mm_fused(task_of(ALL_TO_ALL_GROUPED_MM, *dispatch), plan,
                                         *dispatch)

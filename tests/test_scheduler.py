@@ -405,8 +405,10 @@ def test_moe_ops_keep_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4, mo
     assert plan.small_expert_rows == declining.small_expert_rows == 128
     assert plan.library_rows == declining.library_rows == 128
     assert plan.library_combine_rows == declining.library_combine_rows == 160
+    assert plan.library_below_rows == declining.library_below_rows == 256
     named = plan_for(on_cuda, block_m=64, warps=4)
     assert named.small_expert_rows == named.library_rows == named.library_combine_rows == 0
+    assert named.library_below_rows == 0
 
 
 def test_matmul_all_gather_keeps_the_graph_on_cuda_unless_a_fused_plan_is_forced(group4):
@@ -455,17 +457,22 @@ def test_the_grouped_gemm_takes_64_row_tiles_where_experts_get_few_rows(rows, ex
 
 
 @pytest.mark.parametrize("rows, experts, stored, engine", [
-    (128 * 8, 8, True, "torch"), (128 * 8 - 1, 8, True, "triton"), (128 * 8, 8, False, "triton"),
-    (64, 0, True, "triton")])
-def test_a_training_dispatch_with_many_rows_per_expert_runs_torchs_grouped_gemm(rows, experts,
-                                                                                 stored, engine):
-    """From the plan's library_rows rows per local expert a dispatch that stores its rows
-    output runs torch._grouped_mm once every row landed; below, or storing none (inference),
-    the Triton tiles that wait for their rows."""
+    (128 * 8, 8, True, "torch"), (128 * 8 - 1, 8, True, "triton"), (300 * 8, 8, True, "torch"),
+    (128 * 8, 8, False, "triton"), (128 * 8 + 1, 8, False, "torch"),
+    (256 * 8 - 1, 8, False, "torch"), (256 * 8, 8, False, "triton"), (64, 0, True, "triton"),
+    (64, 0, False, "triton")])
+def test_the_dispatch_runs_torchs_grouped_gemm_by_rows_per_expert(rows, experts, stored,
+                                                                  engine):
+    """A dispatch that stores its rows output (training) runs torch._grouped_mm once every row
+    landed from the plan's library_rows rows per local expert; one that stores none
+    (inference) above small_expert_rows and below library_below_rows; elsewhere the Triton
+    tiles that wait for their rows."""
     from ditron_inductor.scheduler.plan import GroupedMmPlan
 
-    plan = GroupedMmPlan(library_rows=128, rows=stored, site="layers.0").for_rows(rows, experts)
-    assert plan.dispatch_gemm == engine and plan.site == "layers.0" and plan.block_m == 128
+    plan = GroupedMmPlan(small_expert_rows=128, library_rows=128, library_below_rows=256,
+                         rows=stored, site="layers.0").for_rows(rows, experts)
+    assert plan.dispatch_gemm == engine and plan.site == "layers.0"
+    assert plan.block_m == (64 if experts and rows <= 128 * experts else 128)
     assert plan.combine_gemm == "triton"
 
 

@@ -222,6 +222,7 @@ def fused_plan(task: Task, params: Optional[dict] = None) -> FusedPlan:
         named = bool(params.keys() & set(TILE_PARAMS))  # a named tile is kept
         rules = {} if named else {"small_expert_rows": policy.SMALL_EXPERT_ROWS,
                                   "library_rows": policy.LIBRARY_DISPATCH_ROWS,
+                                  "library_below_rows": policy.LIBRARY_DISPATCH_BELOW_ROWS,
                                   "library_combine_rows": policy.LIBRARY_COMBINE_ROWS}
         merged = {**rules, **params}
         return from_params(GroupedMmPlan, merged, label=merged.pop("label", "grouped_mm"))

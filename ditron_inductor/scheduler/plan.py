@@ -230,6 +230,10 @@ class GroupedMmPlan(FusedPlan):
     # rows per local expert, the runtime runs dispatch_gemm TORCH (0: never; the scheduler's
     # policy.LIBRARY_DISPATCH_ROWS where no tile is named)
     library_rows: int = 0
+    # where the dispatch stores no rows output (inference graphs) and the rank routes more than
+    # small_expert_rows but fewer than this many rows per local expert, the runtime runs
+    # dispatch_gemm TORCH (0: never; policy.LIBRARY_DISPATCH_BELOW_ROWS where no tile is named)
+    library_below_rows: int = 0
     # where the rank routes at least this many rows per local expert, the runtime runs
     # combine_gemm TORCH (0: never; the scheduler's policy.LIBRARY_COMBINE_ROWS where no tile
     # is named)
@@ -240,8 +244,10 @@ class GroupedMmPlan(FusedPlan):
         experts: alike on every rank, which route as many rows (the fused ops' buffers assume
         it)."""
         small = bool(experts) and rows <= self.small_expert_rows * experts
-        library = (bool(experts) and self.rows and self.library_rows > 0
-                   and rows >= self.library_rows * experts)
+        library = bool(experts) and (
+            (self.rows and self.library_rows > 0 and rows >= self.library_rows * experts)
+            or (not self.rows and not small and self.small_expert_rows > 0
+                and rows < self.library_below_rows * experts))
         library_combine = (bool(experts) and self.library_combine_rows > 0
                            and rows >= self.library_combine_rows * experts)
         if small or library or library_combine:

@@ -144,6 +144,12 @@ SMALL_EXPERT_ROWS = 128
 # and store them; with fewer rows, and in inference graphs, the tiles measured faster.
 LIBRARY_DISPATCH_ROWS = 128
 
+# Where the dispatch stores no rows output (inference graphs), the tiles measured faster at up
+# to SMALL_EXPERT_ROWS rows per local expert (the 64-row tile) and from two 128-row tiles' rows
+# on, and torch's grouped GEMM faster in between, where each expert's rows take two 128-row
+# tiles, the last one part full.
+LIBRARY_DISPATCH_BELOW_ROWS = 256
+
 # The combine's GEMM engine on several ranks. Where a rank routes at least this many rows per
 # local expert, torch._grouped_mm in expert order with the put sending each row by its send
 # index measured at least as fast as the Triton tiles storing in send order, and faster where an
