@@ -80,7 +80,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.bench_fused import spin_device  # noqa: E402
 from benchmarks.bench_moe import LAYERS, PLANS, layer_weights  # noqa: E402
-from ditron_inductor.runtime import faults, moe, moe_combine, moe_dispatch  # noqa: E402
+from ditron_inductor.runtime import (faults, moe, moe_combine, moe_dispatch,  # noqa: E402
+                                     moe_routes)
 from ditron_inductor.runtime.context import OpContext  # noqa: E402
 from ditron_inductor.runtime.symm import SymmBuffer  # noqa: E402
 from ditron_inductor.scheduler import policy  # noqa: E402
@@ -102,8 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", default="128,512,2048,8192,16384", help="tokens per rank")
     p.add_argument("--plans", default="default,128x256_tma",
                    help="fused tiles (bench_moe PLANS labels; 'default': the scheduler's plan, "
-                        "its tile by the rows per expert); LABEL/stream: that plan with its "
-                        "READY signals as a stream write per peer before the wait kernel")
+                        "its tile by the rows per expert); LABEL/steps: that plan with each "
+                        "signal and wait a step of its own (bench_ep_local_work.steps)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -210,24 +211,30 @@ def combine_rank(world: int, received: int, n: int, dtype, own_rows: int, starts
 
 def stream_signal_and_wait(ctx, plan, stream, addrs, input_split_sizes, epoch: int) -> None:
     """moe_dispatch.signal_and_wait as a stream write of READY per peer (ctx.signal), then the
-    wait kernel: the '/stream' plans, beside the one launch that does both."""
+    wait kernel: the '/steps' plans."""
     ctx.signal(stream, epoch, [ctx.peer_flag_addr(p, ctx.READY + ctx.rank)
                                for p in range(ctx.world) if p != ctx.rank])
     moe_dispatch.wait_ready(ctx, plan, stream, input_split_sizes, epoch)
 
 
 @contextlib.contextmanager
-def signals(label: str):
-    """The runtime's signal_and_wait, or for a '/stream' label stream_signal_and_wait."""
-    if not label.endswith("/stream"):
+def steps(label: str):
+    """The runtime's steps, or for a '/steps' label each signal and wait a step of its own, as
+    before they were merged into other launches: READY by a stream write per peer
+    (stream_signal_and_wait), and the waits for the rows (the dispatch's before a library GEMM,
+    the combine's ARRIVED) in launches after the put's."""
+    if not label.endswith("/steps"):
         yield
         return
+    put_rows = moe_routes.put_rows
     saved = moe_dispatch.signal_and_wait, moe_combine.signal_and_wait
     moe_dispatch.signal_and_wait = moe_combine.signal_and_wait = stream_signal_and_wait
+    moe_routes.put_rows = lambda *args, wait=None, **kwargs: put_rows(*args, **kwargs) and False
     try:
         yield
     finally:
         moe_dispatch.signal_and_wait, moe_combine.signal_and_wait = saved
+        moe_routes.put_rows = put_rows
 
 
 @contextlib.contextmanager
@@ -412,7 +419,7 @@ class Layer:
     def fused_dispatch(self, label, x_send, by_expert, offsets):
         plan, (ctx, layout, state), _ = self.plans[label]
         r = self.r
-        with step("fused_dispatch"), host_streams(self.device), signals(label):
+        with step("fused_dispatch"), host_streams(self.device), steps(label):
             rows, *outs = moe_dispatch.call(ctx, layout, state, plan, x_send, r.out_splits,
                                             r.in_splits, by_expert, [self.gate, self.up],
                                             offsets, moe.grouped_gemm)
@@ -421,7 +428,7 @@ class Layer:
     def fused_combine(self, label, h, by_expert, offsets):
         plan, _, (ctx, layout, state) = self.plans[label]
         r = self.r
-        with step("fused_combine"), host_streams(self.device), signals(label):
+        with step("fused_combine"), host_streams(self.device), steps(label):
             return moe_combine.call(ctx, layout, state, plan, h, self.down, offsets, by_expert,
                                     r.in_splits, r.out_splits, moe.grouped_gemm)
 

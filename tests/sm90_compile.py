@@ -193,14 +193,23 @@ def moe_route_variants():
                dict(table_ptr="*i32", row_index_ptr="*i64", offsets_ptr="*i32",
                     expect_ptr="*i32", received="i32", capacity="i32", E="i32"),
                dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index), 4)
-    for world, expert_major, has_index in ((2, True, False), (8, True, False),
-                                           (3, False, False), (8, False, True)):
+    # the waits in the put's launch: none, the dispatch's tiles (before a library GEMM), the
+    # combine's ARRIVED words
+    waits = {moe_routes.NO_WAIT: dict(wait_ptr="*i64", wants_ptr="*i64", err_ptr="*i64"),
+             moe_routes.WAIT_TILES: dict(wait_ptr="*i32", wants_ptr="*i32", err_ptr="*i32"),
+             moe_routes.WAIT_WORDS: dict(wait_ptr="*i32", wants_ptr="*i32", err_ptr="*i32")}
+    for world, expert_major, has_index, wait in (
+            (2, True, False, moe_routes.NO_WAIT), (8, True, False, moe_routes.WAIT_TILES),
+            (3, False, False, moe_routes.NO_WAIT), (8, False, True, moe_routes.WAIT_WORDS)):
         yield (moe_routes.put_rows_kernel,
                dict(x_ptr="*bf16", send_index_ptr="*i64" if has_index else "*bf16",
-                    data_table="*i64", count_table="*i64", rows="i32", K="i32", **table),
+                    data_table="*i64", count_table="*i64", rows="i32", K="i32", **table,
+                    wait_first="i32", wait_count="i32", limit="i64", **waits[wait]),
                dict(BLOCK_R=runtime_routes.PUT_ROWS, BLOCK_K=runtime_routes.PUT_BLOCK_K,
                     WORLD=world, WORLD_P2=1 << (world - 1).bit_length(),
-                    EXPERT_MAJOR=expert_major, HAS_INDEX=has_index), runtime_routes.PUT_WARPS)
+                    EXPERT_MAJOR=expert_major, HAS_INDEX=has_index, WAIT=wait,
+                    WAIT_BLOCK=1024 if wait == moe_routes.WAIT_TILES else 1,
+                    PROXY_FENCE=wait == moe_routes.WAIT_TILES), runtime_routes.PUT_WARPS)
 
 
 def decode_variants():

@@ -30,7 +30,7 @@ def test_every_contender_is_checked_timed_and_tabled(tmp_path):
 
 
 def test_inference_runs_the_fused_dispatch_without_its_rows_output(tmp_path, monkeypatch):
-    """... and a '/stream' plan signals by ctx.signal (stream writes), the others in the wait's
+    """... and a '/steps' plan signals by ctx.signal (stream writes), the others in the wait's
     launch."""
     streamed = []
     signal = bench.EmulatedRank.signal
@@ -38,11 +38,11 @@ def test_inference_runs_the_fused_dispatch_without_its_rows_output(tmp_path, mon
                         lambda self, *a: streamed.append(
                             bench.moe_dispatch.signal_and_wait is bench.stream_signal_and_wait)
                         or signal(self, *a))
-    bench.main(ARGS + ["--no-stages", "--inference", "--plans", "tiny,tiny/stream", "--out",
+    bench.main(ARGS + ["--no-stages", "--inference", "--plans", "tiny,tiny/steps", "--out",
                        str(tmp_path / "ep")])
     (row,) = json.loads((tmp_path / "ep.json").read_text())["rows"]
     assert row["inference"] and row["rel_err"]["fused:tiny"] < 2e-2  # the rows checked too
-    assert row["rel_err"]["fused:tiny/stream"] < 2e-2 and streamed and all(streamed)
+    assert row["rel_err"]["fused:tiny/steps"] < 2e-2 and streamed and all(streamed)
     assert not bench.plans_of(bench.parse_args(ARGS + ["--inference"]))["tiny"].rows
 
 

@@ -292,8 +292,8 @@ def test_dispatch_push_and_gemm_waiting_on_tiles_two_ranks():
         for p in range(world):
             moe_routes_kernels.put_rows_kernel[(triton.cdiv(tokens[p], 8),)](
                 xs[p], xs[p], table_table, data_table, count_table, tokens[p], k, p, max_rows,
-                BLOCK_R=8, BLOCK_K=16, WORLD=world, WORLD_P2=world, EXPERT_MAJOR=True,
-                HAS_INDEX=False)
+                table_table, 0, table_table, 0, 0, table_table, BLOCK_R=8, BLOCK_K=16,
+                WORLD=world, WORLD_P2=world, EXPERT_MAJOR=True, HAS_INDEX=False)
         for q, (rows, tile_rows, offsets) in enumerate(layouts):
             rank = ranks[q]
             expect = previous[q].clone()
@@ -508,12 +508,17 @@ def test_multi_rank_dispatch_steps_match_the_reference(world, tma_a, progs, rows
             out_splits, row_index, offsets, _ = receivers[r]
             moe_dispatch.publish(ctx, layout, states[r], out_splits, splits[r], row_index,
                                  offsets, PLAN.block_m)
-        for r, ctx in enumerate(ctxs):
-            moe_dispatch.push(ctx, layout, states[r], xs[r])
+        waited = []
+        for r, ctx in enumerate(ctxs):  # the last to push waits in its put's launch (TORCH)
+            wait = (moe_dispatch.tiles_wait(ctx, layout, states[r], plan)
+                    if r == world - 1 and moe_dispatch.library(ctx, layout, plan, ws[r])
+                    else None)
+            waited.append(moe_dispatch.push(ctx, layout, states[r], xs[r], wait))
+        assert waited == [False] * (world - 1) + [gemm == TORCH]
         for r, ctx in enumerate(ctxs):
             out_splits, row_index, offsets, ref_rows = receivers[r]
             got, *outs = moe_dispatch.compute(ctx, layout, states[r], plan, sum(out_splits),
-                                              ws[r], offsets, grouped_gemm)
+                                              ws[r], offsets, grouped_gemm, waited[r])
             assert int(ctx.err[0]) == 0, (call, r)
             counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
             assert torch.equal(counters, states[r].expect), (call, r)
@@ -641,10 +646,13 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, gemm, monkey
             ctx.data.view(-1, dtype, [capacity, n], layout.recv_offset).fill_(float("nan"))
         for r, ctx in enumerate(ctxs):
             moe_combine.publish(ctx, layout, back_splits[r], sends[r])
-        for q, ctx in enumerate(ctxs):
+        waited = []
+        for q, ctx in enumerate(ctxs):  # the last to push waits in its put's launch
             _, row_index, offsets, _ = experts_side[q]
-            moe_combine.push(ctx, layout, states[q], plan, lefts[q], ws[q], offsets, row_index,
-                             grouped_gemm)
+            wait = moe_combine.arrival_wait(ctx, layout, plan) if q == world - 1 else None
+            waited.append(moe_combine.push(ctx, layout, states[q], plan, lefts[q], ws[q],
+                                           offsets, row_index, grouped_gemm, wait))
+        assert waited[-1] == (lefts[-1].shape[0] > 0) and not any(waited[:-1])
         refs = emulated_all_to_all([
             ops.grouped_mm_all_to_all_reference([lefts[q].float()], [ws[q].float()],
                                                 experts_side[q][2], experts_side[q][1], False,
@@ -653,15 +661,68 @@ def test_multi_rank_combine_steps_match_the_reference(world, tma_a, gemm, monkey
         for r, ctx in enumerate(ctxs):
             received = sum(back_splits[r])
             arrived = ctx.flags.view(-1, torch.int32, [world], 4 * moe_combine.arrived_word(world))
-            # each sender's rows counted in its own word
-            assert arrived.tolist() == back_splits[r]
-            out = moe_combine.collect(ctx, layout, plan, None, received)
+            # each sender's rows counted in its own word (set back where the put waited)
+            assert arrived.tolist() == ([0] * world if waited[r] else back_splits[r])
+            out = moe_combine.collect(ctx, layout, plan, None, received, waited[r])
             assert int(ctx.err[0]) == 0 and not arrived.any()
             assert out.shape == (received, n) and out.dtype == dtype
             assert not out.isnan().any(), (call, r, case)
             if received:
                 assert rel_err(out, refs[r]) < 2e-3, (call, r, case)
     assert bool(launched) == (gemm == TRITON)
+
+
+def test_the_put_kernels_last_program_waits_and_names_rows_that_never_land():
+    """The waits in the put's launch (moe_dispatch.tiles_wait, moe_combine.arrival_wait) on rank
+    0 of 2 whose peer never pushes: the dispatch's gives up with the tiles' code (ERR_ROWS), the
+    combine's names the arrival count of rank 1; each after rank 0's own rows landed."""
+    from ditron_inductor.runtime import moe_combine, moe_dispatch
+    from ditron_inductor.templates.grouped_gemm import ERR_ROWS
+
+    world, local_experts, k, capacity = 2, 3, 40, 64
+    gen = torch.Generator().manual_seed(21)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6, dispatch_gemm=TORCH)
+    layout = moe_dispatch.dispatch_layout(world, capacity, k, F16, local_experts, PLAN.block_m)
+    ctxs = [EmulatedContext([torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)],
+                            r) for r in range(world)]
+    ctxs[1].data = EmulatedSymm(ctxs[0].data.copies, 1)
+    states = [moe_dispatch.new_state(ctx, layout) for ctx in ctxs]
+    xs, splits, receivers = ep_routing(world, local_experts, [9, 12], k, "random", gen)
+    for r, ctx in enumerate(ctxs):
+        out_splits, row_index, offsets, _ = receivers[r]
+        moe_dispatch.publish(ctx, layout, states[r], out_splits, splits[r], row_index, offsets,
+                             PLAN.block_m)
+    try:
+        assert moe_dispatch.push(ctxs[0], layout, states[0], xs[0],
+                                 moe_dispatch.tiles_wait(ctxs[0], layout, states[0], plan))
+        assert int(ctxs[0].err[0]) == ERR_ROWS
+        recv = ctxs[0].data.view(-1, F16, [capacity, k], layout.recv_offset)
+        mine = receivers[0][1].argsort()[:splits[0][0]]  # my rows for me, expert-major
+        assert torch.equal(recv[mine], xs[0][:splits[0][0]])
+    finally:
+        faults.report().zero_()
+    n = 24
+    clayout = moe_combine.combine_layout(world, capacity, n, F16)
+    flag_copies = [torch.zeros(4 * moe_combine.arrived_word(world, world), dtype=torch.uint8)
+                   for _ in range(world)]
+    cctxs = [EmulatedContext([torch.zeros(clayout.nbytes, dtype=torch.uint8)
+                              for _ in range(world)], r, flag_copies) for r in range(world)]
+    cctxs[1].data = EmulatedSymm(cctxs[0].data.copies, 1)
+    cstates = [moe_combine.new_state(ctx, clayout) for ctx in cctxs]
+    for r, ctx in enumerate(cctxs):  # each rank gets back what it sent, returns what it got
+        moe_combine.publish(ctx, clayout, splits[r], receivers[r][0])
+    sends, row_index, offsets, _ = receivers[0]
+    assert splits[0][1] > 0  # rank 0 expects rows back from rank 1
+    left = torch.randn(sum(sends), k, generator=gen).to(F16)
+    try:
+        assert moe_combine.push(cctxs[0], clayout, cstates[0], plan, left,
+                                weights(local_experts, k, n, gen), offsets, row_index,
+                                moe.grouped_gemm, moe_combine.arrival_wait(cctxs[0], clayout,
+                                                                           plan))
+        code = int(cctxs[0].err[0])
+        assert moe_combine.wait_name(code - 1, world).startswith("the arrival count of rank 1")
+    finally:
+        faults.report().zero_()
 
 
 def test_one_launch_signals_every_peer_then_waits():

@@ -12,7 +12,8 @@ One call, epoch e, on rank r, on the caller's stream:
               the rows); plan.combine_gemm TORCH: torch._grouped_mm stores them in expert
               order and the put kernel sends row j as send row row_index[j];
   4. collect  one wait until each ARRIVED + p = the rows from p (its count in r's table), which
-              it takes back off (ARRIVED is 0 again), then the rows copied out.
+              it takes back off (ARRIVED is 0 again), in the put's launch (its last program),
+              then the rows copied out.
 A count per sender: a row that never lands names its sender, and no sender's surplus hides
 another's missing rows. Each destination row gets one store, so the result does not depend on
 the order tiles or ranks run in.
@@ -38,7 +39,7 @@ import torch
 
 from ..scheduler.plan import TORCH, GroupedMmPlan
 from . import faults, moe_routes
-from .context import OpContext, build_outside_graph_pools, get_context
+from .context import OpContext, build_outside_graph_pools, get_context, wait_limit
 from .kernel_launch import current_stream, next_power_of_2
 from .launch import check_errors, decline, wait_words
 from .moe_dispatch import Layout, grouped_mm_takes, ready_addrs, signal_and_wait
@@ -139,9 +140,10 @@ def call(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
     main = current_stream()
     publish(ctx, layout, output_split_sizes, input_split_sizes)
     signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
-    push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm)
+    waited = push(ctx, layout, state, plan, left, weight, offsets, row_index, grouped_gemm,
+                  arrival_wait(ctx, layout, plan))
     expected = list(output_split_sizes)
-    out = collect(ctx, layout, plan, main, sum(expected))
+    out = collect(ctx, layout, plan, main, sum(expected), waited)
     check_errors(ctx, plan, OP, lambda code, peer: (
         f"{wait_name(code - 1, world_size)} (rows expected from each rank {expected}, sent to "
         f"each {list(input_split_sizes)})"))
@@ -171,11 +173,12 @@ def publish(ctx, layout: Layout, output_split_sizes, input_split_sizes) -> None:
 
 
 def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, weight, offsets,
-         row_index, grouped_gemm) -> None:
+         row_index, grouped_gemm, wait: "moe_routes.ArrivalWait | None" = None) -> bool:
     """3. (after the receivers' READY) The GEMM's rows here (TRITON: in send order; TORCH: in
-    expert order, sent by row_index), then each put into its receiver's buffer. Rows past
-    offsets[-1] (no expert's: undefined, as torch._grouped_mm leaves them) are sent all the
-    same, since the receivers count every row."""
+    expert order, sent by row_index), then each put into its receiver's buffer, then `wait`
+    in the put's launch. Rows past offsets[-1] (no expert's: undefined, as torch._grouped_mm
+    leaves them) are sent all the same, since the receivers count every row. Whether it
+    waited (not where I send no rows)."""
     rows = left.shape[0]
     if plan.combine_gemm == TORCH and grouped_mm_takes(left, [weight]):
         staged = torch._grouped_mm(left, weight, offs=offsets)
@@ -184,16 +187,32 @@ def push(ctx, layout: Layout, state: CombineState, plan: GroupedMmPlan, left, we
         staged = torch.empty((rows, weight.shape[-1]), dtype=left.dtype, device=left.device)
         grouped_gemm(plan, left, weight, offsets, staged, rows=rows, c_index=row_index)
         send_index = None
-    moe_routes.put_rows(staged, state.table_table, state.recv_table, state.count_table,
-                        ctx.rank, layout.world, 0, expert_major=False, send_index=send_index)
+    return moe_routes.put_rows(staged, state.table_table, state.recv_table, state.count_table,
+                               ctx.rank, layout.world, 0, expert_major=False,
+                               send_index=send_index, wait=wait) and wait is not None
 
 
-def collect(ctx, layout: Layout, plan: GroupedMmPlan, stream, received: int) -> torch.Tensor:
+def arrived_counts(ctx, layout: Layout) -> torch.Tensor:
+    """My table's rows from each sender (what ARRIVED + p reaches)."""
+    return ctx.data.view(-1, torch.int32, [layout.world],
+                         layout.table_offset + 4 * moe_routes.split_words(layout.world))
+
+
+def arrival_wait(ctx, layout: Layout, plan: GroupedMmPlan) -> "moe_routes.ArrivalWait":
+    """4's wait in the put's launch: each ARRIVED + p until the rows from p, taken back off."""
+    return moe_routes.ArrivalWait(False, ctx.flags.words, arrived_word(layout.world),
+                                  arrived_counts(ctx, layout), (1 << layout.world) - 1,
+                                  wait_limit(plan, ctx), faults.site_words(ctx, plan.site))
+
+
+def collect(ctx, layout: Layout, plan: GroupedMmPlan, stream, received: int,
+            waited: bool = False) -> torch.Tensor:
     """4. Once each ARRIVED + p holds the rows from p (my table's counts, then taken back off
-    it), the received rows out of the buffer, which the next call's senders overwrite."""
+    it: the push waited, or where it did not, a wait launch here), the received rows out of
+    the buffer, which the next call's senders overwrite."""
     world = layout.world
-    counts = ctx.data.view(-1, torch.int32, [world],
-                           layout.table_offset + 4 * moe_routes.split_words(world))
-    wait_words(ctx, plan, stream, arrived_word(world), (1 << world) - 1, 0, counts)
+    if not waited:
+        wait_words(ctx, plan, stream, arrived_word(world), (1 << world) - 1, 0,
+                   arrived_counts(ctx, layout))
     recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
     return recv[:received].clone()

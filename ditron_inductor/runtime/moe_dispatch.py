@@ -9,14 +9,14 @@ One call, epoch e, on rank r, on the caller's stream:
   2. read     READY + r = e on every peer, then one wait until READY + q >= e for each rank q
               that r sends rows to, in one launch (signal_and_wait);
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
-              that tile's counter there (release, after the rows);
-  4. GEMM     plan.dispatch_gemm TORCH: one wait until every tile's counter reached
-              expect[tile], then torch._grouped_mm per weight over the receive buffer (the
+              that tile's counter there (release, after the rows); TORCH (below): then its
+              last program waits until every tile's counter reached expect[tile];
+  4. GEMM     plan.dispatch_gemm TORCH: torch._grouped_mm per weight over the receive buffer (the
               rows output: a copy of it; plan.rows False: its view). TRITON: the first
               weight's GEMM runs each tile once its counter reached expect[tile], reading the
               receive buffer and storing the rows output, which the others read (plan.rows
               False: no rows output stored, the others read the receive buffer).
-Every rank signals (1) before it waits (2): no rank waits on one that waits on it.
+Every rank signals before it waits (2): no rank waits on one that waits on it.
 
 Reuse with no reset or barrier: r's table and buffer of call e + 1 are written after r's call-e
 GEMM (by r in stream order, by senders after READY + r >= e + 1), which waited for every row of
@@ -177,9 +177,11 @@ def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, outp
     publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
             plan.block_m)
     signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
-    push(ctx, layout, state, x)
+    waited = push(ctx, layout, state, x,
+                  tiles_wait(ctx, layout, state, plan) if library(ctx, layout, plan, weights)
+                  else None)
     outputs = compute(ctx, layout, state, plan, sum(output_split_sizes), weights, offsets,
-                      grouped_gemm)
+                      grouped_gemm, waited)
     check_errors(ctx, plan, OP, lambda code, peer: (
         "a tile's arrival counter (its rows never landed)" if code == ERR_ROWS
         else context_flag(ctx, code)))
@@ -213,26 +215,48 @@ def signal_and_wait(ctx, plan: GroupedMmPlan, stream, addrs: torch.Tensor, input
     wait_ready(ctx, plan, stream, input_split_sizes, epoch, signal=(addrs, peers, epoch))
 
 
-def push(ctx, layout: Layout, state: DispatchState, x) -> None:
-    """3. (after the receivers' READY) My rows, each to its route, counted there."""
-    moe_routes.put_rows(x.contiguous(), state.table_table, state.recv_table, state.count_table,
-                        ctx.rank, layout.world, layout.capacity, expert_major=True)
+def push(ctx, layout: Layout, state: DispatchState, x,
+         wait: "moe_routes.ArrivalWait | None" = None) -> bool:
+    """3. (after the receivers' READY) My rows, each to its route, counted there; then `wait`
+    in the same launch. Whether it waited (not where I send no rows)."""
+    return moe_routes.put_rows(x.contiguous(), state.table_table, state.recv_table,
+                               state.count_table, ctx.rank, layout.world, layout.capacity,
+                               expert_major=True, wait=wait) and wait is not None
+
+
+def library(ctx, layout: Layout, plan: GroupedMmPlan, weights) -> bool:
+    """Whether step 4 runs torch._grouped_mm, which waits for every row first."""
+    return plan.dispatch_gemm == TORCH and grouped_mm_takes(receive_buffer(ctx, layout), weights)
+
+
+def receive_buffer(ctx, layout: Layout) -> torch.Tensor:
+    return ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+
+
+def tiles_wait(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan):
+    """Until every tile's counter reached expect[tile]: every row of this call landed."""
+    return moe_routes.ArrivalWait(True, ctx.data.view(-1, torch.int32, [layout.tiles], 0), 0,
+                                  state.expect, layout.tiles, wait_limit(plan, ctx),
+                                  faults.site_words(ctx, plan.site))
 
 
 def compute(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, received: int,
-            weights, offsets, grouped_gemm) -> list:
-    """4. The grouped GEMMs over the receive buffer, after every row landed (TORCH) or each
-    tile of the first after its own rows (TRITON: the first stores the op's rows output, the
-    others read that). Without plan.rows (the graph does not use the rows output) nothing is
-    stored: the GEMMs read the receive buffer and the rows output is its view, valid until my
-    next call's rows land (the world-1 path, runtime/moe.py, stores its rows always)."""
+            weights, offsets, grouped_gemm, waited: bool = False) -> list:
+    """4. The grouped GEMMs over the receive buffer, after every row landed (TORCH: the push
+    waited, or where it did not, a wait launch here) or each tile of the first after its own
+    rows (TRITON: the first stores the op's rows output, the others read that). Without
+    plan.rows (the graph does not use the rows output) nothing is stored: the GEMMs read the
+    receive buffer and the rows output is its view, valid until my next call's rows land (the
+    world-1 path, runtime/moe.py, stores its rows always)."""
     counters = ctx.data.view(-1, torch.int32, [layout.tiles], 0)
-    recv = ctx.data.view(-1, layout.dtype, [layout.capacity, layout.k], layout.recv_offset)
+    recv = receive_buffer(ctx, layout)
     err = faults.site_words(ctx, plan.site)
-    if plan.dispatch_gemm == TORCH and grouped_mm_takes(recv, weights):
-        launch(wait_tiles_kernel, (1,), counters, state.expect, layout.tiles,
-               wait_limit(plan, ctx), err, BLOCK=min(1024, next_power_of_2(layout.tiles)),
-               PROXY_FENCE=recv.device.type == "cuda")
+    if library(ctx, layout, plan, weights):
+        if not waited:
+            wait = tiles_wait(ctx, layout, state, plan)
+            launch(wait_tiles_kernel, (1,), wait.words, wait.wants, wait.count, wait.limit,
+                   wait.err, BLOCK=min(1024, next_power_of_2(wait.count)),
+                   PROXY_FENCE=recv.device.type == "cuda")
         rows = recv[:received]
         outs = [torch._grouped_mm(rows, w, offs=offsets) for w in weights]
         return [rows.clone() if plan.rows else rows] + outs

@@ -14,6 +14,7 @@ kernels around the READY signal.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -84,22 +85,46 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
                HAS_INDEX=row_index is not None)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArrivalWait:
+    """What the put kernel's last program waits for after its rows (templates/moe_routes.py):
+    tiles, my tile counters `words` until counter t reaches wants[t] for t < count; else my
+    flag words words[first + i] until each reaches wants[i] for each bit i of count, then
+    taken back off. limit and err: the bounded wait's (runtime/context.wait_limit)."""
+
+    tiles: bool
+    words: torch.Tensor
+    first: int
+    wants: torch.Tensor
+    count: int
+    limit: int
+    err: torch.Tensor
+
+
 def put_rows(x: torch.Tensor, table_table: torch.Tensor, recv_table: torch.Tensor,
              count_table: torch.Tensor, rank: int, world: int, capacity: int,
              expert_major: bool, send_index: Optional[torch.Tensor] = None,
-             config: tuple[int, int, int] = PUT_CONFIG) -> None:
+             config: tuple[int, int, int] = PUT_CONFIG,
+             wait: Optional[ArrivalWait] = None) -> bool:
     """put_rows_kernel: x's rows (contiguous; in send order, or row r sent as send row
     send_index[r]) each to its route in its receiver's buffer, counted on the receiver's
-    counter of its tile (the combine's: its word for me). `config`: (rows per program, columns
-    a step, warps), another for benchmarks/bench_put_rows."""
-    from ..templates.moe_routes import put_rows_kernel
+    counter of its tile (the combine's: its word for me); then `wait`, in the same launch.
+    Whether it launched (x has rows): if not, nothing waited. `config`: (rows per program,
+    columns a step, warps), another for benchmarks/bench_put_rows."""
+    from ..templates.moe_routes import WAIT_TILES, WAIT_WORDS, put_rows_kernel
 
-    if x.shape[0]:
-        rows_per_program, block_k, warps = config
-        width = x.shape[1]
-        launch(put_rows_kernel, (cdiv(x.shape[0], rows_per_program),), x,
-               x if send_index is None else send_index, table_table, recv_table, count_table,
-               x.shape[0], width, rank, capacity, BLOCK_R=rows_per_program,
-               BLOCK_K=min(block_k, next_power_of_2(width)), WORLD=world,
-               WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major,
-               HAS_INDEX=send_index is not None, num_warps=warps)
+    if not x.shape[0]:
+        return False
+    rows_per_program, block_k, warps = config
+    width = x.shape[1]
+    waits = ({} if wait is None else
+             dict(WAIT=WAIT_TILES, WAIT_BLOCK=min(1024, next_power_of_2(wait.count)),
+                  PROXY_FENCE=x.device.type == "cuda") if wait.tiles else dict(WAIT=WAIT_WORDS))
+    w = wait or ArrivalWait(False, table_table, 0, table_table, 0, 0, table_table)
+    launch(put_rows_kernel, (cdiv(x.shape[0], rows_per_program),), x,
+           x if send_index is None else send_index, table_table, recv_table, count_table,
+           x.shape[0], width, rank, capacity, w.words, w.first, w.wants, w.count, w.limit, w.err,
+           BLOCK_R=rows_per_program, BLOCK_K=min(block_k, next_power_of_2(width)), WORLD=world,
+           WORLD_P2=next_power_of_2(world), EXPERT_MAJOR=expert_major,
+           HAS_INDEX=send_index is not None, **waits, num_warps=warps)
+    return True

@@ -224,22 +224,14 @@ def wait_flags_kernel(flag_ptr, first, count, epoch, limit, err_ptr):
         wait_flag(flag_ptr + first + i, epoch, limit, err_ptr, first + i + 1)
 
 
-@triton.jit(do_not_specialize=["first", "mask", "want", "limit", "signal_mask", "signal_value"])
-def wait_words_kernel(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, signal_ptr,
-                      signal_mask, signal_value, WORDS: tl.constexpr, TAKE: tl.constexpr,
-                      SIGNAL: tl.constexpr):
-    """Wait until flag_ptr[first + i] >= want for each bit i < WORDS of mask, the words polled
-    together (one launch for several stream-side waits); TAKE: >= wants_ptr[i] instead, then
-    that much taken back off the word (a count set back for the next call). The first late word
-    is reported as wait_flags_kernel reports it (code first + i + 1). SIGNAL: first the word at
-    signal_ptr[i] (an address, a peer's flag word) = signal_value for each bit i of
-    signal_mask, released at system scope after the stream's earlier work, as a stream write
-    would be: one launch for a call's signals and its wait."""
+@triton.jit
+def wait_words(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, WORDS: tl.constexpr,
+               TAKE: tl.constexpr):
+    """Until flag_ptr[first + i] >= want for each bit i < WORDS of mask, the words polled
+    together; TAKE: >= wants_ptr[i] instead, then that much taken back off the word (a count
+    set back for the next call). The first late word is reported as wait_flags_kernel reports
+    it (code first + i + 1)."""
     i = tl.arange(0, WORDS)
-    if SIGNAL:
-        sig = ((signal_mask >> i) & 1) != 0
-        dst = tl.load(signal_ptr + i, mask=sig, other=0).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(dst, signal_value, mask=sig, sem="release", scope="sys")
     on = ((mask >> i) & 1) != 0
     ptrs = flag_ptr + first + i
     if TAKE:
@@ -260,3 +252,19 @@ def wait_words_kernel(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, si
                    -1)
     if TAKE:
         tl.atomic_add(ptrs, -wants, mask=on, sem="relaxed", scope="sys")
+
+
+@triton.jit(do_not_specialize=["first", "mask", "want", "limit", "signal_mask", "signal_value"])
+def wait_words_kernel(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, signal_ptr,
+                      signal_mask, signal_value, WORDS: tl.constexpr, TAKE: tl.constexpr,
+                      SIGNAL: tl.constexpr):
+    """wait_words in one launch (several stream-side waits). SIGNAL: first the word at
+    signal_ptr[i] (an address, a peer's flag word) = signal_value for each bit i of
+    signal_mask, released at system scope after the stream's earlier work, as a stream write
+    would be: one launch for a call's signals and its wait."""
+    if SIGNAL:
+        i = tl.arange(0, WORDS)
+        sig = ((signal_mask >> i) & 1) != 0
+        dst = tl.load(signal_ptr + i, mask=sig, other=0).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(dst, signal_value, mask=sig, sem="release", scope="sys")
+    wait_words(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, WORDS, TAKE)

@@ -56,13 +56,13 @@ def expert_of_tile(offsets_ptr, m_tile, M, E, BLOCK_M: tl.constexpr, E_P2: tl.co
     return expert, start, count, m_tile - first_tile
 
 
-@triton.jit(do_not_specialize=["tiles", "limit"])
-def wait_tiles_kernel(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.constexpr,
-                      PROXY_FENCE: tl.constexpr):
-    """One program: until count[t] >= expect[t] for every tile t < tiles, BLOCK tiles polled
-    together (flags.wait_all; the dispatch whose GEMMs run in a library call once every row
-    landed); a tile that gave up is reported with the GEMM's own code. PROXY_FENCE: the peers'
-    ordinary stores, then the library's TMA reads."""
+@triton.jit
+def wait_tiles(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.constexpr,
+               PROXY_FENCE: tl.constexpr):
+    """Until count[t] >= expect[t] for every tile t < tiles, BLOCK tiles polled together
+    (flags.wait_all; the dispatch whose GEMMs run in a library call once every row landed); a
+    tile that gave up is reported with the GEMM's own code. PROXY_FENCE: the peers' ordinary
+    stores, then the library's TMA reads."""
     for first in range(0, tiles, BLOCK):
         t = first + tl.arange(0, BLOCK)
         on = t < tiles
@@ -70,6 +70,13 @@ def wait_tiles_kernel(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.co
                  K_ERR_ROWS)
     if PROXY_FENCE:
         proxy_fence(tiles)
+
+
+@triton.jit(do_not_specialize=["tiles", "limit"])
+def wait_tiles_kernel(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK: tl.constexpr,
+                      PROXY_FENCE: tl.constexpr):
+    """wait_tiles in one program (where no put kernel of this rank runs it: it sends no rows)."""
+    wait_tiles(count_ptr, expect_ptr, tiles, limit, err_ptr, BLOCK, PROXY_FENCE)
 
 
 @triton.jit

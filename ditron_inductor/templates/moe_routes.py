@@ -14,6 +14,13 @@ expert-major row and GEMM tile (numbered as grouped_gemm.expert_of_tile) of rece
 import triton
 import triton.language as tl
 
+from .flags import wait_words
+from .grouped_gemm import wait_tiles
+
+# what put_rows_kernel's last program waits for after its rows (WAIT): nothing, the tiles'
+# arrival counters (the dispatch before a library GEMM), or the combine's ARRIVED words
+NO_WAIT, WAIT_TILES, WAIT_WORDS = 0, 1, 2
+
 
 @triton.jit
 def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
@@ -77,15 +84,22 @@ def route_of_rows(r, in_range, table_table, rank, capacity, WORLD: tl.constexpr,
     return tl.where(ok, q, -1), dst_row, dst_tile
 
 
-@triton.jit(do_not_specialize=["rows", "K", "rank", "capacity"])
+@triton.jit(do_not_specialize=["rows", "K", "rank", "capacity", "wait_first", "wait_count",
+                               "limit"])
 def put_rows_kernel(x_ptr, send_index_ptr, table_table, data_table, count_table, rows, K, rank,
-                    capacity, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                    capacity, wait_ptr, wait_first, wants_ptr, wait_count, limit, err_ptr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, EXPERT_MAJOR: tl.constexpr,
-                    HAS_INDEX: tl.constexpr):
+                    HAS_INDEX: tl.constexpr, WAIT: tl.constexpr = 0,
+                    WAIT_BLOCK: tl.constexpr = 1, PROXY_FENCE: tl.constexpr = False):
     """Rows of x (K wide; row r is send row send_index[r], else r) each to its route in its
     receiver's buffer (data_table: each rank's base), then one per row onto the receiver's
     counter of its tile (count_table: each rank's counter base), released after every thread's
-    rows."""
+    rows. Then the last program waits, in place of a wait launch after this one (a spinning
+    program holds one slot; the others need none of it): WAIT_TILES, my tile counters at
+    wait_ptr until each reaches wants[t], t < wait_count (grouped_gemm.wait_tiles); WAIT_WORDS,
+    my flag words wait_ptr[wait_first + i] until each reaches wants[i] for each bit i of
+    wait_count, then taken back off (flags.wait_words)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_INDEX:
         sent_as = tl.load(send_index_ptr + r, mask=r < rows, other=0)
@@ -110,3 +124,11 @@ def put_rows_kernel(x_ptr, send_index_ptr, table_table, data_table, count_table,
         mine = ok & (rank_of == q)
         tl.atomic_add(counters + tile, tl.where(mine, 1, 0), mask=mine, sem="release",
                       scope="sys")
+    if WAIT != 0:
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            if WAIT == 1:
+                wait_tiles(wait_ptr, wants_ptr, wait_count, limit, err_ptr, WAIT_BLOCK,
+                           PROXY_FENCE)
+            else:
+                wait_words(wait_ptr, wait_first, wait_count, 0, wants_ptr, limit, err_ptr,
+                           WORLD_P2, True)
