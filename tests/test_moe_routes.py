@@ -134,8 +134,9 @@ def test_tiles_as_the_kernel_numbers_them():
 
 def test_a_repeated_row_index_entry_leaves_a_row_unsent():
     """Not a permutation: received row 2 is claimed twice, row 1 by none: row 1 is not sent
-    and its tile is one row short of what the receiver expects."""
-    table = torch.zeros(moe_routes.table_words(1, 4), dtype=torch.int32)
+    (its route of an earlier call overwritten by the publish's copy) and its tile is one row
+    short of what the receiver expects."""
+    table = torch.ones(moe_routes.table_words(1, 4), dtype=torch.int32)  # an earlier call's
     expect = torch.zeros(3, dtype=torch.int32)
     moe_routes.publish(table, [4], [4], torch.tensor([0, 2, 2, 3]),
                        torch.tensor([4], dtype=torch.int32), 4, expect)

@@ -48,9 +48,12 @@ def max_tiles(capacity: int, experts: int, block_m: int) -> int:
 
 
 def publish_splits(table: torch.Tensor, output_split_sizes: Sequence[int],
-                   input_split_sizes: Sequence[int], counts: bool = False) -> None:
+                   input_split_sizes: Sequence[int], counts: bool = False,
+                   unclaimed: int = 0) -> None:
     """table[:2 * world] = [each sender's start among my rows | the end of my rows to each
-    rank], then (counts: the combine's) the rows from each sender, in one host-to-device copy."""
+    rank], then (counts: the combine's) the rows from each sender, then `unclaimed` words of -1
+    (the dispatch's dst_row before its publish kernel claims them), in one host-to-device
+    copy."""
     words = [0]
     for n in output_split_sizes[:-1]:
         words.append(words[-1] + n)
@@ -60,7 +63,20 @@ def publish_splits(table: torch.Tensor, output_split_sizes: Sequence[int],
         words.append(end)
     if counts:
         words += output_split_sizes
-    table[:len(words)].copy_(torch.tensor(words, dtype=torch.int32), non_blocking=True)
+    n = len(words)
+    if not unclaimed:
+        table[:n].copy_(torch.tensor(words, dtype=torch.int32), non_blocking=True)
+        return
+    # pageable host memory: the copy has read it when copy_ returns, so the buffer is reused
+    host = _host_words.get(n)
+    if host is None or host.numel() < n + unclaimed:
+        host = _host_words[n] = torch.full((n + next_power_of_2(unclaimed),), -1,
+                                           dtype=torch.int32)
+    host[:n] = torch.tensor(words, dtype=torch.int32)
+    table[:n + unclaimed].copy_(host[:n + unclaimed], non_blocking=True)
+
+
+_host_words: dict[int, torch.Tensor] = {}  # by the count of split words: [words | -1 ...]
 
 
 def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
@@ -73,9 +89,9 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
     world = len(output_split_sizes)
     received = sum(output_split_sizes)
     capacity = (table.numel() - split_words(world)) // 2
-    publish_splits(table, output_split_sizes, input_split_sizes)
-    if row_index is not None:  # a position no entry claims stays -1: its row is not sent
-        table[split_words(world):split_words(world) + received].fill_(-1)
+    # with an index, a position no entry claims stays -1: its row is not sent
+    publish_splits(table, output_split_sizes, input_split_sizes,
+                   unclaimed=received if row_index is not None else 0)
     if received:
         experts = next_power_of_2(offsets.shape[0])
         block = max(1, min(PUBLISH_MAX_ROWS, PUBLISH_WORDS // experts))
