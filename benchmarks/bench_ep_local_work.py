@@ -221,20 +221,22 @@ def stream_signal_and_wait(ctx, plan, stream, addrs, input_split_sizes, epoch: i
 def steps(label: str):
     """The runtime's steps, or for a '/steps' label each signal and wait a step of its own, as
     before they were merged into other launches: READY by a stream write per peer
-    (stream_signal_and_wait), and the waits for the rows (the dispatch's before a library GEMM,
-    the combine's ARRIVED) in launches after the put's."""
+    (stream_signal_and_wait) after the dispatch's publish kernel, then the wait for READY, and
+    the waits for the rows (the dispatch's before a library GEMM, the combine's ARRIVED) in
+    launches after the put's."""
     if not label.endswith("/steps"):
         yield
         return
-    put_rows = moe_routes.put_rows
+    publish, put_rows = moe_routes.publish, moe_routes.put_rows
     saved = moe_dispatch.signal_and_wait, moe_combine.signal_and_wait
     moe_dispatch.signal_and_wait = moe_combine.signal_and_wait = stream_signal_and_wait
+    moe_routes.publish = lambda *args, handshake=None, **kw: publish(*args, **kw) and False
     moe_routes.put_rows = lambda *args, wait=None, **kwargs: put_rows(*args, **kwargs) and False
     try:
         yield
     finally:
         moe_dispatch.signal_and_wait, moe_combine.signal_and_wait = saved
-        moe_routes.put_rows = put_rows
+        moe_routes.publish, moe_routes.put_rows = publish, put_rows
 
 
 @contextlib.contextmanager

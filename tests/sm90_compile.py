@@ -188,11 +188,16 @@ def moe_route_variants():
     index), the put kernel of the dispatch and of the combine, at 2 and 8 ranks (the 3-rank
     world of the interpreter tests as well)."""
     table = dict(table_table="*i64", rank="i32", capacity="i32")
-    for has_index in (True, False):
+    # with an index, the READY handshake in its last program (the dispatch's step 2)
+    for has_index, signal in ((True, True), (False, False)):
         yield (moe_routes.publish_routes_kernel,
                dict(table_ptr="*i32", row_index_ptr="*i64", offsets_ptr="*i32",
-                    expect_ptr="*i32", received="i32", capacity="i32", E="i32"),
-               dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index), 4)
+                    expect_ptr="*i32", received="i32", capacity="i32", E="i32",
+                    done_ptr="*i32", signal_ptr="*i64" if signal else "*i32",
+                    signal_mask="i32", epoch="i32", flag_ptr="*i32", wait_mask="i32",
+                    limit="i64", err_ptr="*i32"),
+               dict(BLOCK=128, BLOCK_M=128, E_P2=32, WORLD=8, HAS_INDEX=has_index,
+                    SIGNAL=signal, WORDS=8 if signal else 1), 4)
     # the waits in the put's launch: none, the dispatch's tiles (before a library GEMM), the
     # combine's ARRIVED words
     waits = {moe_routes.NO_WAIT: dict(wait_ptr="*i64", wants_ptr="*i64", err_ptr="*i64"),

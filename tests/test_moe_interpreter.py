@@ -753,6 +753,45 @@ def test_one_launch_signals_every_peer_then_waits():
         faults.report().zero_()
 
 
+def test_the_publish_kernels_last_program_signals_and_waits():
+    """The dispatch's step 2 in its publish kernel (moe_dispatch.handshake) on rank 1 of 3,
+    over several programs: after every program's routes the last one writes READY + 1 = the
+    epoch on each peer and waits for READY of the ranks it sends to, its program count set
+    back for the next call; a receiver one epoch behind gives up, naming it, after the
+    signals went out."""
+    from ditron_inductor.runtime import moe_dispatch, moe_routes
+
+    world, local_experts, k, capacity = 3, 3, 8, 1024
+    gen = torch.Generator().manual_seed(31)
+    plan = dataclasses.replace(PLAN, wait_timeout_s=LIMIT / 1e6)
+    layout = moe_dispatch.dispatch_layout(world, capacity, k, F16, local_experts, PLAN.block_m)
+    copies = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(world)]
+    flag_copies = [torch.zeros(4 * 2 * world, dtype=torch.int32).view(torch.uint8)
+                   for _ in range(world)]
+    words = [c.view(torch.int32) for c in flag_copies]
+    ctx = EmulatedContext(copies, 1, flag_copies)
+    state = moe_dispatch.new_state(ctx, layout)
+    _, splits, receivers = ep_routing(world, local_experts, [150, 160, 170], k, "random", gen)
+    out_splits, row_index, offsets, _ = receivers[1]
+    assert sum(out_splits) > moe_routes.PUBLISH_MAX_ROWS  # more than one program
+    table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
+    dst_row = table[moe_routes.split_words(world):][:sum(out_splits)]
+    try:
+        for epoch, behind in ((4, False), (5, True)):
+            words[1][0], words[1][2] = epoch, epoch - behind  # rank 2 late in the second call
+            assert moe_dispatch.publish(ctx, layout, state, out_splits, splits[1], row_index,
+                                        offsets, PLAN.block_m,
+                                        moe_dispatch.handshake(ctx, plan, state, splits[1],
+                                                               epoch))
+            assert [w[1].item() for w in words] == [epoch, 0, epoch]  # READY + 1 on each peer
+            assert state.done.item() == 0
+            assert torch.equal(dst_row[row_index], torch.arange(row_index.numel(),
+                                                                dtype=torch.int32))
+            assert int(ctx.err[0]) == (ctx.READY + 2 + 1 if behind else 0)
+    finally:
+        faults.report().zero_()
+
+
 def test_one_launch_waits_for_every_flag_word_and_names_a_late_one():
     """The multi-rank ops' waits (moe_dispatch.wait_words: one flags.wait_words_kernel for all
     the words) on rank 1 of 3: READY of the ranks it sends to only (not its own, nor one it

@@ -7,7 +7,8 @@ One call, epoch e, on rank r, on the caller's stream:
   1. publish  r's routes into its symmetric table and this call's rows per tile onto expect
               (moe_routes.publish);
   2. read     READY + r = e on every peer, then one wait until READY + q >= e for each rank q
-              that r sends rows to, in one launch (signal_and_wait);
+              that r sends rows to: in the publish kernel's last program, after every
+              program's routes (handshake; signal_and_wait's launch where r receives none);
   3. push     put_rows_kernel: each row to its expert-major row on its receiver, then one onto
               that tile's counter there (release, after the rows); TORCH (below): then its
               last program waits until every tile's counter reached expect[tile];
@@ -86,6 +87,7 @@ class DispatchState:
     recv_table: torch.Tensor  # [world] int64: each rank's receive buffer
     count_table: torch.Tensor  # [world] int64: each rank's tile counters
     ready_addrs: torch.Tensor  # [world] int64: the address of each rank's READY + me
+    done: torch.Tensor  # [1] int32: the publish kernel's programs done (set back by the last)
 
 
 _states: "weakref.WeakKeyDictionary[OpContext, DispatchState]" = weakref.WeakKeyDictionary()
@@ -102,7 +104,8 @@ def new_state(ctx, layout: Layout) -> DispatchState:
         expect=torch.zeros(layout.tiles, dtype=torch.int32, device=ctx.data.ptr_table.device),
         table_table=ctx.data.ptr_table + layout.table_offset,
         recv_table=ctx.data.ptr_table + layout.recv_offset,
-        count_table=ctx.data.ptr_table.clone(), ready_addrs=ready_addrs(ctx))
+        count_table=ctx.data.ptr_table.clone(), ready_addrs=ready_addrs(ctx),
+        done=torch.zeros(1, dtype=torch.int32, device=ctx.data.ptr_table.device))
 
 
 def ready_addrs(ctx) -> torch.Tensor:
@@ -174,9 +177,9 @@ def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, outp
     (benchmarks/bench_ep_local_work.py runs it on an emulated rank)."""
     e = ctx.next_epoch()
     main = current_stream()
-    publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
-            plan.block_m)
-    signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
+    if not publish(ctx, layout, state, output_split_sizes, input_split_sizes, row_index, offsets,
+                   plan.block_m, handshake(ctx, plan, state, input_split_sizes, e)):
+        signal_and_wait(ctx, plan, main, state.ready_addrs, input_split_sizes, e)
     waited = push(ctx, layout, state, x,
                   tiles_wait(ctx, layout, state, plan) if library(ctx, layout, plan, weights)
                   else None)
@@ -192,27 +195,46 @@ def call(ctx, layout: Layout, state: DispatchState, plan: GroupedMmPlan, x, outp
 
 
 def publish(ctx, layout: Layout, state: DispatchState, output_split_sizes, input_split_sizes,
-            row_index, offsets, block_m: int) -> None:
-    """1. My routes into my table, this call's rows per tile onto expect."""
+            row_index, offsets, block_m: int,
+            handshake: "moe_routes.Handshake | None" = None) -> bool:
+    """1. My routes into my table, this call's rows per tile onto expect; then `handshake`
+    (step 2) in the same launch. Whether it ran (not where I receive no rows)."""
     table = ctx.data.view(-1, torch.int32, [layout.table_words], layout.table_offset)
-    moe_routes.publish(table, output_split_sizes, input_split_sizes, row_index, offsets, block_m,
-                       state.expect)
+    return moe_routes.publish(table, output_split_sizes, input_split_sizes, row_index, offsets,
+                              block_m, state.expect, handshake=handshake)
+
+
+def ready_mask(ctx, input_split_sizes) -> int:
+    """The ranks whose READY I wait for: those I send rows to, myself apart."""
+    return sum(1 << q for q, n in enumerate(input_split_sizes) if n and q != ctx.rank)
+
+
+def peers_mask(ctx) -> int:
+    return ((1 << ctx.world) - 1) & ~(1 << ctx.rank)
 
 
 def wait_ready(ctx, plan: GroupedMmPlan, stream, input_split_sizes, epoch: int,
                signal=None) -> None:
     """2. The receivers I send rows to have published: READY + q >= epoch for each (signal:
     launch.wait_words's signals before it)."""
-    mask = sum(1 << q for q, n in enumerate(input_split_sizes) if n and q != ctx.rank)
-    wait_words(ctx, plan, stream, ctx.READY, mask, epoch, signal=signal)
+    wait_words(ctx, plan, stream, ctx.READY, ready_mask(ctx, input_split_sizes), epoch,
+               signal=signal)
 
 
 def signal_and_wait(ctx, plan: GroupedMmPlan, stream, addrs: torch.Tensor, input_split_sizes,
                     epoch: int) -> None:
     """2. READY + me = epoch on every peer (addrs: ready_addrs), then wait_ready, in one launch:
     a stream write per peer costs about as much device time as a small kernel."""
-    peers = ((1 << ctx.world) - 1) & ~(1 << ctx.rank)
-    wait_ready(ctx, plan, stream, input_split_sizes, epoch, signal=(addrs, peers, epoch))
+    wait_ready(ctx, plan, stream, input_split_sizes, epoch,
+               signal=(addrs, peers_mask(ctx), epoch))
+
+
+def handshake(ctx, plan: GroupedMmPlan, state: DispatchState, input_split_sizes,
+              epoch: int) -> "moe_routes.Handshake":
+    """Step 2 as signal_and_wait does it, for the publish kernel's last program."""
+    return moe_routes.Handshake(state.done, state.ready_addrs, peers_mask(ctx), epoch,
+                                ctx.flags.words, ready_mask(ctx, input_split_sizes),
+                                wait_limit(plan, ctx), faults.site_words(ctx, plan.site))
 
 
 def push(ctx, layout: Layout, state: DispatchState, x,

@@ -79,11 +79,30 @@ def publish_splits(table: torch.Tensor, output_split_sizes: Sequence[int],
 _host_words: dict[int, torch.Tensor] = {}  # by the count of split words: [words | -1 ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Handshake:
+    """The dispatch's READY handshake in its publish kernel (templates/moe_routes.py): READY =
+    epoch on each peer (a bit of signal_mask: its word's address in addrs), then until my flag
+    words[q] >= epoch for each bit q of wait_mask; done counts the kernel's programs (the
+    last one does it). limit and err: the bounded wait's (runtime/context.wait_limit)."""
+
+    done: torch.Tensor
+    addrs: torch.Tensor
+    signal_mask: int
+    epoch: int
+    words: torch.Tensor
+    wait_mask: int
+    limit: int
+    err: torch.Tensor
+
+
 def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
             input_split_sizes: Sequence[int], row_index: Optional[torch.Tensor],
-            offsets: torch.Tensor, block_m: int, expect: torch.Tensor) -> None:
+            offsets: torch.Tensor, block_m: int, expect: torch.Tensor,
+            handshake: Optional[Handshake] = None) -> bool:
     """This rank's dispatch routes into its table (`table_words` long); this call's rows per
-    GEMM tile added to `expect`, what the waiting tiles wait for."""
+    GEMM tile added to `expect`, what the waiting tiles wait for; then `handshake` in the
+    same launch. Whether the handshake ran (not where I receive no rows: no launch)."""
     from ..templates.moe_routes import publish_routes_kernel
 
     world = len(output_split_sizes)
@@ -92,13 +111,18 @@ def publish(table: torch.Tensor, output_split_sizes: Sequence[int],
     # with an index, a position no entry claims stays -1: its row is not sent
     publish_splits(table, output_split_sizes, input_split_sizes,
                    unclaimed=received if row_index is not None else 0)
-    if received:
-        experts = next_power_of_2(offsets.shape[0])
-        block = max(1, min(PUBLISH_MAX_ROWS, PUBLISH_WORDS // experts))
-        launch(publish_routes_kernel, (cdiv(received, block),), table,
-               table if row_index is None else row_index, offsets, expect, received, capacity,
-               offsets.shape[0], BLOCK=block, BLOCK_M=block_m, E_P2=experts, WORLD=world,
-               HAS_INDEX=row_index is not None)
+    if not received:
+        return False
+    experts = next_power_of_2(offsets.shape[0])
+    block = max(1, min(PUBLISH_MAX_ROWS, PUBLISH_WORDS // experts))
+    h = handshake or Handshake(expect, table, 0, 0, expect, 0, 0, expect)
+    launch(publish_routes_kernel, (cdiv(received, block),), table,
+           table if row_index is None else row_index, offsets, expect, received, capacity,
+           offsets.shape[0], h.done, h.addrs, h.signal_mask, h.epoch, h.words, h.wait_mask,
+           h.limit, h.err, BLOCK=block, BLOCK_M=block_m, E_P2=experts, WORLD=world,
+           HAS_INDEX=row_index is not None,
+           **({} if handshake is None else dict(SIGNAL=True, WORDS=next_power_of_2(world))))
+    return handshake is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,13 +258,19 @@ def wait_words(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, WORDS: tl
 def wait_words_kernel(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, signal_ptr,
                       signal_mask, signal_value, WORDS: tl.constexpr, TAKE: tl.constexpr,
                       SIGNAL: tl.constexpr):
-    """wait_words in one launch (several stream-side waits). SIGNAL: first the word at
-    signal_ptr[i] (an address, a peer's flag word) = signal_value for each bit i of
-    signal_mask, released at system scope after the stream's earlier work, as a stream write
-    would be: one launch for a call's signals and its wait."""
+    """wait_words in one launch (several stream-side waits). SIGNAL: first signal_words, one
+    launch for a call's signals and its wait."""
     if SIGNAL:
-        i = tl.arange(0, WORDS)
-        sig = ((signal_mask >> i) & 1) != 0
-        dst = tl.load(signal_ptr + i, mask=sig, other=0).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(dst, signal_value, mask=sig, sem="release", scope="sys")
+        signal_words(signal_ptr, signal_mask, signal_value, WORDS)
     wait_words(flag_ptr, first, mask, want, wants_ptr, limit, err_ptr, WORDS, TAKE)
+
+
+@triton.jit
+def signal_words(signal_ptr, signal_mask, signal_value, WORDS: tl.constexpr):
+    """The word at signal_ptr[i] (an address, a peer's flag word) = signal_value for each bit i
+    < WORDS of signal_mask, released at system scope (after this program's earlier work, and
+    what it acquired: the stream's earlier kernels, as a stream write would be)."""
+    i = tl.arange(0, WORDS)
+    sig = ((signal_mask >> i) & 1) != 0
+    dst = tl.load(signal_ptr + i, mask=sig, other=0).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(dst, signal_value, mask=sig, sem="release", scope="sys")

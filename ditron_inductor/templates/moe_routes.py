@@ -14,7 +14,7 @@ expert-major row and GEMM tile (numbered as grouped_gemm.expert_of_tile) of rece
 import triton
 import triton.language as tl
 
-from .flags import wait_words
+from .flags import signal_words, wait_words
 from .grouped_gemm import wait_tiles
 
 # what put_rows_kernel's last program waits for after its rows (WAIT): nothing, the tiles'
@@ -40,13 +40,20 @@ def tile_of_rows(j, offsets_ptr, E, BLOCK_M: tl.constexpr, E_P2: tl.constexpr):
     return first_j + (j - start_j) // BLOCK_M
 
 
-@triton.jit(do_not_specialize=["received", "capacity", "E"])
+@triton.jit(do_not_specialize=["received", "capacity", "E", "signal_mask", "epoch", "wait_mask",
+                               "limit"])
 def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, received, capacity,
-                          E, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
-                          WORLD: tl.constexpr, HAS_INDEX: tl.constexpr):
+                          E, done_ptr, signal_ptr, signal_mask, epoch, flag_ptr, wait_mask, limit,
+                          err_ptr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          E_P2: tl.constexpr, WORLD: tl.constexpr, HAS_INDEX: tl.constexpr,
+                          SIGNAL: tl.constexpr = False, WORDS: tl.constexpr = 1):
     """The dispatch's receiver, expert-major rows j: j is received row row_index[j] (j without
     an index), so dst_row[row_index[j]] = j, dst_tile[row_index[j]] = j's tile, and
-    expect[tile] grows by one per row (the counters only grow)."""
+    expect[tile] grows by one per row (the counters only grow). SIGNAL: then the last program
+    to finish (done_ptr counts them, and is set back) signals READY = epoch on the peers
+    (flags.signal_words over signal_ptr's addresses) and waits until my flag words
+    flag_ptr[q] >= epoch for each bit q of wait_mask (flags.wait_words): the routes, the
+    signal and the wait in one launch."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = j < received
     tile = tile_of_rows(j, offsets_ptr, E, BLOCK_M, E_P2)
@@ -57,6 +64,12 @@ def publish_routes_kernel(table_ptr, row_index_ptr, offsets_ptr, expect_ptr, rec
     tl.store(table_ptr + 2 * WORLD + at, j, mask=ok)
     tl.store(table_ptr + 2 * WORLD + capacity + at, tile, mask=ok)
     tl.atomic_add(expect_ptr + tile, tl.where(ok, 1, 0), mask=ok, sem="relaxed", scope="gpu")
+    if SIGNAL:
+        tl.debug_barrier()  # every thread's routes, then the count that releases them
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+            signal_words(signal_ptr, signal_mask, epoch, WORDS)
+            wait_words(flag_ptr, 0, wait_mask, epoch, flag_ptr, limit, err_ptr, WORDS, False)
 
 
 @triton.jit
