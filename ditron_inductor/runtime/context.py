@@ -12,8 +12,8 @@ Symmetric flag words (int32), written by peers:
 A flag is set, on a peer as here, by a stream write of the epoch (driver.write): ordered after the
 stream's earlier work, copies included, and fenced so that the data is visible before the flag;
 streams wait for one with runtime/launch.wait_geq. The MoE ops set READY instead by a release
-store at system scope in the launch that then waits (launch.wait_words), one launch in place
-of a stream write per peer.
+store at system scope in the launch that then waits (launch.wait_words; the dispatch's publish
+kernel), in place of a stream write per peer and a wait launch.
 """
 
 from __future__ import annotations
